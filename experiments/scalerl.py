@@ -1,0 +1,52 @@
+"""ScaleRL (arXiv 2510.13786), sized for the CPU demo; scale it up with flags.
+
+CISPO, prompt-mean aggregation, batch-std advantage normalization, FP32 LM
+head, zero-variance filtering, No-Positive-Resampling, PipelineRL-8, forced
+interruptions, no KL.
+"""
+
+from rl_jax.config import (
+    DataConfig,
+    EvalConfig,
+    LossConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TrainConfig,
+)
+
+
+def recipe() -> RunConfig:
+    return RunConfig(
+        name="scalerl",
+        model=ModelConfig(preset="tiny", fp32_lm_head=True),
+        sampling=SamplingConfig(
+            n=8,
+            temperature=1.0,
+            max_new_tokens=12,
+            length_control="interrupt",
+            interrupt_lo=10,
+            interrupt_hi=11,
+            interrupt_text=";",
+            answer_budget=1,
+        ),
+        loss=LossConfig(name="cispo", aggregation="prompt", adv_norm="batch", eps_max=5.0),
+        data=DataConfig(
+            source="arith",
+            task="add",
+            difficulty=2,
+            prompts_per_batch=8,
+            zero_variance_filter=True,
+            no_positive_resampling=True,
+        ),
+        train=TrainConfig(
+            steps=60,
+            off_policy="pipeline",
+            off_policy_k=8,
+            lr=1e-3,
+            warmup_steps=5,
+            adam_eps=1e-15,
+            weight_decay=0.01,
+        ),
+        eval=EvalConfig(every=10, k=4, num_prompts=64),
+    )

@@ -1,0 +1,71 @@
+"""`rl-jax` command line: a thin shell that parses and calls.
+
+Each subcommand lives beside the code it drives, as a module exposing
+`main(argv: list[str]) -> int` with its own argparse parser. Modules are
+imported only when their subcommand runs, so `rl-jax --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rl_jax.knobs import ConfigError
+
+# name -> (module with main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("rl_jax.train.cli", "run an RL recipe: rl-jax train RECIPE [key=value ...]"),
+    "demo": ("rl_jax.train.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
+    "grid": ("rl_jax.grid.cli", "run an experiment grid spec (local, ray, tpu backends)"),
+    "fit": ("rl_jax.scaling.cli", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
+    "eval": ("rl_jax.train.eval_cli", "evaluate a checkpoint on a validation split"),
+    "sample": ("rl_jax.sampling.cli", "sample completions from a model"),
+    "score": ("rl_jax.models.score_cli", "per-token log-probs of a text under a model (JSON)"),
+    "convert": ("rl_jax.models.convert_cli", "convert between HF checkpoints and rl_jax"),
+    "config": ("rl_jax.config.cli", "print the resolved config of a recipe with overrides"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rl_jax.config import describe_knobs
+
+    p = argparse.ArgumentParser(
+        prog="rl-jax",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="JAX-native RL post-training for LLM scaling experiments.",
+        epilog="subcommands:\n"
+        + "\n".join(f"  {k:<8} {h}" for k, (_, h) in COMMANDS.items())
+        + "\n\nconfig knobs (override any with key=value):\n"
+        + describe_knobs(),
+    )
+    p.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND", help="subcommand")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose from {sorted(COMMANDS)}")
+    module_name, _ = COMMANDS[argv[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("rl_jax"):
+            print(f"rl-jax {argv[0]}: not available in this build ({e.name})", file=sys.stderr)
+            return 2
+        raise
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except ConfigError as e:
+        print(f"rl-jax {argv[0]}: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

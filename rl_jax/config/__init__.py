@@ -1,0 +1,55 @@
+"""Typed, frozen run configs; recipes; dotted `key=value` overrides."""
+
+from rl_jax.config._run import (
+    OverrideError,
+    RunConfig,
+    all_keys,
+    apply_overrides,
+    describe_knobs,
+    flatten,
+    from_dict,
+    load_recipe,
+    resolve_recipe_path,
+    run_id,
+    to_dict,
+    to_yaml,
+)
+from rl_jax.config.data import DataConfig
+from rl_jax.config.logging import LoggingConfig
+from rl_jax.config.loss import LossConfig
+from rl_jax.config.mesh import MeshConfig
+from rl_jax.config.model import ModelConfig
+from rl_jax.config.rewards import RewardConfig
+from rl_jax.config.sampling import SamplingConfig
+from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
+from rl_jax.knobs import ConfigError, check_choice, check_range, knob, sub
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "SamplingConfig",
+    "TrainConfig",
+    "ConfigError",
+    "OverrideError",
+    "RunConfig",
+    "all_keys",
+    "apply_overrides",
+    "check_choice",
+    "check_range",
+    "describe_knobs",
+    "flatten",
+    "from_dict",
+    "knob",
+    "load_recipe",
+    "resolve_recipe_path",
+    "run_id",
+    "sub",
+    "to_dict",
+    "to_yaml",
+]

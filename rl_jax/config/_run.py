@@ -1,0 +1,206 @@
+"""The composed run config, recipe loading and dotted overrides (OmegaConf)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from rl_jax.config.data import DataConfig
+from rl_jax.config.logging import LoggingConfig
+from rl_jax.config.loss import LossConfig
+from rl_jax.config.mesh import MeshConfig
+from rl_jax.config.model import ModelConfig
+from rl_jax.config.rewards import RewardConfig
+from rl_jax.config.sampling import SamplingConfig
+from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
+from rl_jax.knobs import ConfigError, knob, sub
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = knob("run", help="run name; the run directory is <out_dir>/<name>")
+    out_dir: str = knob("runs", help="parent directory of run directories")
+    recipe: str = knob("", help="recipe this config came from (informational)")
+    model: ModelConfig = sub(ModelConfig, "policy model")
+    sampling: SamplingConfig = sub(SamplingConfig, "rollout sampler")
+    loss: LossConfig = sub(LossConfig, "policy loss")
+    data: DataConfig = sub(DataConfig, "prompt data and curriculum")
+    rewards: RewardConfig = sub(RewardConfig, "verifiers")
+    train: TrainConfig = sub(TrainConfig, "RL loop and optimizer")
+    eval: EvalConfig = sub(EvalConfig, "validation")
+    mesh: MeshConfig = sub(MeshConfig, "device mesh")
+    checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoints")
+    logging: LoggingConfig = sub(LoggingConfig, "metrics and progress")
+
+
+class OverrideError(ConfigError):
+    """A bad `key=value` override (exit status 2 at the CLI)."""
+
+
+def all_keys(cls: type = RunConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every leaf knob as a dotted key -> dataclass field."""
+    out: dict[str, dataclasses.Field] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(t):
+            out.update(all_keys(t, key + "."))
+        else:
+            out[key] = f
+    return out
+
+
+def _type_name(cls: type, dotted: str) -> str:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        cls = typing.get_type_hints(cls)[p]
+    t = typing.get_type_hints(cls)[parts[-1]]
+    return getattr(t, "__name__", str(t))
+
+
+def _suggest(key: str) -> str:
+    keys = list(all_keys())
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    if not close:
+        # Match on the last component too: `lr=...` -> `train.lr`.
+        leaf = key.split(".")[-1]
+        close = [k for k in keys if k.split(".")[-1] == leaf][:3]
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply dotted `key=value` overrides with type checks, then re-validate."""
+    known = all_keys()
+    for item in overrides:
+        if "=" not in item:
+            raise OverrideError(f"override {item!r} is not of the form key=value")
+        key = item.split("=", 1)[0].strip()
+        if key not in known:
+            raise OverrideError(f"unknown config key {key!r}{_suggest(key)}")
+    base = OmegaConf.structured(cfg)
+    OmegaConf.set_readonly(base, False)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        try:
+            merged = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            raise OverrideError(f"unknown config key {key!r}{_suggest(key)}") from e
+        except OmegaConfBaseException as e:
+            value = item.split("=", 1)[1]
+            raise OverrideError(
+                f"{key}={value!r}: expected {_type_name(RunConfig, key)} ({_first_line(e)})"
+            ) from e
+        base = merged
+    return to_object(base)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def to_object(conf) -> RunConfig:
+    try:
+        return OmegaConf.to_object(conf)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        # __post_init__ errors arrive wrapped; surface the original message.
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(_first_line(e)) from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict` output (a resolved config.json)."""
+    base = OmegaConf.structured(RunConfig())
+    OmegaConf.set_readonly(base, False)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.create(d))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad config dict: {_first_line(e)}") from e
+    return to_object(merged)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value for every leaf (the recipe knobs of a curve row)."""
+    d = cfg if isinstance(cfg, dict) else to_dict(cfg)
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Keys that name where a run writes, not what it computes: excluded from run ids.
+_NON_SEMANTIC = ("name", "out_dir", "recipe", "logging.", "checkpoint.")
+
+
+def run_id(cfg: RunConfig) -> str:
+    """Stable hash of the resolved config (seeds included), independent of paths and names."""
+    flat = {
+        k: v for k, v in flatten(cfg).items() if not any(k.startswith(p) for p in _NON_SEMANTIC)
+    }
+    blob = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    p = Path(recipe)
+    if p.suffix == ".py" and p.exists():
+        return p
+    cand = EXPERIMENTS_DIR / f"{recipe}.py"
+    if not p.suffix and cand.exists():
+        return cand
+    names = sorted(q.stem for q in EXPERIMENTS_DIR.glob("*.py") if not q.stem.startswith("_"))
+    raise ConfigError(f"recipe {recipe!r} not found; known recipes in experiments/: {names}")
+
+
+def load_recipe(recipe: str, overrides: list[str] | None = None) -> RunConfig:
+    """Load a recipe file (a Python file with `recipe() -> RunConfig`) and apply overrides."""
+    path = resolve_recipe_path(recipe)
+    spec = importlib.util.spec_from_file_location(f"rl_jax_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    if not hasattr(module, "recipe"):
+        raise ConfigError(f"recipe file {path} defines no recipe() function")
+    cfg = module.recipe()
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(f"{path}: recipe() returned {type(cfg).__name__}, not RunConfig")
+    if not cfg.recipe:
+        cfg = dataclasses.replace(cfg, recipe=path.stem)
+    return apply_overrides(cfg, list(overrides or []))
+
+
+def describe_knobs() -> str:
+    """One line per knob: key, type, default, meaning (for --help)."""
+    defaults = flatten(RunConfig())
+    lines = []
+    for key, f in all_keys().items():
+        t = _type_name(RunConfig, key)
+        lines.append(f"  {key} ({t}, default {defaults[key]!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""`rl-jax config RECIPE [key=value ...]`: print the resolved config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rl_jax.config import describe_knobs, flatten, load_recipe, run_id, to_dict, to_yaml
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rl-jax config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="knobs:\n" + describe_knobs(),
+    )
+    p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--format", choices=("yaml", "json", "flat"), default="yaml")
+    a = p.parse_args(argv)
+    cfg = load_recipe(a.recipe, a.overrides)
+    if a.format == "yaml":
+        print(f"# run_id: {run_id(cfg)}")
+        print(to_yaml(cfg), end="")
+    elif a.format == "json":
+        print(json.dumps({"run_id": run_id(cfg), "config": to_dict(cfg)}, indent=2))
+    else:
+        for k, v in flatten(cfg).items():
+            print(f"{k}={v}")
+    return 0

@@ -1,0 +1,30 @@
+"""Mesh configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl_jax.knobs import ConfigError, check_choice, knob
+
+RULE_PRESETS = ("dp", "fsdp", "fsdp_tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    data: int = knob(1, help="size of the data-parallel mesh axis (-1: the rest of the devices)")
+    fsdp: int = knob(-1, help="size of the FSDP mesh axis (-1: the rest of the devices)")
+    tensor: int = knob(1, help="size of the tensor-parallel mesh axis (-1: the rest)")
+    rules: str = knob("fsdp_tp", help=f"logical-axis rule preset, one of {RULE_PRESETS}")
+    distributed: bool = knob(False, help="call jax.distributed.initialize (one process per host)")
+    coordinator_address: str = knob("", help="host:port of process 0 ('' = auto-detect, e.g. TPU)")
+    num_processes: int = knob(0, help="number of processes (0 = auto-detect)")
+    process_id: int = knob(-1, help="this process's id (-1 = auto-detect)")
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for k, v in sizes.items():
+            if v == 0 or v < -1:
+                raise ConfigError(f"mesh.{k}={v} must be a positive size or -1 (the rest)")
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ConfigError(f"mesh: at most one axis may be -1, got {sizes}")
+        check_choice("mesh", "rules", self.rules, RULE_PRESETS)

@@ -1,0 +1,55 @@
+"""Model configuration (architecture, precision, checkpoint source)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl_jax.knobs import ConfigError, check_choice, knob
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    preset: str = knob(
+        "tiny", help="named architecture preset (tiny, bench, ...); '' = fields only"
+    )
+    path: str = knob(
+        "", help="HF-format model directory or rl_jax checkpoint to load ('' = random init)"
+    )
+    architecture: str = knob("qwen2", help=f"decoder family, one of {ARCHITECTURES}")
+    vocab_size: int = knob(0, help="vocabulary size V (0 = from preset/checkpoint)")
+    hidden_size: int = knob(0, help="model width D (0 = from preset/checkpoint)")
+    intermediate_size: int = knob(0, help="MLP width F (0 = from preset/checkpoint)")
+    num_layers: int = knob(0, help="layers L (0 = from preset/checkpoint)")
+    num_heads: int = knob(0, help="query heads H (0 = from preset/checkpoint)")
+    num_kv_heads: int = knob(0, help="key/value heads K (0 = from preset/checkpoint)")
+    head_dim: int = knob(0, help="per-head width (0 = D / H)")
+    rope_theta: float = knob(0.0, help="RoPE base (0 = from preset/checkpoint)")
+    max_position: int = knob(0, help="maximum context length (0 = from preset/checkpoint)")
+    param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
+    compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
+    fp32_lm_head: bool = knob(False, help="final norm and LM head in float32 (ScaleRL)")
+    remat: bool = knob(False, help="rematerialize each layer in the backward pass")
+    scan_layers: bool = knob(False, help="scan over stacked layers (faster compiles, deep models)")
+    value_head: bool = knob(False, help="add a scalar value head (PPO critic)")
+    logprob_chunk: int = knob(0, help="chunk size over T for log-probs/entropy (0 = no chunking)")
+
+    def __post_init__(self):
+        check_choice("model", "architecture", self.architecture, ARCHITECTURES)
+        check_choice("model", "param_dtype", self.param_dtype, DTYPES)
+        check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+            "logprob_chunk",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0")

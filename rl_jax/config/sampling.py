@@ -1,0 +1,48 @@
+"""Sampler configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+
+LENGTH_CONTROL = ("truncate", "interrupt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    n: int = knob(8, help="samples per prompt (G, IsoCompute's n)")
+    temperature: float = knob(1.0, help="sampling temperature (0 = greedy)")
+    top_p: float = knob(1.0, help="nucleus sampling mass (1 = off)")
+    top_k: int = knob(0, help="top-k sampling (0 = off)")
+    max_new_tokens: int = knob(32, help="generation budget per row")
+    max_prompt_len: int = knob(64, help="longest prompt in tokens; longer prompts are an error")
+    length_bucket: int = knob(
+        16, help="prompt/generation lengths are rounded up to a multiple of this"
+    )
+    stop_token_ids: list[int] = knob(
+        help="tokens that end a row (empty = tokenizer EOS)", factory=list
+    )
+    length_control: str = knob("truncate", help=f"one of {LENGTH_CONTROL}")
+    interrupt_lo: int = knob(0, help="forced interruption: lowest length (tokens)")
+    interrupt_hi: int = knob(0, help="forced interruption: highest length (tokens)")
+    interrupt_text: str = knob(
+        "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>",
+        help="text injected at the interruption point (not trained on)",
+    )
+    answer_budget: int = knob(0, help="tokens allowed after an interruption")
+    decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
+
+    def __post_init__(self):
+        check_range("sampling", "n", self.n, lo=1)
+        check_range("sampling", "temperature", self.temperature, lo=0.0)
+        check_range("sampling", "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        check_range("sampling", "top_k", self.top_k, lo=0)
+        check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1)
+        check_range("sampling", "length_bucket", self.length_bucket, lo=1)
+        check_choice("sampling", "length_control", self.length_control, LENGTH_CONTROL)
+        if self.length_control == "interrupt" and not 0 < self.interrupt_lo <= self.interrupt_hi:
+            raise ConfigError(
+                "sampling.length_control='interrupt' needs 0 < sampling.interrupt_lo <= "
+                f"sampling.interrupt_hi, got {self.interrupt_lo}, {self.interrupt_hi}"
+            )

@@ -1,0 +1,67 @@
+"""Trainer, evaluation and checkpoint configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+
+OFF_POLICY = ("on_policy", "ppo_off_policy", "pipeline")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = knob(100, help="RL steps (batches of B_p prompts x n samples)")
+    updates_per_batch: int = knob(1, help="optimizer steps per batch (minibatches, M in ScaleRL)")
+    grad_accum: int = knob(1, help="gradient accumulation micro-batches per optimizer step")
+    off_policy: str = knob("on_policy", help=f"off-policy mode, one of {OFF_POLICY}")
+    off_policy_k: int = knob(1, help="k of PPO-off-policy-k / PipelineRL-k (max staleness)")
+    lr: float = knob(1e-6, help="peak learning rate")
+    lr_sqrt_batch_ref: int = knob(0, help="if > 0: lr *= sqrt(B_p * n / this) (IsoCompute)")
+    schedule: str = knob("constant", help=f"after warm-up, one of {SCHEDULES}")
+    warmup_steps: int = knob(0, help="linear warm-up steps")
+    adam_b1: float = knob(0.9, help="AdamW beta1")
+    adam_b2: float = knob(0.999, help="AdamW beta2")
+    adam_eps: float = knob(1e-8, help="AdamW epsilon (ScaleRL: 1e-15)")
+    weight_decay: float = knob(0.01, help="AdamW weight decay")
+    grad_clip: float = knob(1.0, help="global-norm gradient clipping (0 = off)")
+    max_nonfinite: int = knob(5, help="stop after this many consecutive NaN/Inf updates")
+    seed: int = knob(0, help="RNG seed of sampling and initialization")
+
+    def __post_init__(self):
+        check_choice("train", "off_policy", self.off_policy, OFF_POLICY)
+        check_choice("train", "schedule", self.schedule, SCHEDULES)
+        for k in ("steps", "updates_per_batch", "grad_accum", "off_policy_k", "max_nonfinite"):
+            check_range("train", k, getattr(self, k), lo=1)
+        check_range("train", "lr", self.lr, lo=0.0)
+        check_range("train", "adam_eps", self.adam_eps, lo=0.0)
+        if self.off_policy == "on_policy" and self.off_policy_k != 1:
+            raise ConfigError(
+                f"train.off_policy_k={self.off_policy_k} needs train.off_policy in "
+                f"{OFF_POLICY[1:]}, got 'on_policy'"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    every: int = knob(10, help="evaluate every this many steps (0 = only at the end)")
+    k: int = knob(16, help="samples per validation prompt (mean@k, best@k, worst@k)")
+    num_prompts: int = knob(64, help="validation prompts per evaluation")
+    temperature: float = knob(1.0, help="validation sampling temperature")
+    at_start: bool = knob(True, help="evaluate before the first step (R0)")
+
+    def __post_init__(self):
+        check_range("eval", "k", self.k, lo=1)
+        check_range("eval", "every", self.every, lo=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = knob(0, help="save every this many steps (0 = only at the end)")
+    keep: int = knob(2, help="checkpoints to keep")
+    async_save: bool = knob(True, help="save in the background")
+    resume: bool = knob(True, help="resume from the newest good checkpoint in the run directory")
+
+    def __post_init__(self):
+        check_range("checkpoint", "keep", self.keep, lo=1)

@@ -1,0 +1,79 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from rl_jax.config import ConfigError, MeshConfig
+from rl_jax.sharding import (
+    fit_spec,
+    get_rules,
+    logical_to_spec,
+    make_mesh,
+    resolve_axis_sizes,
+    split_devices,
+)
+
+
+def test_eight_fake_devices():
+    assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize(
+    "cfg, sizes",
+    [
+        (MeshConfig(), (1, 8, 1)),
+        (MeshConfig(data=2, fsdp=-1, tensor=2), (2, 2, 2)),
+        (MeshConfig(data=-1, fsdp=1, tensor=1), (8, 1, 1)),
+        (MeshConfig(data=1, fsdp=4, tensor=2), (1, 4, 2)),
+    ],
+)
+def test_mesh_sizes(cfg, sizes):
+    mesh = make_mesh(cfg)
+    assert tuple(mesh.shape[a] for a in ("data", "fsdp", "tensor")) == sizes
+    assert mesh.devices.size == 8
+
+
+def test_mesh_errors():
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_axis_sizes(MeshConfig(data=3, fsdp=-1), 8)
+    with pytest.raises(ConfigError, match="8 devices"):
+        resolve_axis_sizes(MeshConfig(data=2, fsdp=2, tensor=1), 8)
+    with pytest.raises(ConfigError, match="at most one axis"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(ConfigError, match="mesh.rules"):
+        MeshConfig(rules="zero3")
+
+
+def test_rules_map_logical_axes():
+    rules = get_rules("fsdp_tp")
+    assert logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
+    assert logical_to_spec(("batch", "seq", None), rules) == P(("data", "fsdp"), None, None)
+    # a mesh axis is never used twice in one spec
+    assert logical_to_spec(("batch", "embed"), rules) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("embed", "vocab"), get_rules("fsdp_tp", purpose="sample")) == P(
+        None, "tensor"
+    )
+    with pytest.raises(ValueError, match="mesh.rules"):
+        get_rules("nope")
+
+
+def test_sharded_computation_matches_single_device():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
+    w = jnp.ones((16, 4)) * 0.5
+    rules = get_rules("fsdp_tp")
+    xs = jax.device_put(x, jax.NamedSharding(mesh, logical_to_spec(("batch", "embed"), rules)))
+    ws = jax.device_put(w, jax.NamedSharding(mesh, logical_to_spec(("embed", "mlp"), rules)))
+    np.testing.assert_allclose(jax.jit(jnp.dot)(xs, ws), x @ w, rtol=1e-6)
+
+
+def test_fit_spec_drops_non_dividing_axes():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    assert fit_spec(P("fsdp", "tensor"), (6, 4), mesh) == P(None, "tensor")
+    assert fit_spec(P(("data", "fsdp"), None), (8, 3), mesh) == P(("data", "fsdp"), None)
+
+
+def test_split_devices_disjoint():
+    a, b = split_devices()
+    assert len(a) == 4 and len(b) == 4 and not set(a) & set(b)
