@@ -1,0 +1,33 @@
+"""Two local processes under jax.distributed with gloo CPU collectives."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).parent / "_workers" / "distributed_mesh.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_mesh_collective():
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+        # 2 processes, 4 global devices, sum of squares of 0..3 = 14
+        assert line.split()[1:] == ["2", "4", "14.0"], out
