@@ -10,14 +10,14 @@ from rl_jax.config import TrainConfig
 
 
 def peak_lr(cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int) -> float:
-    """cfg.lr, scaled by sqrt(B / ref) when lr_sqrt_batch_ref > 0 (IsoCompute: lr ~ sqrt(B_p * n))."""
+    """cfg.lr, times sqrt(B / ref) when lr_sqrt_batch_ref > 0 (IsoCompute: lr ~ sqrt(B_p * n))."""
     if cfg.lr_sqrt_batch_ref <= 0:
         return cfg.lr
     return cfg.lr * math.sqrt(prompts_per_batch * samples_per_prompt / cfg.lr_sqrt_batch_ref)
 
 
 def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Schedule:
-    """Linear warm-up over `warmup_steps` optimizer updates, then constant or cosine."""
+    """Linear warm-up (update s < W gets peak * (s + 1) / W), then constant or cosine."""
     warm = max(0, cfg.warmup_steps)
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
@@ -26,7 +26,7 @@ def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Sche
     if warm == 0:
         return after
     return optax.join_schedules(
-        [optax.linear_schedule(peak / warm, peak, warm), after], boundaries=[warm]
+        [optax.linear_schedule(peak / warm, peak, max(warm - 1, 0)), after], boundaries=[warm]
     )
 
 
