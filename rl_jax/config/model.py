@@ -1,4 +1,10 @@
-"""Model configuration (architecture, precision, checkpoint source)."""
+"""Model configuration (architecture, precision, checkpoint source).
+
+Resolution order (see `rl_jax.models.resolve_spec`): `path` (an HF directory or a
+GGUF file) if set, else `preset`; then every nonzero / non-empty field below
+overrides the value it names. Precision and execution switches always come
+from here.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from rl_jax.knobs import ConfigError, check_choice, knob
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+TIE_CHOICES = ("auto", "true", "false")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,18 +23,24 @@ class ModelConfig:
         "tiny", help="named architecture preset (tiny, bench, ...); '' = fields only"
     )
     path: str = knob(
-        "", help="HF-format model directory or rl_jax checkpoint to load ('' = random init)"
+        "", help="HF-format model directory or GGUF file to load; wins over preset ('' = none)"
     )
-    architecture: str = knob("qwen2", help=f"decoder family, one of {ARCHITECTURES}")
+    architecture: str = knob(
+        "", help=f"decoder family, one of {ARCHITECTURES} ('' = from preset/checkpoint)"
+    )
     vocab_size: int = knob(0, help="vocabulary size V (0 = from preset/checkpoint)")
     hidden_size: int = knob(0, help="model width D (0 = from preset/checkpoint)")
     intermediate_size: int = knob(0, help="MLP width F (0 = from preset/checkpoint)")
     num_layers: int = knob(0, help="layers L (0 = from preset/checkpoint)")
     num_heads: int = knob(0, help="query heads H (0 = from preset/checkpoint)")
     num_kv_heads: int = knob(0, help="key/value heads K (0 = from preset/checkpoint)")
-    head_dim: int = knob(0, help="per-head width (0 = D / H)")
+    head_dim: int = knob(0, help="per-head width (0 = from preset/checkpoint, else D / H)")
     rope_theta: float = knob(0.0, help="RoPE base (0 = from preset/checkpoint)")
     max_position: int = knob(0, help="maximum context length (0 = from preset/checkpoint)")
+    rms_norm_eps: float = knob(0.0, help="RMSNorm epsilon (0 = from preset/checkpoint)")
+    tie_embeddings: str = knob(
+        "auto", help=f"share input embedding and LM head, one of {TIE_CHOICES}"
+    )
     param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
     compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
     fp32_lm_head: bool = knob(False, help="final norm and LM head in float32 (ScaleRL)")
@@ -37,9 +50,10 @@ class ModelConfig:
     logprob_chunk: int = knob(0, help="chunk size over T for log-probs/entropy (0 = no chunking)")
 
     def __post_init__(self):
-        check_choice("model", "architecture", self.architecture, ARCHITECTURES)
+        check_choice("model", "architecture", self.architecture, ("",) + ARCHITECTURES)
         check_choice("model", "param_dtype", self.param_dtype, DTYPES)
         check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        check_choice("model", "tie_embeddings", self.tie_embeddings, TIE_CHOICES)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -53,3 +67,6 @@ class ModelConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = default)")

@@ -1,1 +1,48 @@
-"""rl_jax.models"""
+"""Decoder-only policy model (Llama 3 / Qwen2 / Qwen3) in Flax NNX.
+
+spec = resolve_spec(ModelConfig(preset="tiny"))
+model = build_model(spec, mesh=mesh)                 # sharded random init
+hidden, cache = model(tokens_bt, positions_bt, cache=cache, cache_index=i)
+logits = model.logits(hidden)                        # float32 [B, T, V]
+logp, ent = token_logprobs(model, tokens_bt, positions_bt, chunk=64)
+"""
+
+from rl_jax.models.layers import attention_mask, logprobs_from_logits, rope_inv_freq
+from rl_jax.models.logprobs import logprobs_from_hidden, next_token_targets, token_logprobs
+from rl_jax.models.spec import PRESETS, ModelSpec, RopeScaling, get_preset, resolve_spec
+from rl_jax.models.transformer import (
+    KVCache,
+    Transformer,
+    build_model,
+    host_params,
+    init_cache,
+    init_params,
+    model_params,
+    param_layout,
+    param_shardings,
+    positions_from_valid,
+)
+
+__all__ = [
+    "PRESETS",
+    "KVCache",
+    "ModelSpec",
+    "RopeScaling",
+    "Transformer",
+    "attention_mask",
+    "build_model",
+    "get_preset",
+    "host_params",
+    "init_cache",
+    "init_params",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "model_params",
+    "next_token_targets",
+    "param_layout",
+    "param_shardings",
+    "positions_from_valid",
+    "resolve_spec",
+    "rope_inv_freq",
+    "token_logprobs",
+]

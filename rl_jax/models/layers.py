@@ -1,0 +1,126 @@
+"""Pure math of the decoder: arrays in, arrays out.
+
+Dimension letters: B batch, T query time, S key time (T without a cache, the
+cache length with one), D width, F MLP width, H query heads, K kv heads,
+R = H / K query heads per kv head, hd head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.models.spec import ModelSpec, RopeScaling
+
+# Finite, so a row with every key masked (a pad query) gives a uniform softmax
+# instead of NaNs that would poison gradients through the masked-out loss.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, dtype=None) -> jax.Array:
+    """RMSNorm over the last axis, statistics in float32; output in `dtype` (default x's)."""
+    dtype = x.dtype if dtype is None else dtype
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y.astype(dtype) * w.astype(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [hd / 2] in float32, as transformers computes them (Llama 3.1
+    scaling included: long wavelengths divided by `factor`, a smooth ramp between)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
+    if scaling is None:
+        return inv
+    old = scaling.original_max_position
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(positions_bt: jax.Array, spec: ModelSpec) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the rotation angles, [B, T, hd / 2] float32."""
+    inv = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling))
+    ang = positions_bt.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x_bthk: jax.Array, cos_btk: jax.Array, sin_btk: jax.Array) -> jax.Array:
+    """Rotate pairs (i, i + hd/2) (the "rotate half" layout of HF checkpoints)."""
+    x = x_bthk.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos_btk[:, :, None, :], sin_btk[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x_bthk.dtype)
+
+
+def attention_mask(
+    T: int,
+    S: int,
+    *,
+    cache_index: jax.Array | int | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_valid_bs: jax.Array | None = None,
+) -> jax.Array:
+    """Which keys each query may see: [B or 1, T, S] bool.
+
+    Without a cache, query t sits in slot t and keys are the same T tokens.
+    With a cache, query t sits in slot cache_index + t of an S-slot cache.
+    Key slot s is visible when s <= the query's slot, `kv_valid[b, s]`
+    (left padding, unwritten slots) and, for packed rows, the segment ids match.
+    """
+    offset = 0 if cache_index is None else cache_index
+    q_slot = offset + jnp.arange(T)
+    k_slot = jnp.arange(S)
+    mask = (k_slot[None, :] <= q_slot[:, None])[None]  # [1, T, S]
+    if segment_ids_bt is not None:
+        if cache_index is not None:
+            raise ValueError("segment_ids_bt (packed rows) is not supported with a KV cache")
+        mask = mask & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+    if kv_valid_bs is not None:
+        if kv_valid_bs.shape[-1] != S:
+            raise ValueError(
+                f"kv_valid_bs has {kv_valid_bs.shape[-1]} slots but the keys have {S} "
+                "(the cache length with a cache, T without)"
+            )
+        mask = mask & kv_valid_bs[:, None, :].astype(bool)
+    return mask
+
+
+def attention(
+    q_bthk: jax.Array, k_bskk: jax.Array, v_bskk: jax.Array, mask_bts: jax.Array, *, scale: float
+) -> jax.Array:
+    """Grouped-query attention; scores and softmax in float32. Returns [B, T, H, hd]."""
+    B, T, H, hd = q_bthk.shape
+    K = k_bskk.shape[2]
+    q = q_bthk.reshape(B, T, K, H // K, hd)
+    scores = jnp.einsum("btkrh,bskh->bkrts", q, k_bskk, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskk.dtype)
+    out = jnp.einsum("bkrts,bskh->btkrh", probs, v_bskk, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
+
+
+def logprobs_from_logits(
+    logits_btv: jax.Array, targets_bt: jax.Array, temperature: float | jax.Array = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """log p(target) and entropy of softmax(logits / temperature), float32 [B, T].
+
+    The sampler's decode step and the trainer's `token_logprobs` both call this,
+    so their log-probs agree to float32 rounding. `temperature` must be > 0.
+    """
+    z = logits_btv.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    p = jnp.exp(z - lse[..., None])
+    entropy = lse - jnp.sum(p * z, axis=-1)
+    return picked - lse, entropy

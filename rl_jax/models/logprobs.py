@@ -1,0 +1,87 @@
+"""Per-token log-probs and entropies without [B, T, V] float32 logits at once.
+
+Alignment (the trainer's and the sampler's contract): with the default targets,
+    logp[b, t] = log p(tokens[b, t + 1] | tokens[b, : t + 1])   for t < T - 1,
+    logp[b, T - 1] = 0 and entropy[b, T - 1] = 0   (no next token),
+so the log-prob of token j sits at column j - 1: mask completions with
+`mask_bt[:, 1:]` against `logp[:, :-1]`. Explicit `targets_bt` score
+targets[b, t] at every column instead (nothing zeroed).
+
+`temperature` divides the logits before the softmax, as the sampler does when
+it samples at that temperature; pass the sampler's temperature to compare with
+its log-probs, 1.0 for the model's own distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.models.layers import logprobs_from_logits
+from rl_jax.models.transformer import Transformer, lm_logits
+
+
+def logprobs_from_hidden(
+    model: Transformer,
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    *,
+    temperature: float | jax.Array = 1.0,
+    chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(log p(targets), entropy), float32 [B, T], from the residual stream.
+
+    Logits are built `chunk` time steps at a time (default `spec.logprob_chunk`,
+    0 = all at once) inside a rematerialized map, so the forward keeps one
+    [B, chunk, V] float32 block alive and the backward recomputes it per chunk.
+    """
+    spec = model.spec
+    chunk = spec.logprob_chunk if chunk is None else chunk
+    norm_w, head_vd = model.final_norm[...], model.head_weight()
+
+    def one(h_btd, tgt_bt):
+        logits = model.constrain(lm_logits(spec, norm_w, head_vd, h_btd), ("batch", "seq", "vocab"))
+        return logprobs_from_logits(logits, tgt_bt, temperature)
+
+    B, T, D = hidden_btd.shape
+    if chunk <= 0 or chunk >= T:
+        return one(hidden_btd, targets_bt)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+    tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    h = h.reshape(B, n, chunk, D).swapaxes(0, 1)  # [n, B, c, D]
+    tg = tg.reshape(B, n, chunk).swapaxes(0, 1)  # [n, B, c]
+    logp, ent = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (h, tg))
+    logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+    ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+    return logp, ent
+
+
+def next_token_targets(tokens_bt: jax.Array) -> jax.Array:
+    """tokens shifted left by one; the last column (no next token) is 0."""
+    return jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
+
+
+def token_logprobs(
+    model: Transformer,
+    tokens_bt: jax.Array,
+    positions_bt: jax.Array | None = None,
+    *,
+    segment_ids_bt: jax.Array | None = None,
+    kv_valid_bt: jax.Array | None = None,
+    targets_bt: jax.Array | None = None,
+    temperature: float | jax.Array = 1.0,
+    chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Full-sequence forward, then chunked log-probs and entropies [B, T] (see module doc)."""
+    hidden, _ = model(
+        tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt, kv_valid_bs=kv_valid_bt
+    )
+    if targets_bt is not None:
+        return logprobs_from_hidden(model, hidden, targets_bt, temperature=temperature, chunk=chunk)
+    logp, ent = logprobs_from_hidden(
+        model, hidden, next_token_targets(tokens_bt), temperature=temperature, chunk=chunk
+    )
+    has_next = jnp.arange(tokens_bt.shape[1]) < tokens_bt.shape[1] - 1
+    return jnp.where(has_next, logp, 0.0), jnp.where(has_next, ent, 0.0)

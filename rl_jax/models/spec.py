@@ -1,0 +1,341 @@
+"""ModelSpec: every dimension of a decoder resolved; presets; FLOPs per token.
+
+A `ModelConfig` is what a user writes (zeros mean "from the preset or the
+checkpoint"); a `ModelSpec` is what the model code reads: nothing left to
+resolve, hashable, so it can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_jax.config.model import ARCHITECTURES, DTYPES, ModelConfig
+from rl_jax.knobs import ConfigError, check_choice
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling (HF `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    max_position: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (always), Llama/Qwen3 with attention_bias
+    o_bias: bool = False  # Llama/Qwen3 with attention_bias
+    qk_norm: bool = False  # Qwen3
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    fp32_lm_head: bool = False
+    remat: bool = False
+    scan_layers: bool = False
+    value_head: bool = False
+    logprob_chunk: int = 0
+    # Special tokens as the checkpoint declares them (-1 / () = none); export
+    # writes them back so transformers' generate stops where the model expects.
+    bos_token_id: int = -1
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = -1
+
+    def __post_init__(self):
+        check_choice("model", "architecture", self.architecture, ARCHITECTURES)
+        check_choice("model", "param_dtype", self.param_dtype, DTYPES)
+        check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE pairs)")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
+        if self.logprob_chunk < 0:
+            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= 0")
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+    # ---- size and compute accounting -------------------------------------------------
+
+    def layer_matmul_params(self) -> int:
+        """Weights one token multiplies through in one layer (attention + MLP)."""
+        D, F, H, K, hd = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+
+    def num_params(self) -> int:
+        """All parameters, embeddings and norms included."""
+        D, V, L, hd = self.hidden_size, self.vocab_size, self.num_layers, self.head_dim
+        H, K = self.num_heads, self.num_kv_heads
+        per_layer = self.layer_matmul_params() + 2 * D
+        if self.qkv_bias:
+            per_layer += (H + 2 * K) * hd
+        if self.o_bias:
+            per_layer += D
+        if self.qk_norm:
+            per_layer += 2 * hd
+        n = L * per_layer + V * D + D
+        if not self.tie_embeddings:
+            n += V * D
+        if self.value_head:
+            n += D + 1
+        return n
+
+    def flops_per_token(self, context_len: float) -> float:
+        """Forward FLOPs of one token that attends to `context_len` keys (itself included).
+
+        2 FLOPs per multiply-add through every weight matrix (the embedding
+        lookup is free, the LM head is not) plus 4 * H * hd per attended key and
+        layer (scores q.k and the weighted sum of v). Norms, RoPE and softmax are
+        left out, as in the usual 6N-style accounting.
+        """
+        dense = 2 * (
+            self.num_layers * self.layer_matmul_params() + self.vocab_size * self.hidden_size
+        )
+        if self.value_head:
+            dense += 2 * self.hidden_size
+        attn = 4 * self.num_layers * self.num_heads * self.head_dim * context_len
+        return float(dense + attn)
+
+    def train_flops_per_token(self, context_len: float) -> float:
+        """Forward + backward (backward = 2x forward). Rematerialization is not counted:
+        these are model FLOPs, the same whatever the memory strategy."""
+        return 3.0 * self.flops_per_token(context_len)
+
+    def sequence_flops(self, seq_len: int, *, train: bool = False) -> float:
+        """Forward (or forward+backward) FLOPs of one causal sequence of `seq_len` tokens:
+        token t attends to t + 1 keys, so the attention term sums to T (T + 1) / 2."""
+        T = seq_len
+        total = T * self.flops_per_token(0) + 4 * self.num_layers * self.num_heads * (
+            self.head_dim * T * (T + 1) / 2
+        )
+        return 3.0 * total if train else total
+
+
+# ---- presets -------------------------------------------------------------------------
+
+# Architecture-level fields only; precision and execution switches come from the
+# ModelConfig. `head_dim` appears only where it is not D / H.
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU demo: a character-level arithmetic model that learns in minutes on 2 cores.
+    "tiny": dict(
+        architecture="qwen2",
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        max_position=512,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+    # The reference benchmark model.
+    "bench": dict(
+        architecture="qwen2",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        max_position=2048,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        rope_theta=100000.0,
+        max_position=8192,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        architecture="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        rope_theta=1000000.0,
+        max_position=32768,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position=40960,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+    "llama3.2-1b": dict(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+        ),
+        max_position=131072,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+    ),
+}
+
+
+def get_preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset={name!r} is not one of {sorted(PRESETS)}")
+    return dict(PRESETS[name])
+
+
+def arch_flags(architecture: str, attention_bias: bool = False) -> dict[str, bool]:
+    """Bias / norm layout implied by the family (mirrors transformers' modeling code)."""
+    if architecture == "qwen2":
+        return dict(qkv_bias=True, o_bias=False, qk_norm=False)
+    if architecture == "qwen3":
+        return dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+    if architecture == "llama":
+        return dict(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=False)
+    raise ConfigError(f"model.architecture={architecture!r} is not one of {list(ARCHITECTURES)}")
+
+
+_OVERRIDABLE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "max_position",
+    "rms_norm_eps",
+)
+_REQUIRED = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "rope_theta",
+)
+
+
+def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
+    """Architecture fields before overrides, and where they came from."""
+    if cfg.path:
+        p = Path(cfg.path)
+        if p.suffix == ".gguf":
+            from rl_jax.models.gguf_io import spec_fields_from_gguf
+
+            return spec_fields_from_gguf(p), f"GGUF file {p}"
+        from rl_jax.models.hf import spec_fields_from_hf_dir
+
+        return spec_fields_from_hf_dir(p), f"HF directory {p}"
+    if cfg.preset:
+        return get_preset(cfg.preset), f"preset {cfg.preset!r}"
+    return {}, "explicit fields (model.preset='')"
+
+
+def resolve_spec(cfg: ModelConfig) -> ModelSpec:
+    """Every dimension resolved: `cfg.path` else `cfg.preset`, then explicit fields override."""
+    fields, source = base_fields(cfg)
+    explicit_head_dim = "head_dim" in fields
+    for name in _OVERRIDABLE:
+        value = getattr(cfg, name)
+        if value:
+            fields[name] = value
+            explicit_head_dim |= name == "head_dim"
+    if cfg.architecture:
+        fields["architecture"] = cfg.architecture
+    missing = [n for n in _REQUIRED if not fields.get(n)]
+    if missing:
+        raise ConfigError(
+            f"model spec from {source} lacks {missing}: set model.{missing[0]}=... "
+            f"or pick a model.preset from {sorted(PRESETS)}"
+        )
+    if not explicit_head_dim:
+        D, H = fields["hidden_size"], fields["num_heads"]
+        if D % H:
+            raise ConfigError(
+                f"model.hidden_size={D} is not divisible by model.num_heads={H}; set model.head_dim"
+            )
+        fields["head_dim"] = D // H
+    if cfg.tie_embeddings != "auto":
+        fields["tie_embeddings"] = cfg.tie_embeddings == "true"
+    attention_bias = fields.pop("attention_bias", False)
+    flags = arch_flags(fields["architecture"], attention_bias)
+    for k, v in flags.items():
+        fields.setdefault(k, v)
+    return ModelSpec(
+        **fields,
+        param_dtype=cfg.param_dtype,
+        compute_dtype=cfg.compute_dtype,
+        fp32_lm_head=cfg.fp32_lm_head,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+        value_head=cfg.value_head,
+        logprob_chunk=cfg.logprob_chunk,
+    )

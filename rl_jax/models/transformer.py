@@ -1,0 +1,442 @@
+"""The decoder (Llama 3 / Qwen2 / Qwen3) as a Flax NNX module over stacked layers.
+
+Every per-layer weight is stored stacked, [L, ...], under the logical axis
+`layers`: one parameter layout whether the forward unrolls a Python loop or
+runs `lax.scan` (`spec.scan_layers`), so checkpoints do not depend on that choice.
+
+Forward contract (shared by trainer and sampler):
+    hidden_btd, cache = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
+                              kv_valid_bs=None, cache=None, cache_index=None)
+`hidden_btd` is the residual stream before the final norm; `model.logits(h)` and
+`model.values(h)` apply the final norm and the heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from rl_jax.models.layers import (
+    apply_rope,
+    attention,
+    attention_mask,
+    rms_norm,
+    rope_angles,
+)
+from rl_jax.models.spec import ModelSpec
+from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
+
+INIT_STD = 0.02  # transformers' initializer_range default
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]
+    init: str  # "normal" | "zeros" | "ones"
+
+
+# Per-layer parameters (stacked over L); the rest are model-level.
+LAYER_PARAMS = (
+    "attn_norm",
+    "q",
+    "k",
+    "v",
+    "q_bias",
+    "k_bias",
+    "v_bias",
+    "q_norm",
+    "k_norm",
+    "o",
+    "o_bias",
+    "mlp_norm",
+    "gate",
+    "up",
+    "down",
+)
+
+
+def param_layout(spec: ModelSpec) -> dict[str, ParamInfo]:
+    """Name -> shape, logical axes and initializer of every parameter of `spec`."""
+    L, D, F, V = spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    lay: dict[str, ParamInfo] = {
+        "embed": ParamInfo((V, D), ("vocab", "embed"), "normal"),
+        "attn_norm": ParamInfo((L, D), ("layers", None), "ones"),
+        "q": ParamInfo((L, D, H, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
+        "k": ParamInfo((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "v": ParamInfo((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "o": ParamInfo((L, H, hd, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+        "mlp_norm": ParamInfo((L, D), ("layers", None), "ones"),
+        "gate": ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "up": ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "down": ParamInfo((L, F, D), ("layers", "mlp", "embed"), "normal"),
+        "final_norm": ParamInfo((D,), (None,), "ones"),
+    }
+    if spec.qkv_bias:
+        lay["q_bias"] = ParamInfo((L, H, hd), ("layers", "heads", "head_dim"), "zeros")
+        lay["k_bias"] = ParamInfo((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+        lay["v_bias"] = ParamInfo((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+    if spec.o_bias:
+        lay["o_bias"] = ParamInfo((L, D), ("layers", None), "zeros")
+    if spec.qk_norm:
+        lay["q_norm"] = ParamInfo((L, hd), ("layers", None), "ones")
+        lay["k_norm"] = ParamInfo((L, hd), ("layers", None), "ones")
+    if not spec.tie_embeddings:
+        # Stored [V, D] like the embedding (and HF's lm_head.weight).
+        lay["lm_head"] = ParamInfo((V, D), ("vocab", "embed"), "normal")
+    if spec.value_head:
+        lay["value_w"] = ParamInfo((D,), (None,), "zeros")
+        lay["value_b"] = ParamInfo((), (), "zeros")
+    return lay
+
+
+def dtype_of(name: str):
+    return jnp.dtype(name)
+
+
+def init_params(spec: ModelSpec, key: jax.Array) -> dict[str, jax.Array]:
+    """Random parameters (normal(0, 0.02) matrices, unit norms, zero biases).
+
+    Pure; jit it with `out_shardings` and every device draws only its own shard
+    (threefry is partitionable, so values do not depend on the mesh).
+    """
+    dtype = dtype_of(spec.param_dtype)
+    out = {}
+    for i, (name, info) in enumerate(sorted(param_layout(spec).items())):
+        if info.init == "normal":
+            x = INIT_STD * jax.random.normal(jax.random.fold_in(key, i), info.shape, jnp.float32)
+            out[name] = x.astype(dtype)
+        elif info.init == "ones":
+            out[name] = jnp.ones(info.shape, dtype)
+        else:
+            out[name] = jnp.zeros(info.shape, dtype)
+    return out
+
+
+def param_shardings(
+    spec: ModelSpec, mesh: Mesh | None, rules: Rules
+) -> dict[str, jax.sharding.Sharding]:
+    """Where each parameter lives; mesh axes that do not divide a dim are dropped."""
+    lay = param_layout(spec)
+    if mesh is None:
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return {n: dev for n in lay}
+    return {
+        n: NamedSharding(mesh, fit_spec(logical_to_spec(i.logical_axes, rules), i.shape, mesh))
+        for n, i in lay.items()
+    }
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: k, v [L, B, S, K, hd]. Batch is axis 1."""
+
+    k: jax.Array
+    v: jax.Array
+
+    BATCH_AXIS = 1
+    LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+    def take(self, rows_b: jax.Array) -> KVCache:
+        """Rows re-ordered or repeated, e.g. by `jnp.repeat(jnp.arange(P), G)`."""
+        return KVCache(k=jnp.take(self.k, rows_b, axis=1), v=jnp.take(self.v, rows_b, axis=1))
+
+    def repeat(self, n: int) -> KVCache:
+        """Each row repeated n times in place (row i -> rows i*n .. i*n + n - 1)."""
+        return KVCache(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1))
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[2])
+
+
+def init_cache(
+    spec: ModelSpec,
+    batch: int,
+    max_len: int,
+    dtype=None,
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> KVCache:
+    """Zeros in the compute dtype (or `dtype`); with a mesh, sharded over batch and kv_heads."""
+    dtype = dtype_of(spec.compute_dtype) if dtype is None else jnp.dtype(dtype)
+    shape = (spec.num_layers, batch, max_len, spec.num_kv_heads, spec.head_dim)
+    if mesh is None:
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    rules = get_rules("fsdp_tp", purpose="sample") if rules is None else rules
+    sh = NamedSharding(mesh, fit_spec(logical_to_spec(KVCache.LOGICAL_AXES, rules), shape, mesh))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)
+    return KVCache(k=zeros(), v=zeros())
+
+
+def positions_from_valid(valid_bt: jax.Array) -> jax.Array:
+    """Per-row positions of a left-padded batch: 0 at the first real token (pads get 0)."""
+    return jnp.maximum(jnp.cumsum(valid_bt.astype(jnp.int32), axis=1) - 1, 0)
+
+
+class _Layers(nnx.Module):
+    """Stacked per-layer parameters, [L, ...] each."""
+
+    def __init__(self, params: dict[str, nnx.Param]):
+        for name, p in params.items():
+            setattr(self, name, p)
+
+
+class Transformer(nnx.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict[str, jax.Array],
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = (),
+    ):
+        lay = param_layout(spec)
+        missing = sorted(set(lay) - set(params))
+        extra = sorted(set(params) - set(lay))
+        if missing or extra:
+            raise ValueError(f"parameters do not match the spec: missing {missing}, extra {extra}")
+        for name, info in lay.items():
+            if tuple(params[name].shape) != info.shape:
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(params[name].shape)}, spec needs "
+                    f"{info.shape}"
+                )
+        self.spec = spec
+        self.mesh = mesh
+        self.rules = tuple(rules)
+
+        def wrap(name):
+            return nnx.Param(params[name], logical_axes=lay[name].logical_axes)
+
+        self.layers = _Layers({n: wrap(n) for n in LAYER_PARAMS if n in lay})
+        for name in lay:
+            if name not in LAYER_PARAMS:
+                setattr(self, name, wrap(name))
+
+    # ---- sharding of activations -------------------------------------------------------
+
+    def constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+        """Pin an activation's layout by logical axes (a no-op without a mesh)."""
+        if self.mesh is None:
+            return x
+        spec = fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        return init_cache(self.spec, batch, max_len, dtype, mesh=self.mesh, rules=self.rules)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def layer_params(self) -> dict[str, jax.Array]:
+        return {n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)}
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        *,
+        segment_ids_bt: jax.Array | None = None,
+        kv_valid_bs: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Residual stream after the last layer, [B, T, D] (compute dtype), and the cache.
+
+        positions_bt: RoPE positions per row (default 0..T-1); give per-row
+          positions for left-padded rows and restart them per packed segment.
+        segment_ids_bt: packed rows; a query sees only keys of its own segment.
+        kv_valid_bs: False for key slots never to attend to (pads); [B, T]
+          without a cache, [B, S] over the whole cache with one.
+        cache, cache_index: write this call's keys/values into slots
+          cache_index .. cache_index + T - 1 (dynamic scalar) and attend over
+          the cache; the returned cache holds the new entries.
+        """
+        spec = self.spec
+        B, T = tokens_bt.shape
+        cdt = dtype_of(spec.compute_dtype)
+        if positions_bt is None:
+            start = 0 if cache_index is None else cache_index
+            positions_bt = jnp.broadcast_to(start + jnp.arange(T), (B, T))
+        if (cache is None) != (cache_index is None):
+            raise ValueError("pass cache and cache_index together")
+        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(cdt)
+        x = self.constrain(x, ("batch", "seq", "embed"))
+        cos, sin = rope_angles(positions_bt, spec)
+        S = T if cache is None else cache.max_len
+        mask = attention_mask(
+            T,
+            S,
+            cache_index=cache_index,
+            segment_ids_bt=segment_ids_bt,
+            kv_valid_bs=kv_valid_bs,
+        )
+        body = functools.partial(
+            _layer,
+            spec=spec,
+            cos=cos,
+            sin=sin,
+            mask=mask,
+            cache_index=cache_index,
+            constrain=self.constrain,
+        )
+        if spec.remat:
+            body = jax.checkpoint(body)
+        params = self.layer_params()
+        kv = None if cache is None else (cache.k, cache.v)
+        if spec.scan_layers:
+
+            def step(carry, xs):
+                h, kv_ = carry
+                p, i = xs
+                h, kv_ = body(p, h, kv_, i)
+                return (h, kv_), None
+
+            (x, kv), _ = jax.lax.scan(step, (x, kv), (params, jnp.arange(spec.num_layers)))
+        else:
+            for i in range(spec.num_layers):
+                x, kv = body({n: a[i] for n, a in params.items()}, x, kv, i)
+        return x, (None if kv is None else KVCache(*kv))
+
+    # ---- heads ---------------------------------------------------------------------------
+
+    def head_weight(self) -> jax.Array:
+        """LM head as [V, D] (the embedding when tied)."""
+        return (self.embed if self.spec.tie_embeddings else self.lm_head)[...]
+
+    def final_hidden(self, hidden_btd: jax.Array) -> jax.Array:
+        return final_norm(self.spec, self.final_norm[...], hidden_btd)
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] of the residual stream `hidden_btd` (norm applied here).
+
+        With `fp32_lm_head` the final norm and the head matmul run in float32;
+        otherwise in the compute dtype, the result cast to float32.
+        """
+        out = lm_logits(self.spec, self.final_norm[...], self.head_weight(), hidden_btd)
+        return self.constrain(out, ("batch", "seq", "vocab"))
+
+    def values(self, hidden_btd: jax.Array) -> jax.Array:
+        """Value head (PPO critic) on the final-normed hidden state: [B, T] float32."""
+        if not self.spec.value_head:
+            raise ValueError("this model has no value head (set model.value_head=true)")
+        h = self.final_hidden(hidden_btd).astype(jnp.float32)
+        return h @ self.value_w[...].astype(jnp.float32) + self.value_b[...].astype(jnp.float32)
+
+
+def final_norm(spec: ModelSpec, norm_w: jax.Array, hidden_btd: jax.Array) -> jax.Array:
+    dtype = jnp.float32 if spec.fp32_lm_head else dtype_of(spec.compute_dtype)
+    return rms_norm(hidden_btd, norm_w, spec.rms_norm_eps, dtype=dtype)
+
+
+def lm_logits(
+    spec: ModelSpec, norm_w: jax.Array, head_vd: jax.Array, hidden_btd: jax.Array
+) -> jax.Array:
+    """Pure LM head: final RMSNorm then [B, T, D] x [V, D] -> float32 [B, T, V]."""
+    h = final_norm(spec, norm_w, hidden_btd)
+    logits = jnp.einsum(
+        "btd,vd->btv", h, head_vd.astype(h.dtype), preferred_element_type=jnp.float32
+    )
+    return logits.astype(jnp.float32)
+
+
+def _layer(
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    layer: int | jax.Array,
+    *,
+    spec: ModelSpec,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    cache_index,
+    constrain: Callable,
+):
+    """One pre-norm block: x + attn(norm(x)), then + swiglu(norm(.)). x [B, T, D]."""
+    cdt = x.dtype
+    eps = spec.rms_norm_eps
+
+    def w(name):
+        return p[name].astype(cdt)
+
+    h = rms_norm(x, p["attn_norm"], eps)
+    q = jnp.einsum("btd,dhk->bthk", h, w("q"))
+    k = jnp.einsum("btd,dhk->bthk", h, w("k"))
+    v = jnp.einsum("btd,dhk->bthk", h, w("v"))
+    if spec.qkv_bias:
+        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+    if spec.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps)
+        k = rms_norm(k, p["k_norm"], eps)
+    q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    if kv is None:
+        k_all, v_all = k, v
+    else:
+        ck, cv = kv
+        at = (layer, 0, cache_index, 0, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+        kv = (ck, cv)
+        k_all = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(cdt)
+        v_all = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(cdt)
+    a = attention(q, k_all, v_all, mask, scale=spec.head_dim**-0.5)
+    a = jnp.einsum("bthk,hkd->btd", a, w("o"))
+    if spec.o_bias:
+        a = a + w("o_bias")
+    x = constrain(x + a, ("batch", "seq", "embed"))
+
+    h = rms_norm(x, p["mlp_norm"], eps)
+    g = constrain(jnp.einsum("btd,df->btf", h, w("gate")), ("batch", "seq", "mlp"))
+    u = constrain(jnp.einsum("btd,df->btf", h, w("up")), ("batch", "seq", "mlp"))
+    m = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("down"))
+    x = constrain(x + m, ("batch", "seq", "embed"))
+    return x, kv
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+    seed: int = 0,
+    params: dict[str, jax.Array] | None = None,
+) -> Transformer:
+    """A model whose parameters are created directly in their shards.
+
+    `params` (already placed, e.g. by a checkpoint loader) skips the random
+    init. `purpose` picks the train or sample rule table (`rl_jax.sharding`).
+    Without a mesh everything lives on the default device.
+    """
+    rules = get_rules(rules_preset, purpose=purpose)
+    if params is None:
+        shardings = param_shardings(spec, mesh, rules)
+        init = jax.jit(functools.partial(init_params, spec), out_shardings=shardings)
+        params = init(jax.random.key(seed))
+    return Transformer(spec, params, mesh=mesh, rules=rules)
+
+
+def model_params(model: Transformer) -> dict[str, jax.Array]:
+    """Flat name -> array view of a model's parameters (names of `param_layout`)."""
+    out = model.layer_params()
+    for name in param_layout(model.spec):
+        if name not in LAYER_PARAMS:
+            out[name] = getattr(model, name)[...]
+    return out
+
+
+def host_params(model: Transformer) -> dict[str, np.ndarray]:
+    """Parameters gathered to host memory, one at a time (for export)."""
+    return {n: np.asarray(jax.device_get(a)) for n, a in model_params(model).items()}

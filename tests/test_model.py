@@ -1,0 +1,298 @@
+"""Core decoder: specs, FLOPs, forward/cache/packing/padding, chunked log-probs, sharding."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax.config import ConfigError, MeshConfig, ModelConfig
+from rl_jax.models import (
+    PRESETS,
+    build_model,
+    init_params,
+    logprobs_from_logits,
+    model_params,
+    positions_from_valid,
+    resolve_spec,
+    token_logprobs,
+)
+from rl_jax.sharding import make_mesh
+
+SMALL = dict(
+    preset="",
+    architecture="qwen2",
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=10000.0,
+)
+
+
+def small_spec(**kw):
+    return resolve_spec(ModelConfig(**{**SMALL, **kw}))
+
+
+def tokens(B, T, V, seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, V)
+
+
+@nnx.jit(static_argnames=("chunk",))
+def _logprobs(model, toks, chunk=0):
+    return token_logprobs(model, toks, chunk=chunk)
+
+
+@nnx.jit
+def _full_logits(model, toks):
+    return model.logits(model(toks)[0])
+
+
+@nnx.jit
+def _hidden(model, toks, pos, seg, valid):
+    return model(toks, pos, segment_ids_bt=seg, kv_valid_bs=valid)[0]
+
+
+# ---- specs and presets -----------------------------------------------------------------
+
+
+def test_presets_resolve_with_overrides():
+    bench = resolve_spec(ModelConfig(preset="bench"))
+    assert (bench.architecture, bench.vocab_size, bench.hidden_size) == ("qwen2", 512, 256)
+    assert (bench.intermediate_size, bench.num_layers, bench.num_heads) == (688, 4, 4)
+    assert (bench.num_kv_heads, bench.head_dim, bench.tie_embeddings) == (2, 64, False)
+    assert bench.qkv_bias and not bench.qk_norm and bench.rope_theta == 10000.0
+    q3 = resolve_spec(ModelConfig(preset="qwen3-0.6b", num_layers=2, fp32_lm_head=True))
+    assert q3.head_dim == 128 and q3.qk_norm and q3.num_layers == 2 and q3.fp32_lm_head
+    ll = resolve_spec(ModelConfig(preset="llama3.2-1b"))
+    assert ll.rope_scaling is not None and ll.rope_scaling.factor == 32.0
+    tiny = resolve_spec(ModelConfig(preset="tiny", num_heads=8, tie_embeddings="false"))
+    assert tiny.head_dim == 128 // 8 and not tiny.tie_embeddings
+    for name in PRESETS:
+        assert resolve_spec(ModelConfig(preset=name)).num_params() > 0
+
+
+def test_spec_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="model.preset='nope'.*bench"):
+        resolve_spec(ModelConfig(preset="nope"))
+    with pytest.raises(ConfigError, match="lacks.*vocab_size"):
+        resolve_spec(ModelConfig(preset="", hidden_size=8))
+    with pytest.raises(ConfigError, match="num_kv_heads=3"):
+        resolve_spec(ModelConfig(preset="tiny", num_kv_heads=3))
+    with pytest.raises(ConfigError, match="model.architecture='gpt2'"):
+        ModelConfig(architecture="gpt2")
+
+
+def test_flops_formula():
+    s = resolve_spec(ModelConfig(preset="bench"))
+    D, F, H, K, hd, L, V = 256, 688, 4, 2, 64, 4, 512
+    per_layer = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+    assert s.flops_per_token(100) == 2 * (L * per_layer + V * D) + 4 * L * H * hd * 100
+    assert s.train_flops_per_token(7) == 3 * s.flops_per_token(7)
+    T = 13
+    by_token = sum(s.flops_per_token(t + 1) for t in range(T))
+    assert s.sequence_flops(T) == pytest.approx(by_token, rel=1e-12)
+    assert s.sequence_flops(T, train=True) == pytest.approx(3 * by_token, rel=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_num_params_counts_every_array(arch):
+    spec = small_spec(architecture=arch, value_head=True)
+    shapes = jax.eval_shape(lambda k: init_params(spec, k), jax.random.key(0))
+    assert sum(int(np.prod(a.shape)) for a in shapes.values()) == spec.num_params()
+
+
+# ---- forward semantics -----------------------------------------------------------------
+
+
+def test_logprobs_match_full_softmax_and_chunking():
+    spec = small_spec(architecture="qwen3", tie_embeddings="false")
+    model = build_model(spec, seed=1)
+    toks = tokens(2, 11, spec.vocab_size)
+    logp, ent = _logprobs(model, toks)
+    full = jax.nn.log_softmax(_full_logits(model, toks), axis=-1)  # [B, T, V]
+    want = np.take_along_axis(np.asarray(full[:, :-1]), np.asarray(toks[:, 1:, None]), -1)[..., 0]
+    np.testing.assert_allclose(logp[:, :-1], want, atol=1e-6)
+    want_ent = -(np.exp(full) * full).sum(-1)
+    np.testing.assert_allclose(ent[:, :-1], want_ent[:, :-1], atol=1e-5)
+    assert np.all(logp[:, -1] == 0) and np.all(ent[:, -1] == 0)
+    # T = 11 is not a multiple of 4: the padded tail must not leak in.
+    logp4, ent4 = _logprobs(model, toks, chunk=4)
+    np.testing.assert_allclose(logp4, logp, atol=1e-6)
+    np.testing.assert_allclose(ent4, ent, atol=1e-6)
+
+
+def test_chunked_gradient_equals_unchunked():
+    spec = small_spec()
+    model = build_model(spec, seed=2)
+    toks = tokens(2, 9, spec.vocab_size, seed=3)
+
+    @nnx.jit(static_argnames=("chunk",))
+    def grads(m, chunk):
+        def loss(m):
+            lp, ent = token_logprobs(m, toks, chunk=chunk)
+            return lp.sum() + 0.1 * ent.sum()
+
+        return nnx.grad(loss)(m)
+
+    g0, g3 = grads(model, 0), grads(model, 3)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g3), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_temperature_divides_logits():
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 7)) * 3
+    tgt = jnp.array([[1, 2, 3], [4, 5, 6]])
+    lp, ent = logprobs_from_logits(logits, tgt, 0.7)
+    ref = jax.nn.log_softmax(logits / 0.7, -1)
+    np.testing.assert_allclose(lp, np.take_along_axis(ref, tgt[..., None], -1)[..., 0], atol=1e-6)
+    np.testing.assert_allclose(ent, -(jnp.exp(ref) * ref).sum(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_scan_and_remat_equal_loop(arch):
+    spec = small_spec(architecture=arch)
+    toks = tokens(2, 7, spec.vocab_size, seed=4)
+    base = build_model(spec, seed=5)
+    want = _logprobs(base, toks)[0]
+    for variant in (dict(scan_layers=True), dict(remat=True), dict(scan_layers=True, remat=True)):
+        other = build_model(dataclasses.replace(spec, **variant), params=model_params(base))
+        np.testing.assert_allclose(_logprobs(other, toks)[0], want, atol=1e-6)
+
+
+@nnx.jit(static_argnames=("n_prompt",))
+def _prefill_decode(model, toks, valid, n_prompt):
+    """Prefill a left-padded prompt, then decode the rest one token at a time."""
+    B, T = toks.shape
+    pos = positions_from_valid(valid)
+    cache = model.init_cache(B, T + 3)
+    kv_valid = jnp.pad(valid, ((0, 0), (0, 3)))
+    h, cache = model(
+        toks[:, :n_prompt], pos[:, :n_prompt], kv_valid_bs=kv_valid, cache=cache, cache_index=0
+    )
+    outs = [h]
+    for t in range(n_prompt, T):  # small static loop: the test model is 2 layers
+        h, cache = model(
+            toks[:, t : t + 1], pos[:, t : t + 1], kv_valid_bs=kv_valid, cache=cache, cache_index=t
+        )
+        outs.append(h)
+    return model.logits(jnp.concatenate(outs, axis=1)), cache
+
+
+def test_cache_prefill_decode_left_padding_matches_unpadded_rows():
+    spec = small_spec(architecture="qwen2")
+    model = build_model(spec, seed=6)
+    V = spec.vocab_size
+    row0 = np.asarray(tokens(1, 8, V, seed=7))[0]
+    row1 = np.asarray(tokens(1, 6, V, seed=8))[0]
+    toks = np.stack([row0, np.concatenate([[0, 0], row1])])  # row 1 left-padded by 2
+    valid = np.array([[1] * 8, [0, 0] + [1] * 6], bool)
+    logits, cache = _prefill_decode(model, jnp.asarray(toks), jnp.asarray(valid), 5)
+    for b, row in ((0, row0), (1, row1)):
+        alone = _full_logits(model, jnp.asarray(row[None]))[0]
+        got = np.asarray(logits[b, 8 - len(row) :])
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+    # the cache re-orders along batch (the sampler repeats each prompt G times)
+    rep = cache.repeat(3)
+    assert rep.k.shape[1] == 6
+    np.testing.assert_array_equal(rep.k[:, 4], cache.k[:, 1])
+    np.testing.assert_array_equal(cache.take(jnp.array([1, 0])).v[:, 0], cache.v[:, 1])
+
+
+def test_packed_segments_equal_separate_rows():
+    spec = small_spec(architecture="llama")
+    model = build_model(spec, seed=9)
+    a = np.asarray(tokens(1, 5, spec.vocab_size, seed=10))[0]
+    b = np.asarray(tokens(1, 4, spec.vocab_size, seed=11))[0]
+    packed = jnp.asarray(np.concatenate([a, b])[None])
+    seg = jnp.asarray([[1] * 5 + [2] * 4])
+    pos = jnp.asarray([list(range(5)) + list(range(4))])
+    h = _hidden(model, packed, pos, seg, None)
+    ha = _hidden(model, jnp.asarray(a[None]), None, None, None)
+    hb = _hidden(model, jnp.asarray(b[None]), None, None, None)
+    np.testing.assert_allclose(h[0, :5], ha[0], atol=1e-5)
+    np.testing.assert_allclose(h[0, 5:], hb[0], atol=1e-5)
+
+
+def test_decode_step_compiles_once_across_cache_index():
+    spec = small_spec()
+    model = build_model(spec, seed=12)
+    cache = model.init_cache(2, 8)
+
+    traces = []
+
+    @nnx.jit
+    def step(m, tok, cache, i):
+        traces.append(1)
+        h, cache = m(tok, jnp.full(tok.shape, i), cache=cache, cache_index=i)
+        return m.logits(h), cache
+
+    tok = jnp.zeros((2, 1), jnp.int32)
+    for i in range(3):
+        _, cache = step(model, tok, cache, jnp.int32(i))
+    assert len(traces) == 1
+    assert (
+        float(jnp.abs(cache.k[:, :, 2]).sum()) > 0 and float(jnp.abs(cache.k[:, :, 3]).sum()) == 0
+    )
+
+
+# ---- precision and heads ---------------------------------------------------------------
+
+
+def test_bf16_and_fp32_lm_head_track_float32():
+    spec = small_spec(tie_embeddings="false")
+    ref = build_model(spec, seed=13)
+    toks = tokens(2, 6, spec.vocab_size, seed=14)
+    want = _logprobs(ref, toks)[0]
+    for fp32_head in (False, True):
+        bf = dataclasses.replace(
+            spec, param_dtype="bfloat16", compute_dtype="bfloat16", fp32_lm_head=fp32_head
+        )
+        params = {k: v.astype(jnp.bfloat16) for k, v in model_params(ref).items()}
+        m = build_model(bf, params=params)
+        got = _logprobs(m, toks)[0]
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+        h, final = nnx.jit(lambda m, t: (m(t)[0], m.final_hidden(m(t)[0])))(m, toks)
+        assert h.dtype == jnp.bfloat16
+        assert final.dtype == (jnp.float32 if fp32_head else jnp.bfloat16)
+
+
+def test_value_head_is_linear_in_final_hidden():
+    spec = small_spec(value_head=True)
+    params = init_params(spec, jax.random.key(0))
+    params["value_w"] = jax.random.normal(jax.random.key(1), params["value_w"].shape)
+    params["value_b"] = jnp.float32(0.25)
+    model = build_model(spec, params=params)
+    toks = tokens(2, 5, spec.vocab_size)
+
+    @nnx.jit
+    def heads(m, toks):
+        h = m(toks)[0]
+        return m.values(h), m.final_hidden(h)
+
+    vals, final = heads(model, toks)
+    assert vals.shape == (2, 5)
+    np.testing.assert_allclose(vals, final @ params["value_w"] + 0.25, atol=1e-5)
+
+
+# ---- sharding --------------------------------------------------------------------------
+
+
+def test_eight_devices_match_one():
+    spec = small_spec(architecture="qwen2", tie_embeddings="false")
+    toks = tokens(4, 8, spec.vocab_size, seed=15)
+    one = build_model(spec, seed=16)
+    want = np.asarray(_logprobs(one, toks)[0])
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    many = build_model(spec, mesh=mesh, rules_preset="fsdp_tp", seed=16)
+    q = many.layers.q[...]
+    assert len(q.sharding.device_set) == 8
+    # initialized in place: each device holds only its (embed/fsdp, heads/tensor) block
+    assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)
+    got = np.asarray(_logprobs(many, toks, chunk=3)[0])
+    np.testing.assert_allclose(got, want, atol=1e-5)
