@@ -1,0 +1,390 @@
+"""Where a run's processes execute: local processes, a Ray cluster, Cloud TPU slices.
+
+A backend turns "run this command for this run" into a handle it can poll and
+stop. Every backend runs the same guard command (`rl_jax.grid._guard`), so the
+run lock, the DONE check and the attempt records work the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_jax.config import ConfigError
+from rl_jax.grid.expand import RunPlan
+from rl_jax.grid.spec import Resources
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TPU_SETUP = REPO_ROOT / "tpu_setup"
+DEFAULT_TRAIN_CMD = (sys.executable, "-m", "rl_jax.cli", "train")
+
+
+def guard_argv(run_dir: Path, attempt: int, cmd: Sequence[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "rl_jax.grid._guard",
+        "--run-dir",
+        str(run_dir),
+        "--attempt",
+        str(attempt),
+        "--",
+        *cmd,
+    ]
+
+
+def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the guard (which passes it to the trainer), then SIGKILL the whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+class Backend:
+    """Interface (and the shared parts). Subclasses: LocalBackend, RayBackend, TpuBackend."""
+
+    name = "base"
+
+    def __init__(self, *, train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD):
+        self.train_cmd = list(train_cmd)
+
+    def extra_overrides(self) -> list[str]:
+        """Overrides this backend adds to every run (part of the run id)."""
+        return []
+
+    def run_out_dir(self, grid_dir: Path) -> str:
+        """The trainer's out_dir, as the trainer's host sees it."""
+        return str(grid_dir / "runs")
+
+    def command(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+        """The run's command (the guard wraps it)."""
+        out_dir = self.run_out_dir(grid_dir)
+        return [*self.train_cmd, *plan.train_args(recipe, out_dir=out_dir)]
+
+    def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
+        raise NotImplementedError
+
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path) -> Any:
+        raise NotImplementedError
+
+    def poll(self, handle: Any) -> int | None:
+        raise NotImplementedError
+
+    def stop(self, handle: Any, grace_s: float = 30.0) -> None:
+        raise NotImplementedError
+
+    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class LocalBackend(Backend):
+    """A pool of `jobs` concurrent processes on this machine, each in its own session.
+
+    Own session: a killed driver leaves its runs going (a restarted driver
+    adopts them), and Ctrl-C in the terminal reaches only the driver, which
+    stops its runs cleanly.
+    """
+
+    name = "local"
+
+    def __init__(self, *, jobs: int = 1, train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD, env=None):
+        super().__init__(train_cmd=train_cmd)
+        if jobs < 1:
+            raise ConfigError(f"--jobs={jobs} must be >= 1")
+        self.jobs = jobs
+        self.env = env
+
+    def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
+        return len(active) < self.jobs
+
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path) -> subprocess.Popen:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self.env,
+            )
+
+    def poll(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
+
+    def stop(self, handle: subprocess.Popen, grace_s: float = 30.0) -> None:
+        _stop_process_group(handle, grace_s)
+
+
+# ---- Ray --------------------------------------------------------------------------------
+
+
+def _ray_task(argv: list[str], log_path: str, cwd: str, grace_s: float) -> int:
+    """Body of one Ray task: run the guard command, pass a cancel on to it as SIGTERM."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=cwd,
+        )
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # ray.cancel
+        _stop_process_group(proc, grace_s)
+        raise
+
+
+class RayBackend(Backend):
+    """Each run one Ray task with the spec's resource requests.
+
+    `address`: '' starts a local Ray instance; 'auto' or 'host:port' joins a
+    cluster. Run directories must be on storage every node sees at the same
+    path (NFS, Filestore, a gcsfuse mount with flock support): the guard's lock
+    and the DONE file live there. Ray retries a task whose worker or node died
+    (`max_retries`); the driver retries runs that exit non-zero.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        *,
+        address: str = "",
+        resources: Resources = Resources(),
+        train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD,
+        max_pending: int = 0,
+        num_cpus: int | None = None,
+        max_retries: int = 2,
+        grace_s: float = 30.0,
+    ):
+        super().__init__(train_cmd=train_cmd)
+        try:
+            import ray
+        except ImportError as e:
+            raise ConfigError(
+                "--backend ray needs Ray: pip install 'rl-jax[ray]' (or pip install ray)"
+            ) from e
+        self.ray = ray
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if address:
+                kw["address"] = address
+            elif num_cpus is not None:
+                kw["num_cpus"] = num_cpus
+            ray.init(**kw)
+            self._owns_ray = True
+        else:
+            self._owns_ray = False
+        opts: dict[str, Any] = {
+            "num_cpus": resources.cpus,
+            "num_gpus": resources.gpus,
+            "max_retries": max_retries,
+        }
+        if resources.custom:
+            opts["resources"] = dict(resources.custom)
+        self._remote = ray.remote(_ray_task).options(**opts)
+        self.max_pending = max_pending
+        self.grace_s = grace_s
+
+    def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
+        # Ray queues tasks until resources free up; `max_pending` bounds how many wait.
+        return self.max_pending <= 0 or len(active) < self.max_pending
+
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path):
+        return self._remote.remote(argv, str(log_path), os.getcwd(), self.grace_s)
+
+    def poll(self, handle) -> int | None:
+        ready, _ = self.ray.wait([handle], timeout=0)
+        if not ready:
+            return None
+        try:
+            return int(self.ray.get(handle))
+        except (self.ray.exceptions.RayError, KeyboardInterrupt) as e:
+            print(f"[grid] ray task failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return -1
+
+    def stop(self, handle, grace_s: float = 30.0) -> None:
+        self.ray.cancel(handle)
+        deadline = time.time() + grace_s + 5
+        while time.time() < deadline and self.poll(handle) is None:
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self._owns_ray:
+            self.ray.shutdown()
+
+
+# ---- Cloud TPU --------------------------------------------------------------------------
+
+# Queued-resource / VM runtime image per TPU generation (accelerator type prefix).
+TPU_RUNTIMES = {
+    "v4": "tpu-ubuntu2204-base",
+    "v5litepod": "v2-alpha-tpuv5-lite",
+    "v5p": "v2-alpha-tpuv5",
+    "v6e": "v2-alpha-tpuv6e",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpuOptions:
+    accelerator: str = "v5litepod-8"  # v4-8, v5litepod-8 (v5e), v5p-8, v6e-8, ...
+    zone: str = ""
+    project: str = ""
+    slices: int = 1  # TPU VMs (or queued resources) the grid spreads over
+    prefix: str = "rl-jax"  # slice names: <prefix>-<grid>-<i>
+    queued: bool = False  # create through queued resources (waits for capacity)
+    spot: bool = False
+    version: str = ""  # runtime image ('' = per generation, TPU_RUNTIMES)
+    remote_out: str = "rl_jax_runs"  # out_dir on the hosts (relative to $HOME, or absolute)
+    teardown: bool = False  # delete the slices when the grid is done
+
+    def __post_init__(self):
+        gen = self.accelerator.split("-")[0]
+        if gen not in TPU_RUNTIMES:
+            raise ConfigError(
+                f"--tpu-type={self.accelerator!r}: unknown TPU generation {gen!r};"
+                f" known: {sorted(TPU_RUNTIMES)} (e.g. v5litepod-8, v5p-8, v6e-8, v4-8)"
+            )
+        if not self.zone:
+            raise ConfigError("--backend tpu needs --tpu-zone (e.g. us-central2-b)")
+        if self.slices < 1:
+            raise ConfigError(f"--tpu-slices={self.slices} must be >= 1")
+
+    @property
+    def runtime(self) -> str:
+        return self.version or TPU_RUNTIMES[self.accelerator.split("-")[0]]
+
+
+class TpuBackend(LocalBackend):
+    """Runs each run on all hosts of a TPU slice through `tpu_setup/run.sh`.
+
+    The local process is the script: it creates or reuses the slice, installs
+    this checkout on every host, starts the run under jax.distributed on all
+    hosts, and copies the run directory back (without checkpoints, which stay
+    on the slice so a relaunch resumes). A run always goes to the same slice
+    (index mod slices) for that reason. With `dry_run`, the script prints the
+    gcloud commands instead of running them.
+    """
+
+    name = "tpu"
+
+    def __init__(self, *, grid: str, options: TpuOptions, dry_run: bool = False, **kw):
+        super().__init__(jobs=options.slices, **kw)
+        self.grid = grid
+        self.opts = options
+        self.dry_run = dry_run
+
+    def extra_overrides(self) -> list[str]:
+        return ["mesh.distributed=true"]
+
+    def slice_name(self, plan: RunPlan) -> str:
+        return f"{self.opts.prefix}-{self.grid}-{plan.index % self.opts.slices}".lower().replace(
+            "_", "-"
+        )
+
+    def run_out_dir(self, grid_dir: Path) -> str:
+        return f"{self.opts.remote_out}/{self.grid}/runs"
+
+    def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
+        return self.slice_name(plan) not in {self.slice_name(p) for p in active}
+
+    def script_argv(self, script: str, plan: RunPlan | None, *args: str) -> list[str]:
+        o = self.opts
+        argv = ["bash", str(TPU_SETUP / script), "--zone", o.zone]
+        if o.project:
+            argv += ["--project", o.project]
+        return argv + list(args)
+
+    def command(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+        o = self.opts
+        out_dir = self.run_out_dir(grid_dir)
+        local_runs = Path(grid_dir) / "runs"
+        # The hosts get a copy of this checkout in their home directory: the recipe
+        # is named by its path inside it.
+        rp = Path(recipe)
+        if rp.is_absolute() and rp.is_relative_to(REPO_ROOT):
+            recipe = str(rp.relative_to(REPO_ROOT))
+        argv = self.script_argv(
+            "run.sh",
+            plan,
+            "--name",
+            self.slice_name(plan),
+            "--type",
+            o.accelerator,
+            "--version",
+            o.runtime,
+            "--src",
+            str(REPO_ROOT),
+            "--remote-out",
+            out_dir,
+            "--run-name",
+            plan.name,
+            "--local-out",
+            str(local_runs),
+        )
+        if o.queued:
+            argv.append("--queued")
+        if o.spot:
+            argv.append("--spot")
+        return [*argv, "--", "rl-jax", "train", *plan.train_args(recipe, out_dir=out_dir)]
+
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path):
+        if self.dry_run:
+            raise RuntimeError("the tpu backend in dry-run mode does not start runs")
+        return super().start(plan, argv, log_path)
+
+    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+        argv = self.command(plan, recipe=recipe, grid_dir=grid_dir)
+        return run_script_dry(argv)
+
+    def teardown_argv(self) -> list[list[str]]:
+        names = sorted({f"{self.opts.prefix}-{self.grid}-{i}" for i in range(self.opts.slices)})
+        out = []
+        for n in names:
+            n = n.lower().replace("_", "-")
+            argv = self.script_argv("teardown.sh", None, "--name", n)
+            if self.opts.queued:
+                argv.append("--queued")
+            out.append(argv)
+        return out
+
+
+def run_script_dry(argv: list[str]) -> list[str]:
+    """Run a tpu_setup script with DRY_RUN=1: it prints each gcloud command, runs none."""
+    env = {**os.environ, "DRY_RUN": "1"}
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"dry run of {shlex.join(argv[:2])} failed ({res.returncode}): {res.stderr.strip()}"
+        )
+    return res.stdout.splitlines()
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {
+    "local": LocalBackend,
+    "ray": RayBackend,
+    "tpu": TpuBackend,
+}

@@ -1,0 +1,219 @@
+"""`rl-jax grid SPEC [options]`: run (or list, with --dry-run) an experiment grid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from rl_jax.config import ConfigError, resolve_recipe_path
+from rl_jax.grid.backends import DEFAULT_TRAIN_CMD, LocalBackend, RayBackend, TpuBackend, TpuOptions
+from rl_jax.grid.driver import Driver, grid_dir, is_done, plan_rows
+from rl_jax.grid.expand import RunPlan, expand
+from rl_jax.grid.spec import GridSpec, known_specs, load_spec
+from rl_jax.grid.state import GridState
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rl-jax grid",
+        description="Run an experiment grid: a spec file with grid() -> GridSpec.",
+        epilog="grid specs in experiments/: " + ", ".join(known_specs()),
+    )
+    p.add_argument("spec", help="spec file or name in experiments/ (e.g. isocompute_cpu)")
+    p.add_argument("--out", default="grids", help="grids directory; runs go to OUT/<grid>/runs")
+    p.add_argument("--backend", choices=("local", "ray", "tpu"), default="local")
+    p.add_argument("--jobs", type=int, default=1, help="local: concurrent runs")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their compute")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override applied to every run (changes run ids)",
+    )
+    p.add_argument(
+        "--train-cmd",
+        default=shlex.join(DEFAULT_TRAIN_CMD),
+        help="command that trains one run, given RECIPE key=value... (default: rl-jax train)",
+    )
+    p.add_argument("--retry-failed", action="store_true", help="retry runs that hit max_attempts")
+    p.add_argument(
+        "--resume-stopped", action="store_true", help="continue runs stopped early before"
+    )
+    p.add_argument("--no-early-stop", action="store_true", help="ignore the spec's early_stop")
+    p.add_argument("--no-report", action="store_true", help="skip report.md")
+    p.add_argument("--report-only", action="store_true", help="only rebuild report.md")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between polls of the runs")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run gets to exit")
+    g = p.add_argument_group("ray backend")
+    g.add_argument("--ray-address", default="", help="'' = local Ray; 'auto' or host:port")
+    g.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray instance")
+    t = p.add_argument_group("tpu backend (tpu_setup/)")
+    t.add_argument("--tpu-type", default="v5litepod-8", help="accelerator type, e.g. v5p-8")
+    t.add_argument("--tpu-zone", default="")
+    t.add_argument("--tpu-project", default="")
+    t.add_argument("--tpu-slices", type=int, default=1, help="slices the runs are spread over")
+    t.add_argument("--tpu-prefix", default="rl-jax")
+    t.add_argument("--tpu-queued", action="store_true", help="create through queued resources")
+    t.add_argument("--tpu-spot", action="store_true")
+    t.add_argument("--tpu-version", default="", help="runtime image ('' = per generation)")
+    t.add_argument("--tpu-remote-out", default="rl_jax_runs", help="out dir on the TPU hosts")
+    t.add_argument("--tpu-teardown", action="store_true", help="delete the slices at the end")
+    return p
+
+
+def make_backend(a: argparse.Namespace, spec: GridSpec):
+    train_cmd = shlex.split(a.train_cmd)
+    if a.backend == "local":
+        return LocalBackend(jobs=a.jobs, train_cmd=train_cmd)
+    if a.backend == "ray":
+        if a.dry_run:
+            return LocalBackend(jobs=1, train_cmd=train_cmd)  # the plan does not need Ray
+        return RayBackend(
+            address=a.ray_address,
+            resources=spec.resources,
+            train_cmd=train_cmd,
+            num_cpus=a.ray_cpus,
+            grace_s=a.grace,
+        )
+    opts = TpuOptions(
+        accelerator=a.tpu_type,
+        zone=a.tpu_zone,
+        project=a.tpu_project,
+        slices=a.tpu_slices,
+        prefix=a.tpu_prefix,
+        queued=a.tpu_queued,
+        spot=a.tpu_spot,
+        version=a.tpu_version,
+        remote_out=a.tpu_remote_out,
+        teardown=a.tpu_teardown,
+    )
+    return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run)
+
+
+def _fmt(x: float) -> str:
+    if x != x:  # nan
+        return "n/a"
+    return f"{x:.3g}" if x < 1e5 else f"{x:.2e}"
+
+
+def print_plan(spec: GridSpec, plans: list[RunPlan], root: Path, out=sys.stdout) -> None:
+    st = GridState.load(root, spec.name)
+    unit = spec.budget.unit if spec.budget else "rollouts"
+    print(f"grid {spec.name}: {len(plans)} runs of recipe {spec.recipe!r} -> {root}", file=out)
+    if spec.budget:
+        print(
+            f"budget: {spec.budget.amount:g} {unit} per run (train.steps = budget / one step)",
+            file=out,
+        )
+    hdr = f"{'#':>3}  {'run':<44} {'B_p':>5} {'n':>5} {'M':>6} {'rollouts':>9}"
+    hdr += f" {'gen_tokens':>10} {'flops':>9}  status"
+    print(hdr, file=out)
+    tot = {"rollouts": 0.0, "generated_tokens": 0.0, "flops": 0.0}
+    for p in plans:
+        c = p.compute
+        for k in tot:
+            tot[k] += c[k]
+        rec = st.runs.get(p.run_id)
+        status = "done" if is_done(root, p) else (rec.status if rec else "new")
+        print(
+            f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
+            f" {p.config.sampling.n:>5} {p.steps:>6} {_fmt(c['rollouts']):>9}"
+            f" {_fmt(c['generated_tokens']):>10} {_fmt(c['flops']):>9}  {status}",
+            file=out,
+        )
+    print(
+        f"total: {_fmt(tot['rollouts'])} rollouts, {_fmt(tot['generated_tokens'])} generated"
+        f" tokens (upper bound unless the budget gives mean lengths), {_fmt(tot['flops'])} FLOPs",
+        file=out,
+    )
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    spec = load_spec(a.spec)
+    backend = make_backend(a, spec)
+    plans = expand(spec, extra=[*backend.extra_overrides(), *a.set])
+    root = grid_dir(spec, a.out).resolve()
+    recipe = str(resolve_recipe_path(spec.recipe).resolve())
+    if a.dry_run:
+        if a.json:
+            print(
+                json.dumps(
+                    {"grid": spec.name, "root": str(root), "runs": plan_rows(plans)},
+                    indent=2,
+                    default=str,
+                )
+            )
+        else:
+            print_plan(spec, plans, root)
+        for p in plans:
+            lines = backend.dry_run_lines(p, recipe=recipe, grid_dir=root)
+            if lines:
+                print(f"\n# run {p.name}", *lines, sep="\n")
+        if isinstance(backend, TpuBackend) and a.tpu_teardown:
+            from rl_jax.grid.backends import run_script_dry
+
+            print("\n# teardown")
+            for t in backend.teardown_argv():
+                print(*run_script_dry(t), sep="\n")
+        return 0
+    root.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, int] = {}
+    if not a.report_only:
+        early = None
+        if spec.early_stop is not None and not a.no_early_stop:
+            from rl_jax.grid.results import early_stopper
+
+            early = early_stopper(spec, plans)
+        driver = Driver(
+            spec,
+            plans,
+            backend,
+            root=root,
+            recipe=recipe,
+            retry_failed=a.retry_failed,
+            resume_stopped=a.resume_stopped,
+            poll_s=a.poll,
+            grace_s=a.grace,
+            early_stop=early,
+            early_stop_every_s=spec.early_stop.every_s if spec.early_stop else 30.0,
+        )
+        try:
+            counts = driver.run()
+        except KeyboardInterrupt:
+            print(
+                f"rl-jax grid: interrupted; rerun the same command to resume ({root})",
+                file=sys.stderr,
+            )
+            return 130
+        except RuntimeError as e:
+            print(f"rl-jax grid: {e}", file=sys.stderr)
+            return 1
+        finally:
+            backend.close()
+        if isinstance(backend, TpuBackend) and a.tpu_teardown:
+            import subprocess
+
+            for t in backend.teardown_argv():
+                subprocess.run(t, check=False)
+    if not a.no_report:
+        from rl_jax.grid.results import write_report
+
+        path = write_report(spec, plans, root)
+        print(f"report: {path}")
+    if counts.get("failed"):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"rl-jax grid: config error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,298 @@
+"""The grid driver: launch runs on a backend, resume, retry, stop early.
+
+Invariants (they are what makes a killed driver safe to rerun):
+- a run is finished iff `<run>/DONE` exists; finished runs are never launched;
+- every attempt runs under the guard, which holds the run's lock while its
+  processes live: a restarted driver adopts runs still going from a killed
+  driver (waits on their lock) instead of starting them again;
+- the state file counts launches and failures per run id, written atomically
+  before each launch, so the retry limit survives restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl_jax.grid._guard import BUSY, attempt_path, is_locked, lock_path
+from rl_jax.grid.backends import Backend, guard_argv
+from rl_jax.grid.expand import RunPlan
+from rl_jax.grid.spec import GridSpec
+from rl_jax.grid.state import DriverLock, GridState
+from rl_jax.runs.atomic import atomic_write_json
+
+PLAN_FILE = "plan.json"
+
+
+def grid_dir(spec: GridSpec, out: str | Path) -> Path:
+    return Path(out) / spec.name
+
+
+def run_dir(root: Path, plan: RunPlan) -> Path:
+    return Path(root) / "runs" / plan.name
+
+
+def is_done(root: Path, plan: RunPlan) -> bool:
+    return (run_dir(root, plan) / "DONE").exists()
+
+
+def plan_rows(plans: Sequence[RunPlan]) -> list[dict[str, Any]]:
+    """The plan as JSON rows (plan.json, --dry-run --json)."""
+    return [
+        {
+            "name": p.name,
+            "run_id": p.run_id,
+            "group": p.group,
+            "labels": dict(p.labels),
+            "seed": p.seed,
+            "steps": p.steps,
+            "step_compute": p.step_compute,
+            "compute": p.compute,
+            "overrides": list(p.overrides),
+        }
+        for p in plans
+    ]
+
+
+@dataclass
+class Active:
+    plan: RunPlan
+    attempt: int
+    handle: Any  # None: adopted from an earlier driver, followed through the run lock
+    stopping: str = ""  # set when the driver stops it: 'interrupt' or 'early_stop'
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# Early stopping: given the grid's curve rows per run and the runs still going,
+# return {run_id: reason dict} for runs to stop now.
+EarlyStopFn = Callable[[dict[str, list[dict[str, Any]]], Sequence[RunPlan]], dict[str, dict]]
+
+
+class Driver:
+    def __init__(
+        self,
+        spec: GridSpec,
+        plans: Sequence[RunPlan],
+        backend: Backend,
+        *,
+        root: Path,
+        recipe: str,
+        retry_failed: bool = False,
+        resume_stopped: bool = False,
+        poll_s: float = 0.5,
+        grace_s: float = 30.0,
+        early_stop: EarlyStopFn | None = None,
+        early_stop_every_s: float = 30.0,
+        log: Callable[[str], None] = print,
+    ):
+        self.spec = spec
+        self.plans = list(plans)
+        self.backend = backend
+        self.root = Path(root)
+        self.recipe = recipe
+        self.retry_failed = retry_failed
+        self.resume_stopped = resume_stopped
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self.early_stop = early_stop
+        self.early_stop_every_s = early_stop_every_s
+        self.log = log
+        self._interrupted = 0
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _say(self, msg: str) -> None:
+        self.log(f"[grid {self.spec.name}] {msg}")
+
+    def _finish(self, st: GridState, a: Active, rc: int | None, queue: list[RunPlan]) -> None:
+        p = a.plan
+        rec = st.record(p.run_id, p.name)
+        done = is_done(self.root, p)
+        rec.history.append(
+            {"attempt": a.attempt, "rc": rc, "end": time.time(), "stopping": a.stopping or None}
+        )
+        if done:
+            rec.status = "done"
+            self._say(f"done     {p.name}")
+        elif a.stopping == "early_stop":
+            rec.status = "stopped"
+            rec.stopped = a.info
+            self._say(f"stopped  {p.name} early: {a.info.get('reason', '')}")
+        elif a.stopping == "interrupt":
+            rec.status = "pending"
+        else:
+            rec.failures += 1
+            if rec.failures >= self.spec.max_attempts:
+                rec.status = "failed"
+                self._say(
+                    f"FAILED   {p.name} (exit {rc}); gave up after {rec.failures} failures;"
+                    f" log: {self._log_path(p, a.attempt)}"
+                )
+            else:
+                rec.status = "pending"
+                queue.append(p)
+                self._say(
+                    f"failed   {p.name} (exit {rc}), retry {rec.failures}/"
+                    f"{self.spec.max_attempts - 1}; log: {self._log_path(p, a.attempt)}"
+                )
+
+    def _log_path(self, p: RunPlan, attempt: int) -> Path:
+        return self.root / "logs" / f"{p.name}.{attempt}.log"
+
+    def _poll(self, a: Active) -> tuple[bool, int | None]:
+        if a.handle is None:
+            if is_locked(run_dir(self.root, a.plan)):
+                return False, None
+            rec_path = attempt_path(run_dir(self.root, a.plan), a.attempt)
+            rc = None
+            if rec_path.exists():
+                rc = json.loads(rec_path.read_text()).get("rc")
+            return True, rc
+        rc = self.backend.poll(a.handle)
+        return rc is not None, rc
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._interrupted = signum
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> dict[str, int]:
+        lock = DriverLock(self.root)
+        lock.acquire()
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            lock.release()
+
+    def _run(self) -> dict[str, int]:
+        st = GridState.load(self.root, self.spec.name)
+        atomic_write_json(
+            self.root / PLAN_FILE, {"grid": self.spec.name, "runs": plan_rows(self.plans)}
+        )
+        queue: list[RunPlan] = []
+        active: list[Active] = []
+        for p in self.plans:
+            rec = st.record(p.run_id, p.name)
+            if is_done(self.root, p):
+                rec.status = "done"
+            elif rec.status == "stopped" and not self.resume_stopped:
+                pass
+            elif is_locked(run_dir(self.root, p)):
+                # Still running under a driver that was killed: follow it, do not restart.
+                rec.status = "running"
+                active.append(Active(plan=p, attempt=rec.launches, handle=None))
+                self._say(f"adopted  {p.name} (attempt {rec.launches}, still running)")
+            elif rec.status == "failed" and not self.retry_failed:
+                pass
+            else:
+                if rec.status == "failed":
+                    rec.failures = 0
+                rec.status = "pending"
+                queue.append(p)
+        st.save()
+        n_done = sum(r.status == "done" for r in st.runs.values())
+        self._say(
+            f"{len(self.plans)} runs: {n_done} done, {len(active)} running, {len(queue)} to run"
+            f" on {self.backend.name}"
+        )
+        last_check = time.time()
+        while queue or active:
+            if self._interrupted:
+                self._interrupt(st, active)
+                raise KeyboardInterrupt
+            for a in list(active):
+                finished, rc = self._poll(a)
+                if not finished:
+                    continue
+                active.remove(a)
+                if rc == BUSY and not is_done(self.root, a.plan):
+                    # Someone else holds the run: follow it rather than count a failure.
+                    active.append(Active(plan=a.plan, attempt=a.attempt, handle=None))
+                    continue
+                self._finish(st, a, rc, queue)
+                st.save()
+            for p in list(queue):
+                if not self.backend.can_start(p, [a.plan for a in active]):
+                    continue
+                queue.remove(p)
+                rec = st.record(p.run_id, p.name)
+                if is_done(self.root, p):
+                    rec.status = "done"
+                    st.save()
+                    continue
+                rec.launches += 1
+                rec.status = "running"
+                st.save()  # before the launch: a crash here costs one attempt, never a rerun
+                rd = run_dir(self.root, p)
+                cmd = self.backend.command(p, recipe=self.recipe, grid_dir=self.root)
+                handle = self.backend.start(
+                    p, guard_argv(rd, rec.launches, cmd), self._log_path(p, rec.launches)
+                )
+                active.append(Active(plan=p, attempt=rec.launches, handle=handle))
+                self._say(f"start    {p.name} (attempt {rec.launches})")
+            if self.early_stop is not None and time.time() - last_check >= self.early_stop_every_s:
+                last_check = time.time()
+                self._check_early_stop(st, active)
+            time.sleep(self.poll_s)
+        st.save()
+        counts: dict[str, int] = {}
+        for p in self.plans:
+            s = st.runs[p.run_id].status
+            counts[s] = counts.get(s, 0) + 1
+        self._say("finished: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+        return counts
+
+    def _check_early_stop(self, st: GridState, active: list[Active]) -> None:
+        from rl_jax.runs.atomic import read_jsonl
+
+        curves = {p.run_id: read_jsonl(run_dir(self.root, p) / "curve.jsonl") for p in self.plans}
+        running = [a.plan for a in active if not a.stopping]
+        try:
+            decisions = self.early_stop(curves, running)
+        except Exception as e:  # a failed fit must not take the grid down
+            self._say(f"early-stop check skipped: {type(e).__name__}: {e}")
+            return
+        for a in active:
+            info = decisions.get(a.plan.run_id)
+            if info is None or a.stopping:
+                continue
+            a.stopping, a.info = "early_stop", info
+            self._stop(a)
+
+    def _stop(self, a: Active) -> None:
+        if a.handle is not None:
+            self.backend.stop(a.handle, self.grace_s)
+            return
+        # Adopted: the guard wrote its pid into the lock file it still holds.
+        try:
+            pid = int(lock_path(run_dir(self.root, a.plan)).read_text().split()[0])
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def _interrupt(self, st: GridState, active: list[Active]) -> None:
+        """Stop every run (they resume from their checkpoints next time), then return."""
+        self._say(f"signal {self._interrupted}: stopping {len(active)} run(s)")
+        for a in active:
+            a.stopping = "interrupt"
+            self._stop(a)
+        deadline = time.time() + self.grace_s + 5
+        while active and time.time() < deadline:
+            for a in list(active):
+                finished, rc = self._poll(a)
+                if finished:
+                    active.remove(a)
+                    self._finish(st, a, rc, [])
+            time.sleep(0.1)
+        for a in active:
+            self._finish(st, a, None, [])
+        st.save()
