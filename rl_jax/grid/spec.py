@@ -24,7 +24,7 @@ from rl_jax.config._run import EXPERIMENTS_DIR
 # the report can put the same unit on its x axis.
 UNITS = ("rollouts", "generated_tokens", "flops")
 REPORT_KINDS = ("compare", "isocompute")
-_LABEL_OK = re.compile(r"^[A-Za-z0-9.+=-]+$")
+_LABEL_OK = re.compile(r"^[A-Za-z0-9._+=-]+$")
 
 
 def _pairs(d: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
@@ -59,7 +59,7 @@ class Point:
     def __post_init__(self):
         if not _LABEL_OK.match(self.label):
             raise ConfigError(
-                f"axis point label {self.label!r} must use only letters, digits and . + = -"
+                f"axis point label {self.label!r} must use only letters, digits and _ . + = -"
                 " (it becomes part of run directory names)"
             )
 
@@ -106,7 +106,7 @@ class Axis:
         pts = []
         for i in range(n):
             ov = tuple((k, _freeze(v[i])) for k, v in cols.items())
-            label = (short or "") + "_".join(value_label(v) for _, v in ov)
+            label = (short or "") + "-".join(value_label(v) for _, v in ov)
             pts.append(Point(label=label, overrides=ov))
         return cls(name=name, points=tuple(pts))
 

@@ -1,0 +1,179 @@
+"""Grid specs: expansion, stable run ids, budgets, constraints, and the errors that exit 2."""
+
+import textwrap
+
+import pytest
+
+from rl_jax.cli import main as rl_jax_main
+from rl_jax.config import ConfigError, apply_overrides, flatten, load_recipe, run_id
+from rl_jax.grid import Axis, Budget, Constraint, GridSpec, expand, format_override, load_spec
+from rl_jax.grid.spec import known_specs
+
+
+def _spec(**kw):
+    base = dict(
+        name="t",
+        recipe="scalerl",
+        axes=(
+            Axis.of("sampling.n", [2, 4, 8], short="n"),
+            Axis.of("data.prompts_per_batch", [2, 4], short="bp"),
+        ),
+        budget=Budget(amount=64),
+    )
+    base.update(kw)
+    return GridSpec(**base)
+
+
+def test_product_budget_and_constraint():
+    plans = expand(_spec(constraints=("B_p * n <= 16",)))
+    got = {(p.config.sampling.n, p.config.data.prompts_per_batch): p.steps for p in plans}
+    # n=8, B_p=4 is 32 > 16: dropped; M = 64 // (B_p * n).
+    assert got == {(2, 2): 16, (2, 4): 8, (4, 2): 8, (4, 4): 4, (8, 2): 4}
+    for p in plans:
+        assert p.compute["rollouts"] == 64
+        assert p.name == f"{p.group}_s0-{p.run_id}"
+
+
+def test_run_ids_are_stable_and_match_the_trainer():
+    a = expand(_spec(seeds=(0, 1)))
+    b = expand(_spec(seeds=(0, 1)))
+    assert [p.run_id for p in a] == [p.run_id for p in b]
+    assert len({p.run_id for p in a}) == len(a) == 12
+    # The trainer resolves `RECIPE overrides...`: it must land on the same config and id.
+    for p in a[:3]:
+        args = p.train_args("scalerl", out_dir="x")
+        cfg = load_recipe(args[0], args[1:])
+        assert run_id(cfg) == p.run_id
+        assert cfg.train.seed == p.seed
+
+
+def test_zipped_variants_vars_and_derived_cadence():
+    spec = GridSpec(
+        name="v",
+        recipe="scalerl",
+        axes=(
+            Axis.variants(
+                "split",
+                {"easy": {"data.difficulty": 1}, "hard": {"data.difficulty": 3}},
+                vars={"easy": {"B_max": 32}, "hard": {"B_max": 8}},
+            ),
+            Axis.zipped("nb", {"sampling.n": [2, 4], "data.prompts_per_batch": [4, 8]}),
+        ),
+        constraints=("B <= B_max",),
+        budget=Budget(amount=320),
+        evals_per_run=4,
+        checkpoints_per_run=2,
+    )
+    plans = expand(spec)
+    got = sorted((dict(p.labels)["split"], p.config.sampling.n) for p in plans)
+    assert got == [("easy", 2), ("easy", 4), ("hard", 2)]
+    easy2 = next(p for p in plans if p.group == "easy_2-4")
+    assert easy2.steps == 40 and easy2.config.eval.every == 10
+    assert easy2.config.checkpoint.every == 20
+
+
+def test_flops_budget_uses_model_flops_per_token():
+    pytest.importorskip("rl_jax.models.spec")
+    from rl_jax.models.spec import resolve_spec
+
+    cfg = load_recipe("scalerl")
+    ms = resolve_spec(cfg.model)
+    T = cfg.sampling.max_prompt_len + cfg.sampling.max_new_tokens
+    per_rollout = ms.sequence_flops(T) + ms.sequence_flops(T, train=True)
+    plans = expand(
+        _spec(
+            axes=(Axis.of("sampling.n", [2], short="n"),),
+            budget=Budget(amount=per_rollout * 8 * 2 * 10.5, unit="flops"),
+        )
+    )
+    assert plans[0].steps == 10  # B_p = 8 from the recipe, n = 2; floor(10.5)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0.001, 1e-7, True, False, 3, "01", "it's: a </think> b", (1, 2), "x y"],
+)
+def test_format_override_round_trips(value):
+    key = {
+        float: "train.lr",
+        bool: "model.fp32_lm_head",
+        int: "train.steps",
+        str: "sampling.interrupt_text",
+        tuple: "sampling.stop_token_ids",
+    }[type(value)]
+    cfg = apply_overrides(load_recipe("scalerl"), [format_override(key, value)])
+    got = flatten(cfg)[key]
+    assert (list(got) if isinstance(value, tuple) else got) == (
+        list(value) if isinstance(value, tuple) else value
+    )
+
+
+def test_constraint_evaluator_is_not_eval():
+    c = Constraint("B_p * n <= 16 and not (n == 8) or M > 1000")
+    assert c({"B_p": 2, "n": 4, "M": 1}) is True
+    assert c({"B_p": 2, "n": 8, "M": 1}) is False
+    with pytest.raises(ConfigError, match="not allowed"):
+        Constraint("__import__('os').system('true')")({})
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"axes": (Axis.of("sampling.nn", [2]),)}, r"unknown config key 'sampling.nn'.*sampling.n"),
+        ({"base": {"train.lrr": 0.1}}, r"unknown config key 'train.lrr'"),
+        ({"constraints": ("B_p * n <= 1",)}, r"no run satisfies the constraints"),
+        ({"budget": Budget(amount=5)}, r"budget 5 rollouts is smaller than one step"),
+        ({"constraints": ("B_q <= 4",)}, r"unknown name\(s\) \['B_q'\]"),
+        ({"axes": (Axis.of("loss.name", ["nope"]),)}, r"loss.name='nope' is not one of"),
+    ],
+)
+def test_spec_errors(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        expand(_spec(**kw))
+
+
+def test_dataclass_validation():
+    with pytest.raises(ConfigError, match="budget unit 'gpu_hours'"):
+        Budget(amount=1, unit="gpu_hours")
+    with pytest.raises(ConfigError, match="repeats labels"):
+        Axis.of("sampling.n", [2, 2])
+    with pytest.raises(ConfigError, match="columns differ in length"):
+        Axis.zipped("z", {"sampling.n": [1, 2], "train.lr": [0.1]})
+
+
+def test_cli_spec_errors_exit_2(tmp_path, capsys):
+    """Through the `rl-jax` entry point: a bad spec exits 2 with the message on stderr."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        textwrap.dedent(
+            """
+            from rl_jax.grid import Axis, Budget, GridSpec
+            def grid():
+                return GridSpec(name="bad", recipe="scalerl", budget=Budget(amount=1),
+                                axes=(Axis.of("sampling.n", [4]),))
+            """
+        )
+    )
+    unknown_field = tmp_path / "unknown_field.py"
+    unknown_field.write_text(
+        "from rl_jax.grid import GridSpec\n"
+        "def grid():\n    return GridSpec(name='u', recipe='scalerl', budgett=1)\n"
+    )
+    for argv, msg in [
+        ([str(bad)], "smaller than one step"),
+        ([str(unknown_field)], "unexpected keyword argument 'budgett'"),
+        ([str(tmp_path / "missing.py")], "does not exist"),
+        (["scalerl"], "defines no grid() function (it looks like a recipe"),
+        ([str(bad), "--set", "sampling.n=2"], "fights grid 'bad' 'n'"),
+    ]:
+        assert rl_jax_main(["grid", *argv, "--dry-run"]) == 2
+        assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(known_specs()))
+def test_shipped_specs_expand(name):
+    spec = load_spec(name)
+    plans = expand(spec)
+    assert plans and len({p.run_id for p in plans}) == len(plans)
+    if name.endswith("_cpu"):
+        assert load_spec(name.removesuffix("_cpu")).axes, "each _cpu spec has a full version"
