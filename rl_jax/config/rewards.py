@@ -4,22 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_range, knob
 
 SCALES = ("pm1", "01")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    name: str = knob("arith", help="verifier by name (rl_jax.rewards.names())")
+    name: str = knob(
+        "arith",
+        help="verifier by name (rl_jax.rewards.names()); 'auto' = the task's default verifier",
+    )
     scale: str = knob("pm1", help=f"reward scale: 'pm1' (+1/-1) or '01' (1/0); one of {SCALES}")
-    timeout_s: float = knob(2.0, help="per-call time limit of a verifier")
-    workers: int = knob(2, help="verifier worker processes (math-verify)")
-    format_coef: float = knob(0.0, help="weight of an optional format reward")
-    overlong_penalty: bool = knob(False, help="DAPO overlong penalty")
-    overlong_max: int = knob(0, help="DAPO L_max (tokens)")
-    overlong_cache: int = knob(0, help="DAPO L_cache (tokens)")
+    timeout_s: float = knob(2.0, help="per-call time limit of a sandboxed verifier (math, gym)")
+    workers: int = knob(2, help="sandbox worker processes for math-verify / reasoning-gym")
+    format_coef: float = knob(
+        0.0, help="format reward: added when an answer can be read from the completion"
+    )
+    overlong_penalty: bool = knob(
+        False, help="DAPO overlong penalty clip((L_max - |y|)/L_cache - 1, -1, 0)"
+    )
+    overlong_max: int = knob(0, help="DAPO L_max (generated tokens)")
+    overlong_cache: int = knob(0, help="DAPO L_cache (generated tokens)")
 
     def __post_init__(self):
+        if not self.name:
+            raise ConfigError("rewards.name is empty; use a verifier name or 'auto'")
         check_choice("rewards", "scale", self.scale, SCALES)
         check_range("rewards", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
+        check_range("rewards", "workers", self.workers, lo=1)
+        if self.overlong_penalty and not 0 < self.overlong_cache < self.overlong_max:
+            raise ConfigError(
+                "rewards.overlong_penalty=true needs 0 < rewards.overlong_cache < "
+                f"rewards.overlong_max, got {self.overlong_cache}, {self.overlong_max}"
+            )

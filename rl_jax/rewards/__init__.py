@@ -1,1 +1,50 @@
-"""rl_jax.rewards"""
+"""Verifiers by name, safe on hostile model output and bounded in time.
+
+    fn = rl_jax.rewards.get("arith", scale="pm1")
+    fn("64", "64")                              # 1.0
+    rl_jax.rewards.score_batch(fn, completions, answers)   # np.ndarray [N]
+
+Names: arith, countdown, numeric (pure Python, bounded by construction);
+math (math-verify, `math` extra) and gym (reasoning-gym, `gym` extra) run in
+sandbox worker processes with a per-call time limit.
+"""
+
+from rl_jax.rewards._countdown import (
+    evaluate_expression,
+    format_countdown_answer,
+    parse_countdown_answer,
+)
+from rl_jax.rewards._gym import encode_gym_answer
+from rl_jax.rewards._numeric import extract_numeric, last_boxed, parse_number
+from rl_jax.rewards._registry import (
+    SCALES,
+    RewardFn,
+    from_config,
+    get,
+    names,
+    overlong_penalty,
+    register,
+    score_batch,
+    shape_rewards,
+)
+from rl_jax.rewards._sandbox import SandboxPool
+
+__all__ = [
+    "SCALES",
+    "RewardFn",
+    "SandboxPool",
+    "encode_gym_answer",
+    "evaluate_expression",
+    "extract_numeric",
+    "format_countdown_answer",
+    "from_config",
+    "get",
+    "last_boxed",
+    "names",
+    "overlong_penalty",
+    "parse_countdown_answer",
+    "parse_number",
+    "register",
+    "score_batch",
+    "shape_rewards",
+]

@@ -1,0 +1,94 @@
+"""Exact numeric answers (GSM8K style): the final number of a completion, compared as a fraction."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from rl_jax.rewards._text import bounded_text
+
+# Final answers sit at the end of a completion; nothing before this tail is read.
+TAIL_CHARS = 4096
+# Longer "numbers" are refused before Fraction sees them, so no huge integer is ever built.
+MAX_NUMBER_CHARS = 48
+
+# re.ASCII: only 0-9 are digits (Python's int() would also read other scripts' digits).
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?", re.ASCII)
+_CANONICAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", re.ASCII)
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}", re.ASCII)
+_LATEX_NOISE = re.compile(r"\\text\{[^{}]{0,64}\}|\\[,!;: ]|\\\$|\\%|\$|%|\\left|\\right")
+_ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """A number written as `-1,234.5`, `3/4`, `\\frac{3}{4}` or `$72`; None if it is not one."""
+    if len(text) > 4 * MAX_NUMBER_CHARS:
+        return None
+    s = _LATEX_FRAC.sub(r"\1/\2", text)
+    s = _LATEX_NOISE.sub("", s).replace(",", "").replace(" ", "").strip().rstrip(".")
+    if not s or len(s) > MAX_NUMBER_CHARS or not _CANONICAL.fullmatch(s):
+        return None
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (balanced braces), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for m in _NUMBER.finditer(text):
+        last = m.group(0)
+    return last
+
+
+def extract_numeric(completion: object) -> str | None:
+    """The final-answer string of a completion: last \\boxed{}, else after `####`,
+    else after the last "answer is", else the last number in the text."""
+    text = bounded_text(completion, limit=TAIL_CHARS, keep="tail")
+    boxed = last_boxed(text)
+    if boxed is not None:
+        if parse_number(boxed) is not None:
+            return boxed
+        return _last_number(_LATEX_FRAC.sub(r"\1/\2", boxed))
+    hashes = text.rfind("####")
+    if hashes >= 0:
+        m = _NUMBER.search(text, hashes + 4)
+        return m.group(0) if m else None
+    marks = list(_ANSWER_IS.finditer(text))
+    if marks:
+        m = _NUMBER.search(text, marks[-1].end())
+        if m:
+            return m.group(0)
+    return _last_number(text)
+
+
+def numeric_score(completion: object, answer: str) -> float:
+    gold = parse_number(answer)
+    got_s = extract_numeric(completion)
+    if gold is None or got_s is None:
+        return 0.0
+    got = parse_number(got_s)
+    return 1.0 if got is not None and got == gold else 0.0
+
+
+def numeric_well_formed(completion: object) -> bool:
+    got = extract_numeric(completion)
+    return got is not None and parse_number(got) is not None

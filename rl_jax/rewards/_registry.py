@@ -1,0 +1,266 @@
+"""Verifiers by name; reward scale; batched scoring; format and overlong shaping."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rl_jax.config.rewards import RewardConfig
+from rl_jax.rewards import _gym, _math
+from rl_jax.rewards._arith import arith_score, arith_well_formed
+from rl_jax.rewards._countdown import countdown_score, countdown_well_formed
+from rl_jax.rewards._numeric import last_boxed, numeric_score, numeric_well_formed
+from rl_jax.rewards._sandbox import shared_pool
+from rl_jax.rewards._text import bounded_text
+
+log = logging.getLogger(__name__)
+
+SCALES: dict[str, tuple[float, float]] = {"pm1": (1.0, -1.0), "01": (1.0, 0.0)}
+
+
+class RewardFn:
+    """`fn(completion, answer) -> float`: the scale's high value for a correct answer,
+    its low value otherwise (partial credit, where a scorer gives it, in between).
+
+    Never raises on any completion: malformed, hostile or timed-out output is no credit.
+    """
+
+    def __init__(self, name: str, scale: str, *, well_formed: Callable[[object], bool]):
+        if scale not in SCALES:
+            raise ValueError(f"reward scale {scale!r} is not one of {list(SCALES)}")
+        self.name, self.scale = name, scale
+        self.high, self.low = SCALES[scale]
+        self._well_formed = well_formed
+
+    def scores(self, completions: Sequence[object], answers: Sequence[str]) -> np.ndarray:
+        """Correctness in [0, 1] per completion (1 = right), before scaling."""
+        raise NotImplementedError
+
+    def batch(self, completions: Sequence[object], answers: Sequence[str]) -> np.ndarray:
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        s = self.scores(completions, answers)
+        return (self.low + s * (self.high - self.low)).astype(np.float32)
+
+    def __call__(self, completion: object, answer: str) -> float:
+        return float(self.batch([completion], [answer])[0])
+
+    def well_formed(self, completion: object) -> bool:
+        """Whether an answer can be read from the completion at all (format reward)."""
+        try:
+            return bool(self._well_formed(completion))
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        """Release worker processes, if any."""
+
+    def __repr__(self) -> str:
+        return f"RewardFn({self.name!r}, scale={self.scale!r})"
+
+
+class _LocalRewardFn(RewardFn):
+    """Pure-Python verifiers: bounded by construction, cheap enough to run in the caller."""
+
+    def __init__(self, name, scale, *, score, well_formed):
+        super().__init__(name, scale, well_formed=well_formed)
+        self._score = score
+
+    def scores(self, completions, answers):
+        out = np.zeros(len(completions), np.float32)
+        for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
+            try:
+                out[i] = self._score(c, a)
+            except Exception as e:
+                # Verifiers do not raise on completions; this is a malformed *answer* (a data
+                # bug): log it and give no credit rather than stop the training loop.
+                log.warning("%s verifier: no credit for answer %r (%s)", self.name, str(a)[:80], e)
+        return out
+
+
+class _PooledRewardFn(RewardFn):
+    """Verifiers that may spin on hostile input: each call runs in a sandbox worker with a
+    hard time limit (see _sandbox)."""
+
+    def __init__(self, name, scale, *, target, prepare, preload, workers, timeout_s, well_formed):
+        super().__init__(name, scale, well_formed=well_formed)
+        self._target, self._prepare, self._preload = target, prepare, preload
+        self._workers, self.timeout_s = workers, timeout_s
+
+    @property
+    def pool(self):
+        return shared_pool(workers=self._workers, preload=self._preload)
+
+    def scores(self, completions, answers):
+        args = [self._prepare(c, a) for c, a in zip(completions, answers, strict=True)]
+        res = self.pool.run(self._target, args, timeout_s=self.timeout_s)
+        return np.asarray(
+            [float(r) if isinstance(r, int | float) else 0.0 for r in res], np.float32
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+_Factory = Callable[[str, float, int], RewardFn]
+_REGISTRY: dict[str, _Factory] = {}
+
+
+def register(name: str) -> Callable[[_Factory], _Factory]:
+    """Register `factory(scale, timeout_s, workers) -> RewardFn` under `name`."""
+
+    def deco(factory: _Factory) -> _Factory:
+        if name in _REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get(name: str, *, scale: str = "pm1", timeout_s: float = 2.0, workers: int = 2) -> RewardFn:
+    """The verifier `name` as `fn(completion, answer) -> float` at `scale` ('pm1' or '01')."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown reward {name!r}; known rewards: {names()}")
+    return _REGISTRY[name](scale, timeout_s, workers)
+
+
+def from_config(cfg: RewardConfig, *, task_reward: str = "") -> RewardFn:
+    """The verifier a RewardConfig names; `rewards.name=auto` takes the task's default."""
+    name = cfg.name
+    if name == "auto":
+        if not task_reward:
+            raise ValueError("rewards.name=auto needs the task's reward name (Task.reward_name)")
+        name = task_reward
+    return get(name, scale=cfg.scale, timeout_s=cfg.timeout_s, workers=cfg.workers)
+
+
+@register("arith")
+def _arith(scale, timeout_s, workers):
+    return _LocalRewardFn("arith", scale, score=arith_score, well_formed=arith_well_formed)
+
+
+@register("countdown")
+def _countdown(scale, timeout_s, workers):
+    return _LocalRewardFn(
+        "countdown", scale, score=countdown_score, well_formed=countdown_well_formed
+    )
+
+
+@register("numeric")
+def _numeric(scale, timeout_s, workers):
+    return _LocalRewardFn("numeric", scale, score=numeric_score, well_formed=numeric_well_formed)
+
+
+def _math_prepare(completion: object, answer: str) -> tuple[str, str]:
+    return bounded_text(completion, limit=_math.TAIL_CHARS, keep="tail"), str(answer)[:1024]
+
+
+def _boxed_present(completion: object) -> bool:
+    return last_boxed(bounded_text(completion, limit=_math.TAIL_CHARS, keep="tail")) is not None
+
+
+@register("math")
+def _math_reward(scale, timeout_s, workers):
+    if not _math.available():
+        raise ImportError("reward 'math' needs math-verify: pip install 'rl-jax[math]'")
+    return _PooledRewardFn(
+        "math",
+        scale,
+        target="rl_jax.rewards._math:math_verify_score",
+        prepare=_math_prepare,
+        preload=("math_verify", "rl_jax.rewards._math"),
+        workers=workers,
+        timeout_s=timeout_s,
+        well_formed=_boxed_present,
+    )
+
+
+def _gym_prepare(completion: object, answer: str) -> tuple[str, str]:
+    text = bounded_text(completion, limit=_gym.TAIL_CHARS, keep="tail")
+    return _gym.extract_gym(text), str(answer)
+
+
+def _gym_well_formed(completion: object) -> bool:
+    return "</answer>" in bounded_text(completion, limit=_gym.TAIL_CHARS, keep="tail")
+
+
+@register("gym")
+def _gym_reward(scale, timeout_s, workers):
+    if not _gym.available():
+        raise ImportError("reward 'gym' needs reasoning-gym: pip install 'rl-jax[gym]'")
+    return _PooledRewardFn(
+        "gym",
+        scale,
+        target="rl_jax.rewards._gym:gym_score",
+        prepare=_gym_prepare,
+        preload=("reasoning_gym", "rl_jax.rewards._gym"),
+        workers=workers,
+        timeout_s=timeout_s,
+        well_formed=_gym_well_formed,
+    )
+
+
+def score_batch(
+    reward_fn: Callable[[object, str], float],
+    completions: Sequence[object],
+    answers: Sequence[str],
+) -> np.ndarray:
+    """Rewards [N] (float32) of N completions against their answers.
+
+    A `RewardFn` scores the batch at once (pooled verifiers in parallel); any
+    other callable is called per item, and an exception from it is no credit
+    (reward 0.0) rather than a crash of the training loop.
+    """
+    if isinstance(reward_fn, RewardFn):
+        return reward_fn.batch(completions, answers)
+    if len(completions) != len(answers):
+        raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+    out = np.zeros(len(completions), np.float32)
+    for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
+        try:
+            out[i] = reward_fn(c, a)
+        except Exception as e:
+            log.warning("reward function raised %s; no credit", type(e).__name__)
+    return out
+
+
+def overlong_penalty(lengths, *, l_max: int, l_cache: int) -> np.ndarray:
+    """DAPO soft overlong penalty per sample: clip((L_max - |y|) / L_cache - 1, -1, 0).
+
+    0 up to L_max - L_cache tokens, then linear down to -1 at L_max and beyond.
+    """
+    if l_cache <= 0 or l_max <= l_cache:
+        raise ValueError(f"overlong penalty needs 0 < l_cache < l_max, got {l_cache}, {l_max}")
+    y = np.asarray(lengths, np.float64)
+    return np.clip((l_max - y) / l_cache - 1.0, -1.0, 0.0).astype(np.float32)
+
+
+def shape_rewards(
+    rewards: np.ndarray,
+    *,
+    cfg: RewardConfig,
+    reward_fn: RewardFn,
+    completions: Sequence[object],
+    lengths=None,
+) -> np.ndarray:
+    """Verifier rewards plus the optional format reward (`format_coef` if an answer can be
+    read) and DAPO overlong penalty (`overlong_penalty`, lengths in generated tokens).
+
+    The curriculum's pass rates should see the verifier rewards, not these.
+    """
+    out = np.asarray(rewards, np.float32).copy()
+    if cfg.format_coef:
+        ok = np.asarray([reward_fn.well_formed(c) for c in completions], np.float32)
+        out += np.float32(cfg.format_coef) * ok
+    if cfg.overlong_penalty:
+        if lengths is None:
+            raise ValueError("rewards.overlong_penalty=true needs the completion lengths")
+        out += overlong_penalty(lengths, l_max=cfg.overlong_max, l_cache=cfg.overlong_cache)
+    return out
