@@ -1,0 +1,69 @@
+"""IsoCompute (arXiv 2603.12151): n x B_p under B_max at a fixed rollout budget, easy and hard.
+
+C = B_p * n * M: for each (B_p, n) with B_p * n <= B_max (65,536 on the easy
+split, 16,384 on the hard one), M is whatever the budget leaves. The report
+takes the record-breaking points of each run, the upper envelope over runs as
+the compute-optimal frontier, and fits log2 n* against log C with a sigmoid.
+
+Healthy recipe of the paper: GRPO advantages, on-policy, 0/1 reward, truncated
+importance sampling against the sampler, temperature 0.6, lr proportional to
+sqrt(B_p * n) (1e-6 at B = 1024), 10 warm-up steps then constant, no KL or
+entropy terms (they destabilize the hard split). Difficulty splits come from
+the base model's avg@16 (rl_jax.data.splits.write_splits); point the grid at
+the model, the data and the split file, e.g.
+
+    rl-jax grid isocompute --set model.path=/ckpt/Qwen2.5-7B --set data.source=file \\
+        --set data.path=/data/math.jsonl --set data.split_file=/data/splits.json
+"""
+
+from rl_jax.grid import Axis, Budget, GridSpec, ReportSpec
+
+HEALTHY = {
+    "loss.name": "grpo",
+    "loss.advantage": "grpo",
+    "loss.adv_norm": "prompt",
+    "loss.aggregation": "sample",
+    "loss.tis": True,
+    "loss.kl_coef": 0.0,
+    "loss.entropy_coef": 0.0,
+    "train.off_policy": "on_policy",
+    "train.off_policy_k": 1,
+    "rewards.scale": "01",
+    "sampling.temperature": 0.6,
+    "sampling.length_control": "truncate",
+    "train.lr": 1e-6,
+    "train.lr_sqrt_batch_ref": 1024,  # lr * sqrt(B_p * n / 1024)
+    "train.warmup_steps": 10,
+    "train.schedule": "constant",
+    "data.zero_variance_filter": False,
+    "data.no_positive_resampling": False,
+    "eval.k": 4,  # avg@4, best@4, worst@4
+}
+
+POW2 = [2**i for i in range(3, 12)]
+
+
+def grid() -> GridSpec:
+    return GridSpec(
+        name="isocompute",
+        recipe="scalerl",
+        base={**HEALTHY, "sampling.max_new_tokens": 4096},
+        axes=(
+            Axis.variants(
+                "split",
+                {
+                    "easy": {"data.split_file": "splits.json", "data.split_name": "easy"},
+                    "hard": {"data.split_file": "splits.json", "data.split_name": "hard"},
+                },
+                vars={"easy": {"B_max": 65536}, "hard": {"B_max": 16384}},
+            ),
+            Axis.of("sampling.n", POW2, short="n"),  # 8 .. 2048
+            Axis.of("data.prompts_per_batch", [32, 64, 128, 256, 512, 1024], short="bp"),
+        ),
+        constraints=("B_p * n <= B_max",),
+        budget=Budget(amount=2**23, unit="rollouts"),  # 128 steps at B = 65,536
+        evals_per_run=16,
+        checkpoints_per_run=16,
+        report=ReportSpec(kind="isocompute", x="rollouts", metric="val/pass@1", split_by="split"),
+        description="IsoCompute n x B_p x M frontier",
+    )

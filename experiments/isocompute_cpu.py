@@ -1,0 +1,35 @@
+"""`isocompute` sized for a 2-core CPU: the tiny model on arithmetic, splits by difficulty.
+
+Easy = 1-digit, hard = 2-digit addition (the CPU stand-in for avg@16 bands);
+n and B_p in {2, 4, 8} (hard: 4, 8 only for B_p) under B_max = 32 (easy) and 16 (hard),
+all at one rollout budget. About 30 minutes on 2 cores with --jobs 2.
+"""
+
+from rl_jax.grid import Axis, Budget, load_spec
+
+
+def grid():
+    full = load_spec("isocompute")
+    return full.replace(
+        name="isocompute_cpu",
+        base={
+            **dict(full.base),
+            "sampling.max_new_tokens": 10,
+            "train.lr": 1e-3,
+            "train.lr_sqrt_batch_ref": 16,
+            "data.split_file": "",
+            "data.split_name": "",
+        },
+        axes=(
+            Axis.variants(
+                "split",
+                {"easy": {"data.difficulty": 1}, "hard": {"data.difficulty": 2}},
+                vars={"easy": {"B_max": 32}, "hard": {"B_max": 16}},
+            ),
+            Axis.of("sampling.n", [2, 4, 8], short="n"),
+            Axis.of("data.prompts_per_batch", [2, 4, 8], short="bp"),
+        ),
+        budget=Budget(amount=16 * 48, unit="rollouts"),
+        evals_per_run=6,
+        checkpoints_per_run=3,
+    )
