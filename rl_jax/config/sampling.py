@@ -12,7 +12,9 @@ LENGTH_CONTROL = ("truncate", "interrupt")
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     n: int = knob(8, help="samples per prompt (G, IsoCompute's n)")
-    temperature: float = knob(1.0, help="sampling temperature (0 = greedy)")
+    temperature: float = knob(
+        1.0, help="sampling temperature (0 = greedy); reported log-probs are at this temperature"
+    )
     top_p: float = knob(1.0, help="nucleus sampling mass (1 = off)")
     top_k: int = knob(0, help="top-k sampling (0 = off)")
     max_new_tokens: int = knob(32, help="generation budget per row")
@@ -30,7 +32,7 @@ class SamplingConfig:
         "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>",
         help="text injected at the interruption point (not trained on)",
     )
-    answer_budget: int = knob(0, help="tokens allowed after an interruption")
+    answer_budget: int = knob(0, help="policy tokens allowed after the injected text")
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
 
     def __post_init__(self):
@@ -39,10 +41,20 @@ class SamplingConfig:
         check_range("sampling", "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         check_range("sampling", "top_k", self.top_k, lo=0)
         check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1)
+        check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=1)
         check_range("sampling", "length_bucket", self.length_bucket, lo=1)
+        check_range("sampling", "decode_chunk", self.decode_chunk, lo=0)
         check_choice("sampling", "length_control", self.length_control, LENGTH_CONTROL)
         if self.length_control == "interrupt" and not 0 < self.interrupt_lo <= self.interrupt_hi:
             raise ConfigError(
                 "sampling.length_control='interrupt' needs 0 < sampling.interrupt_lo <= "
                 f"sampling.interrupt_hi, got {self.interrupt_lo}, {self.interrupt_hi}"
             )
+        if self.length_control == "interrupt" and self.answer_budget < 1:
+            raise ConfigError(
+                "sampling.length_control='interrupt' needs sampling.answer_budget >= 1 (tokens "
+                f"the model may answer with after the injected text), got {self.answer_budget}"
+            )
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ConfigError(f"sampling.stop_token_ids must be token ids >= 0, got {bad}")

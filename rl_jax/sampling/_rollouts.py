@@ -1,0 +1,55 @@
+"""What the sampler hands to the trainer: one row per sample, numpy arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+class FinishReason(enum.IntEnum):
+    """Why a row ended (`Rollouts.finish_reason` holds these codes)."""
+
+    RUNNING = 0  # not finished yet (only seen mid-decode) or a padding row
+    STOP = 1  # emitted a stop token (kept in the completion, mask 1)
+    LENGTH = 2  # hit max_new_tokens without a stop token (truncated)
+    INTERRUPTED = 3  # forced interruption; then stopped, or ran out of answer budget
+
+
+FINISH_NAMES = tuple(r.name.lower() for r in FinishReason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """Sampled rows; B = P prompts x G samples, row b belongs to prompt b // G.
+
+    `logprobs` are the sampler's log-probs of each completion token under the
+    temperature-scaled distribution it sampled from, before top-k/top-p
+    truncation (1.0 temperature for greedy); 0 where `completion_mask` is 0.
+    """
+
+    prompt_tokens: np.ndarray  # [B, Tp] int32, left-padded with pad_id
+    prompt_mask: np.ndarray  # [B, Tp] bool
+    completion_tokens: np.ndarray  # [B, Tg] int32, right-padded with pad_id
+    completion_mask: np.ndarray  # [B, Tg] bool: policy tokens up to and incl. the stop token
+    injected_mask: np.ndarray  # [B, Tg] bool: tokens injected by forced interruption
+    logprobs: np.ndarray  # [B, Tg] float32
+    versions: np.ndarray  # [B, Tg] int32 policy version per token, -1 where not sampled
+    lengths: np.ndarray  # [B] int32 completion length (injected tokens included)
+    finish_reason: np.ndarray  # [B] int32 FinishReason codes
+    truncated: np.ndarray  # [B] bool: ended by a length limit, not a stop token
+    group_ids: np.ndarray  # [B] int32 prompt index
+    row_ids: np.ndarray  # [B] int32 ids the random keys were folded with
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def finish_names(self) -> list[str]:
+        return [FINISH_NAMES[int(c)] for c in self.finish_reason]
+
+    def completion(self, row: int) -> list[int]:
+        """Token ids of one row's completion (injected tokens included)."""
+        return self.completion_tokens[row, : int(self.lengths[row])].tolist()

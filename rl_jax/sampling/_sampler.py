@@ -1,0 +1,425 @@
+"""The compiled sampler: prefill once per prompt, then a `lax.while_loop` decode.
+
+    sampler = Sampler(spec, cfg, mesh=mesh, eos_id=eos, pad_id=pad)
+    state = sampler.start(params, prompts, n=G, seed=0, version=v)   # prefill P prompts
+    while not sampler.done(state):
+        state = sampler.decode(params, state, max_steps=64, version=v)  # swap params freely
+    out = sampler.result(state)                                       # Rollouts, B = P * G
+
+Weights are an argument of both compiled functions: parameters with the same
+tree, shapes, dtypes and shardings never recompile, including between decode
+chunks while rows are in flight (PipelineRL's in-flight update: the rows keep
+the KV cache the old weights wrote). Shapes are bucketed: prompts to a
+multiple of `length_bucket` (left-padded), generations to a multiple of it too,
+rows to a multiple of the mesh's batch shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from rl_jax.config.sampling import SamplingConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models.spec import ModelSpec
+from rl_jax.models.transformer import Transformer, model_params, param_shardings
+from rl_jax.sampling._decode import (
+    CACHE_LOGICAL_AXES,
+    DecodeCache,
+    decode_step,
+    decode_weights,
+    from_model_cache,
+)
+from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_logits, step_keys
+from rl_jax.sampling._rollouts import FinishReason, Rollouts
+from rl_jax.sampling._state import THINK, SamplerState, advance
+from rl_jax.sharding.rules import (
+    Rules,
+    batch_sharding,
+    fit_spec,
+    get_rules,
+    logical_to_spec,
+    num_batch_shards,
+)
+
+Params = Mapping[str, jax.Array]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_prompts(
+    prompt_ids: Sequence[Sequence[int]], *, rows: int, bucket: int, max_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts into [rows, Tp] (Tp a multiple of `bucket`); also their lengths [rows].
+
+    Rows past len(prompt_ids) hold a one-token dummy prompt (padding rows).
+    """
+    lens = [len(p) for p in prompt_ids]
+    for i, n in enumerate(lens):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if n > max_len:
+            raise ConfigError(
+                f"prompt {i} has {n} tokens, more than sampling.max_prompt_len={max_len}; "
+                "raise sampling.max_prompt_len or shorten the prompt"
+            )
+    tp = round_up(max(lens), bucket)
+    tokens = np.full((rows, tp), pad_id, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, tp - len(p) :] = np.asarray(p, np.int32)
+        lengths[i] = len(p)
+    return tokens, lengths
+
+
+class Sampler:
+    """Batched sampling from a decoder; see the module docstring for the life cycle.
+
+    model: the `ModelSpec` (or a `Transformer`, whose spec is used).
+    eos_id: stop token(s) used when `cfg.stop_token_ids` is empty.
+    interrupt_ids: the tokenized `cfg.interrupt_text` (needed in interrupt mode).
+    rules: a sampling rule preset of `rl_jax.sharding.SAMPLE_RULES` or a rule table.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec | Transformer,
+        cfg: SamplingConfig,
+        *,
+        mesh: Mesh | None = None,
+        eos_id: int | Sequence[int] | None = None,
+        pad_id: int = 0,
+        interrupt_ids: Sequence[int] | None = None,
+        rules: str | Rules = "fsdp_tp",
+    ):
+        self.spec = model.spec if isinstance(model, Transformer) else model
+        self.cfg = cfg
+        self.mesh = mesh
+        self.rules = get_rules(rules, purpose="sample") if isinstance(rules, str) else rules
+        self.pad_id = int(pad_id)
+        if cfg.stop_token_ids:
+            stops = tuple(int(s) for s in cfg.stop_token_ids)
+        elif eos_id is None:
+            stops = ()
+        else:
+            stops = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+        self.stop_ids = stops
+        self.interrupt = cfg.length_control == "interrupt"
+        self.interrupt_ids = tuple(int(i) for i in (interrupt_ids or ()))
+        if self.interrupt:
+            if not self.interrupt_ids:
+                raise ConfigError(
+                    "sampling.length_control='interrupt' needs interrupt_ids: pass the "
+                    "tokenized sampling.interrupt_text to Sampler(..., interrupt_ids=...)"
+                )
+            need = cfg.interrupt_hi + len(self.interrupt_ids) + cfg.answer_budget
+            if need > cfg.max_new_tokens:
+                raise ConfigError(
+                    f"sampling.max_new_tokens={cfg.max_new_tokens} leaves no room for an "
+                    f"interruption at sampling.interrupt_hi={cfg.interrupt_hi} plus "
+                    f"{len(self.interrupt_ids)} injected tokens plus "
+                    f"sampling.answer_budget={cfg.answer_budget}: set it to at least {need}"
+                )
+        vocab = self.spec.vocab_size
+        for name, ids in (("stop", self.stop_ids), ("interrupt", self.interrupt_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
+        self.shards = 1 if mesh is None else num_batch_shards(mesh)
+        self._start = jax.jit(self._start_impl, static_argnames=("gen_len",))
+        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",))
+
+    # ---- layouts --------------------------------------------------------------------------
+
+    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
+        """The sampling layout of the parameters (rule table `self.rules`)."""
+        return param_shardings(self.spec, self.mesh, self.rules)
+
+    def reshard(self, params: Params | Transformer) -> dict[str, jax.Array]:
+        """Parameters moved into the sampling layout (e.g. from the trainer's FSDP layout)."""
+        return jax.device_put(self._as_params(params), self.param_shardings())
+
+    @staticmethod
+    def _as_params(params: Params | Transformer) -> dict[str, jax.Array]:
+        if isinstance(params, Transformer):
+            return model_params(params)
+        return dict(params)
+
+    def _model(self, params: Params) -> Transformer:
+        return Transformer(self.spec, dict(params), mesh=self.mesh, rules=self.rules)
+
+    def _rows(self, x: jax.Array) -> jax.Array:
+        """Pin an array's leading (row) axis to the mesh's batch axes."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh, x.ndim))
+
+    def _constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+        """Pin an activation or cache layout by logical axes (no-op without a mesh)."""
+        if self.mesh is None:
+            return x
+        spec = fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
+        return tuple(
+            (self._constrain(k, CACHE_LOGICAL_AXES), self._constrain(v, CACHE_LOGICAL_AXES))
+            for k, v in cache
+        )
+
+    # ---- compiled bodies ------------------------------------------------------------------
+
+    def _start_impl(
+        self, params, prompt_pt, lens_p, group_b, row_ids_b, real_b, key, limit, version, *, gen_len
+    ) -> SamplerState:
+        cfg = self.cfg
+        model = self._model(params)
+        P, Tp = prompt_pt.shape
+        S = Tp + gen_len
+        kv_start_p = Tp - lens_p
+        cache = model.init_cache(P, S)
+        if Tp > 1:
+            # Every prompt token but the last; the first decode step feeds that one.
+            slots = jnp.arange(Tp - 1)
+            positions = jnp.maximum(slots[None, :] - kv_start_p[:, None], 0)
+            kv_valid = jnp.arange(S)[None, :] >= kv_start_p[:, None]  # [P, S]
+            _, cache = model(
+                prompt_pt[:, : Tp - 1],
+                positions,
+                kv_valid_bs=kv_valid,
+                cache=cache,
+                cache_index=0,
+            )
+        # Share each prompt's prefix with its G samples.
+        cache = self._cache_layout(from_model_cache(cache.take(group_b)))
+        B = group_b.shape[0]
+        if self.interrupt:
+            interrupt_at = interrupt_lengths(key, row_ids_b, cfg.interrupt_lo, cfg.interrupt_hi)
+        else:
+            interrupt_at = jnp.full((B,), jnp.iinfo(jnp.int32).max, jnp.int32)
+        prompts_b = prompt_pt[group_b]
+        zeros = jnp.zeros((B,), jnp.int32)
+        return SamplerState(
+            cache=cache,
+            prompt_tokens=self._rows(prompts_b),
+            kv_start=self._rows(kv_start_p[group_b]),
+            tokens=self._rows(jnp.full((B, gen_len), self.pad_id, jnp.int32)),
+            logprobs=self._rows(jnp.zeros((B, gen_len), jnp.float32)),
+            versions=self._rows(jnp.full((B, gen_len), -1, jnp.int32)),
+            injected=self._rows(jnp.zeros((B, gen_len), bool)),
+            last_token=self._rows(prompts_b[:, -1]),
+            step=jnp.int32(0),
+            limit=jnp.asarray(limit, jnp.int32),
+            done=self._rows(~real_b),
+            finish=self._rows(zeros + int(FinishReason.RUNNING)),
+            truncated=self._rows(jnp.zeros((B,), bool)),
+            lengths=self._rows(zeros),
+            phase=self._rows(zeros + THINK),
+            phase_pos=self._rows(zeros),
+            interrupt_at=self._rows(interrupt_at),
+            keys=self._rows(row_keys(key, row_ids_b)),
+            group_ids=self._rows(group_b),
+            row_ids=self._rows(row_ids_b),
+            real=self._rows(real_b),
+            prompt_version=jnp.asarray(version, jnp.int32),
+        )
+
+    def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
+        cfg, spec = self.cfg, self.spec
+        weights = decode_weights(spec, dict(params))
+        Tp = state.prompt_tokens.shape[1]
+        end = jnp.minimum(state.step + max_steps, state.limit)
+        transition = functools.partial(
+            advance,
+            version=jnp.asarray(version, jnp.int32),
+            stop_ids=self.stop_ids,
+            interrupt_ids=self.interrupt_ids,
+            answer_budget=cfg.answer_budget,
+            interrupt=self.interrupt,
+            pad_id=self.pad_id,
+        )
+
+        def cond(s: SamplerState):
+            return (s.step < end) & ~jnp.all(s.done)
+
+        def body(s: SamplerState) -> SamplerState:
+            slot = Tp - 1 + s.step
+            logits_bv, cache = decode_step(
+                spec,
+                weights,
+                s.cache,
+                s.last_token,
+                slot - s.kv_start,
+                slot,
+                s.kv_start,
+                constrain=self._constrain,
+            )
+            tok, logp = sample_logits(
+                logits_bv,
+                step_keys(s.keys, s.step),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+            )
+            s = dataclasses.replace(s, cache=cache)
+            return transition(s, self._rows(tok), self._rows(logp))
+
+        return jax.lax.while_loop(cond, body, state)
+
+    # ---- the trainer's API ----------------------------------------------------------------
+
+    def start(
+        self,
+        params: Params | Transformer,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int | None = None,
+        key: jax.Array | None = None,
+        seed: int = 0,
+        version: int = 0,
+        row_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> SamplerState:
+        """Prefill P prompts once and give each of its G = n samples a copy: B = P * G rows.
+
+        Row b samples for prompt b // G. Random draws of a row depend only on
+        `key` (default `jax.random.key(seed)`), its row id (default b) and the step.
+        `max_new_tokens` overrides `cfg.max_new_tokens` for this batch (bucketed).
+        """
+        cfg = self.cfg
+        G = cfg.n if n is None else int(n)
+        P = len(prompt_ids)
+        if P == 0 or G < 1:
+            raise ValueError(f"need at least one prompt and n >= 1, got {P} prompts, n={G}")
+        limit = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if limit < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+        gen_len = round_up(limit, cfg.length_bucket)
+        rows = P * G
+        b_pad, p_pad = round_up(rows, self.shards), round_up(P, self.shards)
+        prompt_pt, lens_p = pack_prompts(
+            prompt_ids,
+            rows=p_pad,
+            bucket=cfg.length_bucket,
+            max_len=cfg.max_prompt_len,
+            pad_id=self.pad_id,
+        )
+        longest = int(lens_p.max()) + limit
+        if longest > self.spec.max_position:
+            raise ConfigError(
+                f"prompt ({int(lens_p.max())} tokens) + max_new_tokens ({limit}) = {longest} "
+                f"exceeds the model's max_position={self.spec.max_position}"
+            )
+        if row_ids is None:
+            ids = np.arange(rows, dtype=np.int32)
+        else:
+            ids = np.asarray(row_ids, np.int32)
+            if ids.shape != (rows,):
+                raise ValueError(f"row_ids needs {rows} ids (P * n), got shape {ids.shape}")
+        group = np.zeros((b_pad,), np.int32)
+        group[:rows] = np.repeat(np.arange(P, dtype=np.int32), G)
+        row_ids_b = np.zeros((b_pad,), np.int32)
+        row_ids_b[:rows] = ids
+        real = np.arange(b_pad) < rows
+        key = jax.random.key(seed) if key is None else key
+        return self._start(
+            self._as_params(params),
+            *self._put_rows(prompt_pt, lens_p, group, row_ids_b, real),
+            key,
+            np.int32(limit),
+            np.int32(version),
+            gen_len=gen_len,
+        )
+
+    def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array]:
+        if self.mesh is None:
+            return [jnp.asarray(a) for a in arrays]
+        return [jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays]
+
+    def decode(
+        self,
+        params: Params | Transformer,
+        state: SamplerState,
+        *,
+        max_steps: int | None = None,
+        version: int = 0,
+    ) -> SamplerState:
+        """Decode up to `max_steps` tokens per row (a chunk; None = to the end).
+
+        `state` is donated: use the returned state. Tokens sampled here carry
+        `version`. Chunk size and new same-shaped params do not recompile.
+        """
+        steps = state.tokens.shape[1] if max_steps is None else int(max_steps)
+        if steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+        return self._decode(self._as_params(params), state, np.int32(steps), np.int32(version))
+
+    def done(self, state: SamplerState) -> bool:
+        """True when every row has finished (one small device-to-host read)."""
+        return bool(jnp.all(state.done) | (state.step >= state.limit))
+
+    def result(self, state: SamplerState) -> Rollouts:
+        """The rows as numpy arrays, padding rows dropped (rows still running included)."""
+        host = jax.device_get(
+            {
+                f.name: getattr(state, f.name)
+                for f in dataclasses.fields(state)
+                if f.name not in ("cache", "keys")
+            }
+        )
+        real = host["real"]
+        r = {k: (v[real] if np.ndim(v) else v) for k, v in host.items()}
+        Tg = r["tokens"].shape[1]
+        within = np.arange(Tg)[None, :] < r["lengths"][:, None]
+        return Rollouts(
+            prompt_tokens=r["prompt_tokens"],
+            prompt_mask=np.arange(r["prompt_tokens"].shape[1])[None, :] >= r["kv_start"][:, None],
+            completion_tokens=r["tokens"],
+            completion_mask=within & ~r["injected"],
+            injected_mask=r["injected"],
+            logprobs=r["logprobs"],
+            versions=r["versions"],
+            lengths=r["lengths"],
+            finish_reason=r["finish"],
+            truncated=r["truncated"],
+            group_ids=r["group_ids"],
+            row_ids=r["row_ids"],
+        )
+
+    def generate(
+        self,
+        params: Params | Transformer,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int | None = None,
+        key: jax.Array | None = None,
+        seed: int = 0,
+        version: int = 0,
+        row_ids: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Rollouts:
+        """start + decode to completion (in `cfg.decode_chunk` chunks if set) + result."""
+        params = self._as_params(params)
+        state = self.start(
+            params,
+            prompt_ids,
+            n=n,
+            key=key,
+            seed=seed,
+            version=version,
+            row_ids=row_ids,
+            max_new_tokens=max_new_tokens,
+        )
+        chunk = self.cfg.decode_chunk or None
+        state = self.decode(params, state, max_steps=chunk, version=version)
+        while chunk and not self.done(state):
+            state = self.decode(params, state, max_steps=chunk, version=version)
+        return self.result(state)
