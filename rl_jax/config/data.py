@@ -4,35 +4,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_range, knob
 
 SOURCES = ("arith", "countdown", "file", "tfds", "reasoning_gym")
 FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl")
+ARITH_TASKS = ("add", "sub", "mul", "chain")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = knob("arith", help=f"prompt source, one of {SOURCES}")
     task: str = knob(
-        "add", help="task variant (arith: add/sub/mul/chain; reasoning_gym: dataset name)"
+        "add",
+        help=f"arith: one of {ARITH_TASKS}; reasoning_gym: dataset name; "
+        "tfds: dataset name (e.g. from rl_jax.data.prepare_tfds)",
     )
-    difficulty: int = knob(
-        2, help="difficulty knob (arith: digits per operand; countdown: numbers)"
+    difficulty: int = knob(2, help="arith: digits per operand; countdown: how many numbers (2..8)")
+    num_terms: int = knob(3, help="arith task=chain: number of terms summed")
+    path: str = knob(
+        "", help="source=file: JSONL/parquet training file; source=tfds: data_dir ('' = default)"
     )
-    path: str = knob("", help="local dataset file (JSONL or parquet) for source=file/tfds")
-    format: str = knob("auto", help=f"file layout, one of {FILE_FORMATS}")
+    val_path: str = knob(
+        "", help="source=file: validation file ('' = hold out val_size problems of data.path)"
+    )
+    format: str = knob("auto", help=f"file/tfds record layout, one of {FILE_FORMATS}")
+    gym_kwargs: str = knob("", help="source=reasoning_gym: JSON object of dataset options")
     split_file: str = knob("", help="difficulty split file (IsoCompute easy/hard) to select from")
-    split_name: str = knob("", help="split in split_file to train on ('' = all)")
-    train_size: int = knob(4096, help="number of generated training problems")
-    val_size: int = knob(128, help="number of held-out validation problems")
-    prompts_per_batch: int = knob(8, help="prompts per batch (B_p, IsoCompute)")
-    seed: int = knob(0, help="data seed (shuffling and generation)")
-    reverse_digits: bool = knob(True, help="arith: answers written least-significant digit first")
-    prompt_template: str = knob("{question}", help="template applied to each question")
-    zero_variance_filter: bool = knob(
-        True, help="drop groups whose rewards are all equal (ScaleRL)"
+    split_name: str = knob("", help="split of split_file to train and validate on (easy, hard...)")
+    train_size: int = knob(
+        4096, help="generated sources: training problems (file/tfds use every problem)"
     )
-    no_positive_resampling: bool = knob(True, help="retire prompts with pass rate >= npr_threshold")
+    val_size: int = knob(
+        128, help="validation problems (file: held out of data.path unless data.val_path)"
+    )
+    prompts_per_batch: int = knob(8, help="prompts per batch (B_p, IsoCompute)")
+    seed: int = knob(0, help="data seed (generation, held-out split, shuffling)")
+    reverse_digits: bool = knob(
+        True, help="arith: answers written least-significant digit first (46 -> '64')"
+    )
+    prompt_template: str = knob(
+        "{question}", help="template of each prompt; '{question}' is replaced by the question"
+    )
+    zero_variance_filter: bool = knob(
+        True, help="drop groups whose rewards are all equal from the loss (ScaleRL)"
+    )
+    no_positive_resampling: bool = knob(
+        True, help="retire prompts with pass rate >= npr_threshold from later epochs (ScaleRL)"
+    )
     npr_threshold: float = knob(0.9, help="No-Positive-Resampling pass-rate threshold")
     dynamic_sampling: bool = knob(False, help="DAPO: resample until B_p groups have variance")
     max_resample_rounds: int = knob(4, help="bound on DAPO dynamic-sampling rounds")
@@ -40,6 +58,29 @@ class DataConfig:
     def __post_init__(self):
         check_choice("data", "source", self.source, SOURCES)
         check_choice("data", "format", self.format, FILE_FORMATS)
+        if self.source == "arith":
+            check_choice("data", "task", self.task, ARITH_TASKS)
+            check_range("data", "difficulty", self.difficulty, lo=1, hi=18)
+        elif self.source == "countdown":
+            check_range("data", "difficulty", self.difficulty, lo=2, hi=8)
+        else:
+            check_range("data", "difficulty", self.difficulty, lo=1)
+        if self.source == "file" and not self.path:
+            raise ConfigError("data.source='file' needs data.path (a JSONL or parquet file)")
+        if self.source in ("tfds", "reasoning_gym") and not self.task:
+            raise ConfigError(f"data.source={self.source!r} needs data.task (the dataset name)")
+        check_range("data", "num_terms", self.num_terms, lo=2)
+        check_range("data", "train_size", self.train_size, lo=1)
+        check_range("data", "val_size", self.val_size, lo=0)
         check_range("data", "prompts_per_batch", self.prompts_per_batch, lo=1)
         check_range("data", "npr_threshold", self.npr_threshold, lo=0.0, hi=1.0)
-        check_range("data", "difficulty", self.difficulty, lo=1)
+        check_range("data", "max_resample_rounds", self.max_resample_rounds, lo=1)
+        if "{question}" not in self.prompt_template:
+            raise ConfigError(
+                f"data.prompt_template={self.prompt_template!r} must contain '{{question}}'"
+            )
+        if bool(self.split_file) != bool(self.split_name):
+            raise ConfigError(
+                "data.split_file and data.split_name go together; got "
+                f"split_file={self.split_file!r}, split_name={self.split_name!r}"
+            )

@@ -1,1 +1,63 @@
-"""rl_jax.data"""
+"""Prompt data: tasks, grain pipelines, curriculum filters, difficulty splits.
+
+task = build_task(cfg.data)                        # task.train, task.val, task.reward_name
+cur = Curriculum(cfg.data)
+pipe = PromptPipeline(task.train, batch_size=cfg.data.prompts_per_batch,
+                      seed=cfg.data.seed, curriculum=cur)
+problems = next(pipe)                              # list[Problem]
+... cur.update([p.id for p in problems], rewards_pg); cur.zero_variance_mask(rewards_pg)
+checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
+"""
+
+from rl_jax.data._build import build_task, raw_problems
+from rl_jax.data._files import detect_layout, problems_from_records, read_records
+from rl_jax.data._problem import Problem, Task, apply_template, problem_id
+from rl_jax.data._synthetic import arith_answer
+from rl_jax.data.curriculum import Curriculum, DynamicSampler, has_variance, pass_rates
+from rl_jax.data.pipeline import DataExhausted, PromptPipeline, shard_problems
+from rl_jax.data.splits import (
+    DEFAULT_BANDS,
+    Band,
+    assign_splits,
+    estimate_avg_at_k,
+    read_splits,
+    write_splits,
+)
+from rl_jax.data.tokenizer import CharTokenizer
+
+
+def prepare_tfds(cfg, data_dir):
+    """Write cfg's problems as an ArrayRecord tfds dataset (needs the `tfds` extra); returns
+    its name for `data.source=tfds data.task=<name> data.path=<data_dir>`."""
+    from rl_jax.data._tfds import prepare_tfds as _prepare
+
+    return _prepare(cfg, data_dir)
+
+
+__all__ = [
+    "DEFAULT_BANDS",
+    "Band",
+    "CharTokenizer",
+    "Curriculum",
+    "DataExhausted",
+    "DynamicSampler",
+    "Problem",
+    "PromptPipeline",
+    "Task",
+    "apply_template",
+    "arith_answer",
+    "assign_splits",
+    "build_task",
+    "detect_layout",
+    "estimate_avg_at_k",
+    "has_variance",
+    "pass_rates",
+    "prepare_tfds",
+    "problem_id",
+    "problems_from_records",
+    "raw_problems",
+    "read_records",
+    "read_splits",
+    "shard_problems",
+    "write_splits",
+]

@@ -1,0 +1,60 @@
+"""A fixed character-level tokenizer for the built-in tasks and the tiny CPU models.
+
+Implements the tokenizer protocol shared with the model package's HF tokenizer:
+`encode(text) -> list[int]`, `decode(ids) -> str`, `pad_id`, `bos_id`,
+`eos_id`, `vocab_size`. One alphabet covers every built-in task (arithmetic,
+countdown, `<answer>` tags, a `;` interruption marker, short English prompts),
+so one tiny model can be trained on any of them.
+
+Ids: pad 0, bos 1, eos 2, unk 3, then the characters of `ALPHABET` from 4;
+`vocab_size` = 62 (fits the tiny preset's 64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+ALPHABET = "0123456789+-*/=^(){}\\ \n.,;:?<>|_abcdefghijklmnopqrstuvwxyz"
+_SPECIALS = 4
+
+
+class CharTokenizer:
+    """Character tokenizer over `ALPHABET`; ASCII capitals are lowercased, anything else is unk."""
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+    unk_id = UNK_ID
+    chat_template = None  # no chat template: prompts are used as templated by the data config
+
+    def __init__(self):
+        self._to_id = {c: i + _SPECIALS for i, c in enumerate(ALPHABET)}
+        self._to_char = dict(enumerate(ALPHABET, start=_SPECIALS))
+
+    @property
+    def vocab_size(self) -> int:
+        return _SPECIALS + len(ALPHABET)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = [self._to_id.get(c, self._to_id.get(c.lower(), UNK_ID)) for c in text]
+        return ([BOS_ID] if add_bos else []) + ids + ([EOS_ID] if add_eos else [])
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of `ids`; pad/bos/eos are dropped unless skip_special=False. Ids outside the
+        vocabulary (a model with a padded vocab may sample them) decode to U+FFFD, which
+        no verifier accepts as part of an answer."""
+        names = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>", UNK_ID: "\ufffd"}
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in self._to_char:
+                out.append(self._to_char[i])
+            elif i in names and (i == UNK_ID or not skip_special):
+                out.append(names[i])
+            elif i not in names:
+                out.append("\ufffd")
+        return "".join(out)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
