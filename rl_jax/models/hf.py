@@ -1,0 +1,450 @@
+"""HF-format checkpoints (Llama / Qwen2 / Qwen3): config.json, safetensors, export.
+
+Loading fills each device's shard straight from memory-mapped host tensors
+(`jax.make_array_from_callback`), so no device ever holds a full copy of a
+sharded parameter. Both config.json spellings are read: transformers 4.x
+(`rope_theta`, `rope_scaling`, `torch_dtype`) and 5.x (`rope_parameters`,
+`dtype`). Export writes the 4.x spelling, which both generations load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from rl_jax.config.model import ModelConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
+from rl_jax.models.spec import ModelSpec, RopeScaling, resolve_spec
+from rl_jax.models.transformer import (
+    LAYER_PARAMS,
+    Transformer,
+    build_model,
+    dtype_of,
+    host_params,
+    param_layout,
+    param_shardings,
+)
+from rl_jax.sharding.rules import get_rules
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint does not match what the model needs (names the tensor/shape/field)."""
+
+
+ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH_BY_CLASS = {v: k for k, v in HF_CLASS.items()}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+# ---- config.json ---------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not an HF model directory: no config.json")
+    return json.loads(f.read_text())
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> dict:
+    """ModelSpec fields (architecture level) from an HF config dict, 4.x or 5.x spelling."""
+    model_type = cfg.get("model_type")
+    classes = cfg.get("architectures") or []
+    arch = ARCH_BY_MODEL_TYPE.get(model_type) or next(
+        (ARCH_BY_CLASS[c] for c in classes if c in ARCH_BY_CLASS), None
+    )
+    if arch is None:
+        raise CheckpointError(
+            f"{where}: architecture model_type={model_type!r} architectures={classes} is not "
+            f"supported; rl_jax loads model_type in {sorted(ARCH_BY_MODEL_TYPE)} "
+            f"({', '.join(HF_CLASS.values())})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"{where}: hidden_act={cfg['hidden_act']!r}; only 'silu' is supported"
+        )
+    if cfg.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported")
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
+    # 5.x: rope_parameters holds theta and scaling; 4.x: rope_theta + rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        scaling = None
+    elif rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    else:
+        raise CheckpointError(
+            f"{where}: rope_type={rope_type!r} is not supported (supported: default, llama3)"
+        )
+    H = int(cfg["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=H,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or H),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position=int(cfg.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=-1 if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
+        eos_token_ids=_ids(cfg.get("eos_token_id")),
+        pad_token_id=-1 if cfg.get("pad_token_id") is None else int(cfg["pad_token_id"]),
+    )
+    if cfg.get("head_dim"):
+        fields["head_dim"] = int(cfg["head_dim"])
+    return fields
+
+
+def spec_fields_from_hf_dir(path: str | Path) -> dict:
+    return spec_fields_from_hf_config(read_hf_config(path), where=f"{path}/config.json")
+
+
+def hf_config_from_spec(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    """config.json in the transformers 4.x spelling (5.x reads it too)."""
+    cfg: dict[str, Any] = {
+        "architectures": [HF_CLASS[spec.architecture]],
+        "model_type": spec.architecture,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "bos_token_id": spec.bos_token_id if spec.bos_token_id >= 0 else None,
+        "eos_token_id": (
+            None
+            if not spec.eos_token_ids
+            else spec.eos_token_ids[0]
+            if len(spec.eos_token_ids) == 1
+            else list(spec.eos_token_ids)
+        ),
+        "pad_token_id": spec.pad_token_id if spec.pad_token_id >= 0 else None,
+    }
+    if spec.rope_scaling is not None:
+        r = spec.rope_scaling
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position,
+        }
+    if spec.architecture == "qwen2":
+        if not spec.qkv_bias or spec.o_bias:
+            raise CheckpointError("qwen2 checkpoints have q/k/v biases and no o_proj bias")
+        cfg["use_sliding_window"] = False
+    else:
+        if spec.qkv_bias != spec.o_bias:
+            raise CheckpointError(
+                f"{spec.architecture}: attention_bias covers q/k/v and o together; "
+                f"got qkv_bias={spec.qkv_bias} o_bias={spec.o_bias}"
+            )
+        cfg["attention_bias"] = spec.qkv_bias
+    if spec.architecture == "llama":
+        cfg["mlp_bias"] = False
+    if spec.qk_norm != (spec.architecture == "qwen3"):
+        raise CheckpointError(f"{spec.architecture}: qk_norm={spec.qk_norm} has no HF spelling")
+    return cfg
+
+
+# ---- tensor names and layouts ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Conv:
+    """One of our parameters in HF terms: a name (per layer: a format with {i}) and views."""
+
+    hf_name: str
+    to_ours: Callable[[np.ndarray], np.ndarray]  # HF tensor -> our (per-layer) layout, a view
+    to_hf: Callable[[np.ndarray], np.ndarray]  # our (per-layer) array -> HF layout
+    hf_shape: tuple[int, ...]
+
+
+def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
+    """Our parameter name -> its HF tensor name and layout conversion."""
+    D, F, V = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    ident = lambda a: a  # noqa: E731
+    T = lambda a: a.T  # noqa: E731
+
+    def proj(n):  # [n*hd, D] <-> [D, n, hd]
+        return dict(
+            to_ours=lambda a: a.reshape(n, hd, D).transpose(2, 0, 1),
+            to_hf=lambda a: a.transpose(1, 2, 0).reshape(n * hd, D),
+            hf_shape=(n * hd, D),
+        )
+
+    def bias(n):  # [n*hd] <-> [n, hd]
+        return dict(
+            to_ours=lambda a: a.reshape(n, hd),
+            to_hf=lambda a: a.reshape(n * hd),
+            hf_shape=(n * hd,),
+        )
+
+    p = "model.layers.{i}."
+    table = {
+        "embed": _Conv("model.embed_tokens.weight", ident, ident, (V, D)),
+        "final_norm": _Conv("model.norm.weight", ident, ident, (D,)),
+        "lm_head": _Conv("lm_head.weight", ident, ident, (V, D)),
+        "attn_norm": _Conv(p + "input_layernorm.weight", ident, ident, (D,)),
+        "mlp_norm": _Conv(p + "post_attention_layernorm.weight", ident, ident, (D,)),
+        "q": _Conv(p + "self_attn.q_proj.weight", **proj(H)),
+        "k": _Conv(p + "self_attn.k_proj.weight", **proj(K)),
+        "v": _Conv(p + "self_attn.v_proj.weight", **proj(K)),
+        "q_bias": _Conv(p + "self_attn.q_proj.bias", **bias(H)),
+        "k_bias": _Conv(p + "self_attn.k_proj.bias", **bias(K)),
+        "v_bias": _Conv(p + "self_attn.v_proj.bias", **bias(K)),
+        "q_norm": _Conv(p + "self_attn.q_norm.weight", ident, ident, (hd,)),
+        "k_norm": _Conv(p + "self_attn.k_norm.weight", ident, ident, (hd,)),
+        "o": _Conv(
+            p + "self_attn.o_proj.weight",
+            lambda a: a.reshape(D, H, hd).transpose(1, 2, 0),
+            lambda a: a.transpose(2, 0, 1).reshape(D, H * hd),
+            (D, H * hd),
+        ),
+        "o_bias": _Conv(p + "self_attn.o_proj.bias", ident, ident, (D,)),
+        "gate": _Conv(p + "mlp.gate_proj.weight", T, T, (F, D)),
+        "up": _Conv(p + "mlp.up_proj.weight", T, T, (F, D)),
+        "down": _Conv(p + "mlp.down_proj.weight", T, T, (D, F)),
+    }
+    return {n: table[n] for n in param_layout(spec) if n in table}
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+def open_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Name -> memmap view over `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        out: dict[str, np.ndarray] = {}
+        for file in sorted(set(weight_map.values())):
+            out.update(open_safetensors(path / file))
+        return out
+    if single.is_file():
+        return open_safetensors(single)
+    raise CheckpointError(
+        f"{path}: no model.safetensors or model.safetensors.index.json "
+        "(PyTorch .bin checkpoints are not read; re-save with safe_serialization=True)"
+    )
+
+
+def params_from_tensors(
+    spec: ModelSpec,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    mesh: Mesh | None,
+    rules,
+    where: str,
+    seed: int = 0,
+) -> dict[str, jax.Array]:
+    """Sharded parameters read from HF-named host tensors (each device reads its slice)."""
+    lay = param_layout(spec)
+    conv = hf_layout(spec)
+    # Check every tensor before touching a device: one message per checkpoint defect.
+    for name, c in conv.items():
+        names = (
+            [c.hf_name.format(i=i) for i in range(spec.num_layers)]
+            if name in LAYER_PARAMS
+            else [c.hf_name]
+        )
+        for n in names:
+            if n not in tensors:
+                raise CheckpointError(f"{where}: missing tensor {n!r} (needed for {name})")
+            if tuple(tensors[n].shape) != c.hf_shape:
+                raise CheckpointError(
+                    f"{where}: tensor {n!r} has shape {tuple(tensors[n].shape)} in the "
+                    f"checkpoint but the config needs {c.hf_shape}"
+                )
+    used = {c.hf_name.format(i=i) for c in conv.values() for i in range(spec.num_layers)}
+    unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if spec.tie_embeddings:
+        unused = [n for n in unused if n != "lm_head.weight"]  # tied: HF ignores it too
+    if unused:
+        warnings.warn(f"{where}: {len(unused)} tensors not used, e.g. {unused[:3]}", stacklevel=2)
+    dtype = dtype_of(spec.param_dtype)
+    shardings = param_shardings(spec, mesh, rules)
+    out: dict[str, jax.Array] = {}
+    for name, info in lay.items():
+        if name not in conv:  # the value head is not part of HF checkpoints: zeros
+            out[name] = jax.device_put(np.zeros(info.shape, dtype), shardings[name])
+            continue
+        c = conv[name]
+        if name in LAYER_PARAMS:
+            views = [c.to_ours(tensors[c.hf_name.format(i=i)]) for i in range(spec.num_layers)]
+
+            def read(index, views=views):
+                rows = range(spec.num_layers)[index[0]]
+                return np.stack([np.asarray(views[i][index[1:]], dtype) for i in rows])
+
+        else:
+            view = c.to_ours(tensors[c.hf_name])
+
+            def read(index, view=view):
+                return np.asarray(view[index], dtype)
+
+        out[name] = jax.make_array_from_callback(info.shape, shardings[name], read)
+    return out
+
+
+def load_hf(
+    path: str | Path,
+    spec: ModelSpec | None = None,
+    *,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+) -> Transformer:
+    """An HF directory's weights in a (sharded) model; `spec` defaults to its config.json."""
+    spec = resolve_spec(ModelConfig(path=str(path))) if spec is None else spec
+    rules = get_rules(rules_preset, purpose=purpose)
+    params = params_from_tensors(
+        spec, open_hf_tensors(path), mesh=mesh, rules=rules, where=str(path)
+    )
+    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
+
+
+def load_model(
+    source: str | Path | ModelConfig,
+    *,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+    seed: int = 0,
+) -> Transformer:
+    """A model from a ModelConfig (random init unless `path`), an HF directory or a GGUF file."""
+    cfg = source if isinstance(source, ModelConfig) else ModelConfig(path=str(source))
+    spec = resolve_spec(cfg)
+    kw = dict(mesh=mesh, rules_preset=rules_preset, purpose=purpose)
+    if not cfg.path:
+        return build_model(spec, seed=seed, **kw)
+    if Path(cfg.path).suffix == ".gguf":
+        from rl_jax.models.gguf_io import load_gguf
+
+        return load_gguf(cfg.path, spec, **kw)
+    return load_hf(cfg.path, spec, **kw)
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+
+def hf_tensors_from_params(spec: ModelSpec, params: Mapping[str, np.ndarray]):
+    """(HF name, array) pairs in HF layouts; the value head is not exported."""
+    for name, c in hf_layout(spec).items():
+        if name == "lm_head" and spec.tie_embeddings:
+            continue
+        a = params[name]
+        if name in LAYER_PARAMS:
+            for i in range(spec.num_layers):
+                yield c.hf_name.format(i=i), np.ascontiguousarray(c.to_hf(a[i]))
+        else:
+            yield c.hf_name, np.ascontiguousarray(c.to_hf(a))
+
+
+_DTYPE_NAME = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def export_hf(
+    model: Transformer,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    tokenizer_from: str | Path | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write `model` as an HF directory transformers loads (config.json + safetensors).
+
+    dtype: stored dtype (default the parameter dtype). tokenizer_from: a directory
+    whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
+    generation config) are copied along. Files above `max_shard_bytes` are split
+    with a `model.safetensors.index.json`.
+    """
+    spec = model.spec
+    dtype = dtype or spec.param_dtype
+    np_dtype = np.dtype(dtype_of(dtype))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = [(n, a.astype(np_dtype)) for n, a in hf_tensors_from_params(spec, host_params(model))]
+    shards: list[list[tuple[str, np.ndarray]]] = [[]]
+    size = 0
+    for n, a in tensors:
+        if shards[-1] and size + a.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((n, a))
+        size += a.nbytes
+    for stale in list(out.glob("model*.safetensors")) + list(
+        out.glob("model.safetensors.index.json")
+    ):
+        stale.unlink()
+    if len(shards) == 1:
+        write_safetensors(out / "model.safetensors", shards[0])
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out / fname, shard)
+            weight_map.update({n: fname for n, _ in shard})
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for _, a in tensors)},
+            "weight_map": weight_map,
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = hf_config_from_spec(spec, _DTYPE_NAME[dtype])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tokenizer_from is not None:
+        src = Path(tokenizer_from)
+        for f in TOKENIZER_FILES:
+            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
+                shutil.copyfile(src / f, out / f)
+    return out
