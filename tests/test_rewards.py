@@ -102,7 +102,7 @@ def test_parse_number_bounds():
 
 @needs_math
 def test_math_verify_right_and_wrong():
-    fn = rewards.get("math", scale="01", timeout_s=5.0, workers=1)
+    fn = rewards.get("math", scale="01", timeout_s=5.0, workers=2)
     right = [
         ("So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
         ("\\boxed{0.5}", "\\frac{1}{2}"),
