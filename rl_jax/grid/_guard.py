@@ -69,18 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     lp.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        return _run_locked(fd, run_dir, a.attempt, cmd)
+    finally:
+        os.close(fd)  # the trainer keeps its own copy while it lives
+
+
+def _run_locked(fd: int, run_dir: Path, attempt: int, cmd: list[str]) -> int:
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         print(f"[grid] {run_dir} is being run by another process; not starting", flush=True)
         return BUSY
-    record = {"attempt": a.attempt, "pid": os.getpid(), "start": time.time(), "cmd": cmd}
+    record = {"attempt": attempt, "pid": os.getpid(), "start": time.time(), "cmd": cmd}
     if (run_dir / "DONE").exists():
-        atomic_write_json(attempt_path(run_dir, a.attempt), {**record, "rc": 0, "skipped": "DONE"})
+        atomic_write_json(attempt_path(run_dir, attempt), {**record, "rc": 0, "skipped": "DONE"})
         print(f"[grid] {run_dir} is finished (DONE); not starting", flush=True)
         return 0
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    print(f"[grid] attempt {a.attempt}: {' '.join(cmd)}", flush=True)
+    print(f"[grid] attempt {attempt}: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, pass_fds=(fd,))
 
     def forward(signum, _frame):
@@ -88,12 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, forward)
-    rc = proc.wait()
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     if rc < 0:
         rc = 128 - rc  # killed by a signal: the shell's convention
-    atomic_write_json(attempt_path(run_dir, a.attempt), {**record, "rc": rc, "end": time.time()})
+    atomic_write_json(attempt_path(run_dir, attempt), {**record, "rc": rc, "end": time.time()})
     return rc
 
 

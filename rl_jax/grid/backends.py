@@ -322,11 +322,11 @@ class TpuBackend(LocalBackend):
         o = self.opts
         out_dir = self.run_out_dir(grid_dir)
         local_runs = Path(grid_dir) / "runs"
-        # The hosts get a copy of this checkout in their home directory: the recipe
-        # is named by its path inside it.
+        # install.sh puts this checkout in ~/rl_jax on each host and launch.sh runs
+        # from ~, so a recipe inside the checkout is named by its path from there.
         rp = Path(recipe)
         if rp.is_absolute() and rp.is_relative_to(REPO_ROOT):
-            recipe = str(rp.relative_to(REPO_ROOT))
+            recipe = str(Path("rl_jax") / rp.relative_to(REPO_ROOT))
         argv = self.script_argv(
             "run.sh",
             plan,

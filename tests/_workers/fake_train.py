@@ -23,8 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from rl_jax.config import flatten, load_recipe, run_id
-from rl_jax.runs import create_run_dir, read_jsonl, truncate_jsonl_after
+if os.environ.get("FAKE_FAIL_ALWAYS"):  # before the imports: failing fast keeps tests fast
+    print("fake trainer: told to fail", file=sys.stderr)
+    sys.exit(4)
+
+from rl_jax.config import flatten, load_recipe, run_id  # noqa: E402
+from rl_jax.runs import create_run_dir, read_jsonl, truncate_jsonl_after  # noqa: E402
 
 
 def ledger(line: str) -> None:
@@ -51,9 +55,6 @@ def main(argv: list[str]) -> int:
     root = Path(cfg.out_dir) / cfg.name
     if (root / "DONE").exists():
         return 0
-    if os.environ.get("FAKE_FAIL_ALWAYS"):
-        print("fake trainer: told to fail", file=sys.stderr)
-        return 4
     rd = create_run_dir(cfg)
     rid = run_id(cfg)
     steps_done = sorted(int(p.stem) for p in rd.checkpoints_dir.glob("*.json"))

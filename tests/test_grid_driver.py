@@ -1,0 +1,271 @@
+"""The grid driver end to end with a fake trainer: local pool, SIGKILL + rerun, retries, Ray."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rl_jax.grid import load_spec
+from rl_jax.grid._guard import BUSY
+from rl_jax.grid._guard import main as guard_main
+from rl_jax.grid.cli import main as grid_main
+from rl_jax.grid.state import GridState
+from rl_jax.runs import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = f"{sys.executable} {ROOT / 'tests' / '_workers' / 'fake_train.py'}"
+
+SPEC = """
+from rl_jax.grid import Axis, Budget, GridSpec, ReportSpec
+
+def grid():
+    return GridSpec(
+        name="tiny",
+        recipe="scalerl",
+        axes=(
+            Axis.of("sampling.n", [2, 4], short="n"),
+            Axis.of("data.prompts_per_batch", [2, 4], short="bp"),
+        ),
+        constraints=("B <= 16",),
+        budget=Budget(amount=256),
+        evals_per_run=8,
+        checkpoints_per_run=4,
+        max_attempts={max_attempts},
+        report=ReportSpec(kind="{kind}", x="rollouts"),
+    )
+"""
+
+
+def write_spec(tmp_path: Path, *, max_attempts=3, kind="isocompute") -> Path:
+    p = tmp_path / "tiny_grid.py"
+    p.write_text(textwrap.dedent(SPEC.format(max_attempts=max_attempts, kind=kind)))
+    return p
+
+
+def curves(out: Path) -> dict[str, list[dict]]:
+    """Curve rows per run, less out_dir (the one knob that differs between test dirs)."""
+    runs = sorted((out / "tiny" / "runs").iterdir())
+    return {
+        d.name: [
+            {k: v for k, v in r.items() if k != "out_dir"} for r in read_jsonl(d / "curve.jsonl")
+        ]
+        for d in runs
+    }
+
+
+def ledger_counts(path: Path) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for line in path.read_text().splitlines():
+        rid, what = line.split()[:2]
+        c = counts.setdefault(rid, {"start": 0, "done": 0})
+        c[what] += 1
+    return counts
+
+
+def run_grid(spec: Path, out: Path, *extra: str) -> int:
+    return grid_main([str(spec), "--out", str(out), "--train-cmd", FAKE, "--poll", "0.05", *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny grid run once, uninterrupted: the curves every other test must reproduce."""
+    base = tmp_path_factory.mktemp("reference")
+    spec = write_spec(base)
+    assert run_grid(spec, base / "out", "--jobs", "2", "--no-report") == 0
+    return curves(base / "out")
+
+
+def test_local_grid_end_to_end_with_report(tmp_path, monkeypatch, reference):
+    monkeypatch.setenv("FAKE_LEDGER", str(tmp_path / "ledger"))
+    spec = write_spec(tmp_path)
+    out = tmp_path / "out"
+    assert run_grid(spec, out, "--jobs", "2") == 0
+    got = curves(out)
+    assert got == reference and len(got) == 4
+    for rows in got.values():
+        assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
+        assert rows[-1]["rollouts"] == 256
+    counts = ledger_counts(tmp_path / "ledger")
+    assert all(c == {"start": 1, "done": 1} for c in counts.values()) and len(counts) == 4
+    report = (out / "tiny" / "report.md").read_text()
+    assert "# Grid tiny" in report
+    for name in got:
+        assert name in report
+    table = read_jsonl(out / "tiny" / "curves.jsonl")
+    assert len(table) == sum(len(r) for r in got.values())
+    assert {"group", "run_name", "n", "bp"} <= set(table[0])
+    # A rerun finds everything finished: nothing starts.
+    assert run_grid(spec, out, "--no-report") == 0
+    assert ledger_counts(tmp_path / "ledger") == counts
+
+
+def test_sigkill_driver_mid_grid_then_rerun(tmp_path, reference):
+    """Kill -9 the driver while runs are going: they finish on their own (own session), the
+    rerun adopts what is still running, starts the rest, and no run starts twice."""
+    spec = write_spec(tmp_path)
+    out = tmp_path / "out"
+    env = {**os.environ, "FAKE_SLEEP": "0.1", "FAKE_LEDGER": str(tmp_path / "ledger")}
+    cmd = [sys.executable, "-m", "rl_jax.cli", "grid", str(spec), "--out", str(out)]
+    cmd += ["--train-cmd", FAKE, "--jobs", "2", "--poll", "0.05", "--no-report"]
+    driver = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    ledger = tmp_path / "ledger"
+    # Wait until two runs are under way, then kill the driver outright.
+    while time.time() < deadline:
+        if ledger.exists() and ledger.read_text().count(" start ") >= 2:
+            break
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    before = ledger_counts(ledger)
+    assert sum(c["done"] for c in before.values()) < 4, "killed too late to test anything"
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "adopted" in r.stdout  # the orphans of the killed driver were followed, not rerun
+    counts = ledger_counts(ledger)
+    assert len(counts) == 4
+    assert all(c == {"start": 1, "done": 1} for c in counts.values()), counts
+    assert curves(out) == reference
+    st = GridState.load(out / "tiny", "tiny")
+    assert all(r.status == "done" for r in st.runs.values())
+
+
+def test_failed_runs_retry_and_resume_from_checkpoint(tmp_path, monkeypatch, reference):
+    monkeypatch.setenv("FAKE_FAIL_ONCE_AT", "40")  # after the step-32 checkpoint of M=64 runs
+    monkeypatch.setenv("FAKE_LEDGER", str(tmp_path / "ledger"))
+    spec = write_spec(tmp_path)
+    out = tmp_path / "out"
+    assert run_grid(spec, out, "--jobs", "2", "--no-report") == 0
+    assert curves(out) == reference
+    st = GridState.load(out / "tiny", "tiny")
+    failed_once = [r for r in st.runs.values() if r.failures == 1]
+    assert failed_once and all(r.launches == 2 and r.status == "done" for r in failed_once)
+    starts = [ln for ln in (tmp_path / "ledger").read_text().splitlines() if " start " in ln]
+    assert any(ln.endswith(" start 32") for ln in starts)  # resumed, not restarted
+
+
+def test_runs_that_always_fail_stop_at_max_attempts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_ALWAYS", "1")
+    spec = write_spec(tmp_path, max_attempts=2)
+    out = tmp_path / "out"
+    assert run_grid(spec, out, "--jobs", "2", "--no-report") == 1
+    st = GridState.load(out / "tiny", "tiny")
+    assert all(r.status == "failed" and r.launches == 2 for r in st.runs.values())
+    # A rerun does not try again (the limit holds across drivers) unless asked to.
+    assert run_grid(spec, out, "--no-report") == 1
+    assert all(r.launches == 2 for r in GridState.load(out / "tiny", "tiny").runs.values())
+    monkeypatch.delenv("FAKE_FAIL_ALWAYS")
+    assert run_grid(spec, out, "--jobs", "2", "--no-report", "--retry-failed") == 0
+
+
+def test_guard_never_starts_a_finished_or_busy_run(tmp_path):
+    rd = tmp_path / "run"
+    rd.mkdir()
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    (rd / "DONE").write_text("{}")
+    assert guard_main(["--run-dir", str(rd), "--attempt", "1", "--", *cmd]) == 0
+    assert not marker.exists()
+    (rd / "DONE").unlink()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rl_jax.grid._guard",
+            "--run-dir",
+            str(rd),
+            "--attempt",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(30)",
+        ]
+    )
+    try:
+        deadline = time.time() + 20
+        while not (rd / ".grid" / "lock").exists() or not (
+            (rd / ".grid" / "lock").read_text().strip()
+        ):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert guard_main(["--run-dir", str(rd), "--attempt", "3", "--", *cmd]) == BUSY
+        assert not marker.exists()
+    finally:
+        holder.terminate()
+        holder.wait()
+    assert json.loads((rd / ".grid" / "attempt-2.json").read_text())["rc"] == 128 + 15
+    assert guard_main(["--run-dir", str(rd), "--attempt", "4", "--", *cmd]) == 0
+    assert marker.exists()
+
+
+def test_ray_backend_runs_the_tiny_grid(tmp_path, reference):
+    pytest.importorskip("ray")
+    spec = write_spec(tmp_path)
+    out = tmp_path / "out"
+    assert run_grid(spec, out, "--backend", "ray", "--ray-cpus", "2", "--no-report") == 0
+    assert curves(out) == reference
+
+
+def test_tpu_dry_run_prints_the_gcloud_commands(tmp_path, capsys):
+    spec = write_spec(tmp_path)
+    args = [str(spec), "--out", str(tmp_path / "out"), "--backend", "tpu", "--dry-run"]
+    args += ["--tpu-zone", "us-east5-a", "--tpu-type", "v6e-8", "--tpu-slices", "2"]
+    args += ["--tpu-project", "my-proj", "--tpu-teardown"]
+    assert grid_main(args) == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    loc = "--zone=us-east5-a --project=my-proj"
+    assert text.count(f"gcloud compute tpus tpu-vm create rl-jax-tiny-0 {loc}") == 2
+    assert f"gcloud compute tpus tpu-vm create rl-jax-tiny-1 {loc}" in text
+    assert "--accelerator-type=v6e-8 --version=v2-alpha-tpuv6e" in text
+    assert f"gcloud compute tpus tpu-vm scp {tmp_path}" not in text
+    assert f"rl-jax-tiny-0:rl_jax_src.tgz {loc} --worker=all" in text
+    assert f"gcloud compute tpus tpu-vm ssh rl-jax-tiny-1 {loc} --worker=all" in text
+    assert "rl-jax train rl_jax/experiments/scalerl.py mesh.distributed=true sampling.n=2" in text
+    assert "--worker=0" in text
+    assert f"gcloud compute tpus tpu-vm delete rl-jax-tiny-1 {loc} --quiet" in text
+    # The printed ssh line is exact: a shell reads back the command the hosts run.
+    line = next(ln for ln in text.splitlines() if "rl-jax train" in ln)
+    probe = subprocess.run(
+        ["bash", "-c", f"gcloud() {{ printf '%s\\n' \"$@\"; }}; {line}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    remote = next(a for a in probe if a.startswith("--command=")).removeprefix("--command=")
+    host = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"rl-jax() {{ printf '%s\\n' \"$@\"; }}; tee() {{ cat; }}; HOME={tmp_path}; {remote}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout.splitlines()
+    assert host[:2] == ["train", "rl_jax/experiments/scalerl.py"]
+    assert "mesh.distributed=true" in host and any(a.startswith("name=n2_bp2_s0-") for a in host)
+
+
+def test_tpu_scripts_are_shellcheck_clean():
+    import shutil
+
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed")
+    scripts = sorted(str(p) for p in (ROOT / "tpu_setup").glob("*.sh"))
+    r = subprocess.run(
+        ["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT / "tpu_setup"
+    )
+    assert r.returncode == 0, r.stdout
+
+
+def test_shipped_isocompute_cpu_spec_shape():
+    spec = load_spec("isocompute_cpu")
+    assert spec.report.kind == "isocompute" and spec.report.split_by == "split"
