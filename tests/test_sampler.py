@@ -1,0 +1,267 @@
+"""The compiled sampler on a small random model: exactness, log-prob parity, sharding,
+in-flight weight swaps, stops and forced interruption, and no recompilation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig
+from rl_jax.models import (
+    Transformer,
+    init_params,
+    positions_from_valid,
+    resolve_spec,
+    token_logprobs,
+)
+from rl_jax.sampling import FinishReason, Sampler, logprob_temperature
+from rl_jax.sharding import make_mesh
+
+SPEC = resolve_spec(
+    ModelConfig(
+        preset="tiny",
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+    )
+)
+PROMPTS = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13, 14, 15, 16]]
+
+
+def _params(seed, scale=10.0):
+    """Random weights, scaled up so logits are far from ties."""
+    p = init_params(SPEC, jax.random.key(seed))
+    return {
+        k: v * scale if k not in ("attn_norm", "mlp_norm", "final_norm") else v
+        for k, v in p.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def params_a():
+    return _params(0)
+
+
+@pytest.fixture(scope="module")
+def params_b():
+    return _params(1)
+
+
+def _sequences(out):
+    """Prompt + completion as one left-padded row, its validity mask and positions."""
+    tg = out.completion_tokens.shape[1]
+    tokens = np.concatenate([out.prompt_tokens, out.completion_tokens], axis=1)
+    valid = np.concatenate([out.prompt_mask, np.arange(tg)[None, :] < out.lengths[:, None]], axis=1)
+    return jnp.asarray(tokens), jnp.asarray(valid), positions_from_valid(jnp.asarray(valid))
+
+
+@jax.jit
+def _full_logits(params, tokens, valid, positions):
+    model = Transformer(SPEC, params)
+    hidden, _ = model(tokens, positions, kv_valid_bs=valid)
+    return model.logits(hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _token_logprobs(spec, params, tokens, valid, positions, temperature):
+    model = Transformer(spec, params)
+    return token_logprobs(model, tokens, positions, kv_valid_bt=valid, temperature=temperature)[0]
+
+
+def _trainer_logprobs(spec, params, out, temperature):
+    logp = _token_logprobs(spec, params, *_sequences(out), temperature)
+    tp = out.prompt_tokens.shape[1]
+    return np.asarray(logp)[:, tp - 1 : -1]  # column j scores completion token j
+
+
+@functools.partial(jax.jit, static_argnums=(5,))
+def _swapped_logits(params_a, params_b, tokens, valid, positions, split):
+    """A writes the cache for tokens[:, :split], B continues from it; B's logits after."""
+    ma, mb = Transformer(SPEC, params_a), Transformer(SPEC, params_b)
+    cache = ma.init_cache(tokens.shape[0], tokens.shape[1])
+    _, cache = ma(
+        tokens[:, :split], positions[:, :split], kv_valid_bs=valid, cache=cache, cache_index=0
+    )
+    hidden, _ = mb(
+        tokens[:, split:], positions[:, split:], kv_valid_bs=valid, cache=cache, cache_index=split
+    )
+    return mb.logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
+    return Sampler(SPEC, cfg, pad_id=0)
+
+
+def test_greedy_equals_argmax_of_full_forward(greedy, params_a):
+    out = greedy.generate(params_a, PROMPTS, n=2)
+    assert out.num_rows == 6 and (out.lengths == 12).all()
+    assert (out.finish_reason == FinishReason.LENGTH).all() and out.truncated.all()
+    np.testing.assert_array_equal(out.group_ids, [0, 0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(out.completion_tokens[0::2], out.completion_tokens[1::2])
+    tokens, valid, positions = _sequences(out)
+    logits = np.asarray(_full_logits(params_a, tokens, valid, positions))
+    tp = out.prompt_tokens.shape[1]
+    pred = logits[:, tp - 1 : -1].argmax(-1)  # the prediction for every completion column
+    m = out.completion_mask
+    assert m.sum() == 6 * 12
+    np.testing.assert_array_equal(pred[m], out.completion_tokens[m])
+    ref = jax.nn.log_softmax(logits[:, tp - 1 : -1], axis=-1)
+    ref = np.take_along_axis(np.asarray(ref), out.completion_tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out.logprobs[m], ref[m], atol=1e-5)
+    assert (out.versions[m] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def sampled_cfg():
+    return SamplingConfig(
+        temperature=0.7, top_k=20, max_new_tokens=10, length_bucket=8, max_prompt_len=16
+    )
+
+
+@pytest.mark.parametrize("fp32_lm_head", [False, True])
+def test_logprobs_match_trainer_recomputation(params_a, sampled_cfg, fp32_lm_head):
+    spec = SPEC.replace(fp32_lm_head=fp32_lm_head)
+    sampler = Sampler(spec, sampled_cfg, pad_id=0)
+    out = sampler.generate(params_a, PROMPTS[:2], n=3, seed=4, version=5)
+    assert len(set(map(tuple, out.completion_tokens[:3]))) > 1  # samples differ
+    ref = _trainer_logprobs(spec, params_a, out, logprob_temperature(sampled_cfg.temperature))
+    m = out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], ref[m], atol=1e-5)
+    assert (out.versions[m] == 5).all() and (out.versions[~m] == -1).all()
+
+
+def test_same_rows_on_one_and_eight_devices(params_a, sampled_cfg):
+    one = Sampler(SPEC, sampled_cfg, pad_id=0)
+    mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
+    eight = Sampler(SPEC, sampled_cfg, pad_id=0, mesh=mesh)
+    key = jax.random.key(11)
+    a = one.generate(params_a, PROMPTS[:2], n=3, key=key)
+    b = eight.generate(eight.reshard(params_a), PROMPTS[:2], n=3, key=key)  # 6 rows -> 8
+    assert b.num_rows == 6
+    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    # A row's draws depend on its id, not its place in the batch.
+    c = one.generate(params_a, PROMPTS[1:2], n=3, key=key, row_ids=[3, 4, 5])
+    np.testing.assert_array_equal(c.completion_tokens, a.completion_tokens[3:])
+
+
+def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):
+    k = 4
+    state = greedy.start(params_a, PROMPTS, n=1, version=1)
+    state = greedy.decode(params_a, state, max_steps=k, version=1)
+    assert not greedy.done(state)
+    state = greedy.decode(params_b, state, max_steps=3, version=2)
+    state = greedy.decode(params_b, state, version=2)
+    out = greedy.result(state)
+    np.testing.assert_array_equal(out.versions[:, :k], 1)
+    np.testing.assert_array_equal(out.versions[:, k:12], 2)
+    assert (out.lengths == 12).all()
+
+    # Reference with the model's own cached forward: A writes the cache for the
+    # prompt and the first k - 1 completion tokens (the k-th token is fed by the
+    # first step after the swap), then B continues from that cache.
+    tp = out.prompt_tokens.shape[1]
+    logits = _swapped_logits(params_a, params_b, *_sequences(out), tp + k - 1)
+    logits = np.asarray(logits)[:, : 12 - k]  # predictions of completion k .. 11
+    np.testing.assert_array_equal(logits.argmax(-1), out.completion_tokens[:, k:12])
+    ref = np.take_along_axis(
+        np.asarray(jax.nn.log_softmax(logits)), out.completion_tokens[:, k:12, None], -1
+    )[..., 0]
+    np.testing.assert_allclose(out.logprobs[:, k:12], ref, atol=1e-5)
+    # The swap mattered: neither model alone gives this continuation.
+    only_a = greedy.generate(params_a, PROMPTS, n=1)
+    only_b = greedy.generate(params_b, PROMPTS, n=1)
+    np.testing.assert_array_equal(only_a.completion_tokens[:, :k], out.completion_tokens[:, :k])
+    assert (only_a.completion_tokens[:, k:] != out.completion_tokens[:, k:]).any()
+    assert (only_b.completion_tokens != out.completion_tokens).any()
+
+
+def test_no_recompilation_for_new_weights_chunks_and_bucketed_lengths(greedy, params_a, params_b):
+    greedy.generate(params_a, PROMPTS, n=2)
+    starts, decodes = greedy._start._cache_size(), greedy._decode._cache_size()
+    shifted = [[t + 1 for t in p] for p in PROMPTS]  # other tokens, same bucket
+    state = greedy.start(params_b, [p[:-1] for p in shifted], n=2, version=3)
+    for steps in (1, 2, 5):
+        state = greedy.decode(params_b if steps % 2 else params_a, state, max_steps=steps)
+    greedy.generate(params_b, shifted, n=2, max_new_tokens=9)  # same generation bucket
+    assert greedy._start._cache_size() == starts
+    assert greedy._decode._cache_size() == decodes
+
+
+def test_stop_tokens_end_rows_early(params_a):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
+    free = Sampler(SPEC, cfg, pad_id=0).generate(params_a, PROMPTS, n=1)
+    stop = int(free.completion_tokens[0, 2])
+    first = [
+        int(np.argmax(r == stop)) if (r == stop).any() else None for r in free.completion_tokens
+    ]
+    sampler = Sampler(SPEC, cfg, pad_id=0, eos_id=stop)
+    state = sampler.start(params_a, PROMPTS, n=1)
+    state = sampler.decode(params_a, state)
+    out = sampler.result(state)
+    for row, f in enumerate(first):
+        if f is None:
+            assert out.finish_reason[row] == FinishReason.LENGTH and out.lengths[row] == 12
+        else:
+            assert out.finish_reason[row] == FinishReason.STOP and out.lengths[row] == f + 1
+            assert out.completion_mask[row].sum() == f + 1 and not out.truncated[row]
+            assert (out.completion_tokens[row, f + 1 :] == 0).all()
+    np.testing.assert_array_equal(
+        np.where(out.completion_mask, out.completion_tokens, 0),
+        np.where(out.completion_mask, free.completion_tokens, 0),
+    )
+    if all(f is not None for f in first):  # the loop stopped once every row was done
+        assert int(state.step) == max(first) + 1
+
+
+def test_forced_interruption_with_model(params_a):
+    inject = [5, 6, 7]
+    cfg = SamplingConfig(
+        temperature=1.0,
+        max_new_tokens=14,
+        length_bucket=8,
+        max_prompt_len=16,
+        length_control="interrupt",
+        interrupt_lo=2,
+        interrupt_hi=5,
+        answer_budget=3,
+    )
+    sampler = Sampler(SPEC, cfg, pad_id=0, interrupt_ids=inject)
+    out = sampler.generate(params_a, PROMPTS, n=4, seed=2)
+    seen = set()
+    for r in range(out.num_rows):
+        inj = np.flatnonzero(out.injected_mask[r])
+        assert out.finish_reason[r] == FinishReason.INTERRUPTED  # no stop tokens configured
+        at = int(inj[0])
+        seen.add(at)
+        assert 2 <= at <= 5 and list(inj) == list(range(at, at + 3))
+        assert out.completion_tokens[r, at : at + 3].tolist() == inject
+        assert out.lengths[r] == at + 3 + 3 and out.truncated[r]
+        assert out.completion_mask[r].sum() == at + 3 and not out.completion_mask[r, inj].any()
+    assert len(seen) > 1  # placement is drawn per row
+    ref = _trainer_logprobs(SPEC, params_a, out, 1.0)
+    m = out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], ref[m], atol=1e-5)
+
+
+def test_sampler_errors():
+    cfg = SamplingConfig(
+        length_control="interrupt",
+        interrupt_lo=4,
+        interrupt_hi=8,
+        answer_budget=4,
+        max_new_tokens=12,
+    )
+    with pytest.raises(ValueError, match="interrupt_ids"):
+        Sampler(SPEC, cfg)
+    with pytest.raises(ValueError, match="max_new_tokens=12"):
+        Sampler(SPEC, cfg, interrupt_ids=[1, 2])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler(SPEC, SamplingConfig(stop_token_ids=[SPEC.vocab_size]))
