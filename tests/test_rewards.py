@@ -190,5 +190,9 @@ def test_sandbox_kills_stuck_worker_and_recovers():
         # a target that raises is no result, not an exception here
         assert pool.run("rl_jax.rewards._sandbox:_sleep", [("x",)], timeout_s=30) == [None]
         assert pool.errors == 1
+        # even the zygote dying (say, the OOM killer) only costs a restart
+        pool._zygote[0].proc.kill()
+        assert pool.run("rl_jax.rewards._sandbox:_sleep", [(30.0,)], timeout_s=0.3) == [None]
+        assert pool.run("rl_jax.rewards._sandbox:_sleep", [(0.01,)], timeout_s=30) == [0.01]
     finally:
         pool.close()

@@ -9,9 +9,11 @@ from rl_jax import rewards
 from rl_jax.rewards import _gym, _math
 
 TIMEOUT_S = 0.5
-# A killed worker is replaced by a fork of the preloaded zygote: milliseconds, but CI is busy.
-RESPAWN_SLACK_S = 1.0
-KILL_SLACK_S = 0.25  # from a call's deadline to the parent noticing it
+# Scheduling slack on a loaded 2-core machine (the pool kills at the deadline itself): from a
+# call's deadline to the parent noticing it, and for a killed worker's replacement (a fork of
+# the preloaded zygote, milliseconds when the machine is idle).
+KILL_SLACK_S = 1.0
+RESPAWN_SLACK_S = 2.0
 PURE_LIMIT_S = 0.5  # arith / countdown / numeric: bounded by construction, ~1 ms
 
 
@@ -125,7 +127,8 @@ def _check_pooled(fn, answer, items):
     out = fn.batch(items, [answer] * len(items))
     credited = [repr(c)[:60] for c, r in zip(items, out, strict=True) if r != fn.low]
     assert not credited
-    assert max(fn.pool.last_elapsed) < fn.timeout_s + KILL_SLACK_S
+    slowest = max(fn.pool.last_elapsed)
+    assert slowest < fn.timeout_s + KILL_SLACK_S, slowest
     # One by one through the single-call API, the worst offenders included: a killed worker
     # is replaced in time for the next call.
     _check(fn, answer, items[:2] + items[-4:], fn.timeout_s + RESPAWN_SLACK_S)

@@ -68,6 +68,10 @@ class Curriculum:
     def retired_ids(self) -> set[int]:
         return self._retired
 
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
+
     def pass_rate(self, problem_id: int) -> float | None:
         return self._last.get(int(problem_id))
 

@@ -142,9 +142,9 @@ class _Zygote:
         self.control = parent
 
     def fork(self) -> tuple[int, Connection]:
-        self.control.sendall(b"F")
         self.control.settimeout(START_TIMEOUT_S)
         try:
+            self.control.sendall(b"F")
             msg, fds, _, _ = socket.recv_fds(self.control, 32, 1)
         except (OSError, TimeoutError) as e:
             raise RuntimeError(f"sandbox zygote did not answer: {e}") from None
@@ -182,7 +182,8 @@ class SandboxPool:
             raise ValueError(f"SandboxPool needs workers >= 1, got {workers}")
         self._preload = tuple(preload)
         self._lock = threading.Lock()
-        self._zygote = _Zygote(self._preload, mem_limit_mb * 2**20)
+        self._mem = mem_limit_mb * 2**20
+        self._zygote = [_Zygote(self._preload, self._mem)]  # a cell: the finalizer sees swaps
         self._slots = [self._spawn() for _ in range(workers)]
         self.timeouts = 0  # calls killed at their time limit, cumulative
         self.errors = 0  # calls that raised or whose worker died, cumulative
@@ -190,7 +191,13 @@ class SandboxPool:
         weakref.finalize(self, SandboxPool._shutdown, self._slots, self._zygote)
 
     def _spawn(self) -> _Slot:
-        pid, conn = self._zygote.fork()
+        try:
+            pid, conn = self._zygote[0].fork()
+        except RuntimeError:
+            # The zygote itself died (e.g. the OOM killer): start a new one, once.
+            self._zygote[0].close()
+            self._zygote[0] = _Zygote(self._preload, self._mem)
+            pid, conn = self._zygote[0].fork()
         return _Slot(pid=pid, conn=conn, state="starting", since=time.monotonic())
 
     def _replace(self, i: int) -> None:
@@ -268,16 +275,18 @@ class SandboxPool:
             SandboxPool._shutdown(self._slots, self._zygote)
 
     @staticmethod
-    def _shutdown(slots: list[_Slot], zygote: _Zygote) -> None:
+    def _shutdown(slots: list[_Slot], zygote: list[_Zygote]) -> None:
         for s in slots:
             try:
-                s.conn.send(None)  # a worker that is busy is killed below
-                os.kill(s.pid, signal.SIGKILL) if s.state == "busy" else None
+                if s.state == "busy":  # stuck in a call: it would never read the request
+                    os.kill(s.pid, signal.SIGKILL)
+                else:
+                    s.conn.send(None)
             except (OSError, ValueError):
                 pass
             s.conn.close()
         slots.clear()
-        zygote.close()
+        zygote[0].close()
 
 
 _POOLS: dict[tuple[int, tuple[str, ...]], SandboxPool] = {}
