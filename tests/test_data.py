@@ -219,6 +219,15 @@ def test_tfds_builder_round_trips_a_file_into_grain(tmp_path):
     pipe = PromptPipeline(got.train, batch_size=4, seed=0, process_index=0, process_count=1)
     seen = [p.id for _ in range(pipe.batches_per_epoch) for p in next(pipe)]
     assert len(seen) == len(set(seen)) == 24
+    # a built-in task round-trips too
+    arith = _small(train_size=30, val_size=5)
+    name = prepare_tfds(arith, tmp_path / "tfds")
+    got = build_task(DataConfig(source="tfds", task=name, path=str(tmp_path / "tfds")))
+    ref = build_task(arith)
+    assert got.reward_name == "arith"
+    assert sorted((p.id, p.prompt, p.answer) for p in got.train) == sorted(
+        (p.id, p.prompt, p.answer) for p in ref.train
+    )
 
 
 def test_reasoning_gym_source():
