@@ -14,6 +14,7 @@ import pytest
 from rl_jax.grid import load_spec
 from rl_jax.grid._guard import BUSY
 from rl_jax.grid._guard import main as guard_main
+from rl_jax.grid._scaling import missing as missing_scaling
 from rl_jax.grid.cli import main as grid_main
 from rl_jax.grid.state import GridState
 from rl_jax.runs import read_jsonl
@@ -38,13 +39,15 @@ def grid():
         checkpoints_per_run=4,
         max_attempts={max_attempts},
         report=ReportSpec(kind="{kind}", x="rollouts"),
+        early_stop={early_stop},
     )
 """
 
 
-def write_spec(tmp_path: Path, *, max_attempts=3, kind="isocompute") -> Path:
+def write_spec(tmp_path: Path, *, max_attempts=3, kind="isocompute", early_stop=None) -> Path:
     p = tmp_path / "tiny_grid.py"
-    p.write_text(textwrap.dedent(SPEC.format(max_attempts=max_attempts, kind=kind)))
+    text = SPEC.format(max_attempts=max_attempts, kind=kind, early_stop=early_stop)
+    p.write_text("from rl_jax.grid import EarlyStop\n" + textwrap.dedent(text))
     return p
 
 
@@ -94,9 +97,14 @@ def test_local_grid_end_to_end_with_report(tmp_path, monkeypatch, reference):
     counts = ledger_counts(tmp_path / "ledger")
     assert all(c == {"start": 1, "done": 1} for c in counts.values()) and len(counts) == 4
     report = (out / "tiny" / "report.md").read_text()
-    assert "# Grid tiny" in report
+    assert "# Grid tiny" in report and "## Iso-compute frontier" in report
     for name in got:
-        assert name in report
+        assert f"| {name} | done |" in report
+    assert (out / "tiny" / "plots" / "heat_all.png").stat().st_size > 0
+    assert (out / "tiny" / "plots" / "frontier_all.png").stat().st_size > 0
+    if not missing_scaling():
+        assert "n*(C) at each evaluated compute" in report
+        assert "Fitted log2 n*(C)" in report or "No fit of n*(C)" in report
     table = read_jsonl(out / "tiny" / "curves.jsonl")
     assert len(table) == sum(len(r) for r in got.values())
     assert {"group", "run_name", "n", "bp"} <= set(table[0])
@@ -203,6 +211,34 @@ def test_guard_never_starts_a_finished_or_busy_run(tmp_path):
     assert json.loads((rd / ".grid" / "attempt-2.json").read_text())["rc"] == 128 + 15
     assert guard_main(["--run-dir", str(rd), "--attempt", "4", "--", *cmd]) == 0
     assert marker.exists()
+
+
+def test_early_stop_stops_runs_that_cannot_catch_the_leader(tmp_path, monkeypatch):
+    if missing_scaling():
+        pytest.skip(missing_scaling())
+    monkeypatch.setenv("FAKE_BAD_N", "2")  # n=2 saturates at 0.3, n=4 near 0.55
+    monkeypatch.setenv("FAKE_SLEEP", "0.08")
+    es = "EarlyStop(threshold=0.05, min_fraction=0.3, min_points=4, every_s=0.3)"
+    spec = write_spec(tmp_path, kind="compare", early_stop=es)
+    out = tmp_path / "out"
+    assert run_grid(spec, out, "--jobs", "4") == 0
+    st = GridState.load(out / "tiny", "tiny")
+    by_n = {r.name: r for r in st.runs.values()}
+    # Every n=2 run is stopped unless it finished before it could be judged; n=4 runs finish.
+    stopped = [r for name, r in by_n.items() if name.startswith("n2_") and r.status == "stopped"]
+    assert stopped, by_n
+    assert all(r.status in ("stopped", "done") for r in by_n.values())
+    assert all(r.status == "done" for name, r in by_n.items() if name.startswith("n4_"))
+    report = (out / "tiny" / "report.md").read_text()
+    for r in stopped:
+        assert r.stopped["leader"].startswith("n4_") and r.stopped["p"] < 0.05
+        assert f"- {r.name}: stopped at step" in report
+    # Stopped runs are decisions: a rerun leaves them alone.
+    launches = {r.name: r.launches for r in st.runs.values()}
+    assert run_grid(spec, out, "--no-report") == 0
+    assert {r.name: r.launches for r in GridState.load(out / "tiny", "tiny").runs.values()} == (
+        launches
+    )
 
 
 def test_ray_backend_runs_the_tiny_grid(tmp_path, reference):

@@ -93,7 +93,7 @@ class Axis:
         pts = tuple(
             Point(label=f"{short}{value_label(v)}", overrides=((key, _freeze(v)),)) for v in values
         )
-        return cls(name=name or leaf, points=pts)
+        return cls(name=name or short, points=pts)
 
     @classmethod
     def zipped(cls, name: str, columns: Mapping[str, Iterable[Any]], *, short: str = "") -> Axis:

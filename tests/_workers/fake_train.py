@@ -11,6 +11,7 @@ one. Test hooks (environment):
   FAKE_FAIL_ONCE_AT=k  exit 3 at step k the first time each run gets there
   FAKE_FAIL_ALWAYS=1   exit 4 before the first step
   FAKE_LEDGER=path     append "<run_id> start <step>" / "<run_id> done" lines
+  FAKE_BAD_N=n         runs with sampling.n == n saturate far lower (early-stop tests)
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def metric(cfg, rid: str, rollouts: float) -> float:
     """A sigmoid in log rollouts; larger n saturates higher, larger B_p starts faster."""
     n, bp = cfg.sampling.n, cfg.data.prompts_per_batch
     a = 0.5 + 0.1 * math.log2(n) / 4 + (0.02 if cfg.loss.name == "cispo" else 0.0)
+    if str(n) == os.environ.get("FAKE_BAD_N"):
+        a = 0.3
     c_mid = 40.0 * math.sqrt(n) * (1 + 2.0 / bp)
     r0 = 0.1
     r = r0 + (a - r0) / (1 + (c_mid / rollouts) ** 1.5) if rollouts > 0 else r0
