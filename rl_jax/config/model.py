@@ -23,7 +23,8 @@ class ModelConfig:
         "tiny", help="named architecture preset (tiny, bench, ...); '' = fields only"
     )
     path: str = knob(
-        "", help="HF-format model directory or GGUF file to load; wins over preset ('' = none)"
+        "",
+        help="HF directory, GGUF file or rl_jax model directory to load; wins over preset",
     )
     architecture: str = knob(
         "", help=f"decoder family, one of {ARCHITECTURES} ('' = from preset/checkpoint)"

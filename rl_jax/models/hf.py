@@ -362,7 +362,8 @@ def load_model(
     purpose: str = "train",
     seed: int = 0,
 ) -> Transformer:
-    """A model from a ModelConfig (random init unless `path`), an HF directory or a GGUF file."""
+    """A model from a ModelConfig (random init unless `path`) or a path: an HF directory,
+    a GGUF file or an rl_jax model directory (`save_model`)."""
     cfg = source if isinstance(source, ModelConfig) else ModelConfig(path=str(source))
     spec = resolve_spec(cfg)
     kw = dict(mesh=mesh, rules_preset=rules_preset, purpose=purpose)
@@ -372,6 +373,10 @@ def load_model(
         from rl_jax.models.gguf_io import load_gguf
 
         return load_gguf(cfg.path, spec, **kw)
+    from rl_jax.models.native import is_native_dir, load_native
+
+    if is_native_dir(cfg.path):
+        return load_native(cfg.path, spec, **kw)
     return load_hf(cfg.path, spec, **kw)
 
 

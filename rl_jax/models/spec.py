@@ -291,6 +291,10 @@ def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
             from rl_jax.models.gguf_io import spec_fields_from_gguf
 
             return spec_fields_from_gguf(p), f"GGUF file {p}"
+        from rl_jax.models.native import is_native_dir, spec_fields_from_native
+
+        if is_native_dir(p):
+            return spec_fields_from_native(p), f"rl_jax model directory {p}"
         from rl_jax.models.hf import spec_fields_from_hf_dir
 
         return spec_fields_from_hf_dir(p), f"HF directory {p}"

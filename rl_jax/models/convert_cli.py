@@ -1,0 +1,98 @@
+"""`rl-jax convert SRC OUT`: move a model between HF, GGUF and rl_jax formats.
+
+    rl-jax convert hf_dir out_dir                 # HF -> rl_jax model directory
+    rl-jax convert rl_jax_dir out_dir             # rl_jax -> HF (transformers loads it)
+    rl-jax convert model.gguf out_dir             # GGUF -> HF (dequantized, tokenizer too)
+    rl-jax convert SRC OUT --to hf|rl_jax --dtype bfloat16
+
+The default target is the other family: rl_jax for an HF source, HF otherwise.
+Tokenizer files travel along (from a GGUF file, a tokenizer.json is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rl_jax.knobs import ConfigError
+
+TARGETS = ("hf", "rl_jax")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rl-jax convert",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("src", help="HF directory, GGUF file or rl_jax model directory")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--to", choices=TARGETS, default=None, help="target format")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="parameter dtype of the output",
+    )
+    p.add_argument(
+        "--max-shard-gb", type=float, default=4.0, help="HF output: split files above this size"
+    )
+    return p
+
+
+def source_kind(src: Path) -> str:
+    from rl_jax.models.native import is_native_dir
+
+    if src.suffix == ".gguf" and src.is_file():
+        return "gguf"
+    if is_native_dir(src):
+        return "rl_jax"
+    if (src / "config.json").is_file():
+        return "hf"
+    raise ConfigError(
+        f"{src} is neither an HF directory, a GGUF file nor an rl_jax model directory"
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from rl_jax.config.model import ModelConfig
+    from rl_jax.models.hf import export_hf, load_model
+    from rl_jax.models.native import save_model
+
+    src, out = Path(args.src), Path(args.out)
+    kind = source_kind(src)
+    target = args.to or ("rl_jax" if kind == "hf" else "hf")
+    if out.resolve() == src.resolve():
+        raise ConfigError(f"output {out} is the source itself; pick another directory")
+    model = load_model(ModelConfig(path=str(src), param_dtype=args.dtype))
+    tokenizer_from = src if src.is_dir() else None
+    if target == "hf":
+        export_hf(
+            model,
+            out,
+            tokenizer_from=tokenizer_from,
+            max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+        )
+    else:
+        save_model(model, out, tokenizer_from=tokenizer_from)
+    if kind == "gguf":
+        from rl_jax.models.tokenizer import HFTokenizer
+
+        try:
+            HFTokenizer.from_gguf(src).save(out)
+        except ConfigError as e:
+            print(f"rl-jax convert: weights written; tokenizer not converted: {e}", file=sys.stderr)
+    summary = {
+        "from": kind,
+        "to": target,
+        "out": str(out),
+        "architecture": model.spec.architecture,
+        "params": model.spec.num_params(),
+        "dtype": args.dtype,
+    }
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,110 @@
+"""rl_jax's own model directory: `rl_jax_model.json` (the spec) + `params.safetensors`.
+
+Parameters are stored under our names and layouts (stacked layers, value head
+included), so saving and loading are lossless; `rl-jax convert` moves between
+this and HF directories. Tokenizer files, if any, sit beside them as in an HF
+directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from rl_jax.models.hf import TOKENIZER_FILES, CheckpointError
+from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
+from rl_jax.models.spec import ModelSpec, RopeScaling
+from rl_jax.models.transformer import (
+    Transformer,
+    build_model,
+    dtype_of,
+    host_params,
+    param_layout,
+    param_shardings,
+)
+from rl_jax.sharding.rules import get_rules
+
+SPEC_FILE = "rl_jax_model.json"
+PARAMS_FILE = "params.safetensors"
+FORMAT = "rl_jax.model/1"
+# Precision and execution switches belong to the run, not to the weights.
+_RUN_FIELDS = (
+    "param_dtype",
+    "compute_dtype",
+    "fp32_lm_head",
+    "remat",
+    "scan_layers",
+    "value_head",
+    "logprob_chunk",
+)
+
+
+def is_native_dir(path: str | Path) -> bool:
+    return (Path(path) / SPEC_FILE).is_file()
+
+
+def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
+    data = json.loads((Path(path) / SPEC_FILE).read_text())
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}/{SPEC_FILE}: format {data.get('format')!r}, need {FORMAT!r}")
+    fields = {k: v for k, v in data["spec"].items() if k not in _RUN_FIELDS}
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    return fields
+
+
+def save_model(
+    model: Transformer, out_dir: str | Path, *, tokenizer_from: str | Path | None = None
+) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dataclasses.asdict(model.spec)
+    write_safetensors(out / PARAMS_FILE, sorted(host_params(model).items()))
+    (out / SPEC_FILE).write_text(json.dumps({"format": FORMAT, "spec": spec}, indent=2) + "\n")
+    if tokenizer_from is not None:
+        src = Path(tokenizer_from)
+        for f in TOKENIZER_FILES:
+            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
+                shutil.copyfile(src / f, out / f)
+    return out
+
+
+def load_native(
+    path: str | Path,
+    spec: ModelSpec,
+    *,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+) -> Transformer:
+    """Each device reads its slice of each parameter from the memory-mapped file."""
+    rules = get_rules(rules_preset, purpose=purpose)
+    stored = open_safetensors(Path(path) / PARAMS_FILE)
+    shardings = param_shardings(spec, mesh, rules)
+    dtype = dtype_of(spec.param_dtype)
+    params = {}
+    for name, info in param_layout(spec).items():
+        if name not in stored:
+            if name in ("value_w", "value_b"):  # a policy without a critic yet: zeros
+                params[name] = jax.device_put(np.zeros(info.shape, dtype), shardings[name])
+                continue
+            raise CheckpointError(f"{path}/{PARAMS_FILE}: missing tensor {name!r}")
+        if tuple(stored[name].shape) != info.shape:
+            raise CheckpointError(
+                f"{path}/{PARAMS_FILE}: tensor {name!r} has shape {tuple(stored[name].shape)} "
+                f"in the checkpoint but the config needs {info.shape}"
+            )
+
+        def read(index, view=stored[name]):
+            return np.asarray(view[index], dtype)
+
+        params[name] = jax.make_array_from_callback(info.shape, shardings[name], read)
+    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)

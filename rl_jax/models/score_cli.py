@@ -1,0 +1,84 @@
+"""`rl-jax score`: per-token log-probs of a text or of token ids under a model, as JSON.
+
+    rl-jax score --model DIR --text "2+2=4"
+    rl-jax score --model DIR --token-ids 1,2,3
+prints {"token_ids": [...], "logprobs": [...]}, where logprobs[i] is
+log p(token i+1 | tokens 0..i): one fewer than the tokens. `--token-ids` are
+scored exactly as given; `--text` is encoded with the tokenizer's special
+tokens (a BOS where the tokenizer adds one) unless --no-special-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rl_jax.knobs import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rl-jax score", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF directory, GGUF file or rl_jax model dir")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text to score (needs the model's tokenizer)")
+    src.add_argument("--token-ids", help="comma-separated token ids, scored as given")
+    p.add_argument("--no-special-tokens", action="store_true", help="--text: add no BOS etc.")
+    p.add_argument("--chunk", type=int, default=0, help="log-prob chunk over T (0 = none)")
+    p.add_argument("--temperature", type=float, default=1.0, help="divide logits by this")
+    p.add_argument(
+        "--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="precision"
+    )
+    return p
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--token-ids={text!r} must be comma-separated integers") from None
+    if not ids:
+        raise ConfigError("--token-ids is empty")
+    return ids
+
+
+def score(model, ids: list[int], *, chunk: int = 0, temperature: float = 1.0) -> list[float]:
+    """logprobs[i] = log p(ids[i+1] | ids[:i+1]) under `model`."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rl_jax.models.logprobs import token_logprobs
+
+    if len(ids) < 2:
+        return []
+    V = model.spec.vocab_size
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+    fn = nnx.jit(lambda m, t: token_logprobs(m, t, chunk=chunk, temperature=temperature)[0])
+    logp = fn(model, jnp.asarray([ids], jnp.int32))
+    return [float(x) for x in logp[0, :-1]]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.temperature <= 0:
+        raise ConfigError(f"--temperature={args.temperature} must be > 0")
+    from rl_jax.config.model import ModelConfig
+    from rl_jax.models.hf import load_model
+
+    if args.token_ids is not None:
+        ids = parse_ids(args.token_ids)
+    else:
+        from rl_jax.models.tokenizer import load_tokenizer
+
+        ids = load_tokenizer(args.model).encode(
+            args.text, add_special_tokens=not args.no_special_tokens
+        )
+        if not ids:
+            raise ConfigError("--text encodes to no tokens")
+    model = load_model(ModelConfig(path=args.model, compute_dtype=args.compute_dtype))
+    logprobs = score(model, ids, chunk=args.chunk, temperature=args.temperature)
+    json.dump({"token_ids": ids, "logprobs": logprobs}, sys.stdout)
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,101 @@
+"""`rl-jax score` and `rl-jax convert`, in process through the real CLI dispatcher."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax.cli import main as cli
+from rl_jax.config import ModelConfig
+from rl_jax.models import build_model, export_hf, host_params, load_model, resolve_spec
+from rl_jax.models.logprobs import token_logprobs
+from rl_jax.models.native import is_native_dir, save_model
+
+SPEC = resolve_spec(
+    ModelConfig(
+        preset="",
+        architecture="qwen3",
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        tie_embeddings="false",
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("hf")
+    export_hf(build_model(SPEC, seed=3), d)
+    words = ["<eos>"] + [f"w{i}" for i in range(SPEC.vocab_size - 2)] + ["[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return d
+
+
+def run_json(capsys, argv):
+    assert cli(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_score_token_ids_and_text(hf_dir, capsys):
+    ids = [5, 9, 1, 30, 7, 7]
+    got = run_json(
+        capsys, ["score", "--model", str(hf_dir), "--token-ids", ",".join(map(str, ids))]
+    )
+    assert got["token_ids"] == ids and len(got["logprobs"]) == len(ids) - 1
+    model = load_model(hf_dir)
+    want = nnx.jit(lambda m, t: token_logprobs(m, t)[0])(model, jnp.asarray([ids]))
+    np.testing.assert_allclose(got["logprobs"], np.asarray(want)[0, :-1], atol=1e-6)
+    by_text = run_json(capsys, ["score", "--model", str(hf_dir), "--text", "w4 w8 w0 w29 w6 w6"])
+    assert by_text["token_ids"] == ids
+    np.testing.assert_allclose(by_text["logprobs"], got["logprobs"], atol=1e-6)
+
+
+def test_score_errors_exit_2(hf_dir, tmp_path, capsys):
+    assert cli(["score", "--model", str(hf_dir), "--token-ids", "1,x"]) == 2
+    assert cli(["score", "--model", str(hf_dir), "--token-ids", "1,400"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert cli(["score", "--model", str(tmp_path), "--token-ids", "1,2"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_convert_round_trip(hf_dir, tmp_path, capsys):
+    native = tmp_path / "native"
+    s = run_json(capsys, ["convert", str(hf_dir), str(native)])
+    assert (s["from"], s["to"]) == ("hf", "rl_jax") and is_native_dir(native)
+    assert (native / "tokenizer.json").is_file()
+    back = tmp_path / "back"
+    s = run_json(capsys, ["convert", str(native), str(back)])
+    assert (s["from"], s["to"]) == ("rl_jax", "hf")
+    a, b = host_params(load_model(hf_dir)), host_params(load_model(back))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    half = tmp_path / "bf16"
+    run_json(capsys, ["convert", str(hf_dir), str(half), "--to", "hf", "--dtype", "bfloat16"])
+    cfg = json.loads((half / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16"
+    np.testing.assert_allclose(
+        host_params(load_model(half))["q"], a["q"], rtol=1e-2, atol=1e-3
+    )  # bf16 keeps 8 mantissa bits
+
+
+def test_native_dir_keeps_value_head(tmp_path):
+    spec = dataclasses.replace(SPEC, value_head=True)
+    m = build_model(spec, seed=4)
+    m.value_w[...] = jnp.arange(spec.hidden_size, dtype=jnp.float32)
+    save_model(m, tmp_path)
+    again = load_model(ModelConfig(path=str(tmp_path), value_head=True))
+    np.testing.assert_array_equal(again.value_w[...], np.arange(spec.hidden_size))
+    assert again.spec == spec
