@@ -100,6 +100,8 @@ def record_breaking(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _fit_or_error(runs, **options):
+    if sc.missing():
+        return None, sc.missing()
     try:
         return sc.fit(runs, **options), ""
     except (sc.FitError, ValueError) as e:
@@ -226,9 +228,9 @@ def isocompute_frontier(
         fits, curves_at = {}, {}
         for n, (xs, ys) in env.items():
             f = None
-            if not sc.missing() and xs.size >= 4:
+            if xs.size >= 4:
                 f, err = _fit_or_error([(xs, ys)])
-                if f is None:
+                if f is None and not sc.missing():
                     res.setdefault("warnings", []).append(f"n={n}: no fit ({err})")
             fits[n] = f
             if f is not None:
@@ -404,7 +406,7 @@ def write_report(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> Path:
     md += ["## Curves", "", "![curves](plots/curves.png)", ""]
     if sc.missing():
         md += [f"_Fits skipped: {sc.missing()}._", ""]
-    elif spec.report.kind == "compare":
+    if spec.report.kind == "compare":
         md += _compare_section(spec, plans, rows, plots)
     else:
         md += _isocompute_section(spec, plans, rows, plots)
