@@ -17,13 +17,15 @@ def grid():
             "sampling.max_new_tokens": 10,
             "train.lr": 1e-3,
             "train.lr_sqrt_batch_ref": 16,
-            "data.split_file": "",
-            "data.split_name": "",
         },
         axes=(
             Axis.variants(
                 "split",
-                {"easy": {"data.difficulty": 1}, "hard": {"data.difficulty": 2}},
+                {
+                    # 1-digit addition has 100 distinct problems: the sets must fit in them.
+                    "easy": {"data.difficulty": 1, "data.train_size": 68, "data.val_size": 32},
+                    "hard": {"data.difficulty": 2, "data.train_size": 4096, "data.val_size": 32},
+                },
                 vars={"easy": {"B_max": 32}, "hard": {"B_max": 16}},
             ),
             Axis.of("sampling.n", [2, 4, 8], short="n"),

@@ -159,7 +159,7 @@ def test_failed_runs_retry_and_resume_from_checkpoint(tmp_path, monkeypatch, ref
 
 
 def test_runs_that_always_fail_stop_at_max_attempts(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_FAIL_ALWAYS", "1")
+    monkeypatch.setenv("FAKE_FAIL_ALWAYS", "4")
     spec = write_spec(tmp_path, max_attempts=2)
     out = tmp_path / "out"
     assert run_grid(spec, out, "--jobs", "2", "--no-report") == 1
@@ -170,6 +170,14 @@ def test_runs_that_always_fail_stop_at_max_attempts(tmp_path, monkeypatch):
     assert all(r.launches == 2 for r in GridState.load(out / "tiny", "tiny").runs.values())
     monkeypatch.delenv("FAKE_FAIL_ALWAYS")
     assert run_grid(spec, out, "--jobs", "2", "--no-report", "--retry-failed") == 0
+
+
+def test_config_errors_are_not_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_ALWAYS", "2")  # rl-jax train's exit status for config errors
+    out = tmp_path / "out"
+    assert run_grid(write_spec(tmp_path, max_attempts=3), out, "--jobs", "2", "--no-report") == 1
+    st = GridState.load(out / "tiny", "tiny")
+    assert all(r.status == "failed" and r.launches == 1 for r in st.runs.values())
 
 
 def test_guard_never_starts_a_finished_or_busy_run(tmp_path):

@@ -28,6 +28,7 @@ from rl_jax.grid.state import DriverLock, GridState
 from rl_jax.runs.atomic import atomic_write_json
 
 PLAN_FILE = "plan.json"
+CONFIG_ERROR = 2  # `rl-jax train` exits 2 on a config error: the same command fails again
 
 
 def grid_dir(spec: GridSpec, out: str | Path) -> Path:
@@ -126,6 +127,13 @@ class Driver:
             self._say(f"stopped  {p.name} early: {a.info.get('reason', '')}")
         elif a.stopping == "interrupt":
             rec.status = "pending"
+        elif rc == CONFIG_ERROR:
+            rec.failures += 1
+            rec.status = "failed"
+            self._say(
+                f"FAILED   {p.name}: config error (exit {rc}), retrying cannot help;"
+                f" log: {self._log_path(p, a.attempt)}"
+            )
         else:
             rec.failures += 1
             if rec.failures >= self.spec.max_attempts:

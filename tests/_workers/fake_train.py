@@ -9,7 +9,7 @@ config and the step, so a resumed run writes the same rows as an uninterrupted
 one. Test hooks (environment):
   FAKE_SLEEP=s         seconds per step
   FAKE_FAIL_ONCE_AT=k  exit 3 at step k the first time each run gets there
-  FAKE_FAIL_ALWAYS=1   exit 4 before the first step
+  FAKE_FAIL_ALWAYS=rc  exit rc before the first step
   FAKE_LEDGER=path     append "<run_id> start <step>" / "<run_id> done" lines
   FAKE_BAD_N=n         runs with sampling.n == n saturate far lower (early-stop tests)
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 if os.environ.get("FAKE_FAIL_ALWAYS"):  # before the imports: failing fast keeps tests fast
     print("fake trainer: told to fail", file=sys.stderr)
-    sys.exit(4)
+    sys.exit(int(os.environ["FAKE_FAIL_ALWAYS"]))
 
 from rl_jax.config import flatten, load_recipe, run_id  # noqa: E402
 from rl_jax.runs import create_run_dir, read_jsonl, truncate_jsonl_after  # noqa: E402
