@@ -1,1 +1,123 @@
-"""rl_jax.scaling"""
+"""Scaling-curve fits for RL compute experiments (ScaleRL, IsoCompute); no JAX needed.
+
+Curves in (curve rows: JSON lines, CSV, parquet), fits out: the ScaleRL sigmoid
+by the paper's grid or by bounded least squares, the power law for comparison,
+bootstrap intervals over evaluation points or seeds, the paper's recipe
+comparison rule, extrapolation checks, the iso-compute frontier and n*(C), an
+early-stopping probability, plots and a report. Runs on numpy, scipy and
+matplotlib alone, so an analyst can use it on a laptop.
+
+    from rl_jax import scaling
+    fit = scaling.fit_sigmoid(x, y)                       # R0 from the first evaluation
+    bs = scaling.bootstrap(fit)                           # bs.interval("A")
+    report = scaling.fit_runs(rows, x="flops", metric="val/pass@1")
+    scaling.write_report(report, "fits/")
+"""
+
+from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, bootstrap_runs
+from rl_jax.scaling._compare import (
+    PAPER_A_TOL,
+    Comparison,
+    Ranked,
+    compare_fits,
+    rank_fits,
+    recipe_table_rows,
+    table_csv,
+    table_markdown,
+)
+from rl_jax.scaling._curves import (
+    Curve,
+    CurveError,
+    curves_from_rows,
+    group_curves,
+    load_rows,
+)
+from rl_jax.scaling._early import EarlyDecision, EarlyRow, early_decision, p_greater
+from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
+from rl_jax.scaling._isocompute import Frontier, FrontierError, fit_frontier, record_breaking
+from rl_jax.scaling._power import PowerLawFit, fit_power_law
+from rl_jax.scaling._report import FitEntry, FitReport, fit_runs, parse_fit_start, write_report
+from rl_jax.scaling._sigmoid import (
+    PAPER_A_GRID,
+    PAPER_C_MID_GRID,
+    SIGMOID_METHODS,
+    FitError,
+    SigmoidFit,
+    SigmoidOptions,
+    fit_sigmoid,
+    fit_sigmoid_runs,
+    refit,
+    sigmoid,
+)
+
+# Plotting pulls in matplotlib; load it on first use so fitting alone stays quick to import.
+_PLOTS = (
+    "CurvePlot",
+    "plot_curves",
+    "plot_extrapolation",
+    "plot_frontier",
+    "plot_heatmaps",
+    "plot_n_star",
+)
+
+
+def __getattr__(name: str):
+    if name in _PLOTS:
+        from rl_jax.scaling import _plots
+
+        return getattr(_plots, name)
+    raise AttributeError(f"module 'rl_jax.scaling' has no attribute {name!r}")
+
+
+__all__ = [
+    "BOOTSTRAP_KINDS",
+    "PAPER_A_GRID",
+    "PAPER_A_TOL",
+    "PAPER_C_MID_GRID",
+    "SIGMOID_METHODS",
+    "Bootstrap",
+    "Comparison",
+    "Curve",
+    "CurveError",
+    "CurvePlot",
+    "EarlyDecision",
+    "EarlyRow",
+    "Extrapolation",
+    "FitEntry",
+    "FitError",
+    "FitReport",
+    "Frontier",
+    "FrontierError",
+    "PowerLawFit",
+    "Ranked",
+    "SigmoidFit",
+    "SigmoidOptions",
+    "bootstrap",
+    "bootstrap_runs",
+    "compare_fits",
+    "curves_from_rows",
+    "early_decision",
+    "extrapolation_check",
+    "fit_frontier",
+    "fit_power_law",
+    "fit_runs",
+    "fit_sigmoid",
+    "fit_sigmoid_runs",
+    "group_curves",
+    "load_rows",
+    "p_greater",
+    "parse_fit_start",
+    "plot_curves",
+    "plot_extrapolation",
+    "plot_frontier",
+    "plot_heatmaps",
+    "plot_n_star",
+    "rank_fits",
+    "recipe_table_rows",
+    "record_breaking",
+    "refit",
+    "sigmoid",
+    "table_csv",
+    "table_markdown",
+    "write_report",
+]

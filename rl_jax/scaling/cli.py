@@ -1,0 +1,143 @@
+"""`rl-jax fit CURVES... --x flops --metric val/pass@1 --out DIR`: fit, compare, report.
+
+Writes DIR/fits.json (one object per run or recipe), DIR/recipes.{md,csv},
+DIR/report.md and DIR/plots/*.{png,svg}. Exit status: 0 when something was
+fitted, 1 when every fit failed, 2 for unusable input (unknown column, bad file,
+bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS
+from rl_jax.scaling._curves import load_rows
+from rl_jax.scaling._report import FRONTIER_MODES, fit_runs, write_report
+from rl_jax.scaling._sigmoid import SIGMOID_METHODS, FitError
+
+
+def _r0(text: str) -> str | float:
+    if text in ("first", "fit"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use 'first', 'fit' or a number") from None
+
+
+def _grid(text: str) -> str | tuple[float, ...]:
+    if text in ("data", "paper"):
+        return text
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use 'data', 'paper' or comma-separated values"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rl-jax fit",
+        description="Fit ScaleRL sigmoids (and power laws) to compute-performance curves; "
+        "compare recipes; check extrapolation; iso-compute frontier; early decision.",
+    )
+    p.add_argument("curves", nargs="+", help="curve files (.jsonl, .csv, .parquet) or run dirs")
+    p.add_argument("--x", default="flops", help="compute column (default: flops)")
+    p.add_argument("--metric", default="val/pass@1", help="metric column (default: val/pass@1)")
+    p.add_argument("--out", default="fits", help="output directory (default: fits)")
+    p.add_argument(
+        "--group-by",
+        default="recipe",
+        help="column naming a run's recipe; runs of one recipe are seeds (default: recipe; "
+        "'none' fits runs only)",
+    )
+    p.add_argument("--method", default="grid", choices=sorted(SIGMOID_METHODS))
+    p.add_argument("--r0", type=_r0, default="first", help="'first', 'fit' or a number")
+    p.add_argument(
+        "--fit-start",
+        default=None,
+        help="exclude points before this compute (a number, or 'P%%' of each run's last)",
+    )
+    p.add_argument("--a-grid", type=_grid, default="data", help="'data', 'paper' or values")
+    p.add_argument("--c-mid-grid", type=_grid, default="data", help="'data', 'paper' or values")
+    p.add_argument(
+        "--metric-range",
+        type=float,
+        nargs=2,
+        default=(0.0, 1.0),
+        metavar=("LO", "HI"),
+        help="bounds of the metric; A <= HI (default: 0 1, pass rates)",
+    )
+    p.add_argument("--bootstrap", default="residual", choices=BOOTSTRAP_KINDS)
+    p.add_argument("--n-boot", type=int, default=200)
+    p.add_argument("--level", type=float, default=0.95, help="interval level (default: 0.95)")
+    p.add_argument(
+        "--extrapolate",
+        type=float,
+        default=0.5,
+        help="fit each run on this fraction of its compute and predict the rest; 0 disables",
+    )
+    p.add_argument("--a-tol", type=float, default=0.02, help="the paper's A tie width")
+    p.add_argument(
+        "--stop-threshold",
+        type=float,
+        default=0.05,
+        help="early decision: stop a recipe whose P(beats leader) is below this",
+    )
+    p.add_argument("--frontier", default="auto", choices=FRONTIER_MODES)
+    p.add_argument("--n-key", default="sampling.n", help="column of n (rollouts per problem)")
+    p.add_argument(
+        "--bp-key", default="data.prompts_per_batch", help="column of B_p (problems per batch)"
+    )
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rows = load_rows(args.curves)
+        report = fit_runs(
+            rows,
+            x=args.x,
+            metric=args.metric,
+            group_by=None if args.group_by.lower() == "none" else args.group_by,
+            fit_start=args.fit_start,
+            n_boot=args.n_boot,
+            level=args.level,
+            bootstrap_kind=args.bootstrap,
+            extrapolate=args.extrapolate or None,
+            a_tol=args.a_tol,
+            stop_threshold=args.stop_threshold,
+            frontier=args.frontier,
+            n_key=args.n_key,
+            bp_key=args.bp_key,
+            seed=args.seed,
+            r0=args.r0,
+            method=args.method,
+            a_grid=args.a_grid,
+            c_mid_grid=args.c_mid_grid,
+            metric_range=tuple(args.metric_range),
+        )
+        written = write_report(report, args.out, plots=not args.no_plots)
+    except (FitError, ValueError) as e:
+        print(f"rl-jax fit: {e}", file=sys.stderr)
+        return 2
+    fitted = [e for e in report.entries if e.fit is not None]
+    for e in report.entries:
+        if e.error:
+            print(f"rl-jax fit: {e.name}: {e.error}", file=sys.stderr)
+        elif not e.reliable:
+            print(f"rl-jax fit: {e.name}: fit flagged unreliable (see report.md)", file=sys.stderr)
+    print(
+        f"fitted {len(fitted)} of {len(report.entries)} runs/recipes; wrote {len(written)} files "
+        f"to {args.out} (report.md, fits.json)"
+    )
+    return 0 if fitted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
