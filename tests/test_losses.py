@@ -3,6 +3,7 @@ closed-form gradients. Small eager cases; one jit test per loss name."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -93,6 +94,16 @@ def ref_weights(mask, group_bt, seq_bt, mode, c=C):
 def _rows(d):
     b, t = d["mask"].shape
     return np.repeat(np.arange(b)[:, None], t, 1), np.repeat(d["group_ids"][:, None], t, 1)
+
+
+def _eval(name, d, **kw):
+    """(loss, metrics, d loss / d logp) in one pass."""
+
+    def f(logp):
+        return policy_loss(name, _inputs(d, logp=logp), **kw)
+
+    (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(d["logp"]))
+    return loss, m, np.asarray(g)
 
 
 def _grad_logp(name, d, **kw):
@@ -427,13 +438,12 @@ def test_padding_changes_nothing():
     for name, agg in itertools.product(REPRESENTATIVES, AGGREGATIONS):
         kw = dict(aggregation=agg, num_groups=NUM_GROUPS, seq_sum_constant=C)
         kw |= dict(tis=True, kl_coef=0.05, entropy_coef=0.01)
-        la, ma = policy_loss(name, _inputs(d), **kw)
-        lb, mb = policy_loss(name, _inputs(p), **kw)
+        la, ma, ga = _eval(name, d, **kw)
+        lb, mb, gb = _eval(name, p, **kw)
         np.testing.assert_allclose(lb, la, **TOL, err_msg=f"{name}/{agg}")
         for k in ma:
             if k != "masked_frac":
                 np.testing.assert_allclose(mb[k], ma[k], **TOL, err_msg=f"{name}/{agg} {k}")
-        ga, gb = _grad_logp(name, d, **kw), _grad_logp(name, p, **kw)
         np.testing.assert_allclose(gb[:-1, :-1], ga, **TOL, err_msg=f"{name}/{agg}")
         assert not gb[-1].any() and not gb[:, -1].any()
 
@@ -476,12 +486,11 @@ def test_packed_and_unpacked_agree():
         kw |= dict(tis=True, kl_coef=0.05, entropy_coef=0.01)
         if name == "gspo":
             kw |= dict(gspo_eps_low=0.05, gspo_eps_high=0.05)  # some sequences clipped
-        la, ma = policy_loss(name, _inputs(d), **kw)
-        lb, mb = policy_loss(name, _inputs(p), num_seqs=6, **kw)
+        la, ma, ga = _eval(name, d, **kw)
+        lb, mb, gb = _eval(name, p, num_seqs=6, **kw)
         np.testing.assert_allclose(lb, la, **TOL, err_msg=f"{name}/{agg}")
         for k in ("ratio_mean", "clip_frac_low", "clip_frac_high", "kl", "entropy"):
             np.testing.assert_allclose(mb[k], ma[k], **TOL, err_msg=f"{name}/{agg} {k}")
-        ga, gb = _grad_logp(name, d, **kw), _grad_logp(name, p, num_seqs=6, **kw)
         for i, n in enumerate(lens):
             got = np.array([gb[r, c] for r, c in pos[i]])
             np.testing.assert_allclose(got, ga[i, :n], **TOL, err_msg=f"{name}/{agg} row {i}")
@@ -526,15 +535,40 @@ def test_no_nan_or_inf_at_extreme_log_ratios_and_empty_rows():
 def test_jit_matches_eager_and_compiles_once():
     d = _batch(11)
     for name in names():
-        fn = jax.jit(
-            lambda inp, name=name: policy_loss(name, inp, aggregation="prompt", num_groups=3)
-        )
+        traces = []
+
+        def step(inp, name=name, traces=traces):
+            traces.append(1)
+            return policy_loss(name, inp, aggregation="prompt", num_groups=3)
+
+        fn = jax.jit(step)
         loss, m = fn(_inputs(d))
         eager, me = policy_loss(name, _inputs(d), aggregation="prompt", num_groups=3)
         np.testing.assert_allclose(loss, eager, **TOL)
         assert set(m) == set(me) and all(v.shape == () for v in m.values())
-        fn(_inputs(_batch(12)))  # new values, same shapes
-        assert fn._cache_size() == 1
+        fn(_inputs(_batch(12)))  # new values, same shapes: no retrace
+        assert len(traces) == 1, name
+
+
+def test_sharded_batch_matches_single_device():
+    from rl_jax.config import MeshConfig
+    from rl_jax.sharding import batch_sharding, make_mesh
+
+    mesh = make_mesh(MeshConfig(num_devices=2, data=2, fsdp=1))
+    d = _batch(15)
+    inp = _inputs(d)
+    sharded = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, x.ndim)), inp)
+    assert len(sharded.logp.sharding.device_set) == 2
+
+    def f(logp, i):
+        i = dataclasses.replace(i, logp=logp)
+        return policy_loss("cispo", i, aggregation="prompt", num_groups=3, kl_coef=0.1)
+
+    vg = jax.value_and_grad(f, has_aux=True)
+    (l_s, _), g_s = jax.jit(vg)(sharded.logp, sharded)
+    (l_1, _), g_1 = vg(inp.logp, inp)
+    np.testing.assert_allclose(l_s, l_1, **TOL)
+    np.testing.assert_allclose(g_s, g_1, **TOL)
 
 
 def test_loss_from_config_passes_every_knob():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.losses import K3_MAX_LOG_RATIO, kl_penalty, kl_shaped_rewards
+from rl_jax.losses import K3_MAX_LOG_RATIO, entropy_from_logits, kl_penalty, kl_shaped_rewards
 
 Q = np.array([0.5, 0.2, 0.15, 0.1, 0.05])  # policy (sampling distribution)
 P = np.array([0.3, 0.3, 0.2, 0.1, 0.1])  # reference
@@ -100,3 +100,9 @@ def test_kl_shaped_rewards():
     np.testing.assert_allclose(out, r_bt - 0.1 * k1, rtol=1e-6)
     with pytest.raises(ValueError, match=r"not one of \['k1', 'k2', 'k3'\]"):
         kl_penalty(logp, ref, "k4")
+
+
+def test_entropy_from_logits():
+    logits = np.random.default_rng(0).normal(size=(2, 3, 5)).astype(np.float32) * 3
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(entropy_from_logits(logits), -(p * np.log(p)).sum(-1), rtol=1e-5)

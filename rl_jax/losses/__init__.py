@@ -24,7 +24,13 @@ from rl_jax.losses._api import (
     policy_loss,
 )
 from rl_jax.losses._inputs import LossInputs
-from rl_jax.losses._kl import K3_MAX_LOG_RATIO, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
+from rl_jax.losses._kl import (
+    K3_MAX_LOG_RATIO,
+    KL_ESTIMATORS,
+    entropy_from_logits,
+    kl_penalty,
+    kl_shaped_rewards,
+)
 from rl_jax.losses._policy import (
     MAX_LOG_RATIO,
     cispo_surrogate,
@@ -50,6 +56,7 @@ __all__ = [
     "clipped_surrogate",
     "clipped_value_loss",
     "compute_advantages",
+    "entropy_from_logits",
     "gae_advantages",
     "gae_from_config",
     "get",

@@ -6,12 +6,19 @@ prompt. `valid_b` marks rows that exist (False for padding or dropped rows):
 invalid rows get advantage 0 and do not enter any mean or std. Reductions are
 segment sums over a static `num_groups` (group_ids in [0, num_groups)).
 
+The public functions validate their arguments (eagerly, where the values are
+concrete) and then run one jitted computation, static in the estimator choice
+and group count: called on host arrays they compile once per shape instead of
+dispatching op by op; called inside a jit they simply inline.
+
 Standard deviations are the unbiased sample std (ddof=1, as in the GRPO
 implementations of TRL and verl); a group or batch with one valid row has std 0.
 Normalizing divides by (std + eps).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +63,11 @@ def zero_variance_groups(
     group_ids_b = jnp.asarray(group_ids_b, jnp.int32)
     valid = jnp.ones(rewards_b.shape, bool) if valid_b is None else jnp.asarray(valid_b) > 0
     check_ids("group_ids_b", group_ids_b, num_groups, "num_groups", valid)
+    return _zero_variance_groups(rewards_b, group_ids_b, valid, num_groups)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _zero_variance_groups(rewards_b, group_ids_b, valid, num_groups):
     hi = jax.ops.segment_max(jnp.where(valid, rewards_b, -jnp.inf), group_ids_b, num_groups)
     lo = jax.ops.segment_min(jnp.where(valid, rewards_b, jnp.inf), group_ids_b, num_groups)
     n_g = jax.ops.segment_sum(valid.astype(jnp.float32), group_ids_b, num_groups)
@@ -115,6 +127,25 @@ def compute_advantages(
     group_ids_b = jnp.asarray(group_ids_b, jnp.int32)
     valid = jnp.ones(r.shape, bool) if valid_b is None else jnp.asarray(valid_b) > 0
     check_ids("group_ids_b", group_ids_b, num_groups, "num_groups", valid)
+    return _compute_advantages(
+        r,
+        group_ids_b,
+        valid,
+        eps,
+        estimator=estimator,
+        norm=norm,
+        num_groups=num_groups,
+        group_baseline=group_baseline,
+        ddof=ddof,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("estimator", "norm", "num_groups", "group_baseline", "ddof")
+)
+def _compute_advantages(
+    r, group_ids_b, valid, eps, *, estimator, norm, num_groups, group_baseline, ddof
+):
     r = masked(r, valid)
 
     n_g, sum_g, mean_g, _ = _group_stats(r, valid, group_ids_b, num_groups)
@@ -139,9 +170,7 @@ def compute_advantages(
         adv = c
     adv = masked(adv, valid)
 
-    zero_var_g, present_g = zero_variance_groups(
-        r, group_ids_b, num_groups=num_groups, valid_b=valid
-    )
+    zero_var_g, present_g = _zero_variance_groups(r, group_ids_b, valid, num_groups)
     n_present = present_g.sum().astype(jnp.float32)
     n_zero = zero_var_g.sum().astype(jnp.float32)
     r_mean, r_std = _batch_mean_std(r, valid, ddof)
@@ -166,14 +195,17 @@ def terminal_rewards(
     Unpacked: rewards [B], one sequence per row. Packed: rewards [num_seqs],
     indexed by `seq_ids` [B, T]. Sequences with no trained token get nothing.
     """
-    m = jnp.asarray(mask_bt) > 0
+    if seq_ids is not None and num_seqs is None:
+        raise ValueError("seq_ids given without num_seqs (the static number of sequences)")
+    return _terminal_rewards(f32(rewards), jnp.asarray(mask_bt) > 0, seq_ids, num_seqs)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _terminal_rewards(rewards, m, seq_ids, num_seqs):
     b, t = m.shape
-    rewards = f32(rewards)
     if seq_ids is None:
         seq = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         num_seqs = b
-    elif num_seqs is None:
-        raise ValueError("seq_ids given without num_seqs (the static number of sequences)")
     else:
         seq = jnp.asarray(seq_ids, jnp.int32)
     flat = jnp.where(m, jnp.arange(b * t, dtype=jnp.int32).reshape(b, t), -1)
@@ -184,6 +216,7 @@ def terminal_rewards(
     return out.reshape(b, t)
 
 
+@jax.jit
 def gae_advantages(
     rewards_bt: Array,
     values_bt: Array,

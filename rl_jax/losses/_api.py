@@ -63,6 +63,10 @@ def policy_loss(
       entropy_coef: bonus on `inputs.entropy` (0 = off).
       value_coef, value_clip: critic loss, added when `inputs.values` is given
         (needs `inputs.returns`; clipped around `inputs.old_values` if given).
+    Jit: `inputs` are arrays (traced); `name` and every other argument are Python
+    values fixed at trace time (close over them or mark them static), as a
+    trainer does with its LossConfig (`loss_from_config`).
+
     Returns:
       (loss, metrics): scalar float32 arrays, jit-safe. Metrics (token means over
       trained tokens, whatever the aggregation): 'loss', 'pg_loss', 'ratio_mean',

@@ -1,4 +1,5 @@
-"""KL-to-reference estimators (Schulman, "Approximating KL Divergence", 2020).
+"""Regularizers: KL-to-reference estimators (Schulman, "Approximating KL
+Divergence", 2020) and the per-token entropy the entropy bonus uses.
 
 Tokens are sampled from the policy q = pi_theta; p = pi_ref. With the log-ratio
 log r = log p(y) - log q(y) = ref_logp - logp, the estimators of KL(q || p) are
@@ -74,3 +75,14 @@ def kl_shaped_rewards(
     if rewards.ndim == 1:
         return rewards - kl_coef * kl_bt.sum(axis=-1)
     return rewards - kl_coef * kl_bt
+
+
+def entropy_from_logits(logits_btv: Array) -> Array:
+    """Per-token entropy of softmax(logits): H = logsumexp(z) - sum_v softmax(z)_v z_v.
+
+    For `LossInputs.entropy` ([B, T, V] -> [B, T], float32, differentiable).
+    The entropy bonus of IsoCompute's easy-set recipe; off in ScaleRL.
+    """
+    z = f32(logits_btv)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
