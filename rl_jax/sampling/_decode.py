@@ -8,8 +8,9 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   decode call, outside the loop, with q/k/v and gate/up concatenated into one
   matmul each. (Slicing inside the loop copies every weight every token: XLA
   does not hoist those slices out of the `while`.)
-* The KV cache is one [B, K, S, hd] array per layer: the attention dots read it
-  in place, and the step writes one slot with a dynamic-update-slice.
+* The KV cache is per layer: keys [B, K, hd, S] (transposed, so the score
+  matmul q @ k reads them in place) and values [B, K, S, hd]; a step writes one
+  slot of each with a dynamic-update-slice.
   (The model's [L, B, S, K, hd] cache needs a transposed copy of every layer's
   keys and values per token.)
 
@@ -25,15 +26,18 @@ from rl_jax.models.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
 
-# Per layer: (keys [B, K, S, hd], values [B, K, S, hd]).
+# Per layer: (keys [B, K, hd, S], values [B, K, S, hd]).
 DecodeCache = tuple[tuple[jax.Array, jax.Array], ...]
-CACHE_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+KEYS_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+VALUES_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def from_model_cache(cache: KVCache) -> DecodeCache:
-    """The model's [L, B, S, K, hd] cache as per-layer [B, K, S, hd] arrays."""
+    """The model's [L, B, S, K, hd] cache in the decode layout (see DecodeCache)."""
     L = cache.k.shape[0]
-    return tuple((jnp.swapaxes(cache.k[i], 1, 2), jnp.swapaxes(cache.v[i], 1, 2)) for i in range(L))
+    return tuple(
+        (jnp.transpose(cache.k[i], (0, 2, 3, 1)), jnp.swapaxes(cache.v[i], 1, 2)) for i in range(L)
+    )
 
 
 def decode_weights(spec: ModelSpec, params: dict[str, jax.Array]) -> dict:
@@ -91,7 +95,7 @@ def decode_step(
     B = tokens_b.shape[0]
     H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     R = H // K
-    S = cache[0][0].shape[2]
+    S = cache[0][1].shape[2]
     cos, sin = rope_angles(positions_b[:, None], spec)  # [B, 1, hd / 2]
     k_slot = jnp.arange(S)
     visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
@@ -109,14 +113,14 @@ def decode_step(
             q = rms_norm(q, lw["q_norm"], eps)
             k = rms_norm(k, lw["k_norm"], eps)
         q = apply_rope(q, cos, sin).reshape(B, K, R, hd)
-        k = apply_rope(k, cos, sin).reshape(B, K, 1, hd)
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, slot, 0))
+        k = apply_rope(k, cos, sin).reshape(B, K, hd, 1)
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, slot))
         cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, slot, 0))
-        ck = constrain(ck, CACHE_LOGICAL_AXES)
-        cv = constrain(cv, CACHE_LOGICAL_AXES)
+        ck = constrain(ck, KEYS_LOGICAL_AXES)
+        cv = constrain(cv, VALUES_LOGICAL_AXES)
         new_cache.append((ck, cv))
         scores = jnp.einsum(
-            "bkrh,bksh->bkrs", q, ck.astype(cdt), preferred_element_type=jnp.float32
+            "bkrh,bkhs->bkrs", q, ck.astype(cdt), preferred_element_type=jnp.float32
         )
         scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cdt)

@@ -30,7 +30,8 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.sampling._decode import (
-    CACHE_LOGICAL_AXES,
+    KEYS_LOGICAL_AXES,
+    VALUES_LOGICAL_AXES,
     DecodeCache,
     decode_step,
     decode_weights,
@@ -171,7 +172,7 @@ class Sampler:
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
         return tuple(
-            (self._constrain(k, CACHE_LOGICAL_AXES), self._constrain(v, CACHE_LOGICAL_AXES))
+            (self._constrain(k, KEYS_LOGICAL_AXES), self._constrain(v, VALUES_LOGICAL_AXES))
             for k, v in cache
         )
 

@@ -1,0 +1,188 @@
+"""Sampler throughput against transformers' `generate` on the same weights; one JSON line.
+
+Reference workload: the `bench` preset, 8 prompts x 8 samples = 64 rows,
+8-token prompts, 64 new tokens per row forced (no stop token), float32, CPU,
+temperature 1. Both samplers run in this process, alternately, so that load
+from other processes on the machine hits both alike; the medians are reported.
+
+    python benchmarks/sampler.py [--model HF_DIR] [--devices N] [--repeats R]
+
+Keys: tokens_per_s / hf_tokens_per_s (generated tokens per second after
+warm-up), speedup, first_call_s (our first call, compilation included; a
+persistent JAX compilation cache, if configured, shortens it: see
+compile_cache), flops_fraction (model FLOPs per second of our sampler over
+this machine's measured float32 matmul rate on the same devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="", help="HF-format model directory (default: bench preset)")
+    p.add_argument("--devices", type=int, default=0, help="CPU devices (0 = one per core)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each sampler")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
+    return p.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:])
+DEVICES = ARGS.devices or len(os.sched_getaffinity(0))
+# The device count must be fixed before jax is imported.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
+from rl_jax.models import export_hf, load_model, model_params  # noqa: E402
+from rl_jax.sampling import Sampler  # noqa: E402
+from rl_jax.sharding import make_mesh  # noqa: E402
+
+
+def matmul_rate(mesh, n: int = 1024, repeats: int = 5) -> float:
+    """Float32 FLOP/s of a large matmul, rows split over every device of `mesh`."""
+    from rl_jax.sharding import batch_sharding, replicated
+
+    rows = n * len(mesh.devices.flat)
+    a = jax.device_put(jnp.ones((rows, n), jnp.float32), batch_sharding(mesh, 2))
+    b = jax.device_put(jnp.ones((n, n), jnp.float32) / n, replicated(mesh))
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * rows * n * n / min(times)
+
+
+def sampler_flops(spec, rows: int, prompts: int, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs of one run: prefill each prompt once, then rows x new_tokens decode steps
+    (token t attends to prompt_len + t + 1 keys)."""
+    prefill = prompts * spec.sequence_flops(prompt_len)
+    decode = rows * sum(spec.flops_per_token(prompt_len + t + 1) for t in range(new_tokens))
+    return prefill + decode
+
+
+def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    ids = torch.as_tensor(prompts, dtype=torch.long)
+    gen_cfg = model.generation_config
+    gen_cfg.eos_token_id = None  # forced length, as ours
+    gen_cfg.pad_token_id = 0
+
+    def run(seed: int):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=samples,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                generation_config=gen_cfg,
+            )
+        assert out.shape == (prompts.shape[0] * samples, prompts.shape[1] + new_tokens)
+
+    return run
+
+
+def main() -> int:
+    a = ARGS
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)) if DEVICES > 1 else None
+    source = a.model or ModelConfig(preset="bench")
+    model = load_model(source, mesh=mesh, purpose="sample", rules_preset="dp")
+    spec = model.spec
+    params = model_params(model)
+    rows = a.prompts * a.samples
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, spec.vocab_size, size=(a.prompts, a.prompt_len), dtype=np.int32)
+    cfg = SamplingConfig(
+        n=a.samples,
+        temperature=1.0,
+        max_new_tokens=a.new_tokens,
+        max_prompt_len=a.prompt_len,
+        length_bucket=8,
+    )
+    sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
+    prompt_list = prompts.tolist()
+
+    def ours(seed: int):
+        out = sampler.generate(params, prompt_list, seed=seed)
+        assert (out.lengths == a.new_tokens).all()
+
+    t = time.perf_counter()
+    ours(0)
+    first_call = time.perf_counter() - t
+
+    hf_run = None
+    if not a.no_hf:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_dir = a.model or str(export_hf(model, tmp))
+            hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
+            hf_run(0)  # warm-up
+
+    ours_t, hf_t = [], []
+    for r in range(a.repeats):
+        t = time.perf_counter()
+        ours(r + 1)
+        ours_t.append(time.perf_counter() - t)
+        if hf_run is not None:
+            t = time.perf_counter()
+            hf_run(r + 1)
+            hf_t.append(time.perf_counter() - t)
+
+    tokens = rows * a.new_tokens
+    ours_s = statistics.median(ours_t)
+    flops = sampler_flops(spec, rows, a.prompts, a.prompt_len, a.new_tokens)
+    peak = matmul_rate(mesh if mesh is not None else make_mesh(MeshConfig(fsdp=1)))
+    result = {
+        "tokens_per_s": round(tokens / ours_s, 1),
+        "first_call_s": round(first_call, 3),
+        "hf_tokens_per_s": round(tokens / statistics.median(hf_t), 1) if hf_t else None,
+        "speedup": round(statistics.median(hf_t) / ours_s, 3) if hf_t else None,
+        "flops_fraction": round(flops / ours_s / peak, 4),
+        "seconds": round(ours_s, 4),
+        "hf_seconds": round(statistics.median(hf_t), 4) if hf_t else None,
+        "achieved_gflops": round(flops / ours_s / 1e9, 2),
+        "matmul_gflops": round(peak / 1e9, 2),
+        "model": a.model or "preset:bench",
+        "rows": rows,
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "devices": DEVICES,
+        "compile_cache": bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""`rl-jax sample`: completions from a model, as text or one JSON object per row.
+
+    rl-jax sample --model DIR --prompt "2+2=" sampling.n=4 sampling.temperature=0.6
+    rl-jax sample --model DIR --prompts prompts.txt --json
+    rl-jax sample --model DIR --prompt-token-ids 1,2,3 sampling.temperature=0
+
+--model: an HF directory, a GGUF file or an rl_jax model directory (tokenizer
+files beside the weights are used for text). --prompts FILE: one prompt per
+line, or JSON lines with "prompt" (text) or "token_ids". Text prompts are
+encoded without special tokens unless --chat wraps them in the tokenizer's
+chat template; token ids are used as given. With --json each row prints
+{"prompt_index", "sample_index", "token_ids" (completion only), "logprobs",
+"finish_reason", "truncated", "length", "text"}. Log-probs are of the
+temperature-scaled distribution sampled from (temperature 1 for greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from rl_jax.knobs import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rl-jax sample",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("--model", required=True, help="HF directory, GGUF file or rl_jax model dir")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one text prompt")
+    src.add_argument("--prompts", help="file: a prompt per line, or JSON lines")
+    src.add_argument("--prompt-token-ids", help="one prompt as comma-separated token ids")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides (sampling.*, model.*)"
+    )
+    return p
+
+
+def parse_ids(text: str, where: str = "--prompt-token-ids") -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"{where}={text!r} must be comma-separated integers") from None
+    if not ids:
+        raise ConfigError(f"{where} is empty")
+    return ids
+
+
+def read_prompts(path: str) -> list[str | list[int]]:
+    """Text prompts or token-id lists from a file (see the module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--prompts {path}: no such file")
+    out: list[str | list[int]] = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if "token_ids" in obj:
+                out.append([int(t) for t in obj["token_ids"]])
+            elif "prompt" in obj:
+                out.append(str(obj["prompt"]))
+            else:
+                raise ConfigError(f"{path}:{n}: a JSON line needs 'prompt' or 'token_ids'")
+        else:
+            out.append(line)
+    if not out:
+        raise ConfigError(f"--prompts {path} holds no prompts")
+    return out
+
+
+def _tokenizer(model_path: str):
+    from rl_jax.models.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model_path)
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from rl_jax.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), args.overrides)
+    model_cfg = dataclasses.replace(cfg.model, path=args.model, preset="")
+    scfg = cfg.sampling
+
+    if args.prompt_token_ids is not None:
+        raw: list[str | list[int]] = [parse_ids(args.prompt_token_ids)]
+    elif args.prompt is not None:
+        raw = [args.prompt]
+    else:
+        raw = read_prompts(args.prompts)
+    tok = _tokenizer(args.model)
+    needs_text = any(isinstance(r, str) for r in raw) or scfg.length_control == "interrupt"
+    if needs_text and tok is None:
+        raise ConfigError(
+            f"--model {args.model} has no tokenizer files; pass --prompt-token-ids "
+            "(and no sampling.length_control=interrupt)"
+        )
+    prompts = []
+    for r in raw:
+        if isinstance(r, list):
+            prompts.append(r)
+        elif args.chat:
+            prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": r}])))
+        else:
+            prompts.append(tok.encode(r))
+        if not prompts[-1]:
+            raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
+
+    from rl_jax.models.hf import load_model
+    from rl_jax.sampling._sampler import Sampler
+
+    model = load_model(model_cfg, purpose="sample")
+    spec = model.spec
+    if tok is not None:
+        eos, pad = tok.eos_id, tok.pad_id
+    else:
+        eos = list(spec.eos_token_ids) or None
+        pad = spec.pad_token_id if spec.pad_token_id >= 0 else 0
+    interrupt_ids = tok.encode(scfg.interrupt_text) if scfg.length_control == "interrupt" else None
+    longest = max(len(p) for p in prompts)
+    if longest > scfg.max_prompt_len:
+        # One-off use: let the prompt decide rather than fail on the training default.
+        scfg = dataclasses.replace(scfg, max_prompt_len=longest)
+    sampler = Sampler(spec, scfg, eos_id=eos, pad_id=pad, interrupt_ids=interrupt_ids)
+    out = sampler.generate(model, prompts, seed=args.seed)
+    names = out.finish_names
+    for r in range(out.num_rows):
+        ids = out.completion(r)
+        text = None if tok is None else tok.decode(ids)
+        if args.json:
+            row = {
+                "prompt_index": int(out.group_ids[r]),
+                "sample_index": r % scfg.n,
+                "token_ids": ids,
+                "logprobs": [float(x) for x in out.logprobs[r, : len(ids)]],
+                "finish_reason": names[r],
+                "truncated": bool(out.truncated[r]),
+                "length": len(ids),
+                "text": text,
+            }
+            print(json.dumps(row))
+        else:
+            shown = text if text is not None else " ".join(map(str, ids))
+            print(f"--- prompt {int(out.group_ids[r])} sample {r % scfg.n} ({names[r]})")
+            print(shown)
+    sys.stdout.flush()
+    return 0

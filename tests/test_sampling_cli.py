@@ -1,0 +1,82 @@
+"""`rl-jax sample` end to end on a tiny exported model with a word-level tokenizer."""
+
+import json
+
+import pytest
+
+from rl_jax.cli import main as rl_jax_main
+from rl_jax.config import ConfigError, ModelConfig
+from rl_jax.models import build_model, export_hf, resolve_spec
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("tiny_hf")
+    spec = resolve_spec(ModelConfig(preset="tiny", num_layers=1))
+    export_hf(build_model(spec, seed=3), d)
+    vocab = {t: i for i, t in enumerate(["<pad>", "</s>"])}
+    for w in "hello world how are you ? 1 2 3 + =".split():
+        vocab.setdefault(w, len(vocab))
+    for i in range(len(vocab), spec.vocab_size - 1):
+        vocab[f"w{i}"] = i
+    vocab["[UNK]"] = spec.vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<pad>", "</s>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "</s>", "pad_token": "<pad>"})
+    )
+    return d
+
+
+def _rows(capsys):
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_sample_json_rows(model_dir, capsys):
+    common = ["sampling.max_new_tokens=6", "sampling.temperature=0", "sampling.length_bucket=8"]
+    argv = ["sample", "--model", str(model_dir), "--prompt", "hello world", "--json"]
+    assert rl_jax_main(argv + ["sampling.n=2"] + common) == 0
+    rows = _rows(capsys)
+    assert len(rows) == 2 and rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy
+    for i, r in enumerate(rows):
+        assert r["prompt_index"] == 0 and r["sample_index"] == i
+        assert 1 <= len(r["token_ids"]) == len(r["logprobs"]) == r["length"] <= 6
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["truncated"] == (r["finish_reason"] == "length")
+        assert all(lp <= 0 for lp in r["logprobs"]) and isinstance(r["text"], str)
+        if r["finish_reason"] == "stop":
+            assert r["token_ids"][-1] == 1  # </s>
+
+    # Token ids pass untouched: the same prompt as ids gives the same rows.
+    ids = "2,3"  # "hello world"
+    argv = ["sample", "--model", str(model_dir), "--prompt-token-ids", ids, "--json"]
+    assert rl_jax_main(argv + ["sampling.n=1"] + common) == 0
+    assert _rows(capsys)[0]["token_ids"] == rows[0]["token_ids"]
+
+
+def test_sample_prompts_file_text_output(model_dir, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text('how are you ?\n{"token_ids": [4, 5]}\n\n1 + 2 =\n')
+    argv = ["sample", "--model", str(model_dir), "--prompts", str(f), "sampling.n=1"]
+    assert rl_jax_main(argv + ["sampling.max_new_tokens=4", "sampling.length_bucket=8"]) == 0
+    out = capsys.readouterr().out
+    assert [line.startswith("--- prompt") for line in out.splitlines()].count(True) == 3
+
+
+def test_sample_errors(model_dir, tmp_path):
+    from rl_jax.sampling.cli import main
+
+    with pytest.raises(ConfigError, match="comma-separated"):
+        main(["--model", str(model_dir), "--prompt-token-ids", "1,x"])
+    with pytest.raises(ConfigError, match="no such file"):
+        main(["--model", str(model_dir), "--prompts", str(tmp_path / "none.txt")])
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((model_dir / f).read_bytes())
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        main(["--model", str(bare), "--prompt", "hello"])
