@@ -1,125 +1,126 @@
-"""The grid's analysis on synthetic curves: record-breaking points, the frontier, n*(C), A/B."""
-
-import math
+"""The grid's use of rl_jax.scaling on synthetic curves: splits, pooled seeds, early stops."""
 
 import numpy as np
 import pytest
 
-from rl_jax.grid import Axis, GridSpec, ReportSpec, expand
-from rl_jax.grid import _scaling as sc
-from rl_jax.grid.results import compare_groups, isocompute_frontier, record_breaking
+from rl_jax.grid import Axis, EarlyStop, GridSpec, ReportSpec, expand
+from rl_jax.grid.results import early_stopper, fit_grid
 
 
-def sig(c, *, r0=0.1, a, b, c_mid):
+def sig(c, *, r0=0.1, a, b=2.0, c_mid):
     c = np.asarray(c, float)
     with np.errstate(over="ignore", divide="ignore"):
         return r0 + (a - r0) / (1 + (c_mid / c) ** b)
 
 
-def test_record_breaking_keeps_points_that_beat_all_earlier_ones():
-    x = np.array([0, 1, 2, 3, 4, 5.0])
-    y = np.array([0.1, 0.3, 0.2, 0.3, 0.5, 0.4])
-    rx, ry = record_breaking(x, y)
-    assert rx.tolist() == [0, 1, 4] and ry.tolist() == [0.1, 0.3, 0.5]
+C = np.array([0, 5, 10, 20, 40, 80, 160, 320, 640, 1280.0])
 
 
-def test_p_reaches_counts_pairs():
-    assert sc.p_reaches(np.array([0.1, 0.2, 0.3]), np.array([0.25])) == pytest.approx(1 / 3)
-    assert sc.p_reaches(np.array([0.1, 0.2]), np.array([0.05, 0.5])) == pytest.approx(0.5)
-
-
-def _rows(plans, curves):
-    """Curve rows as the trainer writes them, from {n: (x, y)} keyed by the plan's n."""
-    rows = []
+def rows_for(plans, curve_of):
+    """Curve rows as the trainer writes them; curve_of(plan) -> (x, y)."""
+    out = []
     for p in plans:
-        x, y = curves[p.config.sampling.n]
+        x, y = curve_of(p)
         for i, (xi, yi) in enumerate(zip(x, y, strict=True)):
-            rows.append(
+            out.append(
                 {
                     "run_id": p.run_id,
                     "step": i,
                     "rollouts": float(xi),
                     "val/pass@1": float(yi),
+                    "group": p.group,
                     "sampling.n": p.config.sampling.n,
                     "data.prompts_per_batch": p.config.data.prompts_per_batch,
                 }
             )
-    return rows
+    return out
 
 
-@pytest.fixture
-def iso_plans():
+def test_isocompute_splits_get_their_own_frontier():
     spec = GridSpec(
         name="iso",
         recipe="scalerl",
-        axes=(Axis.of("sampling.n", [2, 4], short="n"),),
-        report=ReportSpec(kind="isocompute"),
+        axes=(
+            Axis.variants("split", {"easy": {"data.difficulty": 1}, "hard": {}}),
+            Axis.of("sampling.n", [2, 4], short="n"),
+            Axis.of("data.prompts_per_batch", [2, 4], short="bp"),
+        ),
+        report=ReportSpec(kind="isocompute", split_by="split"),
     )
-    return spec, expand(spec)
+    plans = expand(spec)
+
+    def curve(p):
+        # easy: n=4 overtakes n=2 between C = 80 and 160; hard: n=2 stays best throughout.
+        split, n = dict(p.labels)["split"], p.config.sampling.n
+        a = {("easy", 2): 0.4, ("easy", 4): 0.8, ("hard", 2): 0.5, ("hard", 4): 0.3}[(split, n)]
+        c_mid = {2: 10, 4: 100}[n]
+        bump = 0.01 * (p.config.data.prompts_per_batch == 4)
+        return C, sig(C, a=a + bump, c_mid=c_mid) + 0.002 * np.cos(np.arange(C.size) + n)
+
+    fits = fit_grid(spec, plans, rows_for(plans, curve))
+    assert set(fits) == {"easy", "hard"}
+    easy, hard = fits["easy"][0], fits["hard"][0]
+    assert {r["recipe"] for r in easy.table} == {
+        "easy_n2_bp2",
+        "easy_n2_bp4",
+        "easy_n4_bp2",
+        "easy_n4_bp4",
+    }
+    assert easy.table[0]["recipe"].startswith("easy_n4")
+    fe, fh = easy.frontier, hard.frontier
+    assert fe.n_star[0] == 2 and fe.n_star[-1] == 4
+    assert fe.n_star_fit is not None and 40 <= fe.n_star_fit.C_mid <= 320
+    assert set(fh.n_star[np.isfinite(fh.n_star)].tolist()) == {2.0}
 
 
-@pytest.mark.parametrize("with_fits", [False, True])
-def test_frontier_and_n_star_switch_from_small_to_large_n(iso_plans, monkeypatch, with_fits):
-    if with_fits and sc.missing():
-        pytest.skip(sc.missing())
-    if not with_fits:
-        monkeypatch.setattr(sc, "missing", lambda: "fits off for this test")
-    spec, plans = iso_plans
-    c = np.array([0, 5, 10, 20, 40, 80, 160, 320, 640, 1280.0])
-    # n=2 rises early and saturates low; n=4 starts slower and ends higher.
-    curves = {2: (c, sig(c, a=0.4, b=2.0, c_mid=10)), 4: (c, sig(c, a=0.8, b=2.0, c_mid=100))}
-    fr = isocompute_frontier(spec, plans, _rows(plans, curves))["all"]
-    got = dict(zip(fr["c_grid"].tolist(), fr["n_star"].tolist(), strict=True))
-    # The curves cross between C = 80 (n=2: 0.395 > 0.373) and C = 160.
-    assert [got[k] for k in (5, 10, 80, 160, 640, 1280)] == [2, 2, 2, 4, 4, 4]
-    assert fr["heat"][(2, 8)] == pytest.approx(curves[2][1][-1])
-    expected = np.maximum(
-        sig(fr["c_grid"], a=0.4, b=2.0, c_mid=10), sig(fr["c_grid"], a=0.8, b=2.0, c_mid=100)
-    )
-    # With fits the frontier is the fitted sigmoids: exact up to the fit's grid resolution.
-    np.testing.assert_allclose(fr["frontier"], expected, atol=5e-3 if with_fits else 1e-12)
-    if with_fits:
-        f = fr["n_star_fit"]
-        assert f is not None
-        # log2 n* steps from 1 to 2 between C = 80 and C = 160.
-        assert f.predict(np.array([1.0]))[0] == pytest.approx(1.0, abs=0.05)
-        assert f.predict(np.array([1e4]))[0] == pytest.approx(2.0, abs=0.05)
-        assert 80 <= f.C_mid <= 160
-    else:
-        assert fr["n_star_fit"] is None and "fits off" in fr["n_star_error"]
-
-
-def test_compare_groups_fits_and_the_common_a_rule():
-    if sc.missing():
-        pytest.skip(sc.missing())
+def test_compare_pools_seeds_into_one_recipe_each():
     spec = GridSpec(
         name="cmp",
         recipe="scalerl",
         axes=(Axis.variants("v", {"base": {}, "alt": {"loss.name": "dapo"}}),),
         seeds=(0, 1),
-        report=ReportSpec(kind="compare", baseline="base"),
+        report=ReportSpec(kind="compare"),
     )
     plans = expand(spec)
-    c = np.geomspace(1, 1e4, 16)
-    c = np.concatenate([[0.0], c])
-    truth = {"base": dict(a=0.60, b=1.5, c_mid=300), "alt": dict(a=0.61, b=1.0, c_mid=300)}
-    rows = []
-    for p in plans:
-        y = sig(c, **truth[p.group]) + (0.002 if p.seed else -0.002) * np.cos(np.arange(c.size))
-        rows += [
-            {"run_id": p.run_id, "step": i, "rollouts": float(xi), "val/pass@1": float(yi)}
-            for i, (xi, yi) in enumerate(zip(c, y, strict=True))
-        ]
-    res = {r["group"]: r for r in compare_groups(spec, plans, rows)}
-    assert res["base"]["runs"] == 2
+    c = np.concatenate([[0.0], np.geomspace(1, 1e4, 16)])
+    truth = {"base": dict(a=0.60, b=1.5, c_mid=300), "alt": dict(a=0.45, b=1.0, c_mid=300)}
+
+    def curve(p):
+        noise = (0.004 if p.seed else -0.004) * np.cos(np.arange(c.size))
+        return c, sig(c, **truth[p.group]) + noise
+
+    ((rep, note),) = fit_grid(spec, plans, rows_for(plans, curve)).values()
+    assert note == "" and rep.frontier is None
+    table = {r["recipe"]: r for r in rep.table}
+    assert table["base"]["runs"] == 2 and table["base"]["rank"] == 1
     for g, t in truth.items():
-        assert res[g]["A"] == pytest.approx(t["a"], abs=0.01)
-        assert res[g]["B"] == pytest.approx(t["b"], rel=0.1)
-        lo, hi = res[g]["ci"]["A"]
-        assert lo <= res[g]["A"] <= hi
-        e = res[g]["extrapolation"]
-        assert e["rmse"] < 0.02 and math.isfinite(e["final_pred"])
-    alt = res["alt"]
-    assert alt["dA"] == pytest.approx(0.01, abs=0.01)
-    # Within the paper's 0.02 error bar on A: compared on B at a common A, base wins.
-    assert alt["ref_B_at_common_A"] > alt["B_at_common_A"]
+        assert table[g]["A"] == pytest.approx(t["a"], abs=0.01)
+        assert table[g]["A_lo"] <= table[g]["A"] <= table[g]["A_hi"]
+
+
+def test_early_stopper_flags_the_hopeless_group_after_min_fraction():
+    spec = GridSpec(
+        name="es",
+        recipe="scalerl",
+        axes=(Axis.of("sampling.n", [2, 4], short="n"),),
+        early_stop=EarlyStop(threshold=0.05, min_fraction=0.5, min_points=4),
+        report=ReportSpec(x="rollouts"),
+    )
+    plans = expand(spec)  # steps: the recipe's 60
+    by_n = {p.config.sampling.n: p for p in plans}
+    check = early_stopper(spec, plans)
+
+    def curves_upto(k):
+        rows = rows_for(
+            plans, lambda p: (C, sig(C, a=0.3 if p.config.sampling.n == 2 else 0.8, c_mid=40))
+        )
+        for r in rows:  # evaluation i at step 10 * i
+            r["step"] = 10 * r["step"]
+        return {p.run_id: [r for r in rows if r["run_id"] == p.run_id][:k] for p in plans}
+
+    # 6 evaluations = step 50 of 60: past min_fraction; n=2 cannot reach n=4's asymptote.
+    out = check(curves_upto(6), plans)
+    assert set(out) == {by_n[2].run_id}
+    assert out[by_n[2].run_id]["leader"] == by_n[4].group and out[by_n[2].run_id]["p"] < 0.05
+    # 3 evaluations (step 20 < 30): too few points and too early to judge.
+    assert check(curves_upto(3), plans) == {}
