@@ -83,11 +83,13 @@ def reference(tmp_path_factory):
     return curves(base / "out")
 
 
-def test_local_grid_end_to_end_with_report(tmp_path, monkeypatch, reference):
+def test_local_grid_end_to_end_with_report(tmp_path, monkeypatch, capsys, reference):
     monkeypatch.setenv("FAKE_LEDGER", str(tmp_path / "ledger"))
     spec = write_spec(tmp_path)
     out = tmp_path / "out"
     assert run_grid(spec, out, "--jobs", "2") == 0
+    # The trainer resolved every run to the grid's run id (no mismatch warning).
+    assert "WARNING" not in capsys.readouterr().out
     got = curves(out)
     assert got == reference and len(got) == 4
     for rows in got.values():

@@ -121,6 +121,7 @@ class Driver:
         if done:
             rec.status = "done"
             self._say(f"done     {p.name}")
+            self._check_run_id(p)
         elif a.stopping == "early_stop":
             rec.status = "stopped"
             rec.stopped = a.info
@@ -149,6 +150,19 @@ class Driver:
                     f"failed   {p.name} (exit {rc}), retry {rec.failures}/"
                     f"{self.spec.max_attempts - 1}; log: {self._log_path(p, a.attempt)}"
                 )
+
+    def _check_run_id(self, p: RunPlan) -> None:
+        """The trainer resolves the same overrides itself; a different id means the grid's
+        expansion and the trainer disagree about the config, and the report would mislabel."""
+        path = run_dir(self.root, p) / "config.json"
+        if not path.exists():
+            return
+        rid = json.loads(path.read_text()).get("run_id")
+        if rid not in (None, p.run_id):
+            self._say(
+                f"WARNING  {p.name}: the trainer's run id is {rid}, the grid's {p.run_id};"
+                " the grid's config expansion disagrees with the trainer's (a bug: report it)"
+            )
 
     def _log_path(self, p: RunPlan, attempt: int) -> Path:
         return self.root / "logs" / f"{p.name}.{attempt}.log"
