@@ -37,7 +37,7 @@ def grid():
         evals_per_run=8,
         checkpoints_per_run=4,
         max_attempts={max_attempts},
-        report=ReportSpec(kind="{kind}", x="rollouts"),
+        report=ReportSpec(kind="{kind}", x="rollouts", n_boot=40),
         early_stop={early_stop},
     )
 """

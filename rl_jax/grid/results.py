@@ -84,6 +84,7 @@ def fit_grid(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
                 metric=r.metric,
                 group_by=GROUP_KEY,
                 extrapolate=r.fit_fraction,
+                n_boot=r.n_boot,
                 stop_threshold=threshold,
                 frontier="auto" if r.kind == "isocompute" else "off",
                 n_key=r.frontier[0],

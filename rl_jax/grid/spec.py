@@ -167,12 +167,15 @@ class ReportSpec:
     frontier: tuple[str, str] = ("sampling.n", "data.prompts_per_batch")  # isocompute cells
     split_by: str = ""  # isocompute: axis whose points get separate frontiers (e.g. 'split')
     fit_fraction: float = 0.5  # extrapolation check: fit on this fraction of compute
+    n_boot: int = 200  # bootstrap resamples behind every interval
 
     def __post_init__(self):
         if self.kind not in REPORT_KINDS:
             raise ConfigError(f"report.kind={self.kind!r} is not one of {list(REPORT_KINDS)}")
         if not 0.0 < self.fit_fraction < 1.0:
             raise ConfigError(f"report.fit_fraction={self.fit_fraction!r} must be in (0, 1)")
+        if self.n_boot < 20:
+            raise ConfigError(f"report.n_boot={self.n_boot} is too few for intervals; use >= 20")
         if len(self.frontier) != 2:
             raise ConfigError(f"report.frontier={self.frontier!r} must name two knobs (n, B_p)")
 
