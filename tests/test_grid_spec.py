@@ -124,6 +124,7 @@ def test_constraint_evaluator_is_not_eval():
         ({"constraints": ("B_p * n <= 1",)}, r"no run satisfies the constraints"),
         ({"budget": Budget(amount=5)}, r"budget 5 rollouts is smaller than one step"),
         ({"constraints": ("B_q <= 4",)}, r"unknown name\(s\) \['B_q'\]"),
+        ({"axes": (Axis.of("train.steps", [5]),)}, r"'train.steps' is set by 'steps' and derived"),
         ({"axes": (Axis.of("loss.name", ["nope"]),)}, r"loss.name='nope' is not one of"),
     ],
 )
@@ -165,6 +166,7 @@ def test_cli_spec_errors_exit_2(tmp_path, capsys):
         ([str(tmp_path / "missing.py")], "does not exist"),
         (["scalerl"], "defines no grid() function (it looks like a recipe"),
         ([str(bad), "--set", "sampling.n=2"], "fights grid 'bad' 'n'"),
+        ([str(bad), "--set", "train.steps=2"], "fights grid 'bad' 'budget'"),
     ]:
         assert rl_jax_main(["grid", *argv, "--dry-run"]) == 2
         assert msg in capsys.readouterr().err

@@ -315,6 +315,19 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
                     raise ConfigError(
                         f"grid {spec.name!r}: key {k!r} is set by {owners[k]!r} and {a.name!r}"
                     )
+    derived_keys = {
+        "train.steps": spec.budget is not None and "budget",
+        "eval.every": spec.evals_per_run > 0 and "evals_per_run",
+        "checkpoint.every": spec.checkpoints_per_run > 0 and "checkpoints_per_run",
+    }
+    for k, source in derived_keys.items():
+        if not source:
+            continue
+        if k in owners:
+            raise ConfigError(
+                f"grid {spec.name!r}: {k!r} is set by {owners[k]!r} and derived from {source}"
+            )
+        owners[k] = source
     for item in extra:
         k = item.split("=", 1)[0].strip()
         if k in owners:
