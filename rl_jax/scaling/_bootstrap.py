@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,7 +37,6 @@ class Bootstrap:
     samples: dict[str, np.ndarray]  # name -> [n_ok] for R0, A, B, C_mid
     n_boot: int
     n_failed: int
-    noise: np.ndarray = field(repr=False)  # [n_ok, N] a residual draw per replicate, for bands
     warnings: tuple[str, ...] = ()
 
     def interval(self, name: str, level: float | None = None) -> tuple[float, float]:
@@ -62,13 +61,17 @@ class Bootstrap:
 
     def band(self, c, *, level: float | None = None, predictive: bool = False):
         """(lo, hi) of the curve at compute c; predictive=True adds evaluation noise, i.e. the
-        interval a new evaluation at c should fall in."""
+        interval a new evaluation at c should fall in.
+
+        The noise is Student-t with the fit's residual scale and degrees of freedom: the
+        empirical residuals of a short curve (20 points, say) have too light tails for the
+        outer 5%, and a t accounts for the scale itself being estimated."""
         c = np.atleast_1d(np.asarray(c, dtype=float))
         curves = self.curves(c)
         if predictive:
             rng = np.random.default_rng(0)  # deterministic bands
-            pool = self.noise.ravel()
-            curves = curves + rng.choice(pool, size=curves.shape)
+            t = rng.standard_t(self.fit.dof, size=(max(4, 2000 // len(curves)),) + curves.shape)
+            curves = (curves[None] + self.fit.sigma * t).reshape(-1, c.size)
         q = _quantiles(self.level if level is None else level)
         lo, hi = np.quantile(curves, q, axis=0)
         return lo, hi
@@ -137,11 +140,10 @@ def bootstrap(
         ok = np.array([np.unique(r).size >= fit.n_params for r in idx])
         ok &= np.array([np.unique(r[r > 0]).size >= 2 for r in xb])
         p, _ = batch_lsq(fit.problem, yb[ok], start, x=xb[ok])
-        noise = rng.choice(pool, size=(int(ok.sum()), fit.n_points))
-        return _result(fit, kind, level, p, noise, n_boot, int((~ok).sum()))
+        return _result(fit, kind, level, p, n_boot, int((~ok).sum()))
     e, r0 = _DRAWS[kind](fit, rng, pool, n_boot)
     p, _ = batch_lsq(fit.problem, fit.predict(fit.x)[None, :] + e, start, r0=r0)
-    return _result(fit, kind, level, p, e, n_boot, 0)
+    return _result(fit, kind, level, p, n_boot, 0)
 
 
 def _check_args(n_boot: int, level: float) -> None:
@@ -150,11 +152,11 @@ def _check_args(n_boot: int, level: float) -> None:
         raise ValueError(f"n_boot={n_boot} is too few for {level:.0%} intervals; use >= 20")
 
 
-def _result(fit, kind, level, p, noise, n_boot, failed, warnings=()) -> Bootstrap:
+def _result(fit, kind, level, p, n_boot, failed, warnings=()) -> Bootstrap:
     warn = list(warnings)
     ok = np.isfinite(p).all(1)
     failed += int((~ok).sum())
-    p, noise = p[ok], noise[ok]
+    p = p[ok]
     if len(p) < max(10, n_boot // 2):
         raise FitError(
             f"{failed} of {n_boot} bootstrap refits failed; the curve is too degenerate for "
@@ -171,7 +173,6 @@ def _result(fit, kind, level, p, noise, n_boot, failed, warnings=()) -> Bootstra
         samples=samples,
         n_boot=n_boot,
         n_failed=failed,
-        noise=noise,
         warnings=tuple(warn),
     )
 
@@ -198,7 +199,7 @@ def bootstrap_runs(
         fit = fit_sigmoid_runs(runs, **fit_kwargs)
     opts = fit.options
     rng = np.random.default_rng(seed)
-    pool = _scaled_residuals(fit)
+    _scaled_residuals(fit)  # raises when the pooled fit has no residual degrees of freedom
     first = opts.r0 == "first"
     parts = []
     for x, y in runs:
@@ -222,11 +223,10 @@ def bootstrap_runs(
         xb[r, : x.size], yb[r, : x.size], wb[r, : x.size] = x[order], y[order], 1.0
         r0[r] = np.mean([parts[i][2] for i in pick])
     p, _ = batch_lsq(fit.problem, yb, _start(fit), x=xb, w=wb, r0=r0 if first else None)
-    noise = rng.choice(pool, size=(n_boot, fit.n_points))
     warn = []
     if len(runs) < 5:
         warn.append(
             f"only {len(runs)} runs: a bootstrap over seeds has few distinct resamples and its "
             "intervals are coarse"
         )
-    return _result(fit, "runs", level, p, noise, n_boot, 0, warn)
+    return _result(fit, "runs", level, p, n_boot, 0, warn)

@@ -83,7 +83,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
     with open(path, newline="", encoding="utf-8") as f:
-        return [{k: _scalar(v) for k, v in r.items() if k is not None} for r in csv.DictReader(f)]
+        # A blank cell is an absent value (the row did not record that column).
+        return [
+            {k: _scalar(v) for k, v in r.items() if k is not None and v not in ("", None)}
+            for r in csv.DictReader(f)
+        ]
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -160,9 +164,10 @@ def curves_from_rows(
 ) -> list[Curve]:
     """Split rows into one Curve per run, sorted by step (or file order without `step`).
 
-    - Rows without the metric key are not evaluation rows and are skipped.
-    - Rows whose x or metric is NaN/inf/null are dropped; the curve says so and is marked
-      unreliable (a NaN evaluation is a sign of a broken run).
+    - Rows without the metric (absent, null, a blank CSV cell) are not evaluation rows of it
+      and are skipped.
+    - Rows whose metric is NaN/inf, or whose x is missing or NaN, are dropped; the curve says
+      so and is marked unreliable (a NaN evaluation is a sign of a broken run).
     - Compute must strictly increase along a run; otherwise a CurveError names the rows.
     - group: the `group_by` column when a run has it (non-empty), else the run id.
     Rows without `run_key` form one run per source file (curves exported by other tools).
@@ -172,7 +177,7 @@ def curves_from_rows(
     rows = [_flatten(r) if any(isinstance(v, Mapping) for v in r.values()) else r for r in rows]
     if not any(x in r for r in rows):
         raise _unknown_column(x, rows, "compute (--x)")
-    if not any(metric in r for r in rows):
+    if not any(r.get(metric) is not None for r in rows):
         raise _unknown_column(metric, rows, "metric (--metric)")
     runs: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
@@ -182,7 +187,7 @@ def curves_from_rows(
         runs.setdefault(str(rid), []).append(r)
     curves = []
     for rid, rrows in runs.items():
-        evals = [r for r in rrows if metric in r]
+        evals = [r for r in rrows if r.get(metric) is not None]
         if not evals:
             continue
         warnings: list[str] = []

@@ -67,7 +67,8 @@ def early_decision(
     seed: int = 0,
 ) -> EarlyDecision:
     """Per recipe: P(its A beats the leader's A + margin), P(it has the highest A), and
-    whether to stop it (probability below threshold). The leader has the highest fitted A.
+    whether to stop it (probability below threshold). The leader has the highest fitted A
+    among reliable fits (among all when none is reliable).
 
     recipes: name -> Bootstrap, or a SigmoidFit (then bootstrapped over its residuals).
     """
@@ -78,7 +79,10 @@ def early_decision(
     boots: dict[str, Bootstrap] = {}
     for i, (name, r) in enumerate(recipes.items()):
         boots[name] = r if isinstance(r, Bootstrap) else bootstrap(r, n_boot=n_boot, seed=seed + i)
-    leader = max(boots, key=lambda k: boots[k].fit.A)
+    # The leader is the best *established* asymptote: an unreliable fit (a curve that has not
+    # bent, say) may report a high A that nothing supports yet.
+    pool = [k for k in boots if boots[k].fit.reliable] or list(boots)
+    leader = max(pool, key=lambda k: boots[k].fit.A)
     a_lead = boots[leader].samples["A"]
     rng = np.random.default_rng(seed)
     draws = 4000

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rl_jax.scaling._curves import Curve, knob_value
+from rl_jax.scaling._curves import Curve, CurveError, knob_value
 from rl_jax.scaling._sigmoid import FitError, SigmoidFit, fit_sigmoid
 
 
@@ -151,8 +151,11 @@ def fit_frontier(
             f"a frontier compares runs at different n; got {len(curves)} run(s). Run a grid over "
             f"{n_key} (and {bp_key})"
         )
-    ns = np.array([knob_value(c, n_key) for c in curves])
-    bps = np.array([knob_value(c, bp_key) for c in curves])
+    try:
+        ns = np.array([knob_value(c, n_key) for c in curves])
+        bps = np.array([knob_value(c, bp_key) for c in curves])
+    except CurveError as e:
+        raise FrontierError(f"{e}; name the columns of n and B_p (--n-key, --bp-key)") from None
     n_values = tuple(sorted(set(ns.tolist())))
     bp_values = tuple(sorted(set(bps.tolist())))
     if len(n_values) < 2:

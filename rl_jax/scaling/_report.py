@@ -34,6 +34,7 @@ from rl_jax.scaling._sigmoid import (
     FitError,
     SigmoidFit,
     SigmoidOptions,
+    _merge_options,
     fit_sigmoid,
     fit_sigmoid_runs,
 )
@@ -197,7 +198,7 @@ def fit_runs(
         raise FitError(f"frontier={frontier!r}: use one of {FRONTIER_MODES}")
     if extrapolate is not None and not 0 < extrapolate < 1:
         raise FitError(f"extrapolate={extrapolate!r} must be a fraction in (0, 1) or None")
-    base = SigmoidOptions(**sigmoid_kwargs)
+    base = _merge_options(None, **sigmoid_kwargs)
     if rows and isinstance(rows[0], Curve):
         curves = list(rows)
     else:
@@ -356,7 +357,6 @@ def _fit_recipe(recipe, runs, base, fit_start, n_boot, level, kind, seed) -> Fit
                 seeds,
                 kind=f"runs+{kind}",
                 samples=both,
-                noise=np.concatenate([seeds.noise, res.noise]),
             )
     except FitError as e:
         if fit is None:

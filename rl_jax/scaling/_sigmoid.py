@@ -626,24 +626,23 @@ def fit_sigmoid(
     x,
     y,
     *,
-    r0: str | float = "first",
-    method: str = "grid",
+    r0: str | float | None = None,
+    method: str | None = None,
     fit_start: float | None = None,
     options: SigmoidOptions | None = None,
     **kwargs,
 ) -> SigmoidFit:
     """Fit R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) to one curve.
 
-    x: cumulative compute (>= 0, sorted); y: the metric. r0: 'first' takes R0 from the first
-    evaluation (which is then not fitted), 'fit' fits it, a number fixes it. Further keyword
-    arguments are SigmoidOptions fields (a_grid, c_mid_grid, metric_range, b_bounds, ...).
+    x: cumulative compute (>= 0, sorted); y: the metric. r0: 'first' (default) takes R0 from
+    the first evaluation (which is then not fitted), 'fit' fits it, a number fixes it.
+    method: 'grid' (default, the paper's) or 'lsq'. fit_start: points at lower compute are
+    not fitted. Further keyword arguments are SigmoidOptions fields (a_grid, c_mid_grid,
+    metric_range, b_bounds, ...); they override `options`.
     Raises FitError when the input cannot be fitted; returns a fit with reliable=False and
     warnings when it can be fitted but should not be trusted.
     """
-    if options is None:
-        options = SigmoidOptions(r0=r0, method=method, fit_start=fit_start, **kwargs)
-    elif kwargs:
-        options = dataclasses.replace(options, **kwargs)
+    options = _merge_options(options, r0=r0, method=method, fit_start=fit_start, **kwargs)
     x, y = check_xy(x, y)
     if options.r0 == "first":
         if x.size == 0:
@@ -661,6 +660,19 @@ def fit_sigmoid(
     )
 
 
+def _merge_options(options: SigmoidOptions | None, **kwargs) -> SigmoidOptions:
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    unknown = set(given) - {f.name for f in dataclasses.fields(SigmoidOptions)}
+    if unknown:
+        raise FitError(
+            f"unknown fit option(s) {sorted(unknown)}; known: "
+            f"{[f.name for f in dataclasses.fields(SigmoidOptions)]}"
+        )
+    if options is None:
+        return SigmoidOptions(**given)
+    return dataclasses.replace(options, **given) if given else options
+
+
 def fit_sigmoid_runs(
     runs: Sequence[tuple[Sequence[float], Sequence[float]]],
     *,
@@ -670,11 +682,9 @@ def fit_sigmoid_runs(
     """One sigmoid through several runs of a recipe (seeds): their points pooled.
 
     With r0='first', R0 is the mean of the runs' first evaluations, which are not fitted.
+    Keyword arguments are SigmoidOptions fields.
     """
-    if options is None:
-        options = SigmoidOptions(**kwargs)
-    elif kwargs:
-        options = dataclasses.replace(options, **kwargs)
+    options = _merge_options(options, **kwargs)
     if not runs:
         raise FitError("no runs to fit")
     xs, ys, firsts = [], [], []
