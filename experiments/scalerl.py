@@ -23,12 +23,14 @@ def recipe() -> RunConfig:
         sampling=SamplingConfig(
             n=8,
             temperature=1.0,
-            max_new_tokens=12,
+            max_new_tokens=10,
             length_control="interrupt",
-            interrupt_lo=10,
-            interrupt_hi=11,
+            # Arithmetic answers take ~4 tokens: a row still going at 6-7 tokens is
+            # interrupted with ";" and given 2 more tokens to answer.
+            interrupt_lo=6,
+            interrupt_hi=7,
             interrupt_text=";",
-            answer_budget=1,
+            answer_budget=2,
         ),
         loss=LossConfig(name="cispo", aggregation="prompt", adv_norm="batch", eps_max=5.0),
         data=DataConfig(

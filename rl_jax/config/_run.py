@@ -156,7 +156,16 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Keys that name where a run writes, not what it computes: excluded from run ids.
-_NON_SEMANTIC = ("name", "out_dir", "recipe", "logging.", "checkpoint.")
+# (checkpoint.every stays in: PipelineRL drains in-flight batches at checkpoints.)
+_NON_SEMANTIC = (
+    "name",
+    "out_dir",
+    "recipe",
+    "logging.",
+    "checkpoint.keep",
+    "checkpoint.async_save",
+    "checkpoint.resume",
+)
 
 
 def run_id(cfg: RunConfig) -> str:

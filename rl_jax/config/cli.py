@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--format", choices=("yaml", "json", "flat"), default="yaml")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
     if a.format == "yaml":
         print(f"# run_id: {run_id(cfg)}")

@@ -17,6 +17,9 @@ class TrainConfig:
     grad_accum: int = knob(1, help="gradient accumulation micro-batches per optimizer step")
     off_policy: str = knob("on_policy", help=f"off-policy mode, one of {OFF_POLICY}")
     off_policy_k: int = knob(1, help="k of PPO-off-policy-k / PipelineRL-k (max staleness)")
+    pipeline_waves: int = knob(
+        0, help="PipelineRL: batches in flight (0 = the most the staleness bound allows)"
+    )
     lr: float = knob(1e-6, help="peak learning rate")
     lr_sqrt_batch_ref: int = knob(0, help="if > 0: lr *= sqrt(B_p * n / this) (IsoCompute)")
     schedule: str = knob("constant", help=f"after warm-up, one of {SCHEDULES}")

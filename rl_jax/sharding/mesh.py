@@ -54,6 +54,10 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh with Auto axis types over `devices` (default: all)."""
     cfg = cfg or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
+    if cfg.num_devices:
+        if cfg.num_devices > len(devices):
+            raise ConfigError(f"mesh.num_devices={cfg.num_devices} but only {len(devices)} exist")
+        devices = devices[: cfg.num_devices]
     shape = resolve_axis_sizes(cfg, len(devices))
     arr = np.array(devices, dtype=object).reshape(shape)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,35 @@
+"""`rl-jax train RECIPE [key=value ...]`: run one recipe into its run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rl_jax.config import describe_knobs, load_recipe
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rl-jax train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run an RL recipe. Rerunning the same command resumes from the newest "
+        "checkpoint; a finished run (DONE in its directory) exits at once.",
+        epilog="knobs:\n" + describe_knobs(),
+    )
+    p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--run-dir", default=None, help="run directory (default: out_dir/name)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_intermixed_args(argv)
+    cfg = load_recipe(a.recipe, a.overrides)
+
+    from rl_jax.train.loop import NonFiniteError, train
+
+    try:
+        summary = train(cfg, run_root=a.run_dir, quiet=a.quiet)
+    except NonFiniteError as e:
+        print(f"rl-jax train: {e}", file=sys.stderr)
+        return 3
+    print(json.dumps(summary, default=str))
+    return 0

@@ -1,0 +1,700 @@
+"""The RL loop: sample -> score -> advantages -> filters -> M updates -> push weights.
+
+Off-policy modes (ScaleRL section 3.1), all colocated on one mesh:
+  on_policy       generate B_p x n rows with the current weights, take M updates.
+  ppo_off_policy  generate k batches with the current weights, then train on
+                  them one after another (k x M updates on increasingly stale data).
+  pipeline        PipelineRL-k: up to W "waves" (sampler states, each B_p x n
+                  rows) decode in chunks, round robin. Whenever the oldest wave
+                  finishes, the trainer takes its M updates and the new weights
+                  are used by every later chunk: sequences in flight continue
+                  with the new weights on a stale KV cache, every token records
+                  the policy version that sampled it. W = (k + 1) // M keeps
+                  every update within k versions of the oldest token it trains on.
+
+One "step" is one batch of B_p prompts trained with M optimizer updates; the
+policy version counts optimizer updates. Random keys derive from (seed, step),
+so a resumed run repeats the numbers of one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rl_jax.config import RunConfig, flatten, run_id
+from rl_jax.data import Curriculum, PromptPipeline, build_task
+from rl_jax.knobs import ConfigError
+from rl_jax.losses import advantages_from_config
+from rl_jax.models import ModelSpec, build_model, model_params, resolve_spec
+from rl_jax.rewards import from_config as reward_from_config
+from rl_jax.rewards import get as get_reward
+from rl_jax.rewards import score_batch, shape_rewards
+from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
+from rl_jax.sampling import Rollouts, Sampler
+from rl_jax.sharding import get_rules, make_mesh, maybe_initialize_distributed, num_batch_shards
+from rl_jax.train.accounting import ComputeCounters
+from rl_jax.train.checkpoint import Checkpointer
+from rl_jax.train.evaluation import pass_metrics
+from rl_jax.train.optim import make_optimizer
+from rl_jax.train.step import (
+    assemble_batch,
+    make_logprob_fn,
+    make_train_step,
+    put_batch,
+)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive NaN/Inf updates; the run stopped after a checkpoint."""
+
+
+@dataclass
+class Wave:
+    """One batch of rows being sampled (a PipelineRL wave)."""
+
+    state: Any  # SamplerState
+    problems: list  # [P] Problem
+    step: int  # the RL step whose prompts these are
+    started_version: int
+
+
+def load_tokenizer(cfg: RunConfig):
+    if cfg.model.path:
+        from rl_jax.models import load_tokenizer as _hf
+
+        return _hf(cfg.model.path)
+    from rl_jax.data.tokenizer import CharTokenizer
+
+    return CharTokenizer()
+
+
+class RLTrainer:
+    """Builds everything a RunConfig names and runs it into its run directory."""
+
+    def __init__(self, cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False):
+        maybe_initialize_distributed(cfg.mesh)
+        self.cfg = cfg
+        self.quiet = quiet
+        self.mesh = make_mesh(cfg.mesh)
+        self.shards = num_batch_shards(self.mesh)
+        self.train_rules = get_rules(cfg.mesh.rules, purpose="train")
+        self.tokenizer = load_tokenizer(cfg)
+        self.spec, params = self._build_params()
+        self._check_sizes()
+
+        P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+        self.P, self.G, self.M = P, G, M
+        self.tx, self.lr_schedule = make_optimizer(
+            cfg.train, prompts_per_batch=P, samples_per_prompt=G
+        )
+        self.params = params
+        self.opt_state = self._init_opt_state(params)
+        needs_ref = cfg.loss.kl_coef > 0
+        # The reference policy is the initial one, frozen (sharded like the policy).
+        self.ref_params = jax.tree.map(jnp.copy, params) if needs_ref else None
+
+        interrupt_ids = self.tokenizer.encode(cfg.sampling.interrupt_text)
+        eos = self.tokenizer.eos_id
+        self.sampler = Sampler(
+            self.spec,
+            cfg.sampling,
+            mesh=self.mesh,
+            eos_id=eos,
+            pad_id=self.tokenizer.pad_id,
+            interrupt_ids=interrupt_ids,
+            rules=cfg.mesh.rules,
+        )
+        eval_sampling = dataclasses.replace(
+            cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
+        )
+        self.eval_sampler = Sampler(
+            self.spec,
+            eval_sampling,
+            mesh=self.mesh,
+            eos_id=eos,
+            pad_id=self.tokenizer.pad_id,
+            interrupt_ids=interrupt_ids,
+            rules=cfg.mesh.rules,
+        )
+        mb_groups = P // M
+        self.max_tokens = cfg.sampling.max_new_tokens
+        self.train_step = make_train_step(
+            self.spec,
+            self.train_rules,
+            self.mesh,
+            self.tx,
+            cfg.loss,
+            num_groups=mb_groups,
+            max_tokens=self.max_tokens,
+            temperature=self._train_temperature(),
+            state_shardings=(_shardings(self.params), _shardings(self.opt_state)),
+        )
+        self.logprob_fn = make_logprob_fn(
+            self.spec, self.train_rules, self.mesh, temperature=self._train_temperature()
+        )
+
+        self.task = build_task(cfg.data)
+        self.reward_fn = reward_from_config(cfg.rewards, task_reward=self.task.reward_name)
+        self.correct_fn = get_reward(
+            getattr(self.reward_fn, "name", self.task.reward_name),
+            scale="01",
+            timeout_s=cfg.rewards.timeout_s,
+            workers=cfg.rewards.workers,
+        )
+        self.curriculum = Curriculum(cfg.data)
+        self.pipeline = PromptPipeline(
+            self.task.train,
+            batch_size=P,
+            seed=cfg.data.seed,
+            curriculum=self.curriculum,
+        )
+        self.val_problems = list(self.task.val)[: cfg.eval.num_prompts]
+
+        self.run: RunDir = create_run_dir(cfg, run_root)
+        self.run_id = run_id(cfg)
+        self.knobs = flatten(cfg)
+        self.is_main = jax.process_index() == 0
+        self.logger = (
+            MetricsLogger(self.run, cfg.logging, config=self.knobs) if self.is_main else None
+        )
+        self.ckpt = Checkpointer(
+            self.run.checkpoints_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+        )
+        self.counters = ComputeCounters()
+        self.step = 0
+        self.version = 0
+        self.nonfinite_streak = 0
+        self.waves: list[Wave] = []
+        self.staleness_hist: dict[int, int] = {}
+        self.timings: dict[str, float] = {}
+        self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
+
+    def set_initial_params(self, host_params: dict) -> None:
+        """Start from these weights (e.g. a supervised warm-up) instead of the random init."""
+        shardings = jax.tree.map(lambda a: a.sharding, self.params)
+        missing = sorted(set(self.params) - set(host_params))
+        if missing:
+            raise ValueError(f"initial params lack tensors {missing}")
+        for k, v in self.params.items():
+            if tuple(np.shape(host_params[k])) != tuple(v.shape):
+                raise ValueError(
+                    f"initial param {k!r} has shape {np.shape(host_params[k])}, model needs {v.shape}"
+                )
+        self.params = {
+            k: jax.device_put(np.asarray(host_params[k], v.dtype), shardings[k])
+            for k, v in self.params.items()
+        }
+        self.opt_state = self._init_opt_state(self.params)
+        if self.ref_params is not None:
+            self.ref_params = jax.tree.map(jnp.copy, self.params)
+
+    # ---- setup helpers --------------------------------------------------------------------
+
+    def _init_opt_state(self, params):
+        """Optimizer state on the mesh: moments inherit their params' shardings (zeros_like),
+        scalars such as Adam's count are placed replicated instead of on device 0."""
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def on_mesh(x):
+            sh = x.sharding
+            if isinstance(sh, NamedSharding) and sh.mesh == self.mesh:
+                return x
+            return jax.device_put(x, rep)
+
+        return jax.tree.map(on_mesh, jax.jit(self.tx.init)(params))
+
+    def _train_temperature(self) -> float:
+        # The trainer scores tokens under the distribution the sampler drew them from.
+        t = self.cfg.sampling.temperature
+        return 1.0 if t == 0 else t
+
+    def _build_params(self) -> tuple[ModelSpec, dict]:
+        cfg = self.cfg
+        if cfg.model.path:
+            from rl_jax.models import load_model
+
+            model = load_model(cfg.model, mesh=self.mesh, rules_preset=cfg.mesh.rules)
+            return model.spec, model_params(model)
+        spec = resolve_spec(cfg.model)
+        if spec.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"model vocab_size={spec.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size}; set model.vocab_size"
+            )
+        with jax.set_mesh(self.mesh):
+            model = build_model(
+                spec, mesh=self.mesh, rules_preset=cfg.mesh.rules, seed=cfg.train.seed
+            )
+        return spec, model_params(model)
+
+    def _check_sizes(self) -> None:
+        cfg = self.cfg
+        P, M = cfg.data.prompts_per_batch, cfg.train.updates_per_batch
+        if P % M:
+            raise ConfigError(
+                f"data.prompts_per_batch={P} must be divisible by train.updates_per_batch={M} "
+                "(each update trains on P / M prompts' groups)"
+            )
+        rows = P // M * cfg.sampling.n
+        if rows % self.shards:
+            raise ConfigError(
+                f"a minibatch of {rows} rows (data.prompts_per_batch / train.updates_per_batch "
+                f"x sampling.n) does not split over {self.shards} batch shards (mesh.data x "
+                "mesh.fsdp)"
+            )
+        if cfg.train.off_policy == "pipeline" and (cfg.train.off_policy_k + 1) // M < 1:
+            raise ConfigError(
+                f"train.off_policy_k={cfg.train.off_policy_k} is below train.updates_per_batch={M}"
+                ": PipelineRL-k needs k + 1 >= M"
+            )
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def _prompt_ids(self, problems) -> list[list[int]]:
+        return [self.tokenizer.encode(p.prompt) for p in problems]
+
+    def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
+        # Distinct per (step, row) so every draw of the run is its own stream.
+        return (step * 1_000_003 + np.arange(n_prompts * self.G)) % (2**31 - 1)
+
+    def _sample_key(self) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0x5A17)
+
+    def _start_wave(self, step: int, problems) -> Wave:
+        state = self.sampler.start(
+            self.params,
+            self._prompt_ids(problems),
+            n=self.G,
+            key=self._sample_key(),
+            version=self.version,
+            row_ids=self._row_ids(step, len(problems)),
+        )
+        return Wave(state=state, problems=list(problems), step=step, started_version=self.version)
+
+    def _generate(self, step: int, problems) -> Rollouts:
+        return self.sampler.generate(
+            self.params,
+            self._prompt_ids(problems),
+            n=self.G,
+            key=self._sample_key(),
+            version=self.version,
+            row_ids=self._row_ids(step, len(problems)),
+        )
+
+    # ---- scoring and training -------------------------------------------------------------
+
+    def _score(self, ro: Rollouts, problems) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        texts = [self.tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
+        answers = [problems[g].answer for g in ro.group_ids]
+        raw = score_batch(self.reward_fn, texts, answers)
+        shaped = shape_rewards(
+            raw,
+            cfg=self.cfg.rewards,
+            reward_fn=self.reward_fn,
+            completions=texts,
+            lengths=ro.lengths,
+        )
+        return raw, shaped, texts
+
+    def _account_sampling(self, ro: Rollouts) -> None:
+        tp = ro.prompt_mask.sum(axis=1)
+        gen = ro.lengths
+        # Prompt prefill is shared by a prompt's G samples; decode attends to prompt + prefix.
+        prefill = sum(self.spec.sequence_flops(int(t)) for t in tp[:: self.G])
+        decode = float(
+            sum(
+                self.spec.flops_per_token(float(t) + 0.5 * float(g) + 1) * float(g)
+                for t, g in zip(tp, gen, strict=True)
+            )
+        )
+        self.counters.add(
+            prompt_tokens=int(tp[:: self.G].sum()),
+            generated_tokens=int(gen.sum()),
+            sampler_flops=float(prefill) + decode,
+        )
+
+    def _train_on(self, ro: Rollouts, problems, *, sampled_at: int) -> dict[str, float]:
+        """M updates on one batch of P prompts x G samples; returns step metrics."""
+        t0 = time.perf_counter()
+        P, G, M = len(problems), self.G, self.M
+        raw, shaped, texts = self._score(ro, problems)
+        score_s = time.perf_counter() - t0
+        ids = [p.id for p in problems]
+        rewards_pg = raw.reshape(P, G)
+        self.curriculum.update(ids, rewards_pg)
+        keep_p = (
+            self.curriculum.zero_variance_mask(rewards_pg)
+            if self.cfg.data.zero_variance_filter
+            else np.ones(P, bool)
+        )
+        keep_b = np.repeat(keep_p, G)
+        group_b = ro.group_ids.astype(np.int32)
+        adv, adv_info = advantages_from_config(
+            self.cfg.loss,
+            jnp.asarray(shaped),
+            jnp.asarray(group_b),
+            num_groups=P,
+            valid_b=jnp.asarray(keep_b),
+        )
+        adv = np.asarray(adv, np.float32) * keep_b
+        loss_mask = ro.completion_mask & keep_b[:, None]
+        versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
+        oldest = int(versions.min()) if ro.completion_mask.any() else self.version
+
+        metrics: dict[str, float] = {}
+        per_update: list[dict] = []
+        trained_rows = 0
+        if keep_p.any():
+            host = assemble_batch(
+                ro.prompt_tokens,
+                ro.prompt_mask,
+                ro.completion_tokens,
+                ro.lengths,
+                loss_mask,
+                ro.logprobs,
+                adv,
+                group_b,
+            )
+            order = np.arange(P * G)
+            need_old = M > 1 or self.cfg.loss.tis
+            for j in range(M):
+                # Minibatch j: prompts [j*P/M, (j+1)*P/M), group ids renumbered from 0.
+                rows = order[j * (P // M) * G : (j + 1) * (P // M) * G]
+                mb = {k: v[rows] for k, v in host.items()}
+                mb["group_ids"] = mb["group_ids"] - j * (P // M)
+                batch = put_batch(mb, self.mesh)
+                if need_old and j == 0:
+                    full = put_batch(host, self.mesh)
+                    old_all = np.asarray(self.logprob_fn(self.params, full))
+                if need_old:
+                    batch = dataclasses.replace(
+                        batch, old_logp=_put_like(old_all[rows], batch.mask)
+                    )
+                if self.ref_params is not None:
+                    ref = self.logprob_fn(self.ref_params, batch)
+                    batch = dataclasses.replace(batch, ref_logp=ref)
+                stale = self.version - oldest
+                if self.cfg.train.off_policy == "pipeline" and stale > self.cfg.train.off_policy_k:
+                    raise AssertionError(
+                        f"PipelineRL staleness {stale} exceeds k={self.cfg.train.off_policy_k}"
+                    )
+                self.staleness_hist[stale] = self.staleness_hist.get(stale, 0) + 1
+                self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
+                per_update.append(m)
+                self.version += 1
+                trained_rows += int(mb["mask"].any(axis=1).sum())
+            host_m = jax.device_get(per_update)
+            for k in host_m[0]:
+                metrics[f"train/{k}"] = float(np.mean([float(m[k]) for m in host_m]))
+            nonfinite = sum(float(m["nonfinite"]) for m in host_m)
+            tokens = float(host["valid"].sum())
+            passes = M + (1 if need_old else 0) + (M if self.ref_params is not None else 0)
+            self.counters.add(
+                trainer_flops=self.spec.train_flops_per_token(host["valid"].shape[1] / 2) * tokens
+                + (passes - M) * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
+            )
+        else:
+            nonfinite = 0.0
+            metrics["train/skipped_all_zero_variance"] = 1.0
+        self.nonfinite_streak = self.nonfinite_streak + 1 if nonfinite else 0
+        self.counters.add(rollouts=P * G, prompts=P)
+        metrics.update(
+            {
+                "train/reward": float(shaped.mean()),
+                "train/pass@1": float((raw > 0).mean()),
+                "train/zero_variance_frac": float(1.0 - keep_p.mean()),
+                "train/response_len": float(ro.lengths.mean()),
+                "train/truncation_rate": float(ro.truncated.mean()),
+                "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
+                "train/staleness_max": float(self.version - 1 - oldest) if keep_p.any() else 0.0,
+                "train/lr": float(self.lr_schedule(max(self.version - 1, 0))),
+                "train/rows_trained": float(trained_rows),
+                "train/retired_prompts": float(getattr(self.curriculum, "num_retired", 0)),
+                "time/score_s": score_s,
+                "time/train_s": time.perf_counter() - t0 - score_s,
+            }
+        )
+        metrics.update(
+            {f"adv/{k}": float(np.asarray(v)) for k, v in adv_info.items() if np.ndim(v) == 0}
+        )
+        return metrics
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        probs = self.val_problems
+        ro = self.eval_sampler.generate(
+            self.params,
+            self._prompt_ids(probs),
+            n=self.cfg.eval.k,
+            key=jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0xE7A1),
+            version=self.version,
+        )
+        texts = [self.tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
+        answers = [probs[g].answer for g in ro.group_ids]
+        correct = score_batch(self.correct_fn, texts, answers).reshape(len(probs), -1)
+        k = self.cfg.eval.k
+        m = pass_metrics(
+            correct > 0.5,
+            lengths_pk=ro.lengths.reshape(len(probs), k),
+            truncated_pk=ro.truncated.reshape(len(probs), k),
+            difficulty_p=[p.meta.get("difficulty", "all") for p in probs],
+        )
+        ev_tokens = float(ro.lengths.sum())
+        self.counters.add(
+            eval_flops=self.spec.flops_per_token(ro.prompt_tokens.shape[1]) * ev_tokens,
+            eval_device_seconds=(time.perf_counter() - t0) * jax.device_count(),
+        )
+        m["time/eval_s"] = time.perf_counter() - t0
+        return m
+
+    def _curve_row(self, metrics: dict[str, float]) -> dict[str, Any]:
+        row = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "version": self.version,
+            "recipe": self.cfg.recipe or self.cfg.name,
+        }
+        row.update(self.knobs)
+        row.update(self.counters.as_dict())
+        row.update({k: v for k, v in metrics.items() if k.startswith(("val/", "train/"))})
+        hist = getattr(self.curriculum, "pass_rate_histogram", None)
+        if hist is not None:
+            counts, _ = hist(10)
+            row["train/pass_rate_hist"] = [int(c) for c in counts]
+        return row
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        st = {"params": self.params, "opt_state": self.opt_state}
+        if self.ref_params is not None:
+            st["ref_params"] = self.ref_params
+        return st
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "counters": self.counters.as_dict(),
+            "pipeline": self.pipeline.get_state(),
+            "curriculum": self.curriculum.state_dict(),
+            "nonfinite_streak": self.nonfinite_streak,
+            "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+            "run_id": self.run_id,
+        }
+
+    def save(self, *, force: bool = False) -> None:
+        if self.step in self.ckpt.steps():
+            return  # already saved at this step (periodic save coincides with the last one)
+        self.ckpt.save(self.step, self._state(), self._meta(), force=force)
+
+    def try_resume(self) -> bool:
+        if not self.cfg.checkpoint.resume or not self.ckpt.steps():
+            return False
+        got = self.ckpt.restore_latest(self._state())
+        if got is None:
+            return False
+        step, state, meta = got
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        if "ref_params" in state:
+            self.ref_params = state["ref_params"]
+        self.step, self.version = int(meta["step"]), int(meta["version"])
+        self.counters = ComputeCounters.from_dict(meta["counters"])
+        self.pipeline.set_state(meta["pipeline"])
+        self.curriculum.load_state_dict(meta["curriculum"])
+        self.nonfinite_streak = int(meta["nonfinite_streak"])
+        self.staleness_hist = {int(k): v for k, v in meta["staleness_hist"].items()}
+        # Rows logged after the checkpoint are redone: drop them so logs match a clean run.
+        for path in (self.run.metrics_path, self.run.curve_path):
+            truncate_jsonl_after(path, "step", self.step)
+        return True
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(self.step, metrics)
+
+    def _maybe_eval(self, force: bool = False) -> dict[str, float] | None:
+        every = self.cfg.eval.every
+        due = force or (every > 0 and self.step % every == 0)
+        if not due:
+            return None
+        m = self.evaluate()
+        if self.is_main:
+            self.run.append_curve(self._curve_row(m))
+        self._log(m)
+        return m
+
+    def _ckpt_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and self.step % every == 0
+
+    def _after_step(self, metrics: dict[str, float], bar) -> None:
+        self.step += 1
+        self._log(metrics)
+        for hook in self.step_hooks:
+            hook(self)
+        if self.nonfinite_streak >= self.cfg.train.max_nonfinite:
+            self.save(force=True)
+            self.ckpt.wait()
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} consecutive updates had NaN/Inf loss or gradients "
+                f"(train.max_nonfinite={self.cfg.train.max_nonfinite}); stopped at step "
+                f"{self.step} with a checkpoint in {self.run.checkpoints_dir}"
+            )
+        ev = self._maybe_eval(force=self.step == self.cfg.train.steps)
+        if self._ckpt_due():
+            self.save()
+        info = f"reward {metrics.get('train/reward', float('nan')):+.3f}"
+        if ev is not None:
+            info += f"  val pass@1 {ev['val/pass@1']:.3f}"
+        bar.advance(info=info)
+
+    def run_loop(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.run.is_done():
+            return dict(__import__("json").loads(self.run.done_path.read_text()))
+        resumed = self.try_resume()
+        if not resumed and cfg.eval.at_start:
+            self._maybe_eval(force=True)
+        mode = cfg.train.off_policy
+        with progress_bar(
+            cfg.train.steps,
+            f"train {cfg.name}",
+            enabled=cfg.logging.progress and not self.quiet and self.is_main,
+            completed=self.step,
+        ) as bar:
+            if mode == "pipeline":
+                self._run_pipeline(bar)
+            else:
+                self._run_sync(bar)
+        self.save(force=True)
+        self.ckpt.wait()
+        summary = {
+            "run_id": self.run_id,
+            "steps": self.step,
+            "version": self.version,
+            "counters": self.counters.as_dict(),
+            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+        }
+        if self.is_main:
+            self.run.mark_done(summary)
+        self.close()
+        return summary
+
+    def _run_sync(self, bar) -> None:
+        cfg = self.cfg
+        k = cfg.train.off_policy_k if cfg.train.off_policy == "ppo_off_policy" else 1
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            n = min(k, cfg.train.steps - self.step)
+            batches = [next(self.pipeline) for _ in range(n)]
+            # PPO-off-policy-k: all k batches are sampled with the current weights first.
+            ro = self._generate(self.step, [p for b in batches for p in b])
+            self._account_sampling(ro)
+            sample_s = time.perf_counter() - t0
+            for i, problems in enumerate(batches):
+                part = _rows_of(ro, i * self.P * self.G, (i + 1) * self.P * self.G, i * self.P)
+                t1 = time.perf_counter()
+                m = self._train_on(part, problems, sampled_at=self.version)
+                m["time/sample_s"] = sample_s if i == 0 else 0.0
+                m["time/step_s"] = time.perf_counter() - t1 + m["time/sample_s"]
+                self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())
+                self._after_step(m, bar)
+
+    def _num_waves(self) -> int:
+        k, M = self.cfg.train.off_policy_k, self.M
+        w = max(1, (k + 1) // M)
+        return min(w, self.cfg.train.pipeline_waves) if self.cfg.train.pipeline_waves > 0 else w
+
+    def _run_pipeline(self, bar) -> None:
+        cfg = self.cfg
+        W = self._num_waves()
+        chunk = cfg.sampling.decode_chunk or max(1, math.ceil(cfg.sampling.max_new_tokens / 4))
+        next_step = self.step  # step index of the next wave to start
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            # Drain before a checkpoint: no wave may straddle a checkpointed step, so a
+            # checkpoint never needs an in-flight KV cache and resume is exact.
+            boundary = self._next_boundary()
+            while len(self.waves) < W and next_step < min(cfg.train.steps, boundary):
+                self.waves.append(self._start_wave(next_step, next(self.pipeline)))
+                next_step += 1
+            # Decode round robin until the oldest wave is done; new weights are used at once.
+            oldest = self.waves[0]
+            while not self.sampler.done(oldest.state):
+                for w in self.waves:
+                    if not self.sampler.done(w.state):
+                        w.state = self.sampler.decode(
+                            self.params, w.state, max_steps=chunk, version=self.version
+                        )
+            self.waves.pop(0)
+            ro = self.sampler.result(oldest.state)
+            self._account_sampling(ro)
+            sample_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            m = self._train_on(ro, oldest.problems, sampled_at=oldest.started_version)
+            m["time/sample_s"] = sample_s
+            m["time/step_s"] = time.perf_counter() - t1 + sample_s
+            self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())
+            self._after_step(m, bar)
+
+    def _next_boundary(self) -> int:
+        every = self.cfg.checkpoint.every
+        if every <= 0:
+            return self.cfg.train.steps
+        return (self.step // every + 1) * every
+
+    def compile_counts(self) -> dict[str, int]:
+        """Compiled variants of every jitted function (a recompilation makes one grow)."""
+        fns = {
+            "train_step": self.train_step,
+            "logprob": self.logprob_fn,
+            "sampler_start": self.sampler._start,
+            "sampler_decode": self.sampler._decode,
+            "eval_start": self.eval_sampler._start,
+            "eval_decode": self.eval_sampler._decode,
+        }
+        return {k: int(f._cache_size()) for k, f in fns.items()}
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        self.ckpt.close()
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def _put_like(x: np.ndarray, like: jax.Array) -> jax.Array:
+    return jax.device_put(x.astype(np.float32), like.sharding)
+
+
+def _rows_of(ro: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:
+    """Rows [lo, hi) of a Rollouts, group ids renumbered from 0."""
+    if lo == 0 and hi == ro.num_rows:
+        return ro
+    fields = {}
+    for f in dataclasses.fields(ro):
+        v = getattr(ro, f.name)
+        fields[f.name] = v[lo:hi] if isinstance(v, np.ndarray) and v.ndim >= 1 else v
+    fields["group_ids"] = fields["group_ids"] - group_offset
+    return dataclasses.replace(ro, **fields)
+
+
+def train(cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False) -> dict:
+    return RLTrainer(cfg, run_root=run_root, quiet=quiet).run_loop()

@@ -1,0 +1,194 @@
+"""The RL loop end to end on the tiny model: sharding equivalence, resume, NaN, staleness."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from rl_jax.config import load_recipe
+from rl_jax.runs import read_jsonl
+from rl_jax.train.loop import NonFiniteError, RLTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A random policy gets every arithmetic answer wrong (no variance, no signal); the
+# `test_even_first` verifier (registered by this import) rewards an even first
+# character, so random samples disagree within a group.
+sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+import train_even_first  # noqa: E402,F401
+
+BASE = [
+    "model.preset=tiny",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "rewards.name=test_even_first",
+    "data.prompts_per_batch=4",
+    "data.train_size=64",
+    "data.val_size=8",
+    "sampling.n=4",
+    "sampling.max_new_tokens=6",
+    "sampling.length_control=truncate",
+    "eval.k=2",
+    "eval.num_prompts=8",
+    "eval.every=2",
+    "train.lr=1e-3",
+    "train.off_policy=on_policy",
+    "train.off_policy_k=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "data.no_positive_resampling=false",
+]
+
+
+def _cfg(tmp_path, *extra):
+    return load_recipe("scalerl", [*BASE, f"out_dir={tmp_path}", *extra])
+
+
+def _params(tr):
+    return {k: np.asarray(jax.device_get(v)) for k, v in tr.params.items()}
+
+
+def test_one_step_sharded_equals_single_device(tmp_path):
+    one = RLTrainer(
+        _cfg(
+            tmp_path,
+            "name=one",
+            "train.steps=1",
+            "mesh.num_devices=1",
+            "eval.every=0",
+            "eval.at_start=false",
+        ),
+        quiet=True,
+    )
+    assert one.mesh.devices.size == 1
+    s1 = one.run_loop()
+    eight = RLTrainer(
+        _cfg(
+            tmp_path,
+            "name=eight",
+            "train.steps=1",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "eval.every=0",
+            "eval.at_start=false",
+        ),
+        quiet=True,
+    )
+    s8 = eight.run_loop()
+    assert s1["version"] == s8["version"] == 1
+    p1, p8 = _params(one), _params(eight)
+    for k in p1:
+        np.testing.assert_allclose(p1[k], p8[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
+    k = 2
+    tr = RLTrainer(
+        _cfg(
+            tmp_path,
+            "name=pipe",
+            "train.steps=5",
+            "train.off_policy=pipeline",
+            f"train.off_policy_k={k}",
+            "sampling.decode_chunk=2",
+            "eval.every=0",
+            "eval.at_start=false",
+        ),
+        quiet=True,
+    )
+    assert tr._num_waves() == k + 1
+    seen = []
+    tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
+    summary = tr.run_loop()
+    hist = {int(s): n for s, n in summary["staleness_hist"].items()}
+    assert max(hist) <= k  # never more than k versions behind the oldest token
+    assert max(hist) >= 1  # and the waves really were in flight across updates
+    rows = read_jsonl(tr.run.metrics_path)
+    assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
+    # nothing compiles after the first step (weights swap in without recompiling)
+    final = tr.compile_counts()
+    assert seen[0]["train_step"] == 1
+    for name, n in seen[0].items():
+        if n:  # compiled during step 1: never again
+            assert final[name] == n, (name, seen[0], final)
+    assert final["eval_start"] == final["eval_decode"] == 1  # the final evaluation
+
+
+def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
+    tr = RLTrainer(
+        _cfg(
+            tmp_path,
+            "name=nan",
+            "train.steps=8",
+            "train.lr=1e30",
+            "train.grad_clip=0",
+            "train.max_nonfinite=2",
+            "eval.every=0",
+            "eval.at_start=false",
+            "data.zero_variance_filter=false",
+        ),
+        quiet=True,
+    )
+    with pytest.raises(NonFiniteError, match="consecutive updates had NaN/Inf"):
+        tr.run_loop()
+    rows = read_jsonl(tr.run.metrics_path)
+    assert [r["train/nonfinite"] for r in rows][-2:] == [1.0, 1.0]
+    assert tr.ckpt.steps() == [tr.step]
+    # skipped updates left the parameters finite
+    assert all(np.isfinite(v).all() for v in _params(tr).values())
+
+
+def _strip(rows):
+    drop = ("time/", "device_seconds", "eval_device_seconds")
+    return [{k: v for k, v in r.items() if not k.startswith(drop) and k not in drop} for r in rows]
+
+
+def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
+    args = [
+        *BASE,
+        f"out_dir={tmp_path}",
+        "train.steps=6",
+        "checkpoint.every=2",
+        "checkpoint.async_save=false",
+    ]
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    worker = str(Path(__file__).parent / "_workers" / "train_even_first.py")
+    cmd = [sys.executable, worker, "train", "scalerl", *args, "--quiet"]
+    ref = subprocess.run([*cmd, "name=ref"], env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    victim = subprocess.Popen(
+        [*cmd, "name=kill"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    metrics = tmp_path / "kill" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        steps = [r["step"] for r in read_jsonl(metrics)]
+        if steps and max(steps) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not (tmp_path / "kill" / "DONE").exists()
+    again = subprocess.run(
+        [*cmd, "name=kill"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    for name in ("curve.jsonl", "metrics.jsonl"):
+        a = _strip(read_jsonl(tmp_path / "ref" / name))
+        b = _strip(read_jsonl(tmp_path / "kill" / name))
+        assert a == b, name
+    done = json.loads((tmp_path / "kill" / "DONE").read_text())
+    assert done["steps"] == 6
