@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rl_jax.scaling import (
     PAPER_A_GRID,
@@ -285,3 +287,30 @@ def test_float_precision_over_flop_ranges():
         f = fit_sigmoid(x, y, method="lsq")
         assert f.C_mid == pytest.approx(2 * scale, rel=1e-4)
         assert math.isfinite(f.B) and f.A == pytest.approx(0.6, abs=1e-4)
+
+
+def test_ceiling_reached_by_the_data_is_not_flagged():
+    # An easy task that reaches a 100% pass rate: A = 1 is what the data say.
+    x = np.linspace(0, 1e4, 41)
+    y = np.minimum(sigmoid(x, r0=0.2, a=1.0, b=2.5, c_mid=2.5e2), 1.0)
+    f = fit_sigmoid(x, y, method="lsq")
+    assert f.A == pytest.approx(1.0, abs=1e-4) and f.reliable, f.warnings
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    a=st.floats(0.45, 0.8),
+    b=st.floats(1.0, 3.0),
+    r0=st.floats(0.05, 0.4),
+    log_c_mid=st.floats(2, 18),
+    reach=st.floats(6, 40),
+)
+def test_noiseless_curves_recovered_exactly(a, b, r0, log_c_mid, reach):
+    """Any curve over the paper's ranges, in any compute unit (1e2 to 1e18), is recovered."""
+    c_mid = 10**log_c_mid
+    x = np.linspace(0, reach * c_mid, 41)
+    f = fit_sigmoid(x, sigmoid(x, r0=r0, a=a, b=b, c_mid=c_mid), method="lsq")
+    assert f.A == pytest.approx(a, abs=1e-4)
+    assert f.B == pytest.approx(b, rel=1e-3)
+    assert f.C_mid == pytest.approx(c_mid, rel=1e-3)
+    assert f.reliable, f.warnings

@@ -1,5 +1,7 @@
 """Iso-compute analysis: record-breaking points, frontier, n*(C), sensitivity."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -8,8 +10,11 @@ from rl_jax.scaling import (
     FrontierError,
     curves_from_rows,
     fit_frontier,
+    fit_runs,
+    plot_curve,
     record_breaking,
     sigmoid,
+    write_report,
 )
 from rl_jax.scaling.synthetic import curve_rows
 
@@ -62,11 +67,12 @@ def test_frontier_recovers_the_compute_optimal_n():
     ns = fr.n_star[ok]
     assert ns[0] == 4 and ns[-1] == 64
     assert np.all(np.diff(np.log2(ns)) >= 0)  # n* never decreases with budget
-    # The envelope is the best fitted curve wherever it is defined.
+    # The envelope is the best fitted curve wherever it is defined, and never falls.
     for n, f in fr.fits.items():
         lo, hi = fr.ranges[n]
         inside = (fr.c_grid >= lo) & (fr.c_grid <= hi)
         assert np.all(fr.envelope[inside] >= f.predict(fr.c_grid[inside]) - 1e-12)
+    assert np.all(np.diff(fr.envelope[ok]) >= -1e-12)
     # True switch points: where the ceilings' sigmoids cross.
     c = np.geomspace(fr.c_grid[0], fr.c_grid[-1], 400)
     true_best = np.array(N_VALUES)[np.argmax([_reward(n, 32, c) for n in N_VALUES], axis=0)]
@@ -126,3 +132,22 @@ def test_constant_n_star_is_reported_not_fitted():
     assert fr.n_star_fit is None and "never switches" in fr.n_star_note
     with pytest.raises(FrontierError, match="no n"):
         fr.n_star_at(1e5)
+
+
+def test_isocompute_report_and_plots(tmp_path):
+    rep = fit_runs(
+        _grid_rows(), x="rollouts", method="lsq", n_boot=30, extrapolate=None, group_by=None
+    )
+    assert rep.frontier is not None and rep.frontier.n_values == N_VALUES
+    names = {p.relative_to(tmp_path).as_posix() for p in write_report(rep, tmp_path)}
+    for stem in ("frontier", "frontier_heatmap", "n_star"):
+        assert {f"plots/{stem}.png", f"plots/{stem}.svg"} <= names
+    summary = json.loads((tmp_path / "isocompute.json").read_text())
+    assert summary["n_star_fit"]["log2_n_high"] > summary["n_star_fit"]["log2_n_low"]
+    md = (tmp_path / "report.md").read_text()
+    assert "## Iso-compute analysis" in md and "n*(C): log2 n* =" in md
+    # plot_curve is the one-run entry point (the trainer's demo).
+    f = rep.entries[0]
+    c = rep.curves[0]
+    paths = plot_curve(c.x, c.y, tmp_path / "one", fit=f.fit, boot=f.boot)
+    assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.stat().st_size for p in paths)

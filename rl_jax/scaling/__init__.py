@@ -53,6 +53,7 @@ from rl_jax.scaling._sigmoid import (
 # Plotting pulls in matplotlib; load it on first use so fitting alone stays quick to import.
 _PLOTS = (
     "CurvePlot",
+    "plot_curve",
     "plot_curves",
     "plot_extrapolation",
     "plot_frontier",
@@ -107,6 +108,7 @@ __all__ = [
     "load_rows",
     "p_greater",
     "parse_fit_start",
+    "plot_curve",
     "plot_curves",
     "plot_extrapolation",
     "plot_frontier",

@@ -9,8 +9,9 @@ with compute C = B_p * n * M:
 4. log2 n* fitted against log C with a sigmoid (n* grows, then saturates);
 5. sensitivity: how much reward moves with n at fixed B_p versus with B_p at
    fixed n, at a few budgets.
-Each n's sigmoid is used only over the compute its runs reached: the envelope
-compares measured ranges, not extrapolations.
+Each n's sigmoid is used only from its first evaluation on, and held at its last
+value past the compute its runs reached (a larger budget can always stop early):
+the envelope compares measurements, never extrapolations, and never decreases.
 """
 
 from __future__ import annotations
@@ -198,8 +199,12 @@ def fit_frontier(
     cols = []
     fit_ns = sorted(fits)
     for n in fit_ns:
-        v = fits[n].predict(c_grid)
-        v[(c_grid < ranges[n][0]) | (c_grid > ranges[n][1])] = np.nan
+        # Below its first evaluation an n says nothing; past its last, a budget C can still buy
+        # what that n reached (stop early), so its curve is held flat: the frontier, the best
+        # reward for compute <= C, never falls.
+        lo_n, hi_n = ranges[n]
+        v = fits[n].predict(np.minimum(c_grid, hi_n))
+        v[c_grid < lo_n] = np.nan
         cols.append(v)
     table = np.stack(cols, axis=1)  # [G, n]
     covered = np.isfinite(table).any(1)

@@ -106,6 +106,25 @@ def plot_curves(
     return _save(fig, stem)
 
 
+def plot_curve(
+    x,
+    y,
+    stem: str | Path,
+    *,
+    fit: SigmoidFit | None = None,
+    boot: Bootstrap | None = None,
+    label: str = "run",
+    x_label: str = "compute",
+    y_label: str = "metric",
+    title: str | None = None,
+) -> list[Path]:
+    """One curve with its fit and band: plot_curves for a single run. Returns [png, svg]."""
+    item = CurvePlot(
+        label=label, x=np.asarray(x, float), y=np.asarray(y, float), fit=fit, boot=boot
+    )
+    return plot_curves([item], stem, x_label=x_label, y_label=y_label, title=title)
+
+
 def plot_extrapolation(
     ext: Extrapolation,
     x,

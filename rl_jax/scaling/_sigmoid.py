@@ -563,7 +563,11 @@ def _assess(prob: _Problem, p: np.ndarray, sse: float) -> list[str]:
         why.append(f"no gain: A = {a:.4g} <= R0 = {r0:.4g}")
     tol = 1e-3
     if prob.a_fixed is None and a >= prob.a_hi - tol * max(prob.a_hi - prob.a_lo, 1e-9):
-        why.append(f"A = {a:.4g} is at its upper bound {prob.a_hi:g}: the data do not pin A")
+        # A run that reaches the ceiling (an easy task at 100%) pins A there; one that stops
+        # short of it and is extrapolated onto the bound does not.
+        noise = math.sqrt(sse / (n - k)) if n > k else 0.0
+        if y.max() < prob.a_hi - 2 * max(noise, 1e-3):
+            why.append(f"A = {a:.4g} is at its upper bound {prob.a_hi:g}: the data do not pin A")
     span = prob.logc_hi - prob.logc_lo
     if m <= prob.logc_lo + tol * span or m >= prob.logc_hi - tol * span:
         why.append(
