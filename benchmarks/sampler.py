@@ -24,7 +24,13 @@ import sys
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF-format model directory (default: bench preset)")
-    p.add_argument("--devices", type=int, default=0, help="CPU devices (0 = one per core)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="CPU devices, rows split over them (0 = one per core)",
+    )
+    p.add_argument("--hf-threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each sampler")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
@@ -86,6 +92,9 @@ def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens
     import torch
     from transformers import AutoModelForCausalLM
 
+    if ARGS.hf_threads:
+        torch.set_num_threads(ARGS.hf_threads)
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     ids = torch.as_tensor(prompts, dtype=torch.long)
@@ -111,6 +120,12 @@ def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens
         assert out.shape == (prompts.shape[0] * samples, prompts.shape[1] + new_tokens)
 
     return run
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def main() -> int:
@@ -177,6 +192,7 @@ def main() -> int:
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "devices": DEVICES,
+        "hf_threads": _torch_threads() if hf_t else None,
         "compile_cache": bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

@@ -33,11 +33,21 @@ VALUES_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def from_model_cache(cache: KVCache) -> DecodeCache:
-    """The model's [L, B, S, K, hd] cache in the decode layout (see DecodeCache)."""
-    L = cache.k.shape[0]
-    return tuple(
-        (jnp.transpose(cache.k[i], (0, 2, 3, 1)), jnp.swapaxes(cache.v[i], 1, 2)) for i in range(L)
-    )
+    """The model's prefill cache in the decode layout (see DecodeCache).
+
+    Accepts per-layer [B, K, S, hd] arrays, their [L, B, K, S, hd] stack
+    (scanned layers), or the earlier [L, B, S, K, hd] stack.
+    """
+    if isinstance(cache.k, tuple | list):
+        pairs = list(zip(cache.k, cache.v, strict=True))
+    elif hasattr(KVCache, "LAYER_AXES"):
+        pairs = [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
+    else:
+        pairs = [
+            (jnp.swapaxes(cache.k[i], 1, 2), jnp.swapaxes(cache.v[i], 1, 2))
+            for i in range(cache.k.shape[0])
+        ]
+    return tuple((jnp.swapaxes(k, 2, 3), v) for k, v in pairs)
 
 
 def decode_weights(spec: ModelSpec, params: dict[str, jax.Array]) -> dict:
