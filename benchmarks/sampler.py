@@ -90,7 +90,7 @@ def sampler_flops(spec, rows: int, prompts: int, prompt_len: int, new_tokens: in
 
 def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens: int):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if ARGS.hf_threads:
         torch.set_num_threads(ARGS.hf_threads)
@@ -98,24 +98,23 @@ def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     ids = torch.as_tensor(prompts, dtype=torch.long)
-    gen_cfg = model.generation_config
-    gen_cfg.eos_token_id = None  # forced length, as ours
-    gen_cfg.pad_token_id = 0
+    gen_cfg = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=samples,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,  # forced length, as ours
+        pad_token_id=0,
+    )
 
     def run(seed: int):
         torch.manual_seed(seed)
         with torch.inference_mode():
             out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=samples,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                generation_config=gen_cfg,
+                ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg
             )
         assert out.shape == (prompts.shape[0] * samples, prompts.shape[1] + new_tokens)
 

@@ -12,12 +12,13 @@ from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig
 from rl_jax.models import (
     Transformer,
     init_params,
+    param_shardings,
     positions_from_valid,
     resolve_spec,
     token_logprobs,
 )
 from rl_jax.sampling import FinishReason, Sampler, logprob_temperature
-from rl_jax.sharding import make_mesh
+from rl_jax.sharding import get_rules, make_mesh
 
 SPEC = resolve_spec(
     ModelConfig(
@@ -150,6 +151,22 @@ def test_same_rows_on_one_and_eight_devices(params_a, sampled_cfg):
     # A row's draws depend on its id, not its place in the batch.
     c = one.generate(params_a, PROMPTS[1:2], n=3, key=key, row_ids=[3, 4, 5])
     np.testing.assert_array_equal(c.completion_tokens, a.completion_tokens[3:])
+
+
+def test_trainer_layout_weights_on_a_data_fsdp_mesh(params_a, sampled_cfg):
+    """FSDP-sharded weights (the trainer's layout) are used as they are; rows split
+    over data x fsdp; the draws equal one device's."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    train_layout = param_shardings(SPEC, mesh, get_rules("fsdp", purpose="train"))
+    params = jax.device_put(params_a, train_layout)
+    assert "fsdp" in str(params["gate"].sharding.spec)
+    key = jax.random.key(11)
+    sharded = Sampler(SPEC, sampled_cfg, pad_id=0, mesh=mesh).generate(
+        params, PROMPTS[:2], n=3, key=key
+    )
+    one = Sampler(SPEC, sampled_cfg, pad_id=0).generate(params_a, PROMPTS[:2], n=3, key=key)
+    np.testing.assert_array_equal(sharded.completion_tokens, one.completion_tokens)
+    np.testing.assert_allclose(sharded.logprobs, one.logprobs, atol=1e-5)
 
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):
