@@ -67,3 +67,39 @@ def grid() -> GridSpec:
         report=ReportSpec(kind="isocompute", x="rollouts", metric="val/pass@1", split_by="split"),
         description="IsoCompute n x B_p x M frontier",
     )
+
+
+def recipe():
+    """The healthy recipe as a single run (`rl-jax train isocompute`), sized for the CPU:
+    the same knobs as HEALTHY on the tiny model and the built-in arithmetic task (lr given
+    at B = 1024 and scaled by sqrt(B_p * n / 1024))."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from rl_jax.config import LossConfig, RewardConfig, RunConfig
+
+    # The grid loader does not put experiments/ on sys.path: load the sizes by path.
+    spec = importlib.util.spec_from_file_location("_cpu", Path(__file__).with_name("_cpu.py"))
+    cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu)
+    DATA, EVAL, MODEL, SAMPLING, TRAIN = cpu.DATA, cpu.EVAL, cpu.MODEL, cpu.SAMPLING, cpu.TRAIN
+
+    return RunConfig(
+        name="isocompute",
+        model=MODEL,
+        sampling=dataclasses.replace(SAMPLING, temperature=0.6),
+        loss=LossConfig(
+            name="grpo",
+            aggregation="sample",
+            adv_norm="prompt",
+            eps_low=0.2,
+            eps_high=0.2,
+            tis=True,
+            tis_cap=2.0,
+        ),
+        rewards=RewardConfig(name="auto", scale="01"),
+        data=dataclasses.replace(DATA, zero_variance_filter=False, no_positive_resampling=False),
+        train=dataclasses.replace(TRAIN, lr=4e-3, lr_sqrt_batch_ref=1024, warmup_steps=10),
+        eval=dataclasses.replace(EVAL, temperature=0.6),
+    )

@@ -7,6 +7,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,7 +195,12 @@ def load_recipe(recipe: str, overrides: list[str] | None = None) -> RunConfig:
     spec = importlib.util.spec_from_file_location(f"rl_jax_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
-    spec.loader.exec_module(module)
+    # Recipes may share helpers that sit beside them (experiments/_cpu.py).
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent.resolve()))
     if not hasattr(module, "recipe"):
         raise ConfigError(f"recipe file {path} defines no recipe() function")
     cfg = module.recipe()

@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, run_id
-from rl_jax.data import Curriculum, PromptPipeline, build_task
+from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
 from rl_jax.knobs import ConfigError
-from rl_jax.losses import advantages_from_config
+from rl_jax.losses import advantages_from_config, gae_from_config
 from rl_jax.models import ModelSpec, build_model, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import get as get_reward
@@ -50,6 +50,7 @@ from rl_jax.train.step import (
     assemble_batch,
     make_logprob_fn,
     make_train_step,
+    make_value_fn,
     put_batch,
 )
 
@@ -141,6 +142,12 @@ class RLTrainer:
         )
         self.logprob_fn = make_logprob_fn(
             self.spec, self.train_rules, self.mesh, temperature=self._train_temperature()
+        )
+        self.critic = cfg.loss.advantage == "gae"
+        if self.critic and not self.spec.value_head:
+            raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
+        self.value_fn = (
+            make_value_fn(self.spec, self.train_rules, self.mesh) if self.critic else None
         )
 
         self.task = build_task(cfg.data)
@@ -339,15 +346,18 @@ class RLTrainer:
         )
         keep_b = np.repeat(keep_p, G)
         group_b = ro.group_ids.astype(np.int32)
-        adv, adv_info = advantages_from_config(
-            self.cfg.loss,
-            jnp.asarray(shaped),
-            jnp.asarray(group_b),
-            num_groups=P,
-            valid_b=jnp.asarray(keep_b),
-        )
-        adv = np.asarray(adv, np.float32) * keep_b
         loss_mask = ro.completion_mask & keep_b[:, None]
+        if self.critic:  # GAE below, from the critic's values
+            adv, adv_info = np.zeros(P * G, np.float32), {}
+        else:
+            adv, adv_info = advantages_from_config(
+                self.cfg.loss,
+                jnp.asarray(shaped),
+                jnp.asarray(group_b),
+                num_groups=P,
+                valid_b=jnp.asarray(keep_b),
+            )
+            adv = np.asarray(adv, np.float32) * keep_b
         versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
         oldest = int(versions.min()) if ro.completion_mask.any() else self.version
 
@@ -365,6 +375,18 @@ class RLTrainer:
                 adv,
                 group_b,
             )
+            if self.critic:
+                # GAE from the critic's values before this batch's updates (PPO).
+                values = np.asarray(self.value_fn(self.params, put_batch(host, self.mesh)))
+                adv_bt, ret_bt = gae_from_config(
+                    self.cfg.loss,
+                    jnp.asarray(shaped),
+                    jnp.asarray(values),
+                    jnp.asarray(loss_mask.astype(np.float32)),
+                )
+                host["advantages"] = np.asarray(adv_bt, np.float32) * loss_mask
+                host["old_values"] = values.astype(np.float32)
+                host["returns"] = np.asarray(ret_bt, np.float32)
             order = np.arange(P * G)
             need_old = M > 1 or self.cfg.loss.tis
             for j in range(M):
@@ -595,16 +617,46 @@ class RLTrainer:
         self.close()
         return summary
 
+    def _dynamic_batch(self) -> tuple[Rollouts, list]:
+        """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
+        differ, until B_p are kept or data.max_resample_rounds; short batches are filled
+        with zero-variance groups (which the zero-variance filter then drops)."""
+        kept: list[tuple[Rollouts, int]] = []
+        spare: list[tuple[Rollouts, int]] = []
+        problems: list = []
+        spare_problems: list = []
+        for r in range(self.cfg.data.max_resample_rounds):
+            batch = next(self.pipeline)
+            ro = self._generate(self.step * 64 + r, batch)
+            self._account_sampling(ro)
+            raw, _, _ = self._score(ro, batch)
+            var = has_variance(raw.reshape(len(batch), self.G))
+            for g, ok in enumerate(var):
+                (kept if ok else spare).append((ro, g))
+                (problems if ok else spare_problems).append(batch[g])
+            if len(kept) >= self.P:
+                break
+        fill = max(0, self.P - len(kept))
+        groups = (kept + spare[:fill])[: self.P]
+        probs = (problems + spare_problems[:fill])[: self.P]
+        generated = (r + 1) * self.P * self.G
+        self.counters.add(rollouts=generated - self.P * self.G)
+        return _concat_groups(groups, self.G), probs
+
     def _run_sync(self, bar) -> None:
         cfg = self.cfg
         k = cfg.train.off_policy_k if cfg.train.off_policy == "ppo_off_policy" else 1
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             n = min(k, cfg.train.steps - self.step)
-            batches = [next(self.pipeline) for _ in range(n)]
-            # PPO-off-policy-k: all k batches are sampled with the current weights first.
-            ro = self._generate(self.step, [p for b in batches for p in b])
-            self._account_sampling(ro)
+            if cfg.data.dynamic_sampling:
+                ro, problems = self._dynamic_batch()
+                batches = [problems]
+            else:
+                batches = [next(self.pipeline) for _ in range(n)]
+                # PPO-off-policy-k: all k batches are sampled with the current weights first.
+                ro = self._generate(self.step, [p for b in batches for p in b])
+                self._account_sampling(ro)
             sample_s = time.perf_counter() - t0
             for i, problems in enumerate(batches):
                 part = _rows_of(ro, i * self.P * self.G, (i + 1) * self.P * self.G, i * self.P)
@@ -682,6 +734,28 @@ def _shardings(tree):
 
 def _put_like(x: np.ndarray, like: jax.Array) -> jax.Array:
     return jax.device_put(x.astype(np.float32), like.sharding)
+
+
+def _concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
+    """One Rollouts of the groups (rollouts, group index), renumbered 0..len-1.
+
+    Prompt arrays are left-padded and completion arrays right-padded to the widest."""
+    tp = max(ro.prompt_tokens.shape[1] for ro, _ in groups)
+    tg = max(ro.completion_tokens.shape[1] for ro, _ in groups)
+    parts: dict[str, list] = {}
+    for new_g, (ro, g) in enumerate(groups):
+        rows = slice(g * G, (g + 1) * G)
+        for f in dataclasses.fields(ro):
+            v = getattr(ro, f.name)[rows]
+            if f.name.startswith("prompt_"):
+                v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
+            elif v.ndim == 2:
+                fill = -1 if f.name == "versions" else 0
+                v = np.pad(v, ((0, 0), (0, tg - v.shape[1])), constant_values=fill)
+            if f.name == "group_ids":
+                v = np.full_like(v, new_g)
+            parts.setdefault(f.name, []).append(v)
+    return Rollouts(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
 def _rows_of(ro: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
-from rl_jax.models import ModelSpec, Transformer, positions_from_valid, token_logprobs
+from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden, positions_from_valid
 from rl_jax.sharding import batch_sharding
 
 Params = dict[str, jax.Array]
@@ -34,10 +34,12 @@ class TrainBatch:
     positions: jax.Array  # [B, Tp + Tg] int32
     mask: jax.Array  # [B, Tg] float32: 1 on trained completion tokens
     sampler_logp: jax.Array  # [B, Tg] float32
-    advantages: jax.Array  # [B] float32
+    advantages: jax.Array  # [B] float32, or [B, Tg] per token (GAE)
     group_ids: jax.Array  # [B] int32 in [0, P)
     old_logp: jax.Array | None = None  # [B, Tg]
     ref_logp: jax.Array | None = None  # [B, Tg]
+    old_values: jax.Array | None = None  # [B, Tg] critic before this batch's updates (PPO)
+    returns: jax.Array | None = None  # [B, Tg] GAE returns (PPO)
 
     @property
     def prompt_len(self) -> int:
@@ -87,21 +89,36 @@ def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
     return TrainBatch(**out)
 
 
-def completion_logprobs(
+def completion_forward(
     spec: ModelSpec,
     rules,
     mesh: Mesh | None,
     params: Params,
     batch: TrainBatch,
     temperature: float,
-) -> tuple[jax.Array, jax.Array]:
-    """(log p, entropy) of each completion token, [B, Tg], at the sampling temperature."""
+    *,
+    values: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(log p, entropy, values or None) of each completion token, [B, Tg].
+
+    One forward over prompt + completion; the LM head runs only on the Tg columns
+    that predict completion tokens (column Tp - 1 + j predicts token j), at the
+    sampling temperature. Values are the critic's estimate at the same columns
+    (the state before token j is generated).
+    """
     model = Transformer(spec, params, mesh=mesh, rules=rules)
-    logp, ent = token_logprobs(
-        model, batch.tokens, batch.positions, kv_valid_bt=batch.valid, temperature=temperature
-    )
+    hidden, _ = model(batch.tokens, batch.positions, kv_valid_bs=batch.valid)
     tp, tg = batch.prompt_len, batch.mask.shape[1]
-    return logp[:, tp - 1 : tp - 1 + tg], ent[:, tp - 1 : tp - 1 + tg]
+    h = hidden[:, tp - 1 : tp - 1 + tg]
+    targets = batch.tokens[:, tp : tp + tg]
+    logp, ent = logprobs_from_hidden(model, h, targets, temperature=temperature)
+    return logp, ent, (model.values(h) if values else None)
+
+
+def completion_logprobs(spec, rules, mesh, params, batch, temperature):
+    """(log p, entropy) of each completion token, [B, Tg] (see completion_forward)."""
+    logp, ent, _ = completion_forward(spec, rules, mesh, params, batch, temperature)
+    return logp, ent
 
 
 def _all_finite(tree) -> jax.Array:
@@ -130,8 +147,12 @@ def make_train_step(
     state pass through unchanged) and reports `nonfinite = 1`.
     """
 
+    critic = loss_cfg.advantage == "gae"
+
     def loss_fn(params: Params, batch: TrainBatch):
-        logp, ent = completion_logprobs(spec, rules, mesh, params, batch, temperature)
+        logp, ent, values = completion_forward(
+            spec, rules, mesh, params, batch, temperature, values=critic
+        )
         inputs = LossInputs(
             logp=logp,
             sampler_logp=batch.sampler_logp,
@@ -141,6 +162,9 @@ def make_train_step(
             old_logp=batch.old_logp,
             ref_logp=batch.ref_logp,
             entropy=ent,
+            values=values,
+            old_values=batch.old_values,
+            returns=batch.returns,
         )
         return loss_from_config(loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens)
 
@@ -167,5 +191,14 @@ def make_logprob_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, temperature: f
 
     def fn(params: Params, batch: TrainBatch) -> jax.Array:
         return completion_logprobs(spec, rules, mesh, params, batch, temperature)[0]
+
+    return jax.jit(fn)
+
+
+def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None):
+    """jit(fn)(params, batch) -> critic values [B, Tg] before the updates (PPO's GAE)."""
+
+    def fn(params: Params, batch: TrainBatch):
+        return completion_forward(spec, rules, mesh, params, batch, 1.0, values=True)[2]
 
     return jax.jit(fn)
