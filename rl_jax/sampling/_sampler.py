@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config.sampling import SamplingConfig
 from rl_jax.knobs import ConfigError
@@ -41,6 +41,7 @@ from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_logits, st
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._state import THINK, SamplerState, advance
 from rl_jax.sharding.rules import (
+    BATCH_AXES,
     Rules,
     batch_sharding,
     fit_spec,
@@ -135,6 +136,7 @@ class Sampler:
             if bad:
                 raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
+        self._local_loops = mesh is not None and self.shards == mesh.devices.size
         self._start = jax.jit(self._start_impl, static_argnames=("gen_len",))
         self._decode = jax.jit(self._decode_impl, donate_argnames=("state",))
 
@@ -234,13 +236,36 @@ class Sampler:
         )
 
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
-        cfg, spec = self.cfg, self.spec
-        weights = decode_weights(spec, dict(params))
-        Tp = state.prompt_tokens.shape[1]
+        weights = decode_weights(self.spec, dict(params))
         end = jnp.minimum(state.step + max_steps, state.limit)
+        version = jnp.asarray(version, jnp.int32)
+        if not self._local_loops:
+            return self._loop(weights, state, end, version, manual=False)
+        # Rows only split over devices: every device runs its own loop on its own
+        # rows, with no collective per token (it stops when its rows are done).
+        specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
+        loop = jax.shard_map(
+            functools.partial(self._loop, manual=True),
+            mesh=self.mesh,
+            in_specs=(self._row_spec(0), specs, self._row_spec(0), self._row_spec(0)),
+            out_specs=specs,
+            check_vma=False,
+        )
+        return loop(weights, state, end, version)
+
+    def _row_spec(self, ndim: int) -> PartitionSpec:
+        """Rows over the batch axes; scalars (ndim 0) replicated."""
+        return batch_sharding(self.mesh, ndim).spec if ndim else PartitionSpec()
+
+    def _loop(self, weights, state: SamplerState, end, version, *, manual: bool) -> SamplerState:
+        """Decode until `end` or until every row (of this device, if `manual`) is done."""
+        cfg, spec = self.cfg, self.spec
+        Tp = state.prompt_tokens.shape[1]
+        rows = (lambda x: x) if manual else self._rows
+        constrain = (lambda x, logical: x) if manual else self._constrain
         transition = functools.partial(
             advance,
-            version=jnp.asarray(version, jnp.int32),
+            version=version,
             stop_ids=self.stop_ids,
             interrupt_ids=self.interrupt_ids,
             answer_budget=cfg.answer_budget,
@@ -261,7 +286,7 @@ class Sampler:
                 slot - s.kv_start,
                 slot,
                 s.kv_start,
-                constrain=self._constrain,
+                constrain=constrain,
             )
             tok, logp = sample_logits(
                 logits_bv,
@@ -271,9 +296,14 @@ class Sampler:
                 top_k=cfg.top_k,
             )
             s = dataclasses.replace(s, cache=cache)
-            return transition(s, self._rows(tok), self._rows(logp))
+            return transition(s, rows(tok), rows(logp))
 
-        return jax.lax.while_loop(cond, body, state)
+        out = jax.lax.while_loop(cond, body, state)
+        if manual:
+            # Devices that finished early skipped steps whose columns are padding
+            # for all their rows; the shared step counter is the furthest one.
+            out = dataclasses.replace(out, step=jax.lax.pmax(out.step, BATCH_AXES))
+        return out
 
     # ---- the trainer's API ----------------------------------------------------------------
 
