@@ -202,14 +202,13 @@ def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, p
 
 def test_no_recompilation_for_new_weights_chunks_and_bucketed_lengths(greedy, params_a, params_b):
     greedy.generate(params_a, PROMPTS, n=2)
-    starts, decodes = greedy._start._cache_size(), greedy._decode._cache_size()
+    before = greedy.compile_counts()
     shifted = [[t + 1 for t in p] for p in PROMPTS]  # other tokens, same bucket
     state = greedy.start(params_b, [p[:-1] for p in shifted], n=2, version=3)
     for steps in (1, 2, 5):
         state = greedy.decode(params_b if steps % 2 else params_a, state, max_steps=steps)
     greedy.generate(params_b, shifted, n=2, max_new_tokens=9)  # same generation bucket
-    assert greedy._start._cache_size() == starts
-    assert greedy._decode._cache_size() == decodes
+    assert greedy.compile_counts() == before
 
 
 def test_stop_tokens_end_rows_early(params_a):

@@ -112,7 +112,8 @@ class Sampler:
         elif eos_id is None:
             stops = ()
         else:
-            stops = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+            ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+            stops = tuple(int(e) for e in ids)
         self.stop_ids = stops
         self.interrupt = cfg.length_control == "interrupt"
         self.interrupt_ids = tuple(int(i) for i in (interrupt_ids or ()))
@@ -139,6 +140,10 @@ class Sampler:
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         self._start = jax.jit(self._start_impl, static_argnames=("gen_len",))
         self._decode = jax.jit(self._decode_impl, donate_argnames=("state",))
+
+    def compile_counts(self) -> dict[str, int]:
+        """Executables compiled so far per function (a test of "no recompilation")."""
+        return {"start": self._start._cache_size(), "decode": self._decode._cache_size()}
 
     # ---- layouts --------------------------------------------------------------------------
 
