@@ -97,16 +97,80 @@ def attention_mask(
 
 
 def attention(
-    q_bthk: jax.Array, k_bskk: jax.Array, v_bskk: jax.Array, mask_bts: jax.Array, *, scale: float
+    q_bthk: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array, *, scale: float
 ) -> jax.Array:
-    """Grouped-query attention; scores and softmax in float32. Returns [B, T, H, hd]."""
+    """Grouped-query attention; keys/values [B, K, S, hd]; scores and softmax in float32.
+
+    Returns [B, T, H, hd]."""
     B, T, H, hd = q_bthk.shape
-    K = k_bskk.shape[2]
+    K = k_bksh.shape[1]
     q = q_bthk.reshape(B, T, K, H // K, hd)
-    scores = jnp.einsum("btkrh,bskh->bkrts", q, k_bskk, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkrh,bksh->bkrts", q, k_bksh, preferred_element_type=jnp.float32)
     scores = jnp.where(mask_bts[:, None, None], scores * scale, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskk.dtype)
-    out = jnp.einsum("bkrts,bskh->btkrh", probs, v_bskk, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
+    out = jnp.einsum("bkrts,bksh->btkrh", probs, v_bksh, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
+
+
+# Keys of one cache block, in bytes: big caches are read block by block, and only
+# the blocks written so far (`attention_cached`); small ones in one piece.
+CACHE_BLOCK_BYTES = 2 << 20
+
+
+def cache_block_size(batch: int, kv_heads: int, slots: int, head_dim: int, itemsize: int) -> int:
+    """Slots per cache block: halve S while a block of keys exceeds CACHE_BLOCK_BYTES."""
+    per_slot = batch * kv_heads * head_dim * itemsize
+    block = slots
+    while block % 2 == 0 and block // 2 >= 16 and block * per_slot > CACHE_BLOCK_BYTES:
+        block //= 2
+    return block
+
+
+def attention_cached(
+    q_bthk: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    mask_bts: jax.Array,
+    *,
+    scale: float,
+    filled: jax.Array,
+    block: int,
+) -> jax.Array:
+    """`attention` over the first `filled` (dynamic) slots of a cache, `block` slots at a time.
+
+    Flash-decoding: an online softmax over blocks, so a decode step reads the
+    part of the cache in use instead of all of it (decode is bound by reading
+    the cache once batches are large). Equal to `attention` up to float32
+    rounding. Inference only: the loop has a dynamic trip count.
+    """
+    B, T, H, hd = q_bthk.shape
+    K = k_bksh.shape[1]
+    R = H // K
+    q = q_bthk.reshape(B, T, K, R, hd)
+
+    def body(j, carry):
+        m, l, acc = carry
+        kb = jax.lax.dynamic_slice_in_dim(k_bksh, j * block, block, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
+        mb = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)
+        s = jnp.einsum("btkrh,bksh->bkrts", q, kb, preferred_element_type=jnp.float32)
+        s = jnp.where(mb[:, None, None], s * scale, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum(
+            "bkrts,bksh->bkrth", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
+        )
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+
+    init = (
+        jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, R, T), jnp.float32),
+        jnp.zeros((B, K, R, T, hd), jnp.float32),
+    )
+    n_blocks = (filled + block - 1) // block
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
     return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
 
 

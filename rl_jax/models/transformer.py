@@ -1,8 +1,13 @@
 """The decoder (Llama 3 / Qwen2 / Qwen3) as a Flax NNX module over stacked layers.
 
-Every per-layer weight is stored stacked, [L, ...], under the logical axis
-`layers`: one parameter layout whether the forward unrolls a Python loop or
-runs `lax.scan` (`spec.scan_layers`), so checkpoints do not depend on that choice.
+Parameters are laid out by `param_layout` with per-layer weights stacked,
+[L, ...], under the logical axis `layers`: loaders, exporters and `init_params`
+speak that layout. The module stores them stacked when it scans over layers
+(`spec.scan_layers`, fast compiles) and as one array per layer otherwise: XLA
+on CPU copies a slice of a stacked weight every time it is read, which in a
+decode loop means copying every weight once per token. (An NNX state, hence an
+orbax checkpoint of it, therefore depends on `scan_layers`; `model_params`
+always gives the stacked layout.)
 
 Forward contract (shared by trainer and sampler):
     hidden_btd, cache = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
@@ -27,7 +32,9 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from rl_jax.models.layers import (
     apply_rope,
     attention,
+    attention_cached,
     attention_mask,
+    cache_block_size,
     rms_norm,
     rope_angles,
 )
@@ -137,25 +144,43 @@ def param_shardings(
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: k, v [L, B, S, K, hd]. Batch is axis 1."""
+    """Keys and values of every layer, time on the second-to-last axis.
 
-    k: jax.Array
-    v: jax.Array
+    Unrolled layers: k, v are tuples of L arrays [B, K, S, hd] (each layer's
+    cache is its own buffer, updated in place, read without a copy).
+    Scanned layers: k, v are arrays [L, B, K, S, hd].
+    Use `take` / `repeat` / `batch_size` / `max_len` rather than indexing, and
+    the code works with both.
+    """
 
-    BATCH_AXIS = 1
-    LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
+
+    LAYER_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple | list)
+
+    def _map(self, fn) -> KVCache:
+        axis = 1 if self.stacked else 0
+        return KVCache(*jax.tree.map(lambda a: fn(a, axis), (self.k, self.v)))
 
     def take(self, rows_b: jax.Array) -> KVCache:
         """Rows re-ordered or repeated, e.g. by `jnp.repeat(jnp.arange(P), G)`."""
-        return KVCache(k=jnp.take(self.k, rows_b, axis=1), v=jnp.take(self.v, rows_b, axis=1))
+        return self._map(lambda a, axis: jnp.take(a, rows_b, axis=axis))
 
     def repeat(self, n: int) -> KVCache:
         """Each row repeated n times in place (row i -> rows i*n .. i*n + n - 1)."""
-        return KVCache(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1))
+        return self._map(lambda a, axis: jnp.repeat(a, n, axis=axis))
 
     @property
     def max_len(self) -> int:
-        return int(self.k.shape[2])
+        return int(jax.tree.leaves(self.k)[0].shape[-2])
+
+    @property
+    def batch_size(self) -> int:
+        return int(jax.tree.leaves(self.k)[0].shape[-4])
 
 
 def init_cache(
@@ -167,15 +192,25 @@ def init_cache(
     mesh: Mesh | None = None,
     rules: Rules | None = None,
 ) -> KVCache:
-    """Zeros in the compute dtype (or `dtype`); with a mesh, sharded over batch and kv_heads."""
+    """Zeros in the compute dtype (or `dtype`); with a mesh, sharded over batch and kv_heads.
+
+    Its form follows `spec.scan_layers` (see KVCache)."""
     dtype = dtype_of(spec.compute_dtype) if dtype is None else jnp.dtype(dtype)
-    shape = (spec.num_layers, batch, max_len, spec.num_kv_heads, spec.head_dim)
+    L = spec.num_layers
+    shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+    logical: tuple[str | None, ...] = KVCache.LAYER_AXES
+    if spec.scan_layers:
+        shape, logical = (L, *shape), ("layers", *logical)
     if mesh is None:
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-    rules = get_rules("fsdp_tp", purpose="sample") if rules is None else rules
-    sh = NamedSharding(mesh, fit_spec(logical_to_spec(KVCache.LOGICAL_AXES, rules), shape, mesh))
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)
-    return KVCache(k=zeros(), v=zeros())
+        sh = SingleDeviceSharding(jax.devices()[0])
+    else:
+        rules = get_rules("fsdp_tp", purpose="sample") if rules is None else rules
+        sh = NamedSharding(mesh, fit_spec(logical_to_spec(logical, rules), shape, mesh))
+    n = 1 if spec.scan_layers else L
+    arrays = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(2 * n)], out_shardings=sh)()
+    if spec.scan_layers:
+        return KVCache(k=arrays[0], v=arrays[1])
+    return KVCache(k=tuple(arrays[:L]), v=tuple(arrays[L:]))
 
 
 def positions_from_valid(valid_bt: jax.Array) -> jax.Array:
@@ -218,7 +253,17 @@ class Transformer(nnx.Module):
         def wrap(name):
             return nnx.Param(params[name], logical_axes=lay[name].logical_axes)
 
-        self.layers = _Layers({n: wrap(n) for n in LAYER_PARAMS if n in lay})
+        layer_names = [n for n in LAYER_PARAMS if n in lay]
+        if spec.scan_layers:
+            self.layers = _Layers({n: wrap(n) for n in layer_names})
+        else:
+            per_layer = _split_layers(spec, {n: params[n] for n in layer_names}, mesh, rules)
+            self.layers = nnx.List(
+                [
+                    _Layers({n: nnx.Param(p[n], logical_axes=lay[n].logical_axes[1:]) for n in p})
+                    for p in per_layer
+                ]
+            )
         for name in lay:
             if name not in LAYER_PARAMS:
                 setattr(self, name, wrap(name))
@@ -238,7 +283,23 @@ class Transformer(nnx.Module):
     # ---- forward -------------------------------------------------------------------------
 
     def layer_params(self) -> dict[str, jax.Array]:
-        return {n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)}
+        """Per-layer weights stacked [L, ...] (a copy when layers are stored apart)."""
+        if self.spec.scan_layers:
+            return {
+                n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)
+            }
+        per_layer = self.layer_list()
+        return {n: jnp.stack([p[n] for p in per_layer]) for n in per_layer[0]}
+
+    def layer_list(self) -> list[dict[str, jax.Array]]:
+        """One dict of weights per layer."""
+        if self.spec.scan_layers:
+            stacked = self.layer_params()
+            return [{n: a[i] for n, a in stacked.items()} for i in range(self.spec.num_layers)]
+        return [
+            {n: getattr(lay, n)[...] for n in LAYER_PARAMS if hasattr(lay, n)}
+            for lay in self.layers
+        ]
 
     def __call__(
         self,
@@ -291,8 +352,11 @@ class Transformer(nnx.Module):
         )
         if spec.remat:
             body = jax.checkpoint(body)
-        params = self.layer_params()
-        kv = None if cache is None else (cache.k, cache.v)
+        if cache is not None and cache.stacked != spec.scan_layers:
+            raise ValueError(
+                f"the cache is {'stacked' if cache.stacked else 'per layer'} but "
+                f"scan_layers={spec.scan_layers}; make it with model.init_cache"
+            )
         if spec.scan_layers:
 
             def step(carry, xs):
@@ -301,11 +365,18 @@ class Transformer(nnx.Module):
                 h, kv_ = body(p, h, kv_, i)
                 return (h, kv_), None
 
+            kv = None if cache is None else (cache.k, cache.v)
+            params = self.layer_params()
             (x, kv), _ = jax.lax.scan(step, (x, kv), (params, jnp.arange(spec.num_layers)))
-        else:
-            for i in range(spec.num_layers):
-                x, kv = body({n: a[i] for n, a in params.items()}, x, kv, i)
-        return x, (None if kv is None else KVCache(*kv))
+            return x, (None if kv is None else KVCache(*kv))
+        ks, vs = [], []
+        for i, p in enumerate(self.layer_list()):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = body(p, x, kv, None)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        return x, (None if cache is None else KVCache(k=tuple(ks), v=tuple(vs)))
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -353,7 +424,7 @@ def _layer(
     p: dict[str, jax.Array],
     x: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
-    layer: int | jax.Array,
+    layer: jax.Array | None,
     *,
     spec: ModelSpec,
     cos: jax.Array,
@@ -381,17 +452,34 @@ def _layer(
     q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    # Keys/values as [B, K, S, hd]: batch dims leading, the layout the attention
+    # matmuls want, so reading the cache needs no transpose.
+    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     if kv is None:
         k_all, v_all = k, v
-    else:
+    elif layer is None:  # this layer's own cache buffers
         ck, cv = kv
-        at = (layer, 0, cache_index, 0, 0)
+        at = (0, 0, cache_index, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
+        kv = (ck, cv)
+        k_all, v_all = ck.astype(cdt), cv.astype(cdt)
+    else:  # stacked [L, ...] cache carried through lax.scan
+        ck, cv = kv
+        at = (layer, 0, 0, cache_index, 0)
         ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
         cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
         kv = (ck, cv)
         k_all = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(cdt)
         v_all = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(cdt)
-    a = attention(q, k_all, v_all, mask, scale=spec.head_dim**-0.5)
+    scale = spec.head_dim**-0.5
+    B, K, S, hd = k_all.shape
+    block = cache_block_size(B, K, S, hd, k_all.dtype.itemsize) if kv is not None else S
+    if block < S:
+        filled = cache_index + q.shape[1]
+        a = attention_cached(q, k_all, v_all, mask, scale=scale, filled=filled, block=block)
+    else:
+        a = attention(q, k_all, v_all, mask, scale=scale)
     a = jnp.einsum("bthk,hkd->btd", a, w("o"))
     if spec.o_bias:
         a = a + w("o_bias")
@@ -428,6 +516,26 @@ def build_model(
     return Transformer(spec, params, mesh=mesh, rules=rules)
 
 
+def _split_layers(
+    spec: ModelSpec, stacked: dict[str, jax.Array], mesh: Mesh | None, rules: Rules
+) -> list[dict[str, jax.Array]]:
+    """Stacked [L, ...] weights -> one dict per layer, each slice placed in its own shards."""
+    lay = param_layout(spec)
+    L = spec.num_layers
+
+    def sharding(name):
+        if mesh is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        shape, axes = lay[name].shape[1:], lay[name].logical_axes[1:]
+        return NamedSharding(mesh, fit_spec(logical_to_spec(axes, rules), shape, mesh))
+
+    out_sh = [{n: sharding(n) for n in stacked} for _ in range(L)]
+    split = jax.jit(
+        lambda p: [{n: a[i] for n, a in p.items()} for i in range(L)], out_shardings=out_sh
+    )
+    return split(stacked)
+
+
 def model_params(model: Transformer) -> dict[str, jax.Array]:
     """Flat name -> array view of a model's parameters (names of `param_layout`)."""
     out = model.layer_params()
@@ -438,5 +546,14 @@ def model_params(model: Transformer) -> dict[str, jax.Array]:
 
 
 def host_params(model: Transformer) -> dict[str, np.ndarray]:
-    """Parameters gathered to host memory, one at a time (for export)."""
-    return {n: np.asarray(jax.device_get(a)) for n, a in model_params(model).items()}
+    """Parameters in the stacked layout, gathered to host memory one array at a time."""
+    out = {}
+    for name in param_layout(model.spec):
+        if name not in LAYER_PARAMS:
+            out[name] = np.asarray(jax.device_get(getattr(model, name)[...]))
+        elif model.spec.scan_layers:
+            out[name] = np.asarray(jax.device_get(getattr(model.layers, name)[...]))
+        else:
+            per_layer = [getattr(lay, name)[...] for lay in model.layers]
+            out[name] = np.stack([np.asarray(jax.device_get(a)) for a in per_layer])
+    return out
