@@ -46,7 +46,7 @@ POW2 = [2**i for i in range(3, 12)]
 def grid() -> GridSpec:
     return GridSpec(
         name="isocompute",
-        recipe="scalerl",
+        recipe="isocompute",  # recipe() below; HEALTHY restates its choices at paper scale
         base={**HEALTHY, "sampling.max_new_tokens": 4096},
         axes=(
             Axis.variants(

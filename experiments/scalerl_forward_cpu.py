@@ -26,5 +26,7 @@ def grid():
         axes=(Axis(name=change.name, points=tuple(p for p in change.points if p.label in KEEP)),),
         budget=Budget(amount=64 * 40, unit="rollouts"),
         evals_per_run=5,
-        checkpoints_per_run=4,
+        # Runs take a minute or two: a checkpoint at the end only (a killed run restarts).
+        checkpoints_per_run=0,
+        warm_start=0.3,  # from the demo's supervised warm-up, as `rl-jax demo` does
     )

@@ -293,6 +293,20 @@ def test_tpu_dry_run_prints_the_gcloud_commands(tmp_path, capsys):
     assert "mesh.distributed=true" in host and any(a.startswith("name=n2_bp2_s0-") for a in host)
 
 
+def test_warm_start_specs_train_through_warm_train():
+    from rl_jax.grid.cli import build_parser, make_backend
+
+    spec = load_spec("isocompute_cpu")
+    local = make_backend(build_parser().parse_args(["isocompute_cpu"]), spec)
+    assert local.train_cmd[1:] == ["-m", "rl_jax.grid.warm_train", "--target", "0.3"]
+    tpu = make_backend(
+        build_parser().parse_args(["isocompute_cpu", "--backend", "tpu", "--tpu-zone", "z"]), spec
+    )
+    assert tpu.remote_train_cmd == ["python", "-m", "rl_jax.grid.warm_train", "--target", "0.3"]
+    plain = make_backend(build_parser().parse_args(["isocompute"]), load_spec("isocompute"))
+    assert plain.train_cmd[1:] == ["-m", "rl_jax.cli", "train"]
+
+
 def test_tpu_scripts_are_shellcheck_clean():
     import shutil
 

@@ -27,6 +27,13 @@ TPU_SETUP = REPO_ROOT / "tpu_setup"
 DEFAULT_TRAIN_CMD = (sys.executable, "-m", "rl_jax.cli", "train")
 
 
+def train_cmd_for(warm_start: float, python: str = sys.executable) -> list[str]:
+    """`rl-jax train`, or the warm-started trainer for specs with warm_start > 0."""
+    if warm_start > 0:
+        return [python, "-m", "rl_jax.grid.warm_train", "--target", repr(warm_start)]
+    return [python, "-m", "rl_jax.cli", "train"]
+
+
 def guard_argv(run_dir: Path, attempt: int, cmd: Sequence[str]) -> list[str]:
     return [
         sys.executable,
@@ -291,8 +298,20 @@ class TpuBackend(LocalBackend):
 
     name = "tpu"
 
-    def __init__(self, *, grid: str, options: TpuOptions, dry_run: bool = False, **kw):
+    def __init__(
+        self,
+        *,
+        grid: str,
+        options: TpuOptions,
+        dry_run: bool = False,
+        warm_start: float = 0.0,
+        **kw,
+    ):
         super().__init__(jobs=options.slices, **kw)
+        # The hosts' venv python (launch.sh puts it first on PATH).
+        self.remote_train_cmd = (
+            train_cmd_for(warm_start, "python") if warm_start > 0 else ["rl-jax", "train"]
+        )
         self.grid = grid
         self.opts = options
         self.dry_run = dry_run
@@ -349,7 +368,7 @@ class TpuBackend(LocalBackend):
             argv.append("--queued")
         if o.spot:
             argv.append("--spot")
-        return [*argv, "--", "rl-jax", "train", *plan.train_args(recipe, out_dir=out_dir)]
+        return [*argv, "--", *self.remote_train_cmd, *plan.train_args(recipe, out_dir=out_dir)]
 
     def start(self, plan: RunPlan, argv: list[str], log_path: Path):
         if self.dry_run:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from rl_jax.config import ConfigError, resolve_recipe_path
-from rl_jax.grid.backends import DEFAULT_TRAIN_CMD, LocalBackend, RayBackend, TpuBackend, TpuOptions
+from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
 from rl_jax.grid.driver import Driver, grid_dir, is_done, plan_rows
 from rl_jax.grid.expand import RunPlan, expand
 from rl_jax.grid.spec import GridSpec, known_specs, load_spec
@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--train-cmd",
-        default=shlex.join(DEFAULT_TRAIN_CMD),
-        help="command that trains one run, given RECIPE key=value... (default: rl-jax train)",
+        default="",
+        help="command that trains one run, given RECIPE key=value... (default: rl-jax train,"
+        " or rl_jax.grid.warm_train for specs with warm_start)",
     )
     p.add_argument("--retry-failed", action="store_true", help="retry runs that hit max_attempts")
     p.add_argument(
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_backend(a: argparse.Namespace, spec: GridSpec):
-    train_cmd = shlex.split(a.train_cmd)
+    train_cmd = shlex.split(a.train_cmd) if a.train_cmd else train_cmd_for(spec.warm_start)
     if a.backend == "local":
         return LocalBackend(jobs=a.jobs, train_cmd=train_cmd)
     if a.backend == "ray":
@@ -92,7 +93,7 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
         remote_out=a.tpu_remote_out,
         teardown=a.tpu_teardown,
     )
-    return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run)
+    return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run, warm_start=spec.warm_start)
 
 
 def _fmt(x: float) -> str:

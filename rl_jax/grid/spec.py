@@ -237,6 +237,9 @@ class GridSpec:
     evals_per_run: int = 0  # > 0: eval.every = M // evals_per_run (0: the recipe's)
     checkpoints_per_run: int = 0  # > 0: checkpoint.every = M // this, so resumes lose little
     max_attempts: int = 3  # failed launches of one run before the grid gives up on it
+    # > 0: each run starts from the CPU demo's supervised warm-up, stopped at this greedy
+    # pass rate (rl_jax.grid.warm_train): the tiny model's random init cannot learn by RL.
+    warm_start: float = 0.0
     resources: Resources = field(default_factory=Resources)
     report: ReportSpec = field(default_factory=ReportSpec)
     early_stop: EarlyStop | None = None
@@ -260,6 +263,8 @@ class GridSpec:
             raise ConfigError(f"grid {self.name!r}: seeds repeat {self.seeds}")
         if self.max_attempts < 1:
             raise ConfigError(f"grid {self.name!r}: max_attempts={self.max_attempts} must be >= 1")
+        if not 0.0 <= self.warm_start < 1.0:
+            raise ConfigError(f"grid {self.name!r}: warm_start={self.warm_start} must be in [0, 1)")
         for k in ("evals_per_run", "checkpoints_per_run"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"grid {self.name!r}: {k}={getattr(self, k)} must be >= 0")
