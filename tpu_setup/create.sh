@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create a TPU VM or a queued resource, or reuse it if it already exists.
 #   create.sh --name NAME --zone ZONE --type v5p-8 [--queued] [--spot]
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {

@@ -2,7 +2,7 @@
 # Copy a run directory (config, curves, metrics, DONE; not checkpoints, which
 # stay on the slice for resumes) and the hosts' logs back from worker 0.
 #   fetch.sh --name NAME --zone ZONE --remote-out DIR --run-name RUN --local-out DIR
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {

@@ -2,7 +2,7 @@
 # Copy this checkout to every host of a TPU slice and install it with the tpu extra.
 # Reinstalls only when the sources changed (a stamp holds their hash).
 #   install.sh --name NAME --zone ZONE [--src DIR] [--venv DIR]
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {

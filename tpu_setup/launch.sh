@@ -5,7 +5,7 @@
 #   launch.sh --name NAME --zone ZONE -- rl-jax train experiments/scalerl.py mesh.distributed=true
 # Paths in the command are relative to the home directory on the hosts, where
 # install.sh put the checkout (~/rl_jax) and its venv.
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {

@@ -4,7 +4,7 @@
 # Used by `rl-jax grid SPEC --backend tpu`; runnable by hand too:
 #   run.sh --name NAME --zone ZONE --type v6e-8 --run-name RUN --local-out grids/G/runs \
 #          [--remote-out rl_jax_runs/G/runs] -- rl-jax train RECIPE key=value ...
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Delete a TPU VM or a queued resource (and its node).
 #   teardown.sh --name NAME --zone ZONE [--queued]
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {
