@@ -141,7 +141,9 @@ def test_math_verify_survives_hostile_output(tmp_path):
     assert fn("\\boxed{46}", "46") == 1.0  # also starts the pool outside the timed calls
     _check_pooled(fn, "46", hostile(str(marker)))
     assert fn.pool.timeouts > 0  # some inputs did spin and were cut off
-    assert fn("\\boxed{46}", "46") == 1.0  # and the pool still answers
+    # and the pool still answers (a worker killed just before may still be respawning on a
+    # loaded machine, so allow a few tries)
+    assert any(fn("\\boxed{46}", "46") == 1.0 for _ in range(5))
     assert not marker.exists()
 
 

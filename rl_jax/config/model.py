@@ -54,6 +54,9 @@ class ModelConfig:
         check_choice("model", "architecture", self.architecture, ("",) + ARCHITECTURES)
         check_choice("model", "param_dtype", self.param_dtype, DTYPES)
         check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        # `model.tie_embeddings=false` arrives from YAML-typed overrides as the string
+        # 'False': accept any capitalization.
+        object.__setattr__(self, "tie_embeddings", str(self.tie_embeddings).lower())
         check_choice("model", "tie_embeddings", self.tie_embeddings, TIE_CHOICES)
         for name in (
             "vocab_size",

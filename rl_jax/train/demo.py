@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,9 +92,11 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
         info["sft_seconds"] = time.perf_counter() - t0
         host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
         CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
+        # A unique temp name: concurrent runs (a grid) may warm up the same model at once.
+        fd, tmp = tempfile.mkstemp(dir=CACHE, prefix=path.stem, suffix=".tmp.npz")
+        os.close(fd)
         np.savez(tmp, __info=json.dumps(info), **host)
-        tmp.replace(path)
+        os.replace(tmp, path)
         info["cached"] = False
     trainer.set_initial_params(host)
     return info
@@ -119,9 +123,7 @@ def main(argv: list[str]) -> int:
 
     t0 = time.perf_counter()
     trainer = RLTrainer(cfg, quiet=a.quiet)
-    if trainer.run.is_done():
-        summary = json.loads(trainer.run.done_path.read_text())
-    else:
+    if not trainer.run.is_done():
         if not trainer.ckpt.steps():
             print("supervised warm-up (stops early; RL does the rest) ...", flush=True)
             info = warm_start(trainer, target=a.warmup_target, quiet=a.quiet)
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> int:
                 + (" (cached)" if info["cached"] else ""),
                 flush=True,
             )
-        summary = trainer.run_loop()
+        trainer.run_loop()
     report = write_report(trainer.run, x="flops", metric="val/pass@1")
     print(report)
     print(f"total time {time.perf_counter() - t0:.0f} s; run directory {trainer.run.root}")

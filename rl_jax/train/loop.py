@@ -195,7 +195,8 @@ class RLTrainer:
         for k, v in self.params.items():
             if tuple(np.shape(host_params[k])) != tuple(v.shape):
                 raise ValueError(
-                    f"initial param {k!r} has shape {np.shape(host_params[k])}, model needs {v.shape}"
+                    f"initial param {k!r} has shape {np.shape(host_params[k])}, "
+                    f"model needs {v.shape}"
                 )
         self.params = {
             k: jax.device_put(np.asarray(host_params[k], v.dtype), shardings[k])
