@@ -141,9 +141,10 @@ def test_math_verify_survives_hostile_output(tmp_path):
     assert fn("\\boxed{46}", "46") == 1.0  # also starts the pool outside the timed calls
     _check_pooled(fn, "46", hostile(str(marker)))
     assert fn.pool.timeouts > 0  # some inputs did spin and were cut off
-    # and the pool still answers (a worker killed just before may still be respawning on a
-    # loaded machine, so allow a few tries)
-    assert any(fn("\\boxed{46}", "46") == 1.0 for _ in range(5))
+    # and the pool still answers: the same shared pool, asked with a time limit that a
+    # loaded CI machine (a respawned worker, another test process) cannot miss
+    patient = rewards.get("math", scale="01", timeout_s=10.0, workers=2)
+    assert patient("\\boxed{46}", "46") == 1.0
     assert not marker.exists()
 
 

@@ -404,7 +404,7 @@ class Sampler:
 
     def result(self, state: SamplerState) -> Rollouts:
         """The rows as numpy arrays, padding rows dropped (rows still running included)."""
-        host = jax.device_get(
+        host = _to_host(
             {
                 f.name: getattr(state, f.name)
                 for f in dataclasses.fields(state)
@@ -459,3 +459,16 @@ class Sampler:
         while chunk and not self.done(state):
             state = self.decode(params, state, max_steps=chunk, version=version)
         return self.result(state)
+
+
+def _to_host(tree):
+    """numpy copies of (possibly multi-process) arrays: every process gets all rows."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)

@@ -164,6 +164,10 @@ class RLTrainer:
             batch_size=P,
             seed=cfg.data.seed,
             curriculum=self.curriculum,
+            # Every process holds the same global batch of prompts (they are tiny): the
+            # sampler shards rows over the global mesh and rewards are scored everywhere.
+            process_index=0,
+            process_count=1,
         )
         self.val_problems = list(self.task.val)[: cfg.eval.num_prompts]
 

@@ -1,0 +1,71 @@
+"""Worker for test_train_distributed: RL steps under jax.distributed (2 processes, gloo).
+
+argv: process_id port out_dir [num_processes]; process_id -1 runs the single-process
+reference on the same 4 devices. Writes the final parameters to <out_dir>/params_<id>.npz.
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if pid < 0 else 2}"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import train_even_first  # noqa: E402,F401  (registers the test verifier)
+from jax.experimental import multihost_utils  # noqa: E402
+
+from rl_jax.config import load_recipe  # noqa: E402
+from rl_jax.train.loop import RLTrainer  # noqa: E402
+
+ARGS = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "rewards.name=test_even_first",
+    "data.prompts_per_batch=4",
+    "data.train_size=64",
+    "data.val_size=8",
+    "sampling.n=4",
+    "sampling.max_new_tokens=6",
+    "sampling.length_control=truncate",
+    "eval.k=2",
+    "eval.num_prompts=8",
+    "eval.every=0",
+    "eval.at_start=false",
+    "train.steps=2",
+    "train.lr=1e-3",
+    "train.off_policy=on_policy",
+    "train.off_policy_k=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "data.no_positive_resampling=false",
+    "mesh.data=2",
+    "mesh.fsdp=-1",
+]
+
+
+def main() -> None:
+    extra = [f"out_dir={out}", "name=dist" if pid >= 0 else "name=single"]
+    if pid >= 0:
+        extra += [
+            "mesh.distributed=true",
+            f"mesh.coordinator_address=127.0.0.1:{port}",
+            "mesh.num_processes=2",
+            f"mesh.process_id={pid}",
+        ]
+    cfg = load_recipe("scalerl", ARGS + extra)
+    tr = RLTrainer(cfg, quiet=True)
+    tr.run_loop()
+    params = {
+        k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+        for k, v in tr.params.items()
+    }
+    np.savez(os.path.join(out, f"params_{pid}.npz"), **params)
+    print("OK", jax.process_count(), jax.device_count(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
