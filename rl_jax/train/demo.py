@@ -23,6 +23,15 @@ import numpy as np
 from rl_jax.config import SamplingConfig, load_recipe, to_dict
 
 CACHE = Path(".cache") / "demo"
+# Data knobs that only steer RL batches, not the warm-up: changing them reuses the cache.
+_RL_ONLY_DATA = (
+    "prompts_per_batch",
+    "zero_variance_filter",
+    "no_positive_resampling",
+    "npr_threshold",
+    "dynamic_sampling",
+    "max_resample_rounds",
+)
 
 
 def _greedy_eval(trainer, problems):
@@ -57,7 +66,7 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
     key = json.dumps(
         {
             "model": to_dict(cfg.model),
-            "data": to_dict(cfg.data),
+            "data": {k: v for k, v in to_dict(cfg.data).items() if k not in _RL_ONLY_DATA},
             "seed": cfg.train.seed,
             "target": target,
         },
