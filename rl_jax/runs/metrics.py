@@ -1,0 +1,63 @@
+"""Metrics sinks: JSONL (always), TensorBoard (tensorboardX), W&B (optional)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from rl_jax.config.logging import LoggingConfig
+from rl_jax.runs.run_dir import RunDir
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, numbers.Number) or hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+            out[k] = float(v)
+    return out
+
+
+class MetricsLogger:
+    """Writes each row to metrics.jsonl, TensorBoard and (if enabled) W&B."""
+
+    def __init__(self, run: RunDir, cfg: LoggingConfig | None = None, config: dict | None = None):
+        self.run = run
+        self.cfg = cfg or LoggingConfig()
+        self._tb = None
+        self._wandb = None
+        if self.cfg.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(run.events_dir))
+        if self.cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("logging.wandb=true but wandb is not installed") from e
+            self._wandb = wandb.init(
+                project=self.cfg.wandb_project, name=run.root.name, id=run.run_id,
+                config=config, resume="allow",
+            )
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        row = {"step": int(step), **row}
+        self.run.append_metrics(row)
+        sc = scalars(row)
+        if self._tb is not None:
+            for k, v in sc.items():
+                if k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(sc, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
