@@ -313,9 +313,7 @@ def test_tpu_scripts_are_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed")
     scripts = sorted(str(p) for p in (ROOT / "tpu_setup").glob("*.sh"))
-    r = subprocess.run(
-        ["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT
-    )
+    r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout
 
 
