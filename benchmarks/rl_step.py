@@ -28,14 +28,11 @@ loop's bookkeeping), sample_s / score_s / train_s (medians of the trainer's
 timers), first_step_s (first step in a fresh process with an empty compilation
 cache, compilation included), first_step_warm_cache_s, init_s / startup_s
 (trainer construction; process start to the end of the first step),
-peak_rss_mb (of the cold process; peak_rss_warm_cache_mb of the second one),
-sampler_tokens_per_s, flops_fraction (model FLOPs per second of a warm step over this
+peak_rss_mb, flops_fraction (model FLOPs per second of a warm step over this
 machine's float32 1024x1024 matmul rate, measured between the steps of the
 same run), recompiled (a jitted function compiled again after the first
 step), load_avg_1m; with --vs-trl: trl_* keys and speedup_vs_trl (TRL step /
-ours), trl_generate_tokens_per_s and sampler_speedup_vs_hf_generate (TRL
-generates with transformers' `generate`), or trl_error if TRL could not be
-set up. --malloc-trim measures the suggested `trim_after_compiles` hook.
+ours), or trl_error if TRL could not be set up.
 """
 
 from __future__ import annotations
@@ -190,7 +187,6 @@ def rl_worker(a) -> int:
                 startup_s=now - _T0,
                 compile_counts=first_counts,
                 rows=int(tr.P * tr.G),
-                new_tokens=int(tr.cfg.sampling.max_new_tokens),
             )
         emit(rec)
         if wait_command() == "stop":
@@ -448,14 +444,9 @@ def main(a) -> int:
                 "compile_counts": finals["rl_jax"]["compile_counts"],
             }
         )
-        tokens = rl_first["rows"] * rl_first["new_tokens"]
-        result["sampler_tokens_per_s"] = tokens / result["sample_s"]
         if trl is not None:
             result.update(_summary("trl_", trl_first, timed["trl"], finals["trl"]))
             result["speedup_vs_trl"] = result["trl_median_step_s"] / result["median_step_s"]
-            # TRL generates with transformers' `generate` (same rows, same forced length).
-            result["trl_generate_tokens_per_s"] = tokens / result["trl_sample_s"]
-            result["sampler_speedup_vs_hf_generate"] = result["trl_sample_s"] / result["sample_s"]
             result["trl_version"] = trl_first.get("version")
 
         if not a.no_restart:

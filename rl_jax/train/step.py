@@ -162,18 +162,18 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     spec = model.spec
     cdt = dtype_of(spec.compute_dtype)
     embed = model.embed[...]
-    # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1
-    # (at least 1: zero-length arrays do not reshape; an unused column is cheap).
-    tc = max(tg - 1, 1)
+    # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1.
     p_tok, p_pos, p_val = (a[::G, :tp] for a in (batch.tokens, batch.positions, batch.valid))
-    c_tok, c_pos, c_val = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
+    c_tok, c_pos, c_val = (
+        a[:, tp : tp + tg - 1] for a in (batch.tokens, batch.positions, batch.valid)
+    )
     xp = model.constrain(jnp.take(embed, p_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
     xc = model.constrain(jnp.take(embed, c_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
     rope_p, rope_c = rope_angles(p_pos, spec), rope_angles(c_pos, spec)
     mask_p = attention_mask(tp, tp, kv_valid_bs=p_val)  # [P, Tp, Tp]
     # Completion query j sits at slot Tp + j of [prompt | completion] keys.
     kv_val = jnp.concatenate([jnp.repeat(p_val, G, axis=0), c_val], axis=1)
-    mask_c = attention_mask(tc, tp + tc, cache_index=tp, kv_valid_bs=kv_val)
+    mask_c = attention_mask(tg - 1, tp + tg - 1, cache_index=tp, kv_valid_bs=kv_val)
     body = functools.partial(
         _prefix_layer,
         spec=spec,
@@ -189,7 +189,7 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     for p in model.layer_list():
         xp, xc = body(p, xp, xc)
     last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
-    return jnp.concatenate([last, xc[:, : tg - 1]], axis=1)
+    return jnp.concatenate([last, xc], axis=1)
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
