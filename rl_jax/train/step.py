@@ -9,6 +9,7 @@ at column Tp - 1 + j of the model's next-token log-probs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,9 @@ from jax.sharding import Mesh
 
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
-from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden, positions_from_valid
+from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
+from rl_jax.models.layers import apply_rope, attention, rms_norm, rope_angles
+from rl_jax.models.transformer import dtype_of
 from rl_jax.sharding import batch_sharding
 
 Params = dict[str, jax.Array]
@@ -40,6 +43,9 @@ class TrainBatch:
     ref_logp: jax.Array | None = None  # [B, Tg]
     old_values: jax.Array | None = None  # [B, Tg] critic before this batch's updates (PPO)
     returns: jax.Array | None = None  # [B, Tg] GAE returns (PPO)
+    # Static: rows [g * G, (g + 1) * G) share one prompt (put_batch finds G), so the
+    # forward runs each prompt once per G rows; 1 = every row whole.
+    group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def prompt_len(self) -> int:
@@ -67,7 +73,8 @@ def assemble_batch(
     return {
         "tokens": np.concatenate([prompt_tokens, completion_tokens], axis=1).astype(np.int32),
         "valid": valid,
-        "positions": np.asarray(positions_from_valid(valid)).astype(np.int32),
+        # As rl_jax.models.positions_from_valid, on the host (no device round trip).
+        "positions": np.maximum(np.cumsum(valid, axis=1, dtype=np.int32) - 1, 0),
         "mask": loss_mask.astype(np.float32),
         "sampler_logp": sampler_logp.astype(np.float32),
         "advantages": advantages.astype(np.float32),
@@ -75,10 +82,35 @@ def assemble_batch(
     }
 
 
+def shared_prompt_rows(arrays: dict[str, np.ndarray]) -> int:
+    """G such that rows [g * G, (g + 1) * G) of a host batch share one prompt, else 1.
+
+    The candidate blocks are the runs of equal `group_ids` (the loop keeps a
+    group's rows together); the prompts (tokens and validity) must match exactly.
+    """
+    g = np.asarray(arrays["group_ids"])
+    B = g.shape[0]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if B else np.zeros(0, int)
+    if len(starts) == 0 or B % len(starts) or len(starts) == B:
+        return 1
+    G = B // len(starts)
+    if not np.array_equal(starts, np.arange(0, B, G)):
+        return 1
+    tp = arrays["tokens"].shape[1] - arrays["mask"].shape[1]
+    first = np.repeat(starts, G)
+    for k in ("tokens", "valid", "positions"):
+        p = np.asarray(arrays[k])[:, :tp]
+        if not np.array_equal(p, p[first]):
+            return 1
+    return G
+
+
 def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
-    """Rows over the mesh's batch axes (every process holds the full batch)."""
+    """Rows over the mesh's batch axes (every process holds the full batch); the
+    batch's `group_size` is found on the host (see shared_prompt_rows)."""
+    G = shared_prompt_rows(arrays)
     if mesh is None:
-        return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
+        return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, group_size=G)
     out = {}
     for k, v in arrays.items():
         sh = batch_sharding(mesh, v.ndim)
@@ -86,7 +118,7 @@ def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
             out[k] = jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
         else:
             out[k] = jax.device_put(v, sh)
-    return TrainBatch(**out)
+    return TrainBatch(**out, group_size=G)
 
 
 def completion_forward(
@@ -98,27 +130,180 @@ def completion_forward(
     temperature: float,
     *,
     values: bool = False,
+    group_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(log p, entropy, values or None) of each completion token, [B, Tg].
 
-    One forward over prompt + completion; the LM head runs only on the Tg columns
-    that predict completion tokens (column Tp - 1 + j predicts token j), at the
-    sampling temperature. Values are the critic's estimate at the same columns
-    (the state before token j is generated).
+    Column j is the state before completion token j is generated: the last
+    prompt token predicts token 0, completion token j - 1 predicts token j. The
+    LM head runs only on these Tg columns, at the sampling temperature; values
+    are the critic's estimate at the same columns.
+
+    `group_size` G (default `batch.group_size`) > 1: rows [g * G, (g + 1) * G)
+    share one prompt, which then runs through the model once per group instead
+    of once per row; its keys and values are shared by the group's completions.
+    The last completion token is never fed (nothing reads its output), so the
+    forward sees P x Tp + B x (Tg - 1) tokens instead of B x (Tp + Tg). Equal
+    to one forward over each whole row up to float32 rounding.
     """
     model = Transformer(spec, params, mesh=mesh, rules=rules)
-    hidden, _ = model(batch.tokens, batch.positions, kv_valid_bs=batch.valid)
     tp, tg = batch.prompt_len, batch.mask.shape[1]
-    h = hidden[:, tp - 1 : tp - 1 + tg]
+    B = batch.num_rows
+    G = batch.group_size if group_size is None else group_size
+    G = G if G > 1 and B % G == 0 else 1
+    h = _completion_hidden(model, batch, tp, tg, G)
     targets = batch.tokens[:, tp : tp + tg]
     logp, ent = logprobs_from_hidden(model, h, targets, temperature=temperature)
     return logp, ent, (model.values(h) if values else None)
+
+
+def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, G: int):
+    """Residual stream [B, Tg, D] at the columns that predict the completion tokens."""
+    spec = model.spec
+    cdt = dtype_of(spec.compute_dtype)
+    embed = model.embed[...]
+    # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1
+    # (at least 1: zero-length arrays do not reshape; an unused column is cheap).
+    tc = max(tg - 1, 1)
+    p_tok, p_pos, p_val = (a[::G, :tp] for a in (batch.tokens, batch.positions, batch.valid))
+    c_tok, c_pos, c_val = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
+    xp = model.constrain(jnp.take(embed, p_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
+    xc = model.constrain(jnp.take(embed, c_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
+    rope_p, rope_c = rope_angles(p_pos, spec), rope_angles(c_pos, spec)
+    mask_p = attention_mask(tp, tp, kv_valid_bs=p_val)  # [P, Tp, Tp]
+    # Completion query j sits at slot Tp + j of [prompt | completion] keys.
+    kv_val = jnp.concatenate([jnp.repeat(p_val, G, axis=0), c_val], axis=1)
+    mask_c = attention_mask(tc, tp + tc, cache_index=tp, kv_valid_bs=kv_val)
+    body = functools.partial(
+        _prefix_layer,
+        spec=spec,
+        G=G,
+        rope_p=rope_p,
+        rope_c=rope_c,
+        mask_p=mask_p,
+        mask_c=mask_c,
+        constrain=model.constrain,
+    )
+    if spec.remat:
+        body = jax.checkpoint(body)
+    for p in model.layer_list():
+        xp, xc = body(p, xp, xc)
+    last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
+    return jnp.concatenate([last, xc[:, : tg - 1]], axis=1)
+
+
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, T, D] times w [D, ...] as one 2-D matmul over all N x T tokens.
+
+    (A 3-D einsum makes XLA on CPU transpose activations for the weight gradient;
+    the 2-D form lets the matmul read them in place.)"""
+    N, T, D = x.shape
+    out = x.reshape(N * T, D) @ w.reshape(D, -1).astype(x.dtype)
+    return out.reshape(N, T, *w.shape[1:])
+
+
+@jax.custom_vjp
+def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """(silu(h wg) * (h wu)) wd for h [N, T, D], as 2-D matmuls.
+
+    Its backward keeps only h and the two [N x T, F] projections and recomputes
+    the gate's elementwise terms (autodiff of the plain form keeps five
+    [N x T, F] arrays per layer, most of a train step's memory)."""
+    return _swiglu_fwd(h, wg, wu, wd)[0]
+
+
+def _swiglu_fwd(h, wg, wu, wd):
+    N, T, D = h.shape
+    x = h.reshape(N * T, D)
+    g, u = x @ wg, x @ wu
+    out = ((jax.nn.silu(g) * u) @ wd).reshape(N, T, -1)
+    return out, (x, g, u, wg, wu, wd)
+
+
+def _swiglu_bwd(res, dy):
+    x, g, u, wg, wu, wd = res
+    N, T, D = dy.shape
+    dy = dy.reshape(N * T, D)
+    # Tie the recomputation below to the cotangent (a data dependency: XLA on CPU
+    # drops optimization barriers before scheduling), so that it can neither merge
+    # with the forward's nor run early; either would keep [N x T, F] temporaries
+    # of every layer alive across the whole backward pass. 0 * dy is 0 or NaN,
+    # and a NaN there is a NaN gradient anyway.
+    g = g + 0 * dy[:1, :1]
+    s = jax.nn.sigmoid(g)
+    act = g * s
+    dprod = dy @ wd.T
+    dwd = (act * u).T @ dy
+    du = dprod * act
+    dg = dprod * u * s * (1 + g * (1 - s))
+    dx = dg @ wg.T + du @ wu.T
+    return dx.reshape(N, T, -1), x.T @ dg, x.T @ du, dwd
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def _prefix_layer(p, xp, xc, *, spec, G, rope_p, rope_c, mask_p, mask_c, constrain):
+    """One pre-norm block on the prompt stream xp [P, Tp, D] and the completion stream
+    xc [B, Tc, D]; completions attend to their group's prompt keys, then their own."""
+    eps = spec.rms_norm_eps
+    H, hd = spec.num_heads, spec.head_dim
+
+    def qkv(x, rope):
+        h = rms_norm(x, p["attn_norm"], eps)
+        q, k, v = _dense(h, p["q"]), _dense(h, p["k"]), _dense(h, p["v"])
+        if spec.qkv_bias:
+            dt = x.dtype
+            q, k, v = (
+                q + p["q_bias"].astype(dt),
+                k + p["k_bias"].astype(dt),
+                v + p["v_bias"].astype(dt),
+            )
+        if spec.qk_norm:
+            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q = constrain(apply_rope(q, *rope), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(apply_rope(k, *rope), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k.swapaxes(1, 2), v.swapaxes(1, 2)  # keys/values [N, K, T, hd]
+
+    def out_and_mlp(x, a):
+        N, T = a.shape[:2]
+        a = _dense(a.reshape(N, T, H * hd), p["o"].reshape(H * hd, -1))
+        if spec.o_bias:
+            a = a + p["o_bias"].astype(x.dtype)
+        x = constrain(x + a, ("batch", "seq", "embed"))
+        h = rms_norm(x, p["mlp_norm"], eps)
+        dt = x.dtype
+        m = _swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
+        return constrain(x + m, ("batch", "seq", "embed"))
+
+    scale = hd**-0.5
+    qp, kp, vp = qkv(xp, rope_p)
+    qc, kc, vc = qkv(xc, rope_c)
+    ap = attention(qp, kp, vp, mask_p, scale=scale)
+    k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
+    v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
+    ac = attention(qc, k_all, v_all, mask_c, scale=scale)
+    return out_and_mlp(xp, ap), out_and_mlp(xc, ac)
 
 
 def completion_logprobs(spec, rules, mesh, params, batch, temperature):
     """(log p, entropy) of each completion token, [B, Tg] (see completion_forward)."""
     logp, ent, _ = completion_forward(spec, rules, mesh, params, batch, temperature)
     return logp, ent
+
+
+def compiler_options(mesh: Mesh | None) -> dict[str, Any]:
+    """XLA options of the trainer's jitted functions on `mesh`'s platform.
+
+    On CPU: Eigen matmuls instead of YNNPACK fusions. On the bench workload's
+    train step that is about 5-10% faster and needs 15% less temporary memory
+    (the YNNPACK fusions want their own operand layouts, hence extra copies).
+    """
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    if device.platform == "cpu":
+        return {"xla_cpu_experimental_ynn_fusion_type": ""}
+    return {}
 
 
 def _all_finite(tree) -> jax.Array:
@@ -181,9 +366,15 @@ def make_train_step(
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
         return params, opt_state, metrics
 
+    opts = compiler_options(mesh)
     if state_shardings is None:
-        return jax.jit(step, donate_argnums=(0, 1))
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
+        return jax.jit(step, donate_argnums=(0, 1), compiler_options=opts)
+    return jax.jit(
+        step,
+        donate_argnums=(0, 1),
+        out_shardings=(*state_shardings, None),
+        compiler_options=opts,
+    )
 
 
 def make_logprob_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, temperature: float):
@@ -192,7 +383,7 @@ def make_logprob_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, temperature: f
     def fn(params: Params, batch: TrainBatch) -> jax.Array:
         return completion_logprobs(spec, rules, mesh, params, batch, temperature)[0]
 
-    return jax.jit(fn)
+    return jax.jit(fn, compiler_options=compiler_options(mesh))
 
 
 def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None):
@@ -201,4 +392,4 @@ def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None):
     def fn(params: Params, batch: TrainBatch):
         return completion_forward(spec, rules, mesh, params, batch, 1.0, values=True)[2]
 
-    return jax.jit(fn)
+    return jax.jit(fn, compiler_options=compiler_options(mesh))

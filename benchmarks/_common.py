@@ -1,0 +1,97 @@
+"""Helpers shared by the benchmarks: worker protocol, memory, machine rate, char tokenizer.
+
+Nothing here imports JAX or torch at module level: `trl_grpo.py` runs in its own
+virtual environment (torch + TRL, no JAX) and imports this file by path.
+
+Worker protocol (rl_step.py drives one worker per framework, alternating steps):
+the worker prints `@@ {json}` after its first step and after every later one,
+then blocks on a line from stdin: `step` runs one more step, `stop` ends it
+(it then prints a last `@@ {"final": true, ...}` line and exits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+TAG = "@@ "
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def emit(record: dict) -> None:
+    sys.stdout.write(TAG + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def wait_command() -> str:
+    """Block until the driver says `step` or `stop` (EOF counts as stop)."""
+    line = sys.stdin.readline()
+    return line.strip() or "stop"
+
+
+def median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else None
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def jax_matmul_rate(n: int = 1024, repeats: int = 3) -> float:
+    """Float32 FLOP/s of an n x n matmul on the default JAX device (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    b = jnp.ones((n, n), jnp.float32) / n
+    f = _MATMUL.get(n)
+    if f is None:
+        f = _MATMUL[n] = jax.jit(lambda a, b: a @ b)
+        f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+_MATMUL: dict = {}
+
+# The CharTokenizer's ids (rl_jax.data.tokenizer): pad 0, bos 1, eos 2, unk 3, then ALPHABET.
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def write_char_tokenizer(out_dir: str, alphabet: str) -> None:
+    """An HF fast tokenizer (tokenizer.json + tokenizer_config.json) that gives the same ids
+    as rl_jax's CharTokenizer: one token per character, specials first."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for i, c in enumerate(alphabet):
+        vocab[c] = len(SPECIAL_TOKENS) + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": "<pad>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "model_max_length": 2048,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
