@@ -22,30 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # `test_even_first` verifier (registered by this import) rewards an even first
 # character, so random samples disagree within a group.
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
-import train_even_first  # noqa: E402,F401
+import train_even_first  # noqa: E402
 
-BASE = [
-    "model.preset=tiny",
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "rewards.name=test_even_first",
-    "data.prompts_per_batch=4",
-    "data.train_size=64",
-    "data.val_size=8",
-    "sampling.n=4",
-    "sampling.max_new_tokens=6",
-    "sampling.length_control=truncate",
-    "eval.k=2",
-    "eval.num_prompts=8",
-    "eval.every=2",
-    "train.lr=1e-3",
-    "train.off_policy=on_policy",
-    "train.off_policy_k=1",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "data.no_positive_resampling=false",
-]
+BASE = [*train_even_first.TINY_RUN, "eval.every=2"]
 
 
 def _cfg(tmp_path, *extra):

@@ -66,7 +66,6 @@ class Wave:
     state: Any  # SamplerState
     problems: list  # [P] Problem
     step: int  # the RL step whose prompts these are
-    started_version: int
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -187,7 +186,6 @@ class RLTrainer:
         self.nonfinite_streak = 0
         self.waves: list[Wave] = []
         self.staleness_hist: dict[int, int] = {}
-        self.timings: dict[str, float] = {}
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -291,7 +289,7 @@ class RLTrainer:
             version=self.version,
             row_ids=self._row_ids(step, len(problems)),
         )
-        return Wave(state=state, problems=list(problems), step=step, started_version=self.version)
+        return Wave(state=state, problems=list(problems), step=step)
 
     def _generate(self, step: int, problems) -> Rollouts:
         return self.sampler.generate(
@@ -335,7 +333,7 @@ class RLTrainer:
             sampler_flops=float(prefill) + decode,
         )
 
-    def _train_on(self, ro: Rollouts, problems, *, sampled_at: int) -> dict[str, float]:
+    def _train_on(self, ro: Rollouts, problems) -> dict[str, float]:
         """M updates on one batch of P prompts x G samples; returns step metrics."""
         t0 = time.perf_counter()
         P, G, M = len(problems), self.G, self.M
@@ -380,9 +378,15 @@ class RLTrainer:
                 adv,
                 group_b,
             )
+            need_old = M > 1 or self.cfg.loss.tis
+            # The whole batch on device once: the critic's values and the old policy's
+            # log-probs are both taken before this batch's first update.
+            full = put_batch(host, self.mesh) if self.critic or need_old else None
+            if need_old:
+                old_all = np.asarray(self.logprob_fn(self.params, full))
             if self.critic:
                 # GAE from the critic's values before this batch's updates (PPO).
-                values = np.asarray(self.value_fn(self.params, put_batch(host, self.mesh)))
+                values = np.asarray(self.value_fn(self.params, full))
                 adv_bt, ret_bt = gae_from_config(
                     self.cfg.loss,
                     jnp.asarray(shaped),
@@ -392,17 +396,13 @@ class RLTrainer:
                 host["advantages"] = np.asarray(adv_bt, np.float32) * loss_mask
                 host["old_values"] = values.astype(np.float32)
                 host["returns"] = np.asarray(ret_bt, np.float32)
-            order = np.arange(P * G)
-            need_old = M > 1 or self.cfg.loss.tis
+            per_mb = P // M
             for j in range(M):
                 # Minibatch j: prompts [j*P/M, (j+1)*P/M), group ids renumbered from 0.
-                rows = order[j * (P // M) * G : (j + 1) * (P // M) * G]
+                rows = slice(j * per_mb * G, (j + 1) * per_mb * G)
                 mb = {k: v[rows] for k, v in host.items()}
-                mb["group_ids"] = mb["group_ids"] - j * (P // M)
+                mb["group_ids"] = mb["group_ids"] - j * per_mb
                 batch = put_batch(mb, self.mesh)
-                if need_old and j == 0:
-                    full = put_batch(host, self.mesh)
-                    old_all = np.asarray(self.logprob_fn(self.params, full))
                 if need_old:
                     batch = dataclasses.replace(
                         batch, old_logp=_put_like(old_all[rows], batch.mask)
@@ -666,7 +666,7 @@ class RLTrainer:
             for i, problems in enumerate(batches):
                 part = _rows_of(ro, i * self.P * self.G, (i + 1) * self.P * self.G, i * self.P)
                 t1 = time.perf_counter()
-                m = self._train_on(part, problems, sampled_at=self.version)
+                m = self._train_on(part, problems)
                 m["time/sample_s"] = sample_s if i == 0 else 0.0
                 m["time/step_s"] = time.perf_counter() - t1 + m["time/sample_s"]
                 self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())
@@ -703,7 +703,7 @@ class RLTrainer:
             self._account_sampling(ro)
             sample_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            m = self._train_on(ro, oldest.problems, sampled_at=oldest.started_version)
+            m = self._train_on(ro, oldest.problems)
             m["time/sample_s"] = sample_s
             m["time/step_s"] = time.perf_counter() - t1 + sample_s
             self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())

@@ -14,34 +14,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import train_even_first  # noqa: E402,F401  (registers the test verifier)
+import train_even_first  # noqa: E402  (registers the test verifier)
 from jax.experimental import multihost_utils  # noqa: E402
 
 from rl_jax.config import load_recipe  # noqa: E402
 from rl_jax.train.loop import RLTrainer  # noqa: E402
 
 ARGS = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "rewards.name=test_even_first",
-    "data.prompts_per_batch=4",
-    "data.train_size=64",
-    "data.val_size=8",
-    "sampling.n=4",
-    "sampling.max_new_tokens=6",
-    "sampling.length_control=truncate",
-    "eval.k=2",
-    "eval.num_prompts=8",
+    *train_even_first.TINY_RUN,
     "eval.every=0",
     "eval.at_start=false",
     "train.steps=2",
-    "train.lr=1e-3",
-    "train.off_policy=on_policy",
-    "train.off_policy_k=1",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "data.no_positive_resampling=false",
     "mesh.data=2",
     "mesh.fsdp=-1",
 ]
