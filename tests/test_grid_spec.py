@@ -83,10 +83,10 @@ def test_flops_budget_uses_model_flops_per_token():
     plans = expand(
         _spec(
             axes=(Axis.of("sampling.n", [2], short="n"),),
-            budget=Budget(amount=per_rollout * 8 * 2 * 10.5, unit="flops"),
+            budget=Budget(amount=per_rollout * cfg.data.prompts_per_batch * 2 * 10.5, unit="flops"),
         )
     )
-    assert plans[0].steps == 10  # B_p = 8 from the recipe, n = 2; floor(10.5)
+    assert plans[0].steps == 10  # B_p from the recipe, n = 2; floor(10.5)
 
 
 @pytest.mark.parametrize(
