@@ -35,7 +35,7 @@ same run), recompiled (a jitted function compiled again after the first
 step), load_avg_1m; with --vs-trl: trl_* keys and speedup_vs_trl (TRL step /
 ours), trl_generate_tokens_per_s and sampler_speedup_vs_hf_generate (TRL
 generates with transformers' `generate`), or trl_error if TRL could not be
-set up. --malloc-trim measures the suggested `trim_after_compiles` hook.
+set up. --no-malloc-trim measures without rl_jax.runtime's heap trim.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def _parse(argv):
     )
     p.add_argument("--set", action="append", default=[], help="extra rl_jax override key=value")
     p.add_argument(
-        "--malloc-trim",
+        "--no-malloc-trim",
         action="store_true",
-        help="return freed heap to the OS after every XLA compilation (see trim_after_compiles)",
+        help="keep the compiler's freed heap (rl-jax commands return it to the OS after every "
+        "XLA compilation: rl_jax.runtime.trim_heap_after_compiles)",
     )
     # Internal: the worker side.
     p.add_argument("--worker", choices=("rl",), default=None, help=argparse.SUPPRESS)
@@ -144,8 +145,11 @@ def rl_worker(a) -> int:
     if a.cache_dir:
         jax.config.update("jax_compilation_cache_dir", a.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if a.malloc_trim:
-        trim_after_compiles()
+    if not a.no_malloc_trim:
+        # As every `rl-jax` command does (rl_jax.runtime).
+        from rl_jax.runtime import trim_heap_after_compiles
+
+        trim_heap_after_compiles()
     from rl_jax.config import load_recipe
     from rl_jax.train.loop import RLTrainer
 
@@ -213,30 +217,6 @@ def rl_worker(a) -> int:
         }
     )
     return 0
-
-
-def trim_after_compiles() -> None:
-    """After every XLA compilation, give the heap it freed back to the OS (glibc).
-
-    Compiling the train step takes ~400 MB that glibc keeps (fragmented over
-    its arenas) after the compiler frees it; the step's own ~300 MB of
-    temporaries then come on top, so a cold process peaks ~400 MB higher than
-    a warm-cache one. malloc_trim(0) takes a few milliseconds.
-    """
-    import ctypes
-
-    from jax import monitoring
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-
-    def on_event(name: str, secs: float, **_) -> None:
-        if name == "/jax/core/compile/backend_compile_duration":
-            libc.malloc_trim(0)
-
-    monitoring.register_event_duration_secs_listener(on_event)
 
 
 def _last_row(path) -> dict:
@@ -340,8 +320,8 @@ def _rl_argv(
         argv += ["--model", a.model]
     if a.smoke:
         argv.append("--smoke")
-    if a.malloc_trim:
-        argv.append("--malloc-trim")
+    if a.no_malloc_trim:
+        argv.append("--no-malloc-trim")
     for s in a.set:
         argv += ["--set", s]
     if export_dir:

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("rl_jax.config.cli", "print the resolved config of a recipe with overrides"),
 }
 
+# Commands that compile JAX programs: they get the persistent compilation cache and the
+# heap trim of rl_jax.runtime (the others stay free of a jax import).
+COMPILES = frozenset({"train", "demo", "eval", "sample", "score"})
+
 
 def build_parser() -> argparse.ArgumentParser:
     from rl_jax.config import describe_knobs
@@ -53,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose from {sorted(COMMANDS)}")
     module_name, _ = COMMANDS[argv[0]]
+    if argv[0] in COMPILES:
+        from rl_jax.runtime import setup
+
+        setup()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

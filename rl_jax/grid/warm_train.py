@@ -29,6 +29,9 @@ def main(argv: list[str]) -> int:
     if not 0.0 < a.target < 1.0:
         raise ConfigError(f"--target={a.target} must be in (0, 1)")
     cfg = load_recipe(a.recipe, a.overrides)
+    from rl_jax.runtime import setup
+
+    setup()
 
     from rl_jax.train.demo import warm_start
     from rl_jax.train.loop import NonFiniteError, RLTrainer
