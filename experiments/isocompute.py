@@ -100,6 +100,10 @@ def recipe():
         ),
         rewards=RewardConfig(name="auto", scale="01"),
         data=dataclasses.replace(DATA, zero_variance_filter=False, no_positive_resampling=False),
-        train=dataclasses.replace(TRAIN, lr=4e-3, lr_sqrt_batch_ref=1024, warmup_steps=10),
+        # 5e-5 at B = 128 (the other CPU recipes' rate), scaled by sqrt(B / 1024) as the
+        # paper does; constant after 10 warm-up steps.
+        train=dataclasses.replace(
+            TRAIN, lr=1.4e-4, lr_sqrt_batch_ref=1024, warmup_steps=10, schedule="constant"
+        ),
         eval=dataclasses.replace(EVAL, temperature=0.6),
     )
