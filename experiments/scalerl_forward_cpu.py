@@ -24,9 +24,9 @@ def grid():
         # The baseline's recipe choices carry over; the paper's sizes do not.
         base={k: v for k, v in full.base if k not in paper_sizes},
         axes=(Axis(name=change.name, points=tuple(p for p in change.points if p.label in KEEP)),),
-        budget=Budget(amount=64 * 40, unit="rollouts"),
-        evals_per_run=5,
-        # Runs take a minute or two: a checkpoint at the end only (a killed run restarts).
+        budget=Budget(amount=128 * 400, unit="rollouts"),  # 400 steps of 16 x 8
+        evals_per_run=8,
+        # Runs take about two minutes: a checkpoint at the end only (a killed run restarts).
         checkpoints_per_run=0,
-        warm_start=0.3,  # from the demo's supervised warm-up, as `rl-jax demo` does
+        warm_start=0.45,  # from the demo's supervised warm-up, as `rl-jax demo` does
     )
