@@ -7,7 +7,7 @@ STAMP_DEV := $(VENV)/.installed-dev
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast bench lint format install install-dev clean
+.PHONY: demo test test-fast bench bench-trl lint format install install-dev clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-fast: $(STAMP_DEV)
 bench: $(STAMP_DEV)
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/rl_step.py
+
+# The RL step side by side with TRL's GRPOTrainer on the same weights and prompts (TRL,
+# torch and transformers go into their own venv under .cache/bench on first use).
+bench-trl: $(STAMP_DEV)
+	$(BIN)/python benchmarks/rl_step.py --vs-trl
 
 lint: $(STAMP_DEV)
 	$(BIN)/ruff check rl_jax tests benchmarks experiments
