@@ -110,6 +110,7 @@ def rl_overrides(a) -> list[str]:
         "sampling.length_bucket=8",
         "sampling.max_prompt_len=64",
         "sampling.decode_chunk=0",
+        "sampling.ignore_eos=true",  # forced length (a random model may emit EOS)
         "train.off_policy=on_policy",
         "train.off_policy_k=1",
         "train.updates_per_batch=1",
@@ -157,8 +158,6 @@ def rl_worker(a) -> int:
     t = time.perf_counter()
     trainer = RLTrainer(cfg, run_root=a.run_root or None, quiet=True)
     init_s = time.perf_counter() - t
-    # Forced length: no stop token at all (a random model may emit any id, EOS included).
-    trainer.sampler.stop_ids = ()
     if a.export_dir:
         _export(trainer, a.export_dir)
     if a.problems_out:

@@ -1,6 +1,7 @@
 """The compiled sampler on a small random model: exactness, log-prob parity, sharding,
 in-flight weight swaps, stops and forced interruption, and no recompilation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig
+from rl_jax.knobs import ConfigError
 from rl_jax.models import (
     Transformer,
     init_params,
@@ -235,6 +237,18 @@ def test_stop_tokens_end_rows_early(params_a):
     )
     if all(f is not None for f in first):  # the loop stopped once every row was done
         assert int(state.step) == max(first) + 1
+
+
+def test_ignore_eos_decodes_every_row_to_the_limit(params_a):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
+    free = Sampler(SPEC, cfg, pad_id=0).generate(params_a, PROMPTS, n=1)
+    stop = int(free.completion_tokens[0, 2])  # an id row 0 emits: it would stop there
+    forced = dataclasses.replace(cfg, ignore_eos=True)
+    out = Sampler(SPEC, forced, pad_id=0, eos_id=stop).generate(params_a, PROMPTS, n=1)
+    assert (out.lengths == 12).all() and (out.finish_reason == FinishReason.LENGTH).all()
+    np.testing.assert_array_equal(out.completion_tokens, free.completion_tokens)
+    with pytest.raises(ConfigError, match="ignore_eos"):
+        SamplingConfig(ignore_eos=True, stop_token_ids=[2])
 
 
 def test_forced_interruption_with_model(params_a):

@@ -25,6 +25,9 @@ class SamplingConfig:
     stop_token_ids: list[int] = knob(
         help="tokens that end a row (empty = tokenizer EOS)", factory=list
     )
+    ignore_eos: bool = knob(
+        False, help="no stop tokens at all: every row decodes max_new_tokens (benchmarks)"
+    )
     length_control: str = knob("truncate", help=f"one of {LENGTH_CONTROL}")
     interrupt_lo: int = knob(0, help="forced interruption: lowest length (tokens)")
     interrupt_hi: int = knob(0, help="forced interruption: highest length (tokens)")
@@ -58,3 +61,8 @@ class SamplingConfig:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise ConfigError(f"sampling.stop_token_ids must be token ids >= 0, got {bad}")
+        if self.ignore_eos and self.stop_token_ids:
+            raise ConfigError(
+                f"sampling.ignore_eos=true contradicts sampling.stop_token_ids="
+                f"{list(self.stop_token_ids)}: set one of them"
+            )

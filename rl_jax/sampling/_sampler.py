@@ -107,7 +107,9 @@ class Sampler:
         self.mesh = mesh
         self.rules = get_rules(rules, purpose="sample") if isinstance(rules, str) else rules
         self.pad_id = int(pad_id)
-        if cfg.stop_token_ids:
+        if cfg.ignore_eos:
+            stops = ()
+        elif cfg.stop_token_ids:
             stops = tuple(int(s) for s in cfg.stop_token_ids)
         elif eos_id is None:
             stops = ()
