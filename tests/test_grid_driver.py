@@ -302,11 +302,12 @@ def test_warm_start_specs_train_through_warm_train():
 
     spec = load_spec("isocompute_cpu")
     local = make_backend(build_parser().parse_args(["isocompute_cpu"]), spec)
-    assert local.train_cmd[1:] == ["-m", "rl_jax.grid.warm_train", "--target", "0.3"]
+    target = repr(spec.warm_start)
+    assert local.train_cmd[1:] == ["-m", "rl_jax.grid.warm_train", "--target", target]
     tpu = make_backend(
         build_parser().parse_args(["isocompute_cpu", "--backend", "tpu", "--tpu-zone", "z"]), spec
     )
-    assert tpu.remote_train_cmd == ["python", "-m", "rl_jax.grid.warm_train", "--target", "0.3"]
+    assert tpu.remote_train_cmd == ["python", "-m", "rl_jax.grid.warm_train", "--target", target]
     plain = make_backend(build_parser().parse_args(["isocompute"]), load_spec("isocompute"))
     assert plain.train_cmd[1:] == ["-m", "rl_jax.cli", "train"]
 

@@ -102,11 +102,12 @@ def test_early_stopper_flags_the_hopeless_group_after_min_fraction():
     spec = GridSpec(
         name="es",
         recipe="scalerl",
+        base={"train.steps": 60},
         axes=(Axis.of("sampling.n", [2, 4], short="n"),),
         early_stop=EarlyStop(threshold=0.05, min_fraction=0.5, min_points=4),
         report=ReportSpec(x="rollouts"),
     )
-    plans = expand(spec)  # steps: the recipe's 60
+    plans = expand(spec)  # 60 steps each
     by_n = {p.config.sampling.n: p for p in plans}
     check = early_stopper(spec, plans)
 

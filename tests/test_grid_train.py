@@ -16,9 +16,10 @@ def grid():
         name="real",
         recipe="isocompute",
         base={"eval.num_prompts": 8, "eval.k": 2, "data.val_size": 8, "data.train_size": 64,
+              "data.prompts_per_batch": 8,
               "logging.tensorboard": False, "logging.progress": False},
         axes=(Axis.of("sampling.n", [2, 4], short="n"),),
-        budget=Budget(amount=32),  # B_p = 8 (the recipe's): M = 2 at n = 2, 1 at n = 4
+        budget=Budget(amount=32),  # B_p = 8: M = 2 at n = 2, 1 at n = 4
         evals_per_run=1,
         report=ReportSpec(kind="compare", x="rollouts", n_boot=20),
     )
