@@ -46,23 +46,30 @@ def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def jax_matmul_rate(n: int = 1024, repeats: int = 3) -> float:
-    """Float32 FLOP/s of an n x n matmul on the default JAX device (best of `repeats`)."""
+def jax_matmul_rate(n: int = 1024, repeats: int = 3, mesh=None) -> float:
+    """Float32 FLOP/s of an n x n matmul on the default JAX device (best of `repeats`);
+    with a `mesh`, of [n x devices, n] @ [n, n] with rows split over its batch axes."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
+    rows = n if mesh is None else n * mesh.devices.size
+    a = jnp.ones((rows, n), jnp.float32)
     b = jnp.ones((n, n), jnp.float32) / n
-    f = _MATMUL.get(n)
+    if mesh is not None:
+        from rl_jax.sharding import batch_sharding, replicated
+
+        a, b = jax.device_put(a, batch_sharding(mesh, 2)), jax.device_put(b, replicated(mesh))
+    key = (n, None if mesh is None else id(mesh))
+    f = _MATMUL.get(key)
     if f is None:
-        f = _MATMUL[n] = jax.jit(lambda a, b: a @ b)
-        f(a, b).block_until_ready()
+        f = _MATMUL[key] = jax.jit(lambda a, b: a @ b)
+        f(a, b).block_until_ready()  # compile outside the timing
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    return 2.0 * rows * n * n / best
 
 
 _MATMUL: dict = {}

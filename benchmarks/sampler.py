@@ -53,8 +53,6 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
@@ -62,22 +60,8 @@ from rl_jax.models import export_hf, load_model, model_params  # noqa: E402
 from rl_jax.sampling import Sampler  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 
-
-def matmul_rate(mesh, n: int = 1024, repeats: int = 5) -> float:
-    """Float32 FLOP/s of a large matmul, rows split over every device of `mesh`."""
-    from rl_jax.sharding import batch_sharding, replicated
-
-    rows = n * len(mesh.devices.flat)
-    a = jax.device_put(jnp.ones((rows, n), jnp.float32), batch_sharding(mesh, 2))
-    b = jax.device_put(jnp.ones((n, n), jnp.float32) / n, replicated(mesh))
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * rows * n * n / min(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import jax_matmul_rate  # noqa: E402
 
 
 def sampler_flops(spec, rows: int, prompts: int, prompt_len: int, new_tokens: int) -> float:
@@ -175,7 +159,9 @@ def main() -> int:
     tokens = rows * a.new_tokens
     ours_s = statistics.median(ours_t)
     flops = sampler_flops(spec, rows, a.prompts, a.prompt_len, a.new_tokens)
-    peak = matmul_rate(mesh if mesh is not None else make_mesh(MeshConfig(fsdp=1)))
+    peak = jax_matmul_rate(
+        repeats=5, mesh=mesh if mesh is not None else make_mesh(MeshConfig(fsdp=1))
+    )
     result = {
         "tokens_per_s": round(tokens / ours_s, 1),
         "first_call_s": round(first_call, 3),
