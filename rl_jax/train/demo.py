@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import jax
 import numpy as np
 
 from rl_jax.config import SamplingConfig, load_recipe, run_id, to_dict
+from rl_jax.runs.atomic import atomic_write_bytes
 
 CACHE = Path(".cache") / "demo"
 # Greedy pass rate checks during the warm-up: often enough to stop near the target
@@ -105,12 +105,11 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
         )
         info["sft_seconds"] = time.perf_counter() - t0
         host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
-        CACHE.mkdir(parents=True, exist_ok=True)
-        # A unique temp name: concurrent runs (a grid) may warm up the same model at once.
-        fd, tmp = tempfile.mkstemp(dir=CACHE, prefix=path.stem, suffix=".tmp.npz")
-        os.close(fd)
-        np.savez(tmp, __info=json.dumps(info), **host)
-        os.replace(tmp, path)
+        # Atomic (a unique temp file, then a rename): concurrent runs (a grid) may warm up
+        # the same model at once, and a killed one must not leave a torn cache entry.
+        buf = io.BytesIO()
+        np.savez(buf, __info=json.dumps(info), **host)
+        atomic_write_bytes(path, buf.getvalue())
         info["cached"] = False
     trainer.set_initial_params(host)
     return info
