@@ -21,14 +21,18 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     port = str(_free_port())
+    # Output to files, not pipes: nobody reads a pipe while the reference run below
+    # goes on, and a worker blocked writing to a full one never reaches jax.distributed's
+    # shutdown barrier (the other then fails it after 5 minutes).
+    logs = [open(tmp_path / f"worker_{i}.log", "w+") for i in range(2)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(i), port, str(tmp_path)],
-            stdout=subprocess.PIPE,
+            stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for i, log in enumerate(logs)
     ]
     single = subprocess.run(
         [sys.executable, str(WORKER), "-1", "0", str(tmp_path)],
@@ -36,7 +40,13 @@ def test_two_processes_match_one(tmp_path):
         text=True,
         timeout=600,
     )
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p in procs:
+        p.wait(timeout=600)
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
         assert "OK 2 4" in out

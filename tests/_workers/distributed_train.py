@@ -27,10 +27,6 @@ ARGS = [
     "train.steps=2",
     "mesh.data=2",
     "mesh.fsdp=-1",
-    # Synchronous saves: under load, the async save's finalization on one process has
-    # outlived the other process's exit (jax.distributed's shutdown barrier then fails
-    # after 5 minutes). The numbers compared here do not depend on how saves run.
-    "checkpoint.async_save=false",
 ]
 
 
