@@ -175,3 +175,63 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
         assert a == b, name
     done = json.loads((tmp_path / "kill" / "DONE").read_text())
     assert done["steps"] == 6
+
+
+def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
+    k = 2
+    tr = RLTrainer(
+        _cfg(
+            tmp_path,
+            "name=split",
+            "train.steps=5",
+            "train.off_policy=pipeline",
+            f"train.off_policy_k={k}",
+            "mesh.sampler_devices=4",
+            "sampling.decode_chunk=2",
+            "eval.every=0",
+            "eval.at_start=false",
+        ),
+        quiet=True,
+    )
+    assert tr.split
+    sample_devs = set(tr.sample_mesh.devices.flat)
+    train_devs = set(tr.mesh.devices.flat)
+    assert len(sample_devs) == 4 and len(train_devs) == 4 and not sample_devs & train_devs
+    # The sampler's copy of the weights lives on its own devices, resharded from the trainer's.
+    params, version = tr.sampler_weights()
+    assert all(set(a.sharding.device_set) <= sample_devs for a in params.values())
+    assert all(set(a.sharding.device_set) <= train_devs for a in tr.params.values())
+    summary = tr.run_loop()
+    assert summary["version"] == 5
+    hist = {int(s): n for s, n in summary["staleness_hist"].items()}
+    assert max(hist) <= k
+    rows = read_jsonl(tr.run.metrics_path)
+    assert len([r for r in rows if "train/loss" in r]) == 5
+    assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
+    # The sampler thread kept decoding while the trainer trained.
+    worker = tr.split_sampler
+    assert len(worker.train_intervals) == 5
+    assert worker.overlap_s() > 0
+    # The final evaluation ran on the sampler's devices with the final weights.
+    assert tr.sampler_weights()[1] == tr.version == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["mesh.sampler_devices=4"], "needs train.off_policy='pipeline'"),
+        (
+            ["mesh.sampler_devices=8", "train.off_policy=pipeline", "train.off_policy_k=2"],
+            "must leave the trainer at least one",
+        ),
+        (
+            ["data.dynamic_sampling=true", "train.off_policy=pipeline", "train.off_policy_k=2"],
+            "data.dynamic_sampling",
+        ),
+    ],
+)
+def test_split_mode_bad_settings_name_the_knob(tmp_path, overrides, match):
+    from rl_jax.knobs import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        RLTrainer(_cfg(tmp_path, "name=bad", *overrides), quiet=True)

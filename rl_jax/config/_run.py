@@ -169,10 +169,18 @@ _NON_SEMANTIC = (
 )
 
 
+# Knobs added after run ids were first handed out: left out of the hash while at
+# their default, so runs made before they existed keep their ids (and resume).
+_LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0}
+
+
 def run_id(cfg: RunConfig) -> str:
     """Stable hash of the resolved config (seeds included), independent of paths and names."""
     flat = {
-        k: v for k, v in flatten(cfg).items() if not any(k.startswith(p) for p in _NON_SEMANTIC)
+        k: v
+        for k, v in flatten(cfg).items()
+        if not any(k.startswith(p) for p in _NON_SEMANTIC)
+        and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
     }
     blob = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

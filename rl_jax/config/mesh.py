@@ -15,6 +15,11 @@ class MeshConfig:
     fsdp: int = knob(-1, help="size of the FSDP mesh axis (-1: the rest of the devices)")
     tensor: int = knob(1, help="size of the tensor-parallel mesh axis (-1: the rest)")
     num_devices: int = knob(0, help="use only the first this many devices (0 = all)")
+    sampler_devices: int = knob(
+        0,
+        help="split mode: the first this many devices sample while the rest train, at the "
+        "same time (0 = colocated; needs train.off_policy=pipeline)",
+    )
     rules: str = knob("fsdp_tp", help=f"logical-axis rule preset, one of {RULE_PRESETS}")
     distributed: bool = knob(False, help="call jax.distributed.initialize (one process per host)")
     coordinator_address: str = knob("", help="host:port of process 0 ('' = auto-detect, e.g. TPU)")
@@ -29,5 +34,9 @@ class MeshConfig:
         if sum(v == -1 for v in sizes.values()) > 1:
             raise ConfigError(f"mesh: at most one axis may be -1, got {sizes}")
         check_choice("mesh", "rules", self.rules, RULE_PRESETS)
+        if self.sampler_devices < 0:
+            raise ConfigError(
+                f"mesh.sampler_devices={self.sampler_devices} must be >= 0 (0 = colocated)"
+            )
         if self.num_devices < 0:
             raise ConfigError(f"mesh.num_devices={self.num_devices} must be >= 0 (0 = all)")

@@ -12,6 +12,10 @@ Off-policy modes (ScaleRL section 3.1), all colocated on one mesh:
                   the policy version that sampled it. W = (k + 1) // M keeps
                   every update within k versions of the oldest token it trains on.
 
+Split mode (`mesh.sampler_devices=N`, pipeline only): the sampler decodes on the
+first N devices in a background thread while the rest train; weights are pushed
+to the sampler by resharding after every batch (`rl_jax.train.split`).
+
 One "step" is one batch of B_p prompts trained with M optimizer updates; the
 policy version counts optimizer updates. Random keys derive from (seed, step),
 so a resumed run repeats the numbers of one that never stopped.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +46,18 @@ from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch, shape_rewards
 from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
 from rl_jax.sampling import Rollouts, Sampler
-from rl_jax.sharding import get_rules, make_mesh, maybe_initialize_distributed, num_batch_shards
+from rl_jax.sharding import (
+    MeshConfig,
+    get_rules,
+    make_mesh,
+    maybe_initialize_distributed,
+    num_batch_shards,
+)
 from rl_jax.train.accounting import ComputeCounters
 from rl_jax.train.checkpoint import Checkpointer
 from rl_jax.train.evaluation import pass_metrics
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.split import SplitSampler
 from rl_jax.train.step import (
     assemble_batch,
     make_logprob_fn,
@@ -85,7 +97,9 @@ class RLTrainer:
         maybe_initialize_distributed(cfg.mesh)
         self.cfg = cfg
         self.quiet = quiet
-        self.mesh = make_mesh(cfg.mesh)
+        # mesh: the trainer's; sample_mesh: the sampler's (the same one unless split).
+        self.mesh, self.sample_mesh = _make_meshes(cfg)
+        self.split = self.sample_mesh is not self.mesh
         self.shards = num_batch_shards(self.mesh)
         self.train_rules = get_rules(cfg.mesh.rules, purpose="train")
         self.tokenizer = load_tokenizer(cfg)
@@ -108,7 +122,7 @@ class RLTrainer:
         self.sampler = Sampler(
             self.spec,
             cfg.sampling,
-            mesh=self.mesh,
+            mesh=self.sample_mesh,
             eos_id=eos,
             pad_id=self.tokenizer.pad_id,
             interrupt_ids=interrupt_ids,
@@ -120,7 +134,7 @@ class RLTrainer:
         self.eval_sampler = Sampler(
             self.spec,
             eval_sampling,
-            mesh=self.mesh,
+            mesh=self.sample_mesh,
             eos_id=eos,
             pad_id=self.tokenizer.pad_id,
             interrupt_ids=interrupt_ids,
@@ -186,6 +200,11 @@ class RLTrainer:
         self.nonfinite_streak = 0
         self.waves: list[Wave] = []
         self.staleness_hist: dict[int, int] = {}
+        # Held while prompts are drawn and while the curriculum they read is updated
+        # (split mode draws in the sampler thread).
+        self.data_lock = threading.Lock()
+        self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
+        self.split_sampler: SplitSampler | None = None
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -262,6 +281,11 @@ class RLTrainer:
                 f"x sampling.n) does not split over {self.shards} batch shards (mesh.data x "
                 "mesh.fsdp)"
             )
+        if cfg.data.dynamic_sampling and cfg.train.off_policy == "pipeline":
+            raise ConfigError(
+                "data.dynamic_sampling resamples whole batches before training: it needs "
+                "train.off_policy in ('on_policy', 'ppo_off_policy'), got 'pipeline'"
+            )
         if cfg.train.off_policy == "pipeline" and (cfg.train.off_policy_k + 1) // M < 1:
             raise ConfigError(
                 f"train.off_policy_k={cfg.train.off_policy_k} is below train.updates_per_batch={M}"
@@ -280,20 +304,30 @@ class RLTrainer:
     def _sample_key(self) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0x5A17)
 
-    def _start_wave(self, step: int, problems) -> Wave:
+    def sampler_weights(self) -> tuple[Any, int]:
+        """(params, version) for the sampler: the trainer's own arrays when colocated; in
+        split mode a copy resharded onto the sampler's devices, made once per version."""
+        if not self.split:
+            return self.params, self.version
+        if self._pushed is None or self._pushed[1] != self.version:
+            self._pushed = (self.sampler.reshard(self.params), self.version)
+        return self._pushed
+
+    def _start_wave(self, step: int, problems, weights: tuple[Any, int] | None = None) -> Wave:
+        params, version = weights or self.sampler_weights()
         state = self.sampler.start(
-            self.params,
+            params,
             self._prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
-            version=self.version,
+            version=version,
             row_ids=self._row_ids(step, len(problems)),
         )
         return Wave(state=state, problems=list(problems), step=step)
 
     def _generate(self, step: int, problems) -> Rollouts:
         return self.sampler.generate(
-            self.params,
+            self.sampler_weights()[0],
             self._prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
@@ -341,12 +375,13 @@ class RLTrainer:
         score_s = time.perf_counter() - t0
         ids = [p.id for p in problems]
         rewards_pg = raw.reshape(P, G)
-        self.curriculum.update(ids, rewards_pg)
-        keep_p = (
-            self.curriculum.zero_variance_mask(rewards_pg)
-            if self.cfg.data.zero_variance_filter
-            else np.ones(P, bool)
-        )
+        with self.data_lock:
+            self.curriculum.update(ids, rewards_pg)
+            keep_p = (
+                self.curriculum.zero_variance_mask(rewards_pg)
+                if self.cfg.data.zero_variance_filter
+                else np.ones(P, bool)
+            )
         keep_b = np.repeat(keep_p, G)
         group_b = ro.group_ids.astype(np.int32)
         loss_mask = ro.completion_mask & keep_b[:, None]
@@ -462,7 +497,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         probs = self.val_problems
         ro = self.eval_sampler.generate(
-            self.params,
+            self.sampler_weights()[0],
             self._prompt_ids(probs),
             n=self.cfg.eval.k,
             key=jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0xE7A1),
@@ -511,6 +546,10 @@ class RLTrainer:
         return st
 
     def _meta(self) -> dict[str, Any]:
+        with self.data_lock:
+            return self._meta_unlocked()
+
+    def _meta_unlocked(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "version": self.version,
@@ -604,7 +643,9 @@ class RLTrainer:
             enabled=cfg.logging.progress and not self.quiet and self.is_main,
             completed=self.step,
         ) as bar:
-            if mode == "pipeline":
+            if self.split:
+                self._run_split(bar)
+            elif mode == "pipeline":
                 self._run_pipeline(bar)
             else:
                 self._run_sync(bar)
@@ -709,6 +750,44 @@ class RLTrainer:
             self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())
             self._after_step(m, bar)
 
+    def _run_split(self, bar) -> None:
+        """PipelineRL-k with the sampler on its own devices (rl_jax.train.split)."""
+        cfg = self.cfg
+        chunk = cfg.sampling.decode_chunk or max(1, math.ceil(cfg.sampling.max_new_tokens / 4))
+        worker = SplitSampler(
+            self.sampler,
+            waves=self._num_waves(),
+            chunk=chunk,
+            first_step=self.step,
+            weights=self.sampler_weights(),
+            start_wave=self._start_wave,
+            draw=lambda: next(self.pipeline),
+            lock=self.data_lock,
+        )
+        self.split_sampler = worker
+        try:
+            worker.allow(min(cfg.train.steps, self._next_boundary()))
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                wave, ro = worker.take()
+                assert wave.step == self.step, (wave.step, self.step)
+                self._account_sampling(ro)
+                wait_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                m = self._train_on(ro, wave.problems)
+                # Push before freeing the slot: the next wave starts on these weights
+                # (the staleness bound in rl_jax.train.split relies on that order).
+                worker.push(self.sampler_weights())
+                worker.done()
+                worker.train_intervals.append((t1, time.perf_counter()))
+                m["time/sample_s"] = wait_s  # time the trainer waited for rollouts
+                m["time/step_s"] = time.perf_counter() - t1 + wait_s
+                self.counters.add(device_seconds=m["time/step_s"] * jax.device_count())
+                self._after_step(m, bar)
+                worker.allow(min(cfg.train.steps, self._next_boundary()))
+        finally:
+            worker.close()
+
     def _next_boundary(self) -> int:
         every = self.cfg.checkpoint.every
         if every <= 0:
@@ -731,6 +810,45 @@ class RLTrainer:
         if self.logger is not None:
             self.logger.close()
         self.ckpt.close()
+
+
+def _make_meshes(cfg: RunConfig):
+    """(trainer mesh, sampler mesh): one mesh when colocated; in split mode the first
+    mesh.sampler_devices devices form a data-parallel sampler mesh (keeping the
+    trainer's tensor axis when it divides them) and the rest the trainer's mesh."""
+    m = cfg.mesh
+    if not m.sampler_devices:
+        mesh = make_mesh(m)
+        return mesh, mesh
+    if cfg.train.off_policy != "pipeline":
+        raise ConfigError(
+            f"mesh.sampler_devices={m.sampler_devices} (split mode) needs "
+            f"train.off_policy='pipeline', got {cfg.train.off_policy!r}: only PipelineRL-k "
+            "bounds how stale the weights of a sampler running alongside the trainer may be"
+        )
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "mesh.sampler_devices (split mode) runs in one process only; under "
+            "jax.distributed use mesh.sampler_devices=0"
+        )
+    devices = jax.devices()
+    if m.num_devices:
+        if m.num_devices > len(devices):
+            raise ConfigError(f"mesh.num_devices={m.num_devices} but only {len(devices)} exist")
+        devices = devices[: m.num_devices]
+    if not 0 < m.sampler_devices < len(devices):
+        raise ConfigError(
+            f"mesh.sampler_devices={m.sampler_devices} must leave the trainer at least one of "
+            f"the {len(devices)} devices"
+        )
+    sample_devs, train_devs = devices[: m.sampler_devices], devices[m.sampler_devices :]
+    train_mesh = make_mesh(dataclasses.replace(m, num_devices=0), devices=train_devs)
+    tensor = train_mesh.shape["tensor"]
+    tensor = tensor if len(sample_devs) % tensor == 0 else 1
+    sample_mesh = make_mesh(
+        MeshConfig(data=-1, fsdp=1, tensor=tensor, rules=m.rules), devices=sample_devs
+    )
+    return train_mesh, sample_mesh
 
 
 def _shardings(tree):
