@@ -88,15 +88,23 @@ def _run_locked(fd: int, run_dir: Path, attempt: int, cmd: list[str]) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     print(f"[grid] attempt {attempt}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, pass_fds=(fd,))
+    proc: subprocess.Popen | None = None
+    stops: list[int] = []
 
     def forward(signum, _frame):
         # The trainer decides what a stop means (save and exit); we only pass it on.
-        if proc.poll() is None:
+        # A stop before the child exists is kept and passed on once it does.
+        stops.append(signum)
+        if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
 
+    # Handlers go in before the child starts: a guard killed by a signal in between
+    # would leave its child running with the lock descriptor, and the run locked.
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
+        proc = subprocess.Popen(cmd, pass_fds=(fd,))
+        if stops and proc.poll() is None:
+            proc.send_signal(stops[0])
         rc = proc.wait()
     finally:
         for s, h in old.items():
