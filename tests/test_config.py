@@ -83,6 +83,20 @@ def test_run_id_stable_and_sensitive():
     assert len(run_id(a)) == 12
 
 
+def test_knobs_added_later_keep_old_run_ids_at_their_default():
+    from rl_jax.config import flatten
+    from rl_jax.config._run import _LATER_KNOB_DEFAULTS
+
+    a = load_recipe("scalerl")
+    flat = flatten(a)
+    for key, default in _LATER_KNOB_DEFAULTS.items():
+        assert flat[key] == default, key
+    # At its default a later knob is not hashed (scalerl's id was cb561e1f1c82 both
+    # before and after mesh.sampler_devices existed); set, it is.
+    assert run_id(a) == run_id(apply_overrides(a, ["mesh.sampler_devices=0"]))
+    assert run_id(apply_overrides(a, ["mesh.sampler_devices=4"])) != run_id(a)
+
+
 def test_flatten_has_every_knob():
     flat = flatten(RunConfig())
     assert flat["loss.name"] == "cispo"

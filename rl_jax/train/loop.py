@@ -205,7 +205,6 @@ class RLTrainer:
         self.data_lock = threading.Lock()
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
         self.split_sampler: SplitSampler | None = None
-        self._precompile: threading.Thread | None = None
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -296,63 +295,7 @@ class RLTrainer:
     # ---- sampling -------------------------------------------------------------------------
 
     def _prompt_ids(self, problems) -> list[list[int]]:
-        ids = [self.tokenizer.encode(p.prompt) for p in problems]
-        if self._precompile is None and ids:
-            self._start_precompile(max(len(i) for i in ids))
-        return ids
-
-    def _start_precompile(self, longest_prompt: int) -> None:
-        """Compile the train step in a background thread while the first batch samples.
-
-        Compiling the step is most of a cold first step (9 of 14 s on the bench
-        workload); XLA compiles on one core, so it overlaps with the sampler's own
-        compilation and decoding. The widths are the sampler's buckets, which the
-        first batch's rollouts will have; if a batch comes out wider, the step
-        simply compiles again for it. The first update waits for this thread
-        (`_await_precompile`), so the step is never compiled twice at once.
-        """
-        self._precompile = threading.Thread(target=lambda: None)  # tried once, even if skipped
-        if self.critic or jax.process_count() > 1:
-            return  # (GAE batches carry more fields; multi-process keeps compiles in order)
-        sc = self.cfg.sampling
-        bucket = sc.length_bucket
-        tp = -(-longest_prompt // bucket) * bucket
-        tg = -(-sc.max_new_tokens // bucket) * bucket
-        per_mb, G = self.P // self.M, self.G
-        rows = per_mb * G
-        groups = np.repeat(np.arange(per_mb, dtype=np.int32), G)
-        zeros_bt = np.zeros((rows, tg), np.float32)
-        host = assemble_batch(
-            np.zeros((rows, tp), np.int32),
-            np.ones((rows, tp), bool),
-            np.zeros((rows, tg), np.int32),
-            np.full((rows,), tg, np.int32),
-            zeros_bt,
-            zeros_bt,
-            np.zeros((rows,), np.float32),
-            groups,
-        )
-        batch = put_batch(host, self.mesh)
-        if self.M > 1 or self.cfg.loss.tis:
-            batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
-        if self.ref_params is not None:
-            batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
-        step, params, opt_state = self.train_step, self.params, self.opt_state
-
-        def compile_step() -> None:
-            try:
-                step.lower(params, opt_state, batch).compile()
-            except Exception:  # the real first update compiles (and reports) it again
-                pass
-
-        self._precompile = threading.Thread(
-            target=compile_step, name="rl_jax-precompile", daemon=True
-        )
-        self._precompile.start()
-
-    def _await_precompile(self) -> None:
-        if self._precompile is not None and self._precompile.is_alive():
-            self._precompile.join()
+        return [self.tokenizer.encode(p.prompt) for p in problems]
 
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
@@ -502,7 +445,6 @@ class RLTrainer:
                 if self.ref_params is not None:
                     ref = self.logprob_fn(self.ref_params, batch)
                     batch = dataclasses.replace(batch, ref_logp=ref)
-                self._await_precompile()
                 stale = self.version - oldest
                 if self.cfg.train.off_policy == "pipeline" and stale > self.cfg.train.off_policy_k:
                     raise AssertionError(
