@@ -139,3 +139,25 @@ def test_rl_step_benchmark_smoke(tmp_path):
     assert r["recompiled"] is False, r["compile_counts"]
     assert r["response_len"] == 8.0  # forced length: no early stop
     assert 0 < r["flops_fraction"] < 1.5
+
+
+@pytest.mark.slow
+def test_split_mode_benchmark_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "split_mode.py"), "--smoke"]
+        + ["--steps", "2", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    places = r["placements"]
+    assert set(places) == {"colocated_1", "colocated", "split"}
+    assert places["split"]["sampler_devices"] == 1 and places["split"]["trainer_devices"] == 1
+    assert places["colocated"]["sampler_devices"] == 2
+    assert places["colocated_1"]["trainer_devices"] == 1
+    for p in places.values():
+        assert p["mean_step_s"] > 0 and p["median_step_s"] > 0, p
+    assert places["split"]["sampler_busy_s"] > 0
