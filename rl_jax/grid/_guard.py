@@ -94,8 +94,9 @@ def _run_locked(fd: int, run_dir: Path, attempt: int, cmd: list[str]) -> int:
     def forward(signum, _frame):
         # The trainer decides what a stop means (save and exit); we only pass it on.
         # A stop before the child exists is kept and passed on once it does.
-        stops.append(signum)
-        if proc is not None and proc.poll() is None:
+        if proc is None:
+            stops.append(signum)
+        elif proc.poll() is None:
             proc.send_signal(signum)
 
     # Handlers go in before the child starts: a guard killed by a signal in between
