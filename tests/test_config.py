@@ -97,6 +97,15 @@ def test_knobs_added_later_keep_old_run_ids_at_their_default():
     assert run_id(apply_overrides(a, ["mesh.sampler_devices=4"])) != run_id(a)
 
 
+def test_processes_of_one_run_share_its_id():
+    a = load_recipe("scalerl", ["mesh.distributed=true", "mesh.num_processes=2"])
+    ids = {
+        run_id(apply_overrides(a, [f"mesh.process_id={i}", f"mesh.coordinator_address=h:{p}"]))
+        for i, p in ((0, 1234), (1, 1234), (1, 999))
+    }
+    assert len(ids) == 1
+
+
 def test_flatten_has_every_knob():
     flat = flatten(RunConfig())
     assert flat["loss.name"] == "cispo"

@@ -172,12 +172,16 @@ _NON_SEMANTIC = (
 # Knobs added after run ids were first handed out: left out of the hash while at
 # their default, so runs made before they existed keep their ids (and resume).
 _LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0}
+# Knobs that differ between the processes of one multi-process run (or between
+# launches of it): hashed at their defaults, so that every process computes the
+# same id for the run directory they share (and older ids stay as they were).
+_PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""}
 
 
 def run_id(cfg: RunConfig) -> str:
     """Stable hash of the resolved config (seeds included), independent of paths and names."""
     flat = {
-        k: v
+        k: _PROCESS_LOCAL_DEFAULTS.get(k, v)
         for k, v in flatten(cfg).items()
         if not any(k.startswith(p) for p in _NON_SEMANTIC)
         and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
