@@ -420,6 +420,80 @@ def lm_logits(
     return logits.astype(jnp.float32)
 
 
+def einsum_dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [N, T, D] times w [D, ...] -> [N, T, ...] (the model's projection)."""
+    return jnp.einsum("btd,d...->bt...", x, w.astype(x.dtype))
+
+
+def block_qkv(
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    *,
+    spec: ModelSpec,
+    cos: jax.Array,
+    sin: jax.Array,
+    constrain: Callable,
+    dense: Callable = einsum_dense,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first half of a pre-norm block up to attention, for x [N, T, D]:
+    queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE applied.
+
+    Keys/values come batch dims first, the layout the attention matmuls want, so
+    reading a cache needs no transpose. Shared by the model's layer and the
+    trainer's prompt-sharing layer (`rl_jax.train.step`), which passes its own
+    `dense` (a 2-D matmul whose weight gradient reads activations in place).
+    """
+    eps = spec.rms_norm_eps
+    h = rms_norm(x, p["attn_norm"], eps)
+    q, k, v = dense(h, p["q"]), dense(h, p["k"]), dense(h, p["v"])
+    if spec.qkv_bias:
+        dt = x.dtype
+        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+    if spec.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps)
+        k = rms_norm(k, p["k_norm"], eps)
+    q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    return q, k.swapaxes(1, 2), v.swapaxes(1, 2)
+
+
+def swiglu(
+    h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *, constrain: Callable
+) -> jax.Array:
+    """(silu(h gate) * (h up)) down for h [N, T, D] (the model's MLP)."""
+    g = constrain(einsum_dense(h, gate), ("batch", "seq", "mlp"))
+    u = constrain(einsum_dense(h, up), ("batch", "seq", "mlp"))
+    return einsum_dense(jax.nn.silu(g) * u, down)
+
+
+def block_out(
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    a: jax.Array,
+    *,
+    spec: ModelSpec,
+    constrain: Callable,
+    dense: Callable = einsum_dense,
+    mlp: Callable | None = None,
+) -> jax.Array:
+    """The second half of a pre-norm block: x + o(a), then + mlp(norm(.)).
+
+    a: attention output [N, T, H, hd]. `dense` and `mlp` as in `block_qkv`
+    (the trainer's MLP has a memory-saving backward); the default MLP is `swiglu`.
+    """
+    N, T = a.shape[:2]
+    dt = x.dtype
+    o = dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
+    if spec.o_bias:
+        o = o + p["o_bias"].astype(dt)
+    x = constrain(x + o, ("batch", "seq", "embed"))
+    h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
+    weights = (p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
+    m = mlp(h, *weights) if mlp is not None else swiglu(h, *weights, constrain=constrain)
+    return constrain(x + m, ("batch", "seq", "embed"))
+
+
 def _layer(
     p: dict[str, jax.Array],
     x: jax.Array,
@@ -435,26 +509,7 @@ def _layer(
 ):
     """One pre-norm block: x + attn(norm(x)), then + swiglu(norm(.)). x [B, T, D]."""
     cdt = x.dtype
-    eps = spec.rms_norm_eps
-
-    def w(name):
-        return p[name].astype(cdt)
-
-    h = rms_norm(x, p["attn_norm"], eps)
-    q = jnp.einsum("btd,dhk->bthk", h, w("q"))
-    k = jnp.einsum("btd,dhk->bthk", h, w("k"))
-    v = jnp.einsum("btd,dhk->bthk", h, w("v"))
-    if spec.qkv_bias:
-        q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-    if spec.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps)
-        k = rms_norm(k, p["k_norm"], eps)
-    q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    # Keys/values as [B, K, S, hd]: batch dims leading, the layout the attention
-    # matmuls want, so reading the cache needs no transpose.
-    k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    q, k, v = block_qkv(p, x, spec=spec, cos=cos, sin=sin, constrain=constrain)
     if kv is None:
         k_all, v_all = k, v
     elif layer is None:  # this layer's own cache buffers
@@ -480,17 +535,7 @@ def _layer(
         a = attention_cached(q, k_all, v_all, mask, scale=scale, filled=filled, block=block)
     else:
         a = attention(q, k_all, v_all, mask, scale=scale)
-    a = jnp.einsum("bthk,hkd->btd", a, w("o"))
-    if spec.o_bias:
-        a = a + w("o_bias")
-    x = constrain(x + a, ("batch", "seq", "embed"))
-
-    h = rms_norm(x, p["mlp_norm"], eps)
-    g = constrain(jnp.einsum("btd,df->btf", h, w("gate")), ("batch", "seq", "mlp"))
-    u = constrain(jnp.einsum("btd,df->btf", h, w("up")), ("batch", "seq", "mlp"))
-    m = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w("down"))
-    x = constrain(x + m, ("batch", "seq", "embed"))
-    return x, kv
+    return block_out(p, x, a, spec=spec, constrain=constrain), kv
 
 
 def build_model(

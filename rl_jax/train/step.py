@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
-from rl_jax.models.layers import apply_rope, attention, rms_norm, rope_angles
-from rl_jax.models.transformer import dtype_of
+from rl_jax.models.layers import attention, rope_angles
+from rl_jax.models.transformer import block_out, block_qkv, dtype_of
 from rl_jax.sharding import batch_sharding
 
 Params = dict[str, jax.Array]
@@ -244,47 +244,21 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def _prefix_layer(p, xp, xc, *, spec, G, rope_p, rope_c, mask_p, mask_c, constrain):
-    """One pre-norm block on the prompt stream xp [P, Tp, D] and the completion stream
-    xc [B, Tc, D]; completions attend to their group's prompt keys, then their own."""
-    eps = spec.rms_norm_eps
-    H, hd = spec.num_heads, spec.head_dim
-
-    def qkv(x, rope):
-        h = rms_norm(x, p["attn_norm"], eps)
-        q, k, v = _dense(h, p["q"]), _dense(h, p["k"]), _dense(h, p["v"])
-        if spec.qkv_bias:
-            dt = x.dtype
-            q, k, v = (
-                q + p["q_bias"].astype(dt),
-                k + p["k_bias"].astype(dt),
-                v + p["v_bias"].astype(dt),
-            )
-        if spec.qk_norm:
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        q = constrain(apply_rope(q, *rope), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, *rope), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        return q, k.swapaxes(1, 2), v.swapaxes(1, 2)  # keys/values [N, K, T, hd]
-
-    def out_and_mlp(x, a):
-        N, T = a.shape[:2]
-        a = _dense(a.reshape(N, T, H * hd), p["o"].reshape(H * hd, -1))
-        if spec.o_bias:
-            a = a + p["o_bias"].astype(x.dtype)
-        x = constrain(x + a, ("batch", "seq", "embed"))
-        h = rms_norm(x, p["mlp_norm"], eps)
-        dt = x.dtype
-        m = _swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
-        return constrain(x + m, ("batch", "seq", "embed"))
-
-    scale = hd**-0.5
-    qp, kp, vp = qkv(xp, rope_p)
-    qc, kc, vc = qkv(xc, rope_c)
+    """One pre-norm block (the model's halves, `block_qkv` / `block_out`) on the prompt
+    stream xp [P, Tp, D] and the completion stream xc [B, Tc, D]; completions attend
+    to their group's prompt keys, then their own."""
+    parts = dict(spec=spec, constrain=constrain, dense=_dense)
+    scale = spec.head_dim**-0.5
+    qp, kp, vp = block_qkv(p, xp, cos=rope_p[0], sin=rope_p[1], **parts)
+    qc, kc, vc = block_qkv(p, xc, cos=rope_c[0], sin=rope_c[1], **parts)
     ap = attention(qp, kp, vp, mask_p, scale=scale)
     k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
     v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
     ac = attention(qc, k_all, v_all, mask_c, scale=scale)
-    return out_and_mlp(xp, ap), out_and_mlp(xc, ac)
+    return (
+        block_out(p, xp, ap, mlp=_swiglu, **parts),
+        block_out(p, xc, ac, mlp=_swiglu, **parts),
+    )
 
 
 def completion_logprobs(spec, rules, mesh, params, batch, temperature):
