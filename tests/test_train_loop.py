@@ -235,3 +235,62 @@ def test_split_mode_bad_settings_name_the_knob(tmp_path, overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         RLTrainer(_cfg(tmp_path, "name=bad", *overrides), quiet=True)
+
+
+def _split_cfg(tmp_path, *extra):
+    return _cfg(
+        tmp_path,
+        "name=split_ckpt",
+        "train.off_policy=pipeline",
+        "train.off_policy_k=2",
+        "mesh.sampler_devices=4",
+        "sampling.decode_chunk=2",
+        "eval.every=0",
+        "eval.at_start=false",
+        "checkpoint.every=2",
+        "checkpoint.async_save=false",
+        *extra,
+    )
+
+
+def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
+    class Crash(Exception):
+        pass
+
+    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    started = []
+
+    def hook(t):
+        started.append((t.step, t.split_sampler._next_step))
+        if t.step == 3:
+            raise Crash  # after the checkpoint at step 2
+
+    first.step_hooks.append(hook)
+    with pytest.raises(Crash):
+        first.run_loop()
+    # No wave started past the next checkpoint step before the trainer reached it:
+    # while step s trains, waves may start below the boundary after step s - 1.
+    assert [s for s, _ in started] == [1, 2, 3]
+    for s, next_step in started:
+        assert s <= next_step <= ((s - 1) // 2 + 1) * 2, started
+    assert first.ckpt.steps() == [2]
+    first.close()
+    # The same command again resumes from the step-2 checkpoint and finishes.
+    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    summary = again.run_loop()
+    assert summary["steps"] == 5 and summary["version"] == 5
+    rows = read_jsonl(again.run.metrics_path)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5]  # none twice
+
+
+def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
+    tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
+
+    def broken(*a, **k):
+        raise ValueError("decode exploded")
+
+    tr.sampler.decode = broken
+    with pytest.raises(RuntimeError, match="sampler thread failed") as err:
+        tr.run_loop()
+    assert "decode exploded" in str(err.value.__cause__)
+    assert not tr.split_sampler._thread.is_alive()
