@@ -30,8 +30,8 @@ cache, compilation included), first_step_warm_cache_s, init_s / startup_s
 (trainer construction; process start to the end of the first step),
 peak_rss_mb (of the cold process; peak_rss_warm_cache_mb of the second one),
 sampler_tokens_per_s, flops_fraction (model FLOPs per second of a warm step over this
-machine's float32 1024x1024 matmul rate, measured between the steps of the
-same run), recompiled (a jitted function compiled again after the first
+machine's float32 1024x1024 matmul rate, measured by the driver process between the
+steps of the same run), recompiled (a jitted function compiled again after the first
 step), load_avg_1m; with --vs-trl: trl_* keys and speedup_vs_trl (TRL step /
 ours), trl_generate_tokens_per_s and sampler_speedup_vs_hf_generate (TRL
 generates with transformers' `generate`), or trl_error if TRL could not be
@@ -180,7 +180,6 @@ def rl_worker(a) -> int:
             "sampler_flops": c["sampler_flops"] - st["counters"]["sampler_flops"],
             "trainer_flops": c["trainer_flops"] - st["counters"]["trainer_flops"],
             "response_len": row.get("train/response_len"),
-            "matmul_flops_per_s": jax_matmul_rate(),
             "load_avg_1m": load_avg(),
         }
         st["counters"] = c
@@ -368,6 +367,7 @@ def _round(d: dict) -> dict:
 
 
 def main(a) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the driver's matmul-rate probe
     tmp = tempfile.mkdtemp(prefix="rl_step_bench_")
     cache = a.cache_dir or os.path.join(tmp, "jax_cache")
     env = _worker_env()
@@ -402,16 +402,20 @@ def main(a) -> int:
             for w in pair:
                 w.step()
         timed: dict[str, list[dict]] = {w.name: [] for w in pair}
+        rates = []
         for i in range(a.steps):
             order = pair if i % 4 in (0, 3) else pair[::-1]  # ABBA
             for w in order:
                 timed[w.name].append(w.step())
+            # Measured here, between the workers' steps, so the measurement's own arrays
+            # and compilation do not count toward the workers' peak memory.
+            rates.append(jax_matmul_rate())
         finals = {w.name: w.stop() for w in pair}
 
         rl_steps = timed["rl_jax"]
         result.update(_summary("", rl_first, rl_steps, finals["rl_jax"]))
         flops = median(r["flops"] for r in rl_steps)
-        rate = median(r["matmul_flops_per_s"] for r in rl_steps)
+        rate = median(rates)
         result.update(
             {
                 "first_step_warm_cache_s": None,

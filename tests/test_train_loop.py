@@ -294,3 +294,31 @@ def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
         tr.run_loop()
     assert "decode exploded" in str(err.value.__cause__)
     assert not tr.split_sampler._thread.is_alive()
+
+
+def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path):
+    import logging
+
+    messages: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Capture()
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        tr = RLTrainer(
+            _cfg(tmp_path, "name=once", "train.steps=2", "eval.every=0", "eval.at_start=false"),
+            quiet=True,
+        )
+        tr.run_loop()
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    compiles = [m for m in messages if m.startswith("Compiling jit(")]
+    steps = [i for i, m in enumerate(compiles) if m.startswith("Compiling jit(step)")]
+    starts = [i for i, m in enumerate(compiles) if m.startswith("Compiling jit(_start_impl)")]
+    assert len(steps) == 1, compiles  # the first update used the ahead-of-time executable
+    assert steps[0] < starts[0]  # compiled before the sampler's first compilation

@@ -205,6 +205,7 @@ class RLTrainer:
         self.data_lock = threading.Lock()
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
         self.split_sampler: SplitSampler | None = None
+        self._step_compiled_early = False
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -297,6 +298,50 @@ class RLTrainer:
     def _prompt_ids(self, problems) -> list[list[int]]:
         return [self.tokenizer.encode(p.prompt) for p in problems]
 
+    def _train_prompt_ids(self, problems) -> list[list[int]]:
+        """Prompt ids of a training batch; the first one also compiles the train step."""
+        ids = self._prompt_ids(problems)
+        if not self._step_compiled_early and ids:
+            self._step_compiled_early = True
+            self._compile_train_step(max(len(i) for i in ids))
+        return ids
+
+    def _compile_train_step(self, longest_prompt: int) -> None:
+        """Compile the train step before anything is sampled (ahead of time, for the
+        widths the sampler's buckets give the first batch).
+
+        Compiling the step takes the compiler ~500 MB on the bench workload, the
+        process's peak; done first, it happens while the least else is alive (no
+        sampler executables, caches or rollouts yet): cold peak RSS 944-949 -> 911
+        MB in benchmarks/rl_step.py. jit's cache keeps the executable, so the first
+        update only looks it up; a batch of other widths compiles its own as before.
+        """
+        if self.critic or jax.process_count() > 1:
+            return  # (GAE batches carry more fields; multi-process keeps compiles in step)
+        sc = self.cfg.sampling
+        bucket = sc.length_bucket
+        tp = -(-longest_prompt // bucket) * bucket
+        tg = -(-sc.max_new_tokens // bucket) * bucket
+        per_mb, G = self.P // self.M, self.G
+        rows = per_mb * G
+        zeros_bt = np.zeros((rows, tg), np.float32)
+        host = assemble_batch(
+            np.zeros((rows, tp), np.int32),
+            np.ones((rows, tp), bool),
+            np.zeros((rows, tg), np.int32),
+            np.full((rows,), tg, np.int32),
+            zeros_bt,
+            zeros_bt,
+            np.zeros((rows,), np.float32),
+            np.repeat(np.arange(per_mb, dtype=np.int32), G),
+        )
+        batch = put_batch(host, self.mesh)
+        if self.M > 1 or self.cfg.loss.tis:
+            batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
+        if self.ref_params is not None:
+            batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
+        self.train_step.lower(self.params, self.opt_state, batch).compile()
+
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
         return (step * 1_000_003 + np.arange(n_prompts * self.G)) % (2**31 - 1)
@@ -317,7 +362,7 @@ class RLTrainer:
         params, version = weights or self.sampler_weights()
         state = self.sampler.start(
             params,
-            self._prompt_ids(problems),
+            self._train_prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
             version=version,
@@ -328,7 +373,7 @@ class RLTrainer:
     def _generate(self, step: int, problems) -> Rollouts:
         return self.sampler.generate(
             self.sampler_weights()[0],
-            self._prompt_ids(problems),
+            self._train_prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
             version=self.version,
