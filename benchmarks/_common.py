@@ -19,6 +19,22 @@ import sys
 import time
 
 TAG = "@@ "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker_env(devices: int | None = None) -> dict:
+    """Environment of a JAX benchmark worker: CPU, this checkout importable, and
+    `devices` fake CPU devices (None: one, as a plain run gets; a test session
+    forces 8, which must not leak into the worker)."""
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def peak_rss_mb() -> float:

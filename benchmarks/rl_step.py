@@ -62,6 +62,7 @@ from _common import (  # noqa: E402
     median,
     peak_rss_mb,
     wait_command,
+    worker_env,
     write_char_tokenizer,
 )
 
@@ -298,17 +299,6 @@ class Worker:
             self.proc.wait()
 
 
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    # One CPU device, as a plain run gets (a test session forces 8 fake devices).
-    flags = env.get("XLA_FLAGS", "").split()
-    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _rl_argv(
     a, cache_dir: str, run_root: str, export_dir: str = "", problems: str = ""
 ) -> list[str]:
@@ -370,7 +360,7 @@ def main(a) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the driver's matmul-rate probe
     tmp = tempfile.mkdtemp(prefix="rl_step_bench_")
     cache = a.cache_dir or os.path.join(tmp, "jax_cache")
-    env = _worker_env()
+    env = worker_env()
     result: dict = {}
     workers: list[Worker] = []
     try:

@@ -35,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import TAG, emit, load_avg, peak_rss_mb  # noqa: E402
+from _common import TAG, emit, load_avg, peak_rss_mb, worker_env  # noqa: E402
+from rl_step import _last_row, rl_overrides  # noqa: E402
 
 
 def _parse(argv):
@@ -51,9 +52,6 @@ def _parse(argv):
 
 
 def overrides(a, placement: str) -> list[str]:
-    sys.path.insert(0, HERE)
-    from rl_step import rl_overrides
-
     ov = rl_overrides(argparse.Namespace(smoke=a.smoke, model="", set=[]))
     ov = [o for o in ov if not o.startswith(("train.off_policy", "train.steps"))]
     ov += [
@@ -85,9 +83,7 @@ def worker(a) -> int:
 
         def hook(t) -> None:
             stamps.append(time.perf_counter())
-            from rl_jax.runs import read_jsonl
-
-            waits.append(read_jsonl(t.run.metrics_path)[-1].get("time/sample_s", 0.0))
+            waits.append(_last_row(t.run.metrics_path).get("time/sample_s", 0.0))
 
         tr.step_hooks.append(hook)
         tr.run_loop()
@@ -111,15 +107,7 @@ def worker(a) -> int:
 
 
 def run_placement(a, placement: str) -> dict:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={a.devices}"])
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = worker_env(a.devices)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", placement]
     argv += ["--devices", str(a.devices), "--sampler-devices", str(a.sampler_devices)]
     argv += ["--k", str(a.k), "--steps", str(a.steps), "--warmup", str(a.warmup)]

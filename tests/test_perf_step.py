@@ -121,19 +121,23 @@ def test_host_positions_and_shared_prompt_detection():
     assert st.shared_prompt_rows({k: v[rows] for k, v in host.items()}) == G
 
 
-@pytest.mark.slow
-def test_rl_step_benchmark_smoke(tmp_path):
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+def _benchmark(script: str, *args: str, timeout: int) -> dict:
+    """Run benchmarks/<script> in --smoke mode; its JSON line."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "rl_step.py"), "--smoke", "--no-restart"]
-        + ["--cache-dir", cache],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_rl_step_benchmark_smoke(tmp_path):
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    r = _benchmark("rl_step.py", "--no-restart", "--cache-dir", cache, timeout=300)
     for key in ("median_step_s", "sample_s", "score_s", "train_s", "first_step_s", "peak_rss_mb"):
         assert isinstance(r[key], float) and r[key] > 0, (key, r)
     assert r["recompiled"] is False, r["compile_counts"]
@@ -143,16 +147,7 @@ def test_rl_step_benchmark_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_split_mode_benchmark_smoke():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "split_mode.py"), "--smoke"]
-        + ["--steps", "2", "--warmup", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _benchmark("split_mode.py", "--steps", "2", "--warmup", "1", timeout=600)
     places = r["placements"]
     assert set(places) == {"colocated_1", "colocated", "split"}
     assert places["split"]["sampler_devices"] == 1 and places["split"]["trainer_devices"] == 1

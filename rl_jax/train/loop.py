@@ -45,7 +45,7 @@ from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch, shape_rewards
 from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
-from rl_jax.sampling import Rollouts, Sampler
+from rl_jax.sampling import Rollouts, Sampler, round_up
 from rl_jax.sharding import (
     MeshConfig,
     get_rules,
@@ -298,6 +298,11 @@ class RLTrainer:
     def _prompt_ids(self, problems) -> list[list[int]]:
         return [self.tokenizer.encode(p.prompt) for p in problems]
 
+    @property
+    def _needs_old_logp(self) -> bool:
+        """Batches carry the old policy's log-probs: several updates per batch, or TIS."""
+        return self.M > 1 or self.cfg.loss.tis
+
     def _train_prompt_ids(self, problems) -> list[list[int]]:
         """Prompt ids of a training batch; the first one also compiles the train step."""
         ids = self._prompt_ids(problems)
@@ -319,9 +324,9 @@ class RLTrainer:
         if self.critic or jax.process_count() > 1:
             return  # (GAE batches carry more fields; multi-process keeps compiles in step)
         sc = self.cfg.sampling
-        bucket = sc.length_bucket
-        tp = -(-longest_prompt // bucket) * bucket
-        tg = -(-sc.max_new_tokens // bucket) * bucket
+        # The sampler's buckets (Sampler.start): prompts left-padded, generations right.
+        tp = round_up(longest_prompt, sc.length_bucket)
+        tg = round_up(sc.max_new_tokens, sc.length_bucket)
         per_mb, G = self.P // self.M, self.G
         rows = per_mb * G
         zeros_bt = np.zeros((rows, tg), np.float32)
@@ -336,7 +341,7 @@ class RLTrainer:
             np.repeat(np.arange(per_mb, dtype=np.int32), G),
         )
         batch = put_batch(host, self.mesh)
-        if self.M > 1 or self.cfg.loss.tis:
+        if self._needs_old_logp:
             batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
         if self.ref_params is not None:
             batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
@@ -458,7 +463,7 @@ class RLTrainer:
                 adv,
                 group_b,
             )
-            need_old = M > 1 or self.cfg.loss.tis
+            need_old = self._needs_old_logp
             # The whole batch on device once: the critic's values and the old policy's
             # log-probs are both taken before this batch's first update.
             full = put_batch(host, self.mesh) if self.critic or need_old else None

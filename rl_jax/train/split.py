@@ -65,7 +65,6 @@ class SplitSampler:
         self._next_step = first_step
         self._stop = False
         self._ready: queue.Queue = queue.Queue()
-        self.busy_s = 0.0  # seconds the thread spent issuing and waiting on sampler work
         # (start, end) of each sampler round and of each trainer batch: how much the
         # two overlapped is the point of split mode (benchmarks and tests read these).
         self.intervals: list[tuple[float, float]] = []
@@ -104,6 +103,11 @@ class SplitSampler:
             if isinstance(item, BaseException):
                 raise RuntimeError("the split-mode sampler thread failed") from item
             return item
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the thread spent issuing and waiting on sampler work."""
+        return sum(t1 - t0 for t0, t1 in self.intervals)
 
     def overlap_s(self) -> float:
         """Seconds during which the sampler thread and the trainer were both working."""
@@ -166,6 +170,4 @@ class SplitSampler:
             if self.sampler.done(oldest.state):
                 waves.pop(0)
                 self._ready.put((oldest, self.sampler.result(oldest.state)))
-            t1 = time.perf_counter()
-            self.busy_s += t1 - t0
-            self.intervals.append((t0, t1))
+            self.intervals.append((t0, time.perf_counter()))
