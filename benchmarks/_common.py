@@ -62,20 +62,22 @@ def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def jax_matmul_rate(n: int = 1024, repeats: int = 3, mesh=None) -> float:
-    """Float32 FLOP/s of an n x n matmul on the default JAX device (best of `repeats`);
-    with a `mesh`, of [n x devices, n] @ [n, n] with rows split over its batch axes."""
+def jax_matmul_rate(n: int = 1024, repeats: int = 3, mesh=None, dtype: str = "float32") -> float:
+    """FLOP/s of an n x n matmul (float32 unless `dtype`) on the default JAX device (best
+    of `repeats`); with a `mesh`, of [n x devices, n] @ [n, n] with rows split over its
+    batch axes."""
     import jax
-    import jax.numpy as jnp
 
     rows = n if mesh is None else n * mesh.devices.size
-    a = jnp.ones((rows, n), jnp.float32)
-    b = jnp.ones((n, n), jnp.float32) / n
+    # Random operands: zeros or constants run faster than real data on some chips.
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (rows, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype) / n**0.5
     if mesh is not None:
         from rl_jax.sharding import batch_sharding, replicated
 
         a, b = jax.device_put(a, batch_sharding(mesh, 2)), jax.device_put(b, replicated(mesh))
-    key = (n, None if mesh is None else id(mesh))
+    key = (n, dtype, None if mesh is None else id(mesh))
     f = _MATMUL.get(key)
     if f is None:
         f = _MATMUL[key] = jax.jit(lambda a, b: a @ b)

@@ -77,6 +77,12 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first one")
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer")
     p.add_argument("--trl-python", default="", help="python of an existing TRL environment")
+    p.add_argument(
+        "--platform",
+        default="cpu",
+        choices=("cpu", "gpu"),
+        help="gpu: both frameworks on the first GPU (JAX's cuda backend, torch's cuda device)",
+    )
     p.add_argument("--no-restart", action="store_true", help="skip the warm-cache restart")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 2 steps (tests)")
     p.add_argument(
@@ -357,6 +363,11 @@ def _round(d: dict) -> dict:
 
 
 def main(a) -> int:
+    gpu = a.platform == "gpu"
+    if gpu:
+        os.environ["JAX_PLATFORMS"] = "cuda"  # inherited by the workers (worker_env)
+        # The workers share the card: JAX takes memory as it needs it, not 75% up front.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the driver's matmul-rate probe
     tmp = tempfile.mkdtemp(prefix="rl_step_bench_")
     cache = a.cache_dir or os.path.join(tmp, "jax_cache")
@@ -379,6 +390,8 @@ def main(a) -> int:
                 trl_argv += ["--problems", problems]
                 if a.smoke:
                     trl_argv.append("--smoke")
+                if gpu:
+                    trl_argv += ["--device", "cuda"]
                 trl = Worker("trl", trl_argv, dict(os.environ, PYTHONPATH=HERE))
                 workers.append(trl)
                 trl_first = trl.read()
@@ -399,7 +412,7 @@ def main(a) -> int:
                 timed[w.name].append(w.step())
             # Measured here, between the workers' steps, so the measurement's own arrays
             # and compilation do not count toward the workers' peak memory.
-            rates.append(jax_matmul_rate())
+            rates.append(jax_matmul_rate(n=8192, repeats=10) if gpu else jax_matmul_rate())
         finals = {w.name: w.stop() for w in pair}
 
         rl_steps = timed["rl_jax"]
@@ -452,6 +465,7 @@ def main(a) -> int:
                 "load_avg_1m": load_avg(),
                 "load_avg_during": median(r["load_avg_1m"] for r in rl_steps),
                 "cpus": len(os.sched_getaffinity(0)),
+                "platform": a.platform,
             }
         )
     finally:

@@ -5,7 +5,12 @@ Reference workload: the `bench` preset, 8 prompts x 8 samples = 64 rows,
 temperature 1. Both samplers run in this process, alternately, so that load
 from other processes on the machine hits both alike; the medians are reported.
 
-    python benchmarks/sampler.py [--model HF_DIR] [--devices N] [--repeats R]
+    python benchmarks/sampler.py [--model HF_DIR | --preset NAME] [--devices N] [--repeats R]
+    python benchmarks/sampler.py --platform gpu [--dtype bfloat16] ...   # on a GPU machine
+
+--platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
+on torch's cuda device) and times them with their results synchronized to the host;
+--dtype sets both models' parameter and compute dtype.
 
 Keys: tokens_per_s / hf_tokens_per_s (generated tokens per second after
 warm-up), speedup, first_call_s (our first call, compilation included; a
@@ -24,6 +29,9 @@ import sys
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="HF-format model directory (default: bench preset)")
+    p.add_argument("--preset", default="bench", help="model preset when --model is not given")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--platform", default="cpu", choices=("cpu", "gpu"))
     p.add_argument(
         "--devices",
         type=int,
@@ -41,18 +49,26 @@ def _parse(argv):
 
 
 ARGS = _parse(sys.argv[1:])
-DEVICES = ARGS.devices or len(os.sched_getaffinity(0))
-# The device count must be fixed before jax is imported.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+GPU = ARGS.platform == "gpu"
+if GPU:
+    DEVICES = 1
+    os.environ["JAX_PLATFORMS"] = "cuda"
+    # torch shares the card: JAX takes memory as it needs it instead of 75% up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
+    DEVICES = ARGS.devices or len(os.sched_getaffinity(0))
+    # The device count must be fixed before jax is imported.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
@@ -79,9 +95,11 @@ def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens
     if ARGS.hf_threads:
         torch.set_num_threads(ARGS.hf_threads)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = "cuda" if GPU else "cpu"
+    dtype = getattr(torch, ARGS.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     model.eval()
-    ids = torch.as_tensor(prompts, dtype=torch.long)
+    ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
     gen_cfg = GenerationConfig(
         do_sample=True,
         temperature=1.0,
@@ -100,6 +118,7 @@ def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg
             )
+        out = out.cpu()  # waits for the device, as ours returns host arrays
         assert out.shape == (prompts.shape[0] * samples, prompts.shape[1] + new_tokens)
 
     return run
@@ -114,7 +133,7 @@ def _torch_threads() -> int:
 def main() -> int:
     a = ARGS
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1)) if DEVICES > 1 else None
-    source = a.model or ModelConfig(preset="bench")
+    source = a.model or ModelConfig(preset=a.preset, param_dtype=a.dtype, compute_dtype=a.dtype)
     model = load_model(source, mesh=mesh, purpose="sample", rules_preset="dp")
     spec = model.spec
     params = model_params(model)
@@ -142,7 +161,7 @@ def main() -> int:
     hf_run = None
     if not a.no_hf:
         with tempfile.TemporaryDirectory() as tmp:
-            hf_dir = a.model or str(export_hf(model, tmp))
+            hf_dir = a.model or str(export_hf(model, tmp, dtype=a.dtype))
             hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
             hf_run(0)  # warm-up
 
@@ -159,9 +178,12 @@ def main() -> int:
     tokens = rows * a.new_tokens
     ours_s = statistics.median(ours_t)
     flops = sampler_flops(spec, rows, a.prompts, a.prompt_len, a.new_tokens)
-    peak = jax_matmul_rate(
-        repeats=5, mesh=mesh if mesh is not None else make_mesh(MeshConfig(fsdp=1))
-    )
+    if GPU:  # a size that fills the card, in the sampler's dtype
+        peak = jax_matmul_rate(n=8192, repeats=10, dtype=a.dtype)
+    else:
+        peak = jax_matmul_rate(
+            repeats=5, mesh=mesh if mesh is not None else make_mesh(MeshConfig(fsdp=1))
+        )
     result = {
         "tokens_per_s": round(tokens / ours_s, 1),
         "first_call_s": round(first_call, 3),
@@ -172,7 +194,10 @@ def main() -> int:
         "hf_seconds": round(statistics.median(hf_t), 4) if hf_t else None,
         "achieved_gflops": round(flops / ours_s / 1e9, 2),
         "matmul_gflops": round(peak / 1e9, 2),
-        "model": a.model or "preset:bench",
+        "model": a.model or f"preset:{a.preset}",
+        "dtype": a.dtype,
+        "platform": a.platform,
+        "device_kind": jax.devices()[0].device_kind,
         "rows": rows,
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,

@@ -50,6 +50,7 @@ def main() -> int:
     p.add_argument("--problems", required=True, help="JSON {'problems': [{prompt, answer}]}")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = p.parse_args()
 
     import torch
@@ -85,7 +86,7 @@ def main() -> int:
         weight_decay=0.01,
         max_grad_norm=1.0,
         max_steps=100000,  # the driver stops it
-        use_cpu=True,
+        use_cpu=a.device == "cpu",
         bf16=False,
         fp16=False,
         report_to="none",
@@ -103,6 +104,8 @@ def main() -> int:
             st["train_begin"] = st["resume"]
 
         def on_step_end(self, args, state, control, **kw):
+            if a.device == "cuda":
+                torch.cuda.synchronize()  # the step's kernels are done
             now = time.perf_counter()
             rec = {
                 "step_s": now - st["resume"],

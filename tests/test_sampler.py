@@ -139,6 +139,23 @@ def test_logprobs_match_trainer_recomputation(params_a, sampled_cfg, fp32_lm_hea
     assert (out.versions[m] == 5).all() and (out.versions[~m] == -1).all()
 
 
+def test_bfloat16_sampling_matches_trainer_recomputation(params_a, sampled_cfg):
+    """bf16 weights and activations on CPU: the 8-token prompts reach attention layouts whose
+    bf16 x bf16 -> f32 dot XLA:CPU's generic kernel lacks (it raised before einsum_f32)."""
+    spec = SPEC.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = {k: v.astype(jnp.bfloat16) for k, v in params_a.items()}
+    sampler = Sampler(spec, sampled_cfg, pad_id=0)
+    prompts = [list(range(3, 11)), list(range(20, 28))]
+    out = sampler.generate(params, prompts, n=2, seed=1)
+    assert (out.lengths == sampled_cfg.max_new_tokens).all()
+    ref = _trainer_logprobs(spec, params, out, logprob_temperature(sampled_cfg.temperature))
+    m = out.completion_mask
+    assert np.isfinite(out.logprobs[m]).all() and (out.logprobs[m] <= 0).all()
+    # bf16 rounds the two computations' different orders of operations differently.
+    np.testing.assert_allclose(out.logprobs[m], ref[m], atol=0.25)
+    assert np.abs(out.logprobs[m] - ref[m]).mean() < 0.05
+
+
 def test_same_rows_on_one_and_eight_devices(params_a, sampled_cfg):
     one = Sampler(SPEC, sampled_cfg, pad_id=0)
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))

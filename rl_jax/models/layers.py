@@ -18,6 +18,19 @@ from rl_jax.models.spec import ModelSpec, RopeScaling
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum` of two operands accumulated in float32 (float32 result).
+
+    XLA:CPU's generic dot kernel has no bf16 x bf16 -> f32 (jax 0.10: "Unsupported
+    element type for DotThunk::Execute"), which some attention layouts reach; on CPU,
+    which has no bf16 matrix units to lose, half-precision operands are upcast first.
+    Accelerators keep their operands' dtype and accumulate in float32.
+    """
+    if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, dtype=None) -> jax.Array:
     """RMSNorm over the last axis, statistics in float32; output in `dtype` (default x's)."""
     dtype = x.dtype if dtype is None else dtype
@@ -105,10 +118,10 @@ def attention(
     B, T, H, hd = q_bthk.shape
     K = k_bksh.shape[1]
     q = q_bthk.reshape(B, T, K, H // K, hd)
-    scores = jnp.einsum("btkrh,bksh->bkrts", q, k_bksh, preferred_element_type=jnp.float32)
+    scores = einsum_f32("btkrh,bksh->bkrts", q, k_bksh)
     scores = jnp.where(mask_bts[:, None, None], scores * scale, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
-    out = jnp.einsum("bkrts,bksh->btkrh", probs, v_bksh, preferred_element_type=jnp.float32)
+    out = einsum_f32("bkrts,bksh->btkrh", probs, v_bksh)
     return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
 
 
@@ -153,14 +166,12 @@ def attention_cached(
         kb = jax.lax.dynamic_slice_in_dim(k_bksh, j * block, block, axis=2)
         vb = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
         mb = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)
-        s = jnp.einsum("btkrh,bksh->bkrts", q, kb, preferred_element_type=jnp.float32)
+        s = einsum_f32("btkrh,bksh->bkrts", q, kb)
         s = jnp.where(mb[:, None, None], s * scale, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        pv = jnp.einsum(
-            "bkrts,bksh->bkrth", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
-        )
+        pv = einsum_f32("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
         return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
     init = (

@@ -35,6 +35,7 @@ from rl_jax.models.layers import (
     attention_cached,
     attention_mask,
     cache_block_size,
+    einsum_f32,
     rms_norm,
     rope_angles,
 )
@@ -414,9 +415,7 @@ def lm_logits(
 ) -> jax.Array:
     """Pure LM head: final RMSNorm then [B, T, D] x [V, D] -> float32 [B, T, V]."""
     h = final_norm(spec, norm_w, hidden_btd)
-    logits = jnp.einsum(
-        "btd,vd->btv", h, head_vd.astype(h.dtype), preferred_element_type=jnp.float32
-    )
+    logits = einsum_f32("btd,vd->btv", h, head_vd.astype(h.dtype))
     return logits.astype(jnp.float32)
 
 

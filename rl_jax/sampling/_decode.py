@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.models.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles
+from rl_jax.models.layers import MASK_VALUE, apply_rope, einsum_f32, rms_norm, rope_angles
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
 
@@ -129,14 +129,10 @@ def decode_step(
         ck = constrain(ck, KEYS_LOGICAL_AXES)
         cv = constrain(cv, VALUES_LOGICAL_AXES)
         new_cache.append((ck, cv))
-        scores = jnp.einsum(
-            "bkrh,bkhs->bkrs", q, ck.astype(cdt), preferred_element_type=jnp.float32
-        )
+        scores = einsum_f32("bkrh,bkhs->bkrs", q, ck.astype(cdt))
         scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
-        att = jnp.einsum(
-            "bkrs,bksh->bkrh", probs, cv.astype(cdt), preferred_element_type=jnp.float32
-        )
+        att = einsum_f32("bkrs,bksh->bkrh", probs, cv.astype(cdt))
         a = att.astype(cdt).reshape(B, H * hd) @ lw["o"]
         if "o_bias" in lw:
             a = a + lw["o_bias"]
