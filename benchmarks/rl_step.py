@@ -392,7 +392,8 @@ def main(a) -> int:
                     trl_argv.append("--smoke")
                 if gpu:
                     trl_argv += ["--device", "cuda"]
-                trl = Worker("trl", trl_argv, dict(os.environ, PYTHONPATH=HERE))
+                path = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+                trl = Worker("trl", trl_argv, dict(os.environ, PYTHONPATH=path))
                 workers.append(trl)
                 trl_first = trl.read()
             except Exception as e:  # noqa: BLE001 - reported, not fatal
