@@ -26,6 +26,7 @@ RES="$OUT/results.jsonl"
 : >"$RES"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && [ "$PLATFORM" = gpu ]; then
+  rm -rf /tmp/site
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || echo "wheel install failed" >>"$LOG"
   export PYTHONPATH=/tmp/site

@@ -101,6 +101,7 @@ def test_load_and_export_match_transformers(arch, hf_dirs, tmp_path):
     np.testing.assert_allclose(hf_logprobs(back), want, atol=1e-4)
 
 
+@pytest.mark.devices(8)
 def test_sharded_load_reads_slices_into_place(hf_dirs):
     d, _ = hf_dirs["qwen3"]
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))

@@ -304,6 +304,7 @@ def test_value_head_is_linear_in_final_hidden(model):
 # ---- sharding ------------------------------------------------------------------------------
 
 
+@pytest.mark.devices(8)
 def test_eight_devices_match_one(model):
     want = np.asarray(_logprobs(model, TOKS)[0])
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))

@@ -156,6 +156,7 @@ def test_bfloat16_sampling_matches_trainer_recomputation(params_a, sampled_cfg):
     assert np.abs(out.logprobs[m] - ref[m]).mean() < 0.05
 
 
+@pytest.mark.devices(8)
 def test_same_rows_on_one_and_eight_devices(params_a, sampled_cfg):
     one = Sampler(SPEC, sampled_cfg, pad_id=0)
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
@@ -172,6 +173,7 @@ def test_same_rows_on_one_and_eight_devices(params_a, sampled_cfg):
     np.testing.assert_array_equal(c.completion_tokens, a.completion_tokens[3:])
 
 
+@pytest.mark.devices(8)
 def test_trainer_layout_weights_on_a_data_fsdp_mesh(params_a, sampled_cfg):
     """FSDP-sharded weights (the trainer's layout) are used as they are; rows split
     over data x fsdp; the draws equal one device's."""

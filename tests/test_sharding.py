@@ -14,6 +14,8 @@ from rl_jax.sharding import (
     split_devices,
 )
 
+pytestmark = pytest.mark.devices(8)
+
 
 def test_eight_fake_devices():
     assert jax.device_count() == 8

@@ -18,6 +18,24 @@ from rl_jax.models.spec import ModelSpec, RopeScaling
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def precision(*operands: jax.Array) -> jax.lax.Precision:
+    """Full float32 products when an operand is float32; the default (one pass) otherwise.
+
+    JAX's default lets GPUs and TPUs multiply float32 in tf32 / bf16 passes. The
+    sampler's and the trainer's log-probs, computed in different orders, then differ
+    by ~1e-3 (measured on an H200) instead of ~1e-6, and on-policy importance ratios
+    are not 1; ScaleRL's FP32 LM head would not be float32 either. A float32 model
+    means float32 arithmetic; bf16 compute is the fast path. CPUs ignore this.
+    """
+    f32 = any(jnp.dtype(x.dtype) == jnp.float32 for x in operands)
+    return jax.lax.Precision.HIGHEST if f32 else jax.lax.Precision.DEFAULT
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` at `precision(a, b)`."""
+    return jnp.matmul(a, b, precision=precision(a, b))
+
+
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.einsum` of two operands accumulated in float32 (float32 result).
 
@@ -28,7 +46,7 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """
     if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision(a, b))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, dtype=None) -> jax.Array:

@@ -36,6 +36,8 @@ from rl_jax.models.layers import (
     attention_mask,
     cache_block_size,
     einsum_f32,
+    matmul,
+    precision,
     rms_norm,
     rope_angles,
 )
@@ -402,7 +404,8 @@ class Transformer(nnx.Module):
         if not self.spec.value_head:
             raise ValueError("this model has no value head (set model.value_head=true)")
         h = self.final_hidden(hidden_btd).astype(jnp.float32)
-        return h @ self.value_w[...].astype(jnp.float32) + self.value_b[...].astype(jnp.float32)
+        f32 = jnp.float32
+        return matmul(h, self.value_w[...].astype(f32)) + self.value_b[...].astype(f32)
 
 
 def final_norm(spec: ModelSpec, norm_w: jax.Array, hidden_btd: jax.Array) -> jax.Array:
@@ -421,7 +424,8 @@ def lm_logits(
 
 def einsum_dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [N, T, D] times w [D, ...] -> [N, T, ...] (the model's projection)."""
-    return jnp.einsum("btd,d...->bt...", x, w.astype(x.dtype))
+    w = w.astype(x.dtype)
+    return jnp.einsum("btd,d...->bt...", x, w, precision=precision(x, w))
 
 
 def block_qkv(

@@ -22,7 +22,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.models.layers import MASK_VALUE, apply_rope, einsum_f32, rms_norm, rope_angles
+from rl_jax.models.layers import (
+    MASK_VALUE,
+    apply_rope,
+    einsum_f32,
+    matmul,
+    rms_norm,
+    rope_angles,
+)
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
 
@@ -113,7 +120,7 @@ def decode_step(
     new_cache = []
     for lw, (ck, cv) in zip(w["layers"], cache, strict=True):
         h = rms_norm(x, lw["attn_norm"], eps)
-        qkv = h @ lw["qkv"]
+        qkv = matmul(h, lw["qkv"])
         if "qkv_bias" in lw:
             qkv = qkv + lw["qkv_bias"]
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
@@ -133,13 +140,13 @@ def decode_step(
         scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
         att = einsum_f32("bkrs,bksh->bkrh", probs, cv.astype(cdt))
-        a = att.astype(cdt).reshape(B, H * hd) @ lw["o"]
+        a = matmul(att.astype(cdt).reshape(B, H * hd), lw["o"])
         if "o_bias" in lw:
             a = a + lw["o_bias"]
         x = x + a
         h = rms_norm(x, lw["mlp_norm"], eps)
-        g, u = jnp.split(h @ lw["gate_up"], 2, axis=1)
-        x = x + (jax.nn.silu(g) * u) @ lw["down"]
+        g, u = jnp.split(matmul(h, lw["gate_up"]), 2, axis=1)
+        x = x + matmul(jax.nn.silu(g) * u, lw["down"])
         x = constrain(x, ("batch", "embed"))
     logits = lm_logits(spec, w["final_norm"], w["head"], x[:, None, :])[:, 0]
     return logits, tuple(new_cache)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
-from rl_jax.models.layers import attention, rope_angles
+from rl_jax.models.layers import attention, matmul, rope_angles
 from rl_jax.models.transformer import block_out, block_qkv, dtype_of
 from rl_jax.sharding import batch_sharding
 
@@ -198,7 +198,7 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     (A 3-D einsum makes XLA on CPU transpose activations for the weight gradient;
     the 2-D form lets the matmul read them in place.)"""
     N, T, D = x.shape
-    out = x.reshape(N * T, D) @ w.reshape(D, -1).astype(x.dtype)
+    out = matmul(x.reshape(N * T, D), w.reshape(D, -1).astype(x.dtype))
     return out.reshape(N, T, *w.shape[1:])
 
 
@@ -215,8 +215,8 @@ def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Ar
 def _swiglu_fwd(h, wg, wu, wd):
     N, T, D = h.shape
     x = h.reshape(N * T, D)
-    g, u = x @ wg, x @ wu
-    out = ((jax.nn.silu(g) * u) @ wd).reshape(N, T, -1)
+    g, u = matmul(x, wg), matmul(x, wu)
+    out = matmul(jax.nn.silu(g) * u, wd).reshape(N, T, -1)
     return out, (x, g, u, wg, wu, wd)
 
 
@@ -232,12 +232,12 @@ def _swiglu_bwd(res, dy):
     g = g + 0 * dy[:1, :1]
     s = jax.nn.sigmoid(g)
     act = g * s
-    dprod = dy @ wd.T
-    dwd = (act * u).T @ dy
+    dprod = matmul(dy, wd.T)
+    dwd = matmul((act * u).T, dy)
     du = dprod * act
     dg = dprod * u * s * (1 + g * (1 - s))
-    dx = dg @ wg.T + du @ wu.T
-    return dx.reshape(N, T, -1), x.T @ dg, x.T @ du, dwd
+    dx = matmul(dg, wg.T) + matmul(du, wu.T)
+    return dx.reshape(N, T, -1), matmul(x.T, dg), matmul(x.T, du), dwd
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
