@@ -13,6 +13,10 @@
 #      against transformers' generate on the GPU;
 #   3. sampler.py at a realistic size: Qwen2.5-0.5B's shape (random weights), bfloat16,
 #      32 prompts x 8 samples, 128-token prompts, 256 new tokens.
+# STEPS=tests runs the numerics tests on the GPU instead (sampler, model, HF parity,
+# matmul precision, losses, the train loop; those that need 8 devices skip), its summary
+# in results.jsonl and pytest's output in $OUT/tests.txt; STEPS="bench tests" runs both.
+# (On an H200 the benchmarks took ~4 min and the first four test files ~2.5 min.)
 # The machine has no package registry: packages it lacks travel as wheels in .whl/
 # (installed into /tmp/site here), and the repository itself is put on PYTHONPATH.
 set -u
@@ -33,6 +37,7 @@ if [ -d .whl ] && [ "$PLATFORM" = gpu ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TRL_PYTHON=${TRL_PYTHON:-$PY}
+STEPS=${STEPS:-bench}
 
 {
   nvidia-smi -L 2>/dev/null
@@ -65,7 +70,21 @@ step() {
   fi
 }
 
-if [ -n "${SMOKE:-}" ]; then
+if [[ " $STEPS " == *" tests "* ]]; then
+  echo "=== tests" >>"$LOG"
+  t0=$SECONDS
+  [ "$PLATFORM" = gpu ] && tplat=cuda || tplat=cpu
+  JAX_PLATFORMS=$tplat XLA_FLAGS= XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 \
+    "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/test_sampler.py tests/test_model.py \
+    tests/test_hf.py tests/test_train_parts.py tests/test_precision.py tests/test_losses.py \
+    tests/test_train_loop.py >"$OUT/tests.txt" 2>&1
+  summary=$(tail -1 "$OUT/tests.txt" | tr -d '"=')
+  echo "{\"bench\": \"tests\", \"wall_s\": $((SECONDS - t0)), \"summary\": \"$summary\"}" >>"$RES"
+fi
+
+if [[ " $STEPS " != *" bench "* ]]; then
+  :
+elif [ -n "${SMOKE:-}" ]; then
   step rl_step_vs_trl 600 benchmarks/rl_step.py --platform "$PLATFORM" --smoke --vs-trl \
     --trl-python "$TRL_PYTHON" --no-restart
   step sampler_bench 300 benchmarks/sampler.py --platform "$PLATFORM" --repeats 1 \

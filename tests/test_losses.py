@@ -550,6 +550,7 @@ def test_jit_matches_eager_and_compiles_once():
         assert len(traces) == 1, name
 
 
+@pytest.mark.devices(2)
 def test_sharded_batch_matches_single_device():
     from rl_jax.config import MeshConfig
     from rl_jax.sharding import batch_sharding, make_mesh

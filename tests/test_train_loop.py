@@ -35,6 +35,7 @@ def _params(tr):
     return {k: np.asarray(jax.device_get(v)) for k, v in tr.params.items()}
 
 
+@pytest.mark.devices(8)
 def test_one_step_sharded_equals_single_device(tmp_path):
     one = RLTrainer(
         _cfg(
@@ -177,6 +178,7 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
     assert done["steps"] == 6
 
 
+@pytest.mark.devices(8)
 def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
     k = 2
     tr = RLTrainer(
@@ -216,6 +218,7 @@ def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_pa
     assert tr.sampler_weights()[1] == tr.version == 5
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -253,6 +256,7 @@ def _split_cfg(tmp_path, *extra):
     )
 
 
+@pytest.mark.devices(8)
 def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     class Crash(Exception):
         pass
@@ -283,6 +287,7 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5]  # none twice
 
 
+@pytest.mark.devices(8)
 def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
     tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
 
