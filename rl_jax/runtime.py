@@ -18,6 +18,36 @@ MIN_COMPILE_SECS = 0.5
 _trim_registered = False
 
 
+# LLVM's optimization level for XLA:CPU kernels (XLA's default is 2). The matmuls
+# run in libraries (Eigen, YNNPACK), so the generated kernels are the elementwise
+# and reduction fusions, and level 1 compiles them ~20% faster without slowing them
+# measurably (bench workload, 2 CPUs, back-to-back A/B in one session: train step
+# compile 8.0-8.8 -> 6.1-7.3 s at 0.70-0.77 s per step either way; the sampler's
+# first call 4.0-4.6 -> 3.0-3.6 s at 8,900-9,550 tokens/s either way). Level 0
+# compiled in 4.9 s but ran the step in 1.28 s.
+CPU_LLVM_OPT_LEVEL = 1
+
+
+def xla_options(mesh=None, *, eigen_matmuls: bool = False) -> dict:
+    """Per-`jax.jit` XLA options (`compiler_options=`) for `mesh`'s platform (default
+    device without one). CPU only; accelerators get XLA's defaults.
+
+    eigen_matmuls: Eigen matmuls instead of YNNPACK fusions. On the bench workload's
+    train step that is about 5-10% faster and needs 15% less temporary memory (the
+    YNNPACK fusions want their own operand layouts, hence extra copies); the
+    sampler's small decode matmuls keep YNNPACK.
+    """
+    import jax
+
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    if device.platform != "cpu":
+        return {}
+    opts: dict = {"xla_backend_optimization_level": CPU_LLVM_OPT_LEVEL}
+    if eigen_matmuls:
+        opts["xla_cpu_experimental_ynn_fusion_type"] = ""
+    return opts
+
+
 def compile_cache_dir() -> Path | None:
     """JAX_COMPILATION_CACHE_DIR if set; else $XDG_CACHE_HOME/rl_jax/jax (~/.cache by
     default); None when RL_JAX_COMPILE_CACHE=0 turns the cache off."""

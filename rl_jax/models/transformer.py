@@ -42,6 +42,7 @@ from rl_jax.models.layers import (
     rope_angles,
 )
 from rl_jax.models.spec import ModelSpec
+from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
 
 INIT_STD = 0.02  # transformers' initializer_range default
@@ -559,7 +560,13 @@ def build_model(
     rules = get_rules(rules_preset, purpose=purpose)
     if params is None:
         shardings = param_shardings(spec, mesh, rules)
-        init = jax.jit(functools.partial(init_params, spec), out_shardings=shardings)
+        # (Threefry's unrolled rounds make this a slow compile: 3.8 s for the bench
+        # preset at XLA's default LLVM level; see rl_jax.runtime.xla_options.)
+        init = jax.jit(
+            functools.partial(init_params, spec),
+            out_shardings=shardings,
+            compiler_options=xla_options(mesh),
+        )
         params = init(jax.random.key(seed))
     return Transformer(spec, params, mesh=mesh, rules=rules)
 

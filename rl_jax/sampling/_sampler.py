@@ -29,6 +29,7 @@ from rl_jax.config.sampling import SamplingConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
+from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
     KEYS_LOGICAL_AXES,
     VALUES_LOGICAL_AXES,
@@ -140,8 +141,9 @@ class Sampler:
                 raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
-        self._start = jax.jit(self._start_impl, static_argnames=("gen_len",))
-        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",))
+        opts = xla_options(mesh)
+        self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
+        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of "no recompilation")."""

@@ -24,6 +24,7 @@ from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
 from rl_jax.models.layers import attention, matmul, rope_angles
 from rl_jax.models.transformer import block_out, block_qkv, dtype_of
+from rl_jax.runtime import xla_options
 from rl_jax.sharding import batch_sharding
 
 Params = dict[str, jax.Array]
@@ -268,16 +269,8 @@ def completion_logprobs(spec, rules, mesh, params, batch, temperature):
 
 
 def compiler_options(mesh: Mesh | None) -> dict[str, Any]:
-    """XLA options of the trainer's jitted functions on `mesh`'s platform.
-
-    On CPU: Eigen matmuls instead of YNNPACK fusions. On the bench workload's
-    train step that is about 5-10% faster and needs 15% less temporary memory
-    (the YNNPACK fusions want their own operand layouts, hence extra copies).
-    """
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    if device.platform == "cpu":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""}
-    return {}
+    """XLA options of the trainer's jitted functions (see rl_jax.runtime.xla_options)."""
+    return xla_options(mesh, eigen_matmuls=True)
 
 
 def _all_finite(tree) -> jax.Array:
