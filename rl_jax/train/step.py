@@ -323,11 +323,17 @@ def make_train_step(
     def step(params: Params, opt_state, batch: TrainBatch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         finite = jnp.isfinite(loss) & _all_finite(grads)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_opt, opt_state)
+
+        # A conditional rather than a select of new against old per leaf: the update's
+        # new params and moments are then never alive beside the old ones (bench
+        # workload: peak RSS 874-895 -> 857-860 MB) and the step has ~50 fewer
+        # fusions to compile.
+        def update(state):
+            p, o = state
+            updates, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, updates), o
+
+        params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
         metrics = dict(metrics)
         metrics["grad_norm"] = jnp.where(finite, optax.global_norm(grads), jnp.nan)
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
