@@ -40,7 +40,7 @@ from rl_jax.config import RunConfig, flatten, run_id
 from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
 from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config
-from rl_jax.models import ModelSpec, build_model, model_params, resolve_spec
+from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch, shape_rewards
@@ -261,11 +261,12 @@ class RLTrainer:
                 f"model vocab_size={spec.vocab_size} is smaller than the tokenizer's "
                 f"{self.tokenizer.vocab_size}; set model.vocab_size"
             )
+        # The stacked params directly: building a Transformer would split them per
+        # layer and model_params would stack them again (two compiles, ~1 s).
+        rules = get_rules(cfg.mesh.rules, purpose="train")
         with jax.set_mesh(self.mesh):
-            model = build_model(
-                spec, mesh=self.mesh, rules_preset=cfg.mesh.rules, seed=cfg.train.seed
-            )
-        return spec, model_params(model)
+            params = init_sharded_params(spec, mesh=self.mesh, rules=rules, seed=cfg.train.seed)
+        return spec, params
 
     def _check_sizes(self) -> None:
         cfg = self.cfg
