@@ -148,11 +148,13 @@ class _Stop(Exception):
 
 
 def rl_worker(a) -> int:
-    import jax
 
     if a.cache_dir:
-        jax.config.update("jax_compilation_cache_dir", a.cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        # As every `rl-jax` command does (rl_jax.runtime), so the warm-cache numbers are
+        # the CLI's.
+        from rl_jax.runtime import enable_compile_cache
+
+        enable_compile_cache(a.cache_dir)
     if not a.no_malloc_trim:
         # As every `rl-jax` command does (rl_jax.runtime).
         from rl_jax.runtime import trim_heap_after_compiles
