@@ -94,6 +94,11 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
     assert max(hist) >= 1  # and the waves really were in flight across updates
     rows = read_jsonl(tr.run.metrics_path)
     assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
+    # The logged learning rate is the schedule's at the update that produced the row.
+    lrs = [(r["step"], r["train/lr"]) for r in rows if "train/lr" in r]
+    assert len(lrs) == 5
+    for step, lr in lrs:
+        np.testing.assert_allclose(lr, float(tr.lr_schedule(step - 1)), rtol=1e-6)
     # nothing compiles after the first step (weights swap in without recompiling)
     final = tr.compile_counts()
     assert seen[0]["train_step"] == 1

@@ -111,6 +111,9 @@ class RLTrainer:
         self.tx, self.lr_schedule = make_optimizer(
             cfg.train, prompts_per_batch=P, samples_per_prompt=G
         )
+        # One compiled program for the logged learning rate (evaluated eagerly, the
+        # schedule's dozen jnp ops compile one by one at the first step: ~0.45 s).
+        self._lr_at = jax.jit(self.lr_schedule)
         self.params = params
         self.opt_state = self._init_opt_state(params)
         needs_ref = cfg.loss.kl_coef > 0
@@ -530,7 +533,7 @@ class RLTrainer:
                 "train/truncation_rate": float(ro.truncated.mean()),
                 "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
                 "train/staleness_max": float(self.version - 1 - oldest) if keep_p.any() else 0.0,
-                "train/lr": float(self.lr_schedule(max(self.version - 1, 0))),
+                "train/lr": float(self._lr_at(max(self.version - 1, 0))),
                 "train/rows_trained": float(trained_rows),
                 "train/retired_prompts": float(getattr(self.curriculum, "num_retired", 0)),
                 "time/score_s": score_s,
