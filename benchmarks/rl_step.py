@@ -148,17 +148,12 @@ class _Stop(Exception):
 
 
 def rl_worker(a) -> int:
+    # As every `rl-jax` command does (rl_jax.runtime), so the numbers are the CLI's.
+    from rl_jax.runtime import enable_compile_cache, trim_heap_after_compiles
 
     if a.cache_dir:
-        # As every `rl-jax` command does (rl_jax.runtime), so the warm-cache numbers are
-        # the CLI's.
-        from rl_jax.runtime import enable_compile_cache
-
         enable_compile_cache(a.cache_dir)
     if not a.no_malloc_trim:
-        # As every `rl-jax` command does (rl_jax.runtime).
-        from rl_jax.runtime import trim_heap_after_compiles
-
         trim_heap_after_compiles()
     from rl_jax.config import load_recipe
     from rl_jax.train.loop import RLTrainer
@@ -415,7 +410,7 @@ def main(a) -> int:
                 timed[w.name].append(w.step())
             # Measured here, between the workers' steps, so the measurement's own arrays
             # and compilation do not count toward the workers' peak memory.
-            rates.append(jax_matmul_rate(n=8192, repeats=10) if gpu else jax_matmul_rate())
+            rates.append(jax_matmul_rate())
         finals = {w.name: w.stop() for w in pair}
 
         rl_steps = timed["rl_jax"]

@@ -266,9 +266,10 @@ class RLTrainer:
             )
         # The stacked params directly: building a Transformer would split them per
         # layer and model_params would stack them again (two compiles, ~1 s).
-        rules = get_rules(cfg.mesh.rules, purpose="train")
         with jax.set_mesh(self.mesh):
-            params = init_sharded_params(spec, mesh=self.mesh, rules=rules, seed=cfg.train.seed)
+            params = init_sharded_params(
+                spec, mesh=self.mesh, rules=self.train_rules, seed=cfg.train.seed
+            )
         return spec, params
 
     def _check_sizes(self) -> None:
