@@ -306,29 +306,71 @@ def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
     assert not tr.split_sampler._thread.is_alive()
 
 
-def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path):
+def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypatch):
     import logging
 
+    from rl_jax import executables
+
+    # Executables on disk in a fresh directory: the first trainer compiles everything.
+    monkeypatch.setattr(executables, "cache_dir", lambda: tmp_path / "exe")
     messages: list[str] = []
 
     class Capture(logging.Handler):
         def emit(self, record):
             messages.append(record.getMessage())
 
+    # An RMSNorm epsilon of this test run only: every program is new to JAX's own
+    # cache too, whose executables are not written (rl_jax.executables).
+    eps = f"model.rms_norm_eps={1e-6 * (1 + np.random.default_rng().random())!r}"
+
+    def run(name):
+        messages.clear()
+        tr = RLTrainer(
+            _cfg(
+                tmp_path,
+                f"name={name}",
+                "train.steps=2",
+                "eval.every=0",
+                "eval.at_start=false",
+                eps,
+            ),
+            quiet=True,
+        )
+        tr.run_loop()
+        counts = tr.compile_counts()
+        loads = {k: getattr(f, "loads", 0) for k, f in _aot_functions(tr).items()}
+        tr.close()
+        return list(messages), counts, loads, _params(tr)
+
     handler = Capture()
     logging.getLogger("jax").addHandler(handler)
     jax.config.update("jax_log_compiles", True)
     try:
-        tr = RLTrainer(
-            _cfg(tmp_path, "name=once", "train.steps=2", "eval.every=0", "eval.at_start=false"),
-            quiet=True,
-        )
-        tr.run_loop()
+        messages_1, counts_1, loads_1, params_1 = run("once")
+        # A second process with the same run config: everything read from disk.
+        messages_2, counts_2, loads_2, params_2 = run("again")
     finally:
         jax.config.update("jax_log_compiles", False)
         logging.getLogger("jax").removeHandler(handler)
-    compiles = [m for m in messages if m.startswith("Compiling jit(")]
+    compiles = [m for m in messages_1 if m.startswith("Compiling jit(")]
     steps = [i for i, m in enumerate(compiles) if m.startswith("Compiling jit(step)")]
     starts = [i for i, m in enumerate(compiles) if m.startswith("Compiling jit(_start_impl)")]
     assert len(steps) == 1, compiles  # the first update used the ahead-of-time executable
     assert steps[0] < starts[0]  # compiled before the sampler's first compilation
+    assert counts_1["train_step"] == counts_2["train_step"] == 1
+    assert loads_1 == {"train_step": 0, "sampler_start": 0, "sampler_decode": 0}
+    assert loads_2 == {"train_step": 1, "sampler_start": 1, "sampler_decode": 1}
+    # (The eval sampler's programs can equal the sampler's, then JAX's cache has them
+    # and they are not written: only the loads above tell about the sampler.)
+    traced = [m for m in messages_2 if m.startswith(("Compiling jit(step)", "Finished tracing step"))]
+    assert not traced, traced
+    for k in params_1:
+        np.testing.assert_array_equal(params_1[k], params_2[k])  # the same two updates
+
+
+def _aot_functions(tr):
+    return {
+        "train_step": tr.train_step,
+        "sampler_start": tr.sampler._start,
+        "sampler_decode": tr.sampler._decode,
+    }

@@ -29,6 +29,7 @@ from rl_jax.config.sampling import SamplingConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
+from rl_jax.executables import AotFunction
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
     KEYS_LOGICAL_AXES,
@@ -142,8 +143,31 @@ class Sampler:
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         opts = xla_options(mesh)
-        self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
-        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
+        # What the compiled bodies close over, for their on-disk executables
+        # (rl_jax.executables); the devices are in the arguments' shardings.
+        closure = repr(
+            (
+                self.spec,
+                cfg,
+                self.rules,
+                self.stop_ids,
+                self.interrupt_ids,
+                self.pad_id,
+                self.shards,
+                self._local_loops,
+                None if mesh is None else (mesh.axis_names, mesh.devices.shape),
+            )
+        )
+        self._start = AotFunction(
+            jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts),
+            name="sampler_start",
+            static_key=closure,
+        )
+        self._decode = AotFunction(
+            jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts),
+            name="sampler_decode",
+            static_key=closure,
+        )
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of "no recompilation")."""

@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, run_id
 from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
+from rl_jax.executables import AotFunction
 from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
@@ -145,7 +146,7 @@ class RLTrainer:
         )
         mb_groups = P // M
         self.max_tokens = cfg.sampling.max_new_tokens
-        self.train_step = make_train_step(
+        step_fn = make_train_step(
             self.spec,
             self.train_rules,
             self.mesh,
@@ -156,6 +157,18 @@ class RLTrainer:
             temperature=self._train_temperature(),
             state_shardings=(_shardings(self.params), _shardings(self.opt_state)),
         )
+        # What the step closes over, for its on-disk executable (rl_jax.executables;
+        # the mesh and state shardings are in the arguments' signature). The optimizer
+        # is all of cfg.train but the seed (make_optimizer's inputs), so a seed sweep
+        # shares one executable.
+        closure = (
+            self.spec,
+            self.train_rules,
+            cfg.loss,
+            dataclasses.replace(cfg.train, seed=0),
+            (P, G, mb_groups, self.max_tokens, self._train_temperature()),
+        )
+        self.train_step = AotFunction(step_fn, name="train_step", static_key=repr(closure))
         self.logprob_fn = make_logprob_fn(
             self.spec, self.train_rules, self.mesh, temperature=self._train_temperature()
         )
@@ -323,8 +336,9 @@ class RLTrainer:
         Compiling the step takes the compiler ~500 MB on the bench workload, the
         process's peak; done first, it happens while the least else is alive (no
         sampler executables, caches or rollouts yet): cold peak RSS 944-949 -> 911
-        MB in benchmarks/rl_step.py. jit's cache keeps the executable, so the first
-        update only looks it up; a batch of other widths compiles its own as before.
+        MB in benchmarks/rl_step.py. The step keeps the executable (and, with a
+        compilation cache, writes it: a warm process loads it without tracing), so
+        the first update only looks it up; a batch of other widths gets its own.
         """
         if self.critic or jax.process_count() > 1:
             return  # (GAE batches carry more fields; multi-process keeps compiles in step)
@@ -350,7 +364,7 @@ class RLTrainer:
             batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
         if self.ref_params is not None:
             batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
-        self.train_step.lower(self.params, self.opt_state, batch).compile()
+        self.train_step.prepare(self.params, self.opt_state, batch)
 
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
