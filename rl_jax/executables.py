@@ -252,7 +252,9 @@ class AotFunction:
         except FileNotFoundError:
             return None
         except Exception as e:  # a truncated or foreign file: rebuild it
-            log.warning("rl_jax: compiled %s at %s did not load (%s); recompiling", self.name, path, e)
+            log.warning(
+                "rl_jax: compiled %s at %s did not load (%s); recompiling", self.name, path, e
+            )
             path.unlink(missing_ok=True)
             return None
         self.loads += 1

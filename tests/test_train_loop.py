@@ -362,7 +362,8 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
     assert loads_2 == {"train_step": 1, "sampler_start": 1, "sampler_decode": 1}
     # (The eval sampler's programs can equal the sampler's, then JAX's cache has them
     # and they are not written: only the loads above tell about the sampler.)
-    traced = [m for m in messages_2 if m.startswith(("Compiling jit(step)", "Finished tracing step"))]
+    step_events = ("Compiling jit(step)", "Finished tracing step")
+    traced = [m for m in messages_2 if m.startswith(step_events)]
     assert not traced, traced
     for k in params_1:
         np.testing.assert_array_equal(params_1[k], params_2[k])  # the same two updates

@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config.sampling import SamplingConfig
+from rl_jax.executables import AotFunction
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
-from rl_jax.executables import AotFunction
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
     KEYS_LOGICAL_AXES,
