@@ -14,8 +14,9 @@ everything that determines the program, none of which needs a trace:
   types and shardings (mesh axes and device ids included);
 * the code: a digest of rl_jax's own source files and the versions of the
   libraries whose code is traced (jax, jaxlib, flax, optax, numpy);
-* the backend and settings: platform and its version, device kinds, process
-  count and index, XLA_FLAGS, and JAX's configuration flags.
+* the backend and settings: platform and its version, device kinds, the host
+  CPU's feature flags, process count and index, XLA_FLAGS, and JAX's
+  configuration flags.
 
 Any difference is a miss, and a miss is the ordinary path (trace, lower, and an
 XLA compile through JAX's own cache) whose result is then written, unless JAX's
@@ -42,6 +43,7 @@ import json
 import logging
 import os
 import pickle
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,19 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def _host_cpu() -> str:
+    """The host CPU's architecture and feature flags: XLA:CPU code is generated for
+    them, so a cache shared between machines (a network home) must not mix them."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:  # not Linux: the architecture alone
+        pass
+    return f"{platform.machine()}|{hashlib.sha256(flags.encode()).hexdigest()}"
+
+
 def _environment() -> str:
     devices = jax.devices()
     flags = {
@@ -112,6 +127,7 @@ def _environment() -> str:
             "platform_version": devices[0].client.platform_version,
             "device_kinds": sorted({d.device_kind for d in devices}),
             "devices": len(devices),
+            "host_cpu": _host_cpu(),
             "process": [jax.process_index(), jax.process_count()],
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
