@@ -216,6 +216,15 @@ class AotFunction:
         if sig not in self._executables:
             self._get(sig, args, static)
 
+    def on_disk(self, *args, **static) -> bool:
+        """Whether an executable for arguments like `args` is held or on disk (a
+        `prepare` that will load rather than compile)."""
+        directory = self._dir()
+        if directory is None:
+            return False
+        sig = (signature(args), tuple(sorted(static.items())))
+        return sig in self._executables or self._path(directory, sig).exists()
+
     def lower(self, *args, **static):
         return self.jitted.lower(*args, **static)
 
@@ -240,8 +249,11 @@ class AotFunction:
             h.update(b"\0")
         return h.hexdigest()
 
+    def _path(self, directory: Path, sig: tuple) -> Path:
+        return directory / f"{self.name}-{self.key(sig)}.exe"
+
     def _get(self, sig: tuple, args: tuple, static: dict):
-        path = self._dir() / f"{self.name}-{self.key(sig)}.exe"
+        path = self._path(self._dir(), sig)
         exe = self._load(path)
         if exe is None:
             _count_jax_cache_hits()

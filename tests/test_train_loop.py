@@ -375,3 +375,26 @@ def _aot_functions(tr):
         "sampler_start": tr.sampler._start,
         "sampler_decode": tr.sampler._decode,
     }
+
+
+def test_train_step_loaded_in_the_background_surfaces_its_error(tmp_path, monkeypatch):
+    tr = RLTrainer(
+        _cfg(tmp_path, "name=bgload", "train.steps=1", "eval.every=0", "eval.at_start=false"),
+        quiet=True,
+    )
+    threads = []
+
+    def prepare(*args):
+        import threading
+
+        threads.append(threading.current_thread().name)
+        raise RuntimeError("load exploded")
+
+    # As if the step's executable were on disk: it is loaded while the batch is sampled.
+    monkeypatch.setattr(tr.train_step, "on_disk", lambda *args: True)
+    monkeypatch.setattr(tr.train_step, "prepare", prepare)
+    with pytest.raises(RuntimeError, match="load exploded"):
+        tr.run_loop()
+    assert threads and threads[0].startswith("rl_jax-load")
+    assert tr.step == 0  # nothing trained
+    tr.close()

@@ -27,6 +27,7 @@ import dataclasses
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,7 @@ class RLTrainer:
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
         self.split_sampler: SplitSampler | None = None
         self._step_compiled_early = False
+        self._step_loading: Future | None = None  # the train step's executable, from disk
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -339,6 +341,10 @@ class RLTrainer:
         MB in benchmarks/rl_step.py. The step keeps the executable (and, with a
         compilation cache, writes it: a warm process loads it without tracing), so
         the first update only looks it up; a batch of other widths gets its own.
+
+        An executable on disk is loaded in a background thread instead, while the
+        first batch is sampled: loading is ~0.4 s of C++ on the bench workload and
+        takes no compiler memory. `_await_train_step` joins it before the update.
         """
         if self.critic or jax.process_count() > 1:
             return  # (GAE batches carry more fields; multi-process keeps compiles in step)
@@ -364,7 +370,19 @@ class RLTrainer:
             batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
         if self.ref_params is not None:
             batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
-        self.train_step.prepare(self.params, self.opt_state, batch)
+        args = (self.params, self.opt_state, batch)
+        if self.train_step.on_disk(*args):
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_jax-load")
+            self._step_loading = pool.submit(self.train_step.prepare, *args)
+            pool.shutdown(wait=False)  # its thread ends with the load
+        else:
+            self.train_step.prepare(*args)
+
+    def _await_train_step(self) -> None:
+        """Wait for a background load of the train step (its errors surface here)."""
+        loading, self._step_loading = self._step_loading, None
+        if loading is not None:
+            loading.result()
 
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
@@ -520,6 +538,7 @@ class RLTrainer:
                         f"PipelineRL staleness {stale} exceeds k={self.cfg.train.off_policy_k}"
                     )
                 self.staleness_hist[stale] = self.staleness_hist.get(stale, 0) + 1
+                self._await_train_step()
                 self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
                 per_update.append(m)
                 self.version += 1
@@ -876,6 +895,9 @@ class RLTrainer:
         return {k: int(f._cache_size()) for k, f in fns.items()}
 
     def close(self) -> None:
+        if self._step_loading is not None:  # no thread left loading past the trainer
+            self._step_loading.exception()
+            self._step_loading = None
         if self.logger is not None:
             self.logger.close()
         self.ckpt.close()
