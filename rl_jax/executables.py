@@ -31,7 +31,12 @@ it must be as trusted as the code itself.
 
 The cache is on only where JAX's persistent cache is configured (the `rl-jax`
 commands do so; `RL_JAX_COMPILE_CACHE=0` turns both off) and in single-process
-runs; elsewhere an AotFunction is its jitted function.
+runs; `RL_JAX_EXECUTABLE_CACHE=0` turns off this one alone. Where it is off, an
+AotFunction is its jitted function.
+
+A limitation that follows from the write rule: a program JAX's cache already
+holds under another of our keys (e.g. after an rl_jax edit that left the
+program unchanged) is never written, so it keeps the ordinary warm path.
 """
 
 from __future__ import annotations
@@ -77,9 +82,11 @@ def _count_jax_cache_hits() -> None:
 
 
 def cache_dir() -> Path | None:
-    """Where executables are kept: beside JAX's persistent cache, when one is set."""
+    """Where executables are kept: beside JAX's persistent cache, when one is set
+    (None, i.e. off: no JAX cache, several processes, or RL_JAX_EXECUTABLE_CACHE=0)."""
     base = jax.config.jax_compilation_cache_dir
-    if not base or jax.process_count() > 1:
+    off = os.environ.get("RL_JAX_EXECUTABLE_CACHE", "1") == "0"
+    if off or not base or jax.process_count() > 1:
         return None
     return Path(base) / SUBDIR
 
