@@ -177,3 +177,10 @@ def test_second_process_skips_the_trace(tmp_path):
     assert third["loads"] == fourth["loads"] == 0
     assert third["y"] == fourth["y"] == first["y"]
     assert len(list((cache / executables.SUBDIR).glob("child-*.exe"))) == 1
+
+
+def test_cache_dir_follows_jax_cache_and_the_switch(monkeypatch):
+    base = jax.config.jax_compilation_cache_dir  # conftest sets one
+    assert executables.cache_dir() == Path(base) / executables.SUBDIR
+    monkeypatch.setenv("RL_JAX_EXECUTABLE_CACHE", "0")
+    assert executables.cache_dir() is None
