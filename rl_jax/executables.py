@@ -41,6 +41,7 @@ program unchanged) is never written, so it keeps the ordinary warm path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -50,6 +51,9 @@ import os
 import pickle
 import platform
 import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,26 +63,54 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SUBDIR = "rl_jax-executables"
-_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
+# Whose code is traced or compiles: their versions are part of every key.
+_LIBRARIES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "numpy",
+    "ml_dtypes",
+    "chex",
+    "jax-cuda12-plugin",
+    "jax-cuda12-pjrt",
+    "jax-cuda13-plugin",
+    "jax-cuda13-pjrt",
+    "libtpu",
+)
 
 
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_jax_cache_hits = 0
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# Per thread (JAX records both events in the thread that compiles): XLA compiles
+# entered (an in-memory reuse of an earlier compile enters none) and of those,
+# the ones JAX's persistent cache answered.
+_counts = threading.local()
 _listening = False
+_listen_lock = threading.Lock()
 
 
-def _count_jax_cache_hits() -> None:
+def _listen() -> None:
     global _listening
-    if _listening:
-        return
+    with _listen_lock:
+        if _listening:
+            return
 
-    def on_event(event: str, **_) -> None:
-        global _jax_cache_hits
-        if event == _JAX_CACHE_HIT:
-            _jax_cache_hits += 1
+        def on_hit(event: str, **_) -> None:
+            if event == _JAX_CACHE_HIT:
+                _counts.hits = getattr(_counts, "hits", 0) + 1
 
-    jax.monitoring.register_event_listener(on_event)
-    _listening = True
+        def on_compile(event: str, secs: float, **_) -> None:
+            if event == _BACKEND_COMPILE:
+                _counts.compiles = getattr(_counts, "compiles", 0) + 1
+
+        jax.monitoring.register_event_listener(on_hit)
+        jax.monitoring.register_event_duration_secs_listener(on_compile)
+        _listening = True
+
+
+def _thread_counts() -> tuple[int, int]:
+    return getattr(_counts, "compiles", 0), getattr(_counts, "hits", 0)
 
 
 def cache_dir() -> Path | None:
@@ -93,7 +125,11 @@ def cache_dir() -> Path | None:
 
 @functools.cache
 def code_digest() -> str:
-    """rl_jax's source files and the traced libraries' versions, as one hash."""
+    """rl_jax's source files and the traced libraries' versions, as one hash.
+
+    Taken when this module is imported (with rl_jax's modules): a source file
+    edited later in the process's life does not pass the old code's programs
+    off as the new code's."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent
     for path in sorted(root.rglob("*.py")):
@@ -121,6 +157,25 @@ def _host_cpu() -> str:
     return f"{platform.machine()}|{hashlib.sha256(flags.encode()).hexdigest()}"
 
 
+def _flax_flags() -> dict:
+    import flax
+
+    names = [n for n in dir(flax.config) if n.startswith(("flax_", "nnx_"))]
+    return {n: repr(getattr(flax.config, n)) for n in sorted(names)}
+
+
+def _module_constants() -> dict:
+    """rl_jax's module-level settings read while tracing (tests set some of them)."""
+    from rl_jax import runtime
+    from rl_jax.models import layers
+
+    return {
+        "layers.CACHE_BLOCK_BYTES": layers.CACHE_BLOCK_BYTES,
+        "layers.MASK_VALUE": layers.MASK_VALUE,
+        "runtime.CPU_LLVM_OPT_LEVEL": runtime.CPU_LLVM_OPT_LEVEL,
+    }
+
+
 def _environment() -> str:
     devices = jax.devices()
     flags = {
@@ -139,6 +194,8 @@ def _environment() -> str:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
             "jax_config": flags,
+            "flax_config": _flax_flags(),
+            "module_constants": _module_constants(),
         },
         sort_keys=True,
         default=repr,
@@ -149,6 +206,8 @@ def _sharding_key(s) -> str:
     mesh = getattr(s, "mesh", None)
     if mesh is not None and hasattr(mesh, "devices"):
         ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
+    elif hasattr(s, "_device_assignment"):  # in the program's order
+        ids = [int(d.id) for d in s._device_assignment]
     else:
         ids = sorted(int(d.id) for d in s.device_set)
     return f"{type(s).__name__}|{s!r}|{ids}"
@@ -182,6 +241,14 @@ def _device_ids(exe) -> list[int]:
     for s in jax.tree.leaves((exe.input_shardings, exe.output_shardings)):
         return [int(d.id) for d in s._device_assignment]
     raise ValueError("a program without array inputs or outputs")
+
+
+@dataclasses.dataclass
+class PendingLoad:
+    """An executable being read in the background (AotFunction.start_load)."""
+
+    future: Future
+    finish: Callable[[], None]  # wait; compile here if the file did not load
 
 
 class AotFunction:
@@ -232,6 +299,33 @@ class AotFunction:
         sig = (signature(args), tuple(sorted(static.items())))
         return sig in self._executables or self._path(directory, sig).exists()
 
+    def start_load(self, *args, **static) -> PendingLoad | None:
+        """Start reading the executable for arguments like `args` from disk in a
+        background thread; None (nothing started) when there is no file.
+
+        The key is computed here, in the calling thread (JAX's configuration
+        contexts are per thread). `PendingLoad.finish()` joins the thread; a file
+        that did not load is compiled then, in the thread that calls it.
+        """
+        directory = self._dir()
+        if directory is None:
+            return None
+        sig = (signature(args), tuple(sorted(static.items())))
+        path = self._path(directory, sig)
+        if sig in self._executables or not path.exists():
+            return None
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rl_jax-load-{self.name}")
+        future = pool.submit(self._load, path)
+        pool.shutdown(wait=False)  # its thread ends with the load
+
+        def finish() -> None:
+            exe = future.result()
+            if exe is None:
+                exe = self._compile(path, args, static)
+            self._executables[sig] = exe
+
+        return PendingLoad(future, finish)
+
     def lower(self, *args, **static):
         return self.jitted.lower(*args, **static)
 
@@ -263,15 +357,22 @@ class AotFunction:
         path = self._path(self._dir(), sig)
         exe = self._load(path)
         if exe is None:
-            _count_jax_cache_hits()
-            lowered = self.jitted.lower(*args, **static)  # (may run eager ops: cache hits)
-            hits = _jax_cache_hits
-            exe = lowered.compile()
-            # Not one read back from JAX's cache (see the module docstring); a hit in
-            # another thread meanwhile also skips the write, which only costs a trace.
-            if _jax_cache_hits == hits:
-                self._store(path, exe)
+            exe = self._compile(path, args, static)
         self._executables[sig] = exe
+        return exe
+
+    def _compile(self, path: Path, args: tuple, static: dict):
+        """Trace, lower and compile; write the executable if XLA compiled it here."""
+        _listen()
+        lowered = self.jitted.lower(*args, **static)  # (may run eager ops: their compiles)
+        compiles, hits = _thread_counts()
+        exe = lowered.compile()
+        after_compiles, after_hits = _thread_counts()
+        # Only a fresh XLA compile in this thread: an executable JAX's persistent cache
+        # returned, or an in-memory one of an earlier compile that may have come from
+        # there, serializes without its kernels on XLA:CPU (see the module docstring).
+        if after_compiles > compiles and after_hits == hits:
+            self._store(path, exe)
         return exe
 
     def _load(self, path: Path):
@@ -311,3 +412,6 @@ class AotFunction:
             log.warning("rl_jax: could not write compiled %s to %s (%s)", self.name, path, e)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+code_digest()  # now, with rl_jax's modules (see code_digest)

@@ -184,3 +184,16 @@ def test_cache_dir_follows_jax_cache_and_the_switch(monkeypatch):
     assert executables.cache_dir() == Path(base) / executables.SUBDIR
     monkeypatch.setenv("RL_JAX_EXECUTABLE_CACHE", "0")
     assert executables.cache_dir() is None
+
+
+def test_executable_compiled_earlier_in_the_process_is_not_written(tmp_path):
+    # jit reuses an in-memory compile with no XLA compile (and no cache event): that
+    # executable may have come from JAX's cache, whose files would not run.
+    traces: list = []
+    f = _make(tmp_path, traces)
+    f.lower(*_args()).compile()  # compiled through jit, outside the executable cache
+    f(*_args())
+    assert not list(tmp_path.glob("f-*.exe"))
+    g = _make(tmp_path / "other", traces, static_key="fresh")
+    g(*_args(rows=5))  # a real compile: written
+    assert len(list((tmp_path / "other").glob("f-*.exe"))) == 1

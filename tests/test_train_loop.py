@@ -315,9 +315,13 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
     monkeypatch.setattr(executables, "cache_dir", lambda: tmp_path / "exe")
     messages: list[str] = []
 
+    threads: list[str] = []
+
     class Capture(logging.Handler):
         def emit(self, record):
             messages.append(record.getMessage())
+            if record.getMessage().startswith("Compiling jit(step)"):
+                threads.append(record.threadName)
 
     # An RMSNorm epsilon of this test run only: every program is new to JAX's own
     # cache too, whose executables are not written (rl_jax.executables).
@@ -325,6 +329,7 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
 
     def run(name):
         messages.clear()
+        threads.clear()
         tr = RLTrainer(
             _cfg(
                 tmp_path,
@@ -349,6 +354,12 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
         messages_1, counts_1, loads_1, params_1 = run("once")
         # A second process with the same run config: everything read from disk.
         messages_2, counts_2, loads_2, params_2 = run("again")
+        # A third, after the step's file broke: its background load fails, and the
+        # step compiles on the main thread, before the first update, not beside sampling.
+        (step_file,) = (tmp_path / "exe").glob("train_step-*.exe")
+        step_file.write_bytes(b"not an executable")
+        _, _, loads_3, params_3 = run("broken")
+        threads_3 = list(threads)
     finally:
         jax.config.update("jax_log_compiles", False)
         logging.getLogger("jax").removeHandler(handler)
@@ -367,6 +378,10 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
     assert not traced, traced
     for k in params_1:
         np.testing.assert_array_equal(params_1[k], params_2[k])  # the same two updates
+        np.testing.assert_array_equal(params_1[k], params_3[k])
+    assert loads_3["train_step"] == 0 and threads_3 == ["MainThread"], threads_3
+    # Removed; not rewritten, as JAX's own cache supplied that compile.
+    assert not step_file.exists()
 
 
 def _aot_functions(tr):
@@ -375,26 +390,3 @@ def _aot_functions(tr):
         "sampler_start": tr.sampler._start,
         "sampler_decode": tr.sampler._decode,
     }
-
-
-def test_train_step_loaded_in_the_background_surfaces_its_error(tmp_path, monkeypatch):
-    tr = RLTrainer(
-        _cfg(tmp_path, "name=bgload", "train.steps=1", "eval.every=0", "eval.at_start=false"),
-        quiet=True,
-    )
-    threads = []
-
-    def prepare(*args):
-        import threading
-
-        threads.append(threading.current_thread().name)
-        raise RuntimeError("load exploded")
-
-    # As if the step's executable were on disk: it is loaded while the batch is sampled.
-    monkeypatch.setattr(tr.train_step, "on_disk", lambda *args: True)
-    monkeypatch.setattr(tr.train_step, "prepare", prepare)
-    with pytest.raises(RuntimeError, match="load exploded"):
-        tr.run_loop()
-    assert threads and threads[0].startswith("rl_jax-load")
-    assert tr.step == 0  # nothing trained
-    tr.close()

@@ -27,7 +27,6 @@ import dataclasses
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, run_id
 from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
-from rl_jax.executables import AotFunction
+from rl_jax.executables import AotFunction, PendingLoad
 from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
@@ -223,7 +222,7 @@ class RLTrainer:
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
         self.split_sampler: SplitSampler | None = None
         self._step_compiled_early = False
-        self._step_loading: Future | None = None  # the train step's executable, from disk
+        self._step_loading: PendingLoad | None = None  # the train step's, from disk
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
 
     def set_initial_params(self, host_params: dict) -> None:
@@ -371,18 +370,16 @@ class RLTrainer:
         if self.ref_params is not None:
             batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
         args = (self.params, self.opt_state, batch)
-        if self.train_step.on_disk(*args):
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl_jax-load")
-            self._step_loading = pool.submit(self.train_step.prepare, *args)
-            pool.shutdown(wait=False)  # its thread ends with the load
-        else:
+        self._step_loading = self.train_step.start_load(*args)
+        if self._step_loading is None:
             self.train_step.prepare(*args)
 
     def _await_train_step(self) -> None:
-        """Wait for a background load of the train step (its errors surface here)."""
+        """Wait for a background load of the train step: its errors surface here, and
+        a file that did not load is compiled here (not beside the sampler)."""
         loading, self._step_loading = self._step_loading, None
         if loading is not None:
-            loading.result()
+            loading.finish()
 
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
@@ -896,7 +893,7 @@ class RLTrainer:
 
     def close(self) -> None:
         if self._step_loading is not None:  # no thread left loading past the trainer
-            self._step_loading.exception()
+            self._step_loading.future.exception()
             self._step_loading = None
         if self.logger is not None:
             self.logger.close()
