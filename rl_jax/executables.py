@@ -12,17 +12,19 @@ everything that determines the program, none of which needs a trace:
   configs and the sizes baked into it), built beside the call that closes over them;
 * the abstract signature of the arguments: tree structure, shapes, dtypes, weak
   types and shardings (mesh axes and device ids included);
-* the code: a digest of rl_jax's own source files and the versions of the
-  libraries whose code is traced (jax, jaxlib, flax, optax, numpy);
+* the code: a digest of rl_jax's own source files (taken at import) and the
+  versions of the libraries whose code is traced or compiles (jax, jaxlib, the
+  accelerator plugins, flax, optax, numpy, ...);
 * the backend and settings: platform and its version, device kinds, the host
-  CPU's feature flags, process count and index, XLA_FLAGS, and JAX's
-  configuration flags.
+  CPU's feature flags, process count and index, XLA_FLAGS, JAX's and flax's
+  configuration flags, and rl_jax's module-level settings read while tracing.
 
 Any difference is a miss, and a miss is the ordinary path (trace, lower, and an
-XLA compile through JAX's own cache) whose result is then written, unless JAX's
-cache supplied it: on XLA:CPU an executable read back from JAX's cache
-serializes without its kernels, and its file fails at the next run ("Function
-... not found"), so only a freshly compiled executable is written. A file that
+XLA compile through JAX's own cache) whose result is then written only if XLA
+compiled it there and then: on XLA:CPU an executable read back from JAX's cache
+(or reused in memory from an earlier compile that may have been) serializes
+without its kernels, and its file fails at its first call in the next run
+("Function ... not found"). A file that
 does not load (truncated, from another build) is reported, removed and rebuilt:
 a broken cache costs a compile, never a run.
 
