@@ -380,8 +380,9 @@ def test_train_step_is_compiled_before_sampling_and_only_once(tmp_path, monkeypa
         np.testing.assert_array_equal(params_1[k], params_2[k])  # the same two updates
         np.testing.assert_array_equal(params_1[k], params_3[k])
     assert loads_3["train_step"] == 0 and threads_3 == ["MainThread"], threads_3
-    # Removed; not rewritten, as JAX's own cache supplied that compile.
-    assert not step_file.exists()
+    # Removed, or rewritten where JAX's own cache did not supply that compile (one
+    # under its minimum compile time is not kept there).
+    assert not step_file.exists() or step_file.read_bytes() != b"not an executable"
 
 
 def _aot_functions(tr):
