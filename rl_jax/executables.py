@@ -229,6 +229,11 @@ def signature(args: tuple) -> tuple:
     return tree, tuple(sig)
 
 
+def _call_signature(args: tuple, static: dict) -> tuple:
+    """A call's in-memory key: the arguments' signature and the static keyword values."""
+    return signature(args), tuple(sorted(static.items()))
+
+
 def _signature_text(sig: tuple) -> str:
     tree, leaves = sig
     parts = [str(tree)]
@@ -277,7 +282,7 @@ class AotFunction:
         part of the key by their repr)."""
         if self._dir() is None:
             return self.jitted(*args, **static)
-        sig = (signature(args), tuple(sorted(static.items())))
+        sig = _call_signature(args, static)
         exe = self._executables.get(sig)
         if exe is None:
             exe = self._get(sig, args, static)
@@ -288,18 +293,9 @@ class AotFunction:
         if self._dir() is None:
             self.jitted.lower(*args, **static).compile()  # jit's own cache keeps it
             return
-        sig = (signature(args), tuple(sorted(static.items())))
+        sig = _call_signature(args, static)
         if sig not in self._executables:
             self._get(sig, args, static)
-
-    def on_disk(self, *args, **static) -> bool:
-        """Whether an executable for arguments like `args` is held or on disk (a
-        `prepare` that will load rather than compile)."""
-        directory = self._dir()
-        if directory is None:
-            return False
-        sig = (signature(args), tuple(sorted(static.items())))
-        return sig in self._executables or self._path(directory, sig).exists()
 
     def start_load(self, *args, **static) -> PendingLoad | None:
         """Start reading the executable for arguments like `args` from disk in a
@@ -312,7 +308,7 @@ class AotFunction:
         directory = self._dir()
         if directory is None:
             return None
-        sig = (signature(args), tuple(sorted(static.items())))
+        sig = _call_signature(args, static)
         path = self._path(directory, sig)
         if sig in self._executables or not path.exists():
             return None

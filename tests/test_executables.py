@@ -35,14 +35,17 @@ def _args(rows=4):
 def test_second_function_loads_without_tracing(tmp_path):
     traces: list = []
     first = _make(tmp_path, traces)
-    assert not first.on_disk(*_args(), n=3)
+    assert first.start_load(*_args(), n=3) is None  # nothing on disk yet
     want = np.asarray(first(*_args(), n=3))
     assert len(traces) == 1 and first.loads == 0
     assert len(list(tmp_path.glob("f-*.exe"))) == 1
 
     traces.clear()
     second = _make(tmp_path, traces)  # a new process would build exactly this
-    assert second.on_disk(*_args(), n=3) and not second.on_disk(*_args(), n=4)
+    assert second.start_load(*_args(), n=4) is None  # another static value: no file
+    pending = second.start_load(*_args(), n=3)
+    assert pending is not None
+    pending.finish()  # read in a background thread
     got = np.asarray(second(*_args(), n=3))
     assert traces == [] and second.loads == 1  # read from disk, never traced
     np.testing.assert_array_equal(got, want)
@@ -128,7 +131,7 @@ def test_off_without_a_compilation_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(executables, "cache_dir", lambda: None)
     traces: list = []
     f = _make(None, traces)
-    assert not f.on_disk(*_args())
+    assert f.start_load(*_args()) is None
     f(*_args())
     f(*_args())
     assert traces == [1] and f._cache_size() == 1  # plain jit
