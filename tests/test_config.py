@@ -95,6 +95,8 @@ def test_knobs_added_later_keep_old_run_ids_at_their_default():
     # before and after mesh.sampler_devices existed); set, it is.
     assert run_id(a) == run_id(apply_overrides(a, ["mesh.sampler_devices=0"]))
     assert run_id(apply_overrides(a, ["mesh.sampler_devices=4"])) != run_id(a)
+    assert run_id(a) == run_id(apply_overrides(a, ["mesh.cpu_devices=0"]))
+    assert run_id(apply_overrides(a, ["mesh.cpu_devices=-1"])) != run_id(a)
 
 
 def test_processes_of_one_run_share_its_id():

@@ -315,3 +315,21 @@ def test_eight_devices_match_one(model):
     assert q.addressable_shards[0].data.shape == (16, 2, 8)
     got = np.asarray(_logprobs(many, TOKS, chunk=4)[0])
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.devices(8)
+def test_model_from_replicated_weights_without_a_mesh(model):
+    # A data-parallel trainer's weights sit on every device; a Transformer made from
+    # them without a mesh (HF export, scoring) keeps each layer where its stack is.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rl_jax.models import Transformer
+
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=1))
+    rep = jax.device_put(model_params(model), NamedSharding(mesh, P()))
+    copy = Transformer(SPEC, rep)
+    assert copy.layers[0].q[...].sharding.device_set == set(mesh.devices.flat)
+    np.testing.assert_allclose(
+        np.asarray(_logprobs(copy, TOKS)[0]), np.asarray(_logprobs(model, TOKS)[0]), atol=1e-6
+    )

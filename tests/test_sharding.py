@@ -11,6 +11,7 @@ from rl_jax.sharding import (
     logical_to_spec,
     make_mesh,
     resolve_axis_sizes,
+    set_cpu_devices,
     split_devices,
 )
 
@@ -45,6 +46,50 @@ def test_mesh_errors():
         MeshConfig(data=-1, fsdp=-1)
     with pytest.raises(ConfigError, match="mesh.rules"):
         MeshConfig(rules="zero3")
+
+
+def test_cpu_devices_once_jax_runs():
+    # This process's backend started with 8 devices: asking for them again is fine,
+    # another count is an error that names the knob, and 0 leaves JAX alone.
+    set_cpu_devices(MeshConfig(cpu_devices=8))
+    set_cpu_devices(MeshConfig(cpu_devices=0))
+    with pytest.raises(ConfigError, match=r"mesh.cpu_devices=3 .* already runs with 8"):
+        set_cpu_devices(MeshConfig(cpu_devices=3))
+    with pytest.raises(ConfigError, match="mesh.cpu_devices=-2"):
+        MeshConfig(cpu_devices=-2)
+    assert jax.device_count() == 8
+
+
+_CPU_DEVICES_CHILD = """
+import os, sys, jax
+from rl_jax.config import MeshConfig
+from rl_jax.sharding import make_mesh, start_jax
+cfg = MeshConfig(cpu_devices=int(sys.argv[1]), data=-1, fsdp=1)
+start_jax(cfg)
+mesh = make_mesh(cfg)
+print(jax.device_count(), mesh.shape["data"], len(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.parametrize("asked", [3, -1])
+def test_cpu_devices_in_a_fresh_process(asked):
+    # Before JAX starts, the knob wins over XLA_FLAGS' count (the test session's 8).
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", _CPU_DEVICES_CHILD, str(asked)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, data, cores = map(int, out.stdout.split())
+    want = cores if asked == -1 else asked
+    assert count == data == want
 
 
 def test_rules_map_logical_axes():

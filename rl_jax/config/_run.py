@@ -171,7 +171,7 @@ _NON_SEMANTIC = (
 
 # Knobs added after run ids were first handed out: left out of the hash while at
 # their default, so runs made before they existed keep their ids (and resume).
-_LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0}
+_LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0, "mesh.cpu_devices": 0}
 # Knobs that differ between the processes of one multi-process run (or between
 # launches of it): hashed at their defaults, so that every process computes the
 # same id for the run directory they share (and older ids stay as they were).

@@ -20,6 +20,13 @@ class MeshConfig:
         help="split mode: the first this many devices sample while the rest train, at the "
         "same time (0 = colocated; needs train.off_policy=pipeline)",
     )
+    cpu_devices: int = knob(
+        0,
+        help="CPU backend only: split the host CPU into this many JAX devices (-1 = one per "
+        "core; 0 = JAX's default: one, or XLA_FLAGS' --xla_force_host_platform_device_count); "
+        "set before JAX starts. A device runs small matmuls (decoding) on one thread, so rows "
+        "split over per-core devices (mesh.data=-1 mesh.fsdp=1) use every core",
+    )
     rules: str = knob("fsdp_tp", help=f"logical-axis rule preset, one of {RULE_PRESETS}")
     distributed: bool = knob(False, help="call jax.distributed.initialize (one process per host)")
     coordinator_address: str = knob("", help="host:port of process 0 ('' = auto-detect, e.g. TPU)")
@@ -37,6 +44,11 @@ class MeshConfig:
         if self.sampler_devices < 0:
             raise ConfigError(
                 f"mesh.sampler_devices={self.sampler_devices} must be >= 0 (0 = colocated)"
+            )
+        if self.cpu_devices < -1:
+            raise ConfigError(
+                f"mesh.cpu_devices={self.cpu_devices} must be >= -1 (-1 = one per core, "
+                "0 = JAX's default)"
             )
         if self.num_devices < 0:
             raise ConfigError(f"mesh.num_devices={self.num_devices} must be >= 0 (0 = all)")

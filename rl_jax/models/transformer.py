@@ -584,17 +584,20 @@ def _split_layers(
     lay = param_layout(spec)
     L = spec.num_layers
 
+    def take(p):
+        return [{n: a[i] for n, a in p.items()} for i in range(L)]
+
+    if mesh is None:
+        # Each slice where its stack is (the default device for host arrays; every
+        # device of a replicated stack, e.g. a trainer's data-parallel weights).
+        return jax.jit(take)(stacked)
+
     def sharding(name):
-        if mesh is None:
-            return SingleDeviceSharding(jax.devices()[0])
         shape, axes = lay[name].shape[1:], lay[name].logical_axes[1:]
         return NamedSharding(mesh, fit_spec(logical_to_spec(axes, rules), shape, mesh))
 
     out_sh = [{n: sharding(n) for n in stacked} for _ in range(L)]
-    split = jax.jit(
-        lambda p: [{n: a[i] for n, a in p.items()} for i in range(L)], out_shardings=out_sh
-    )
-    return split(stacked)
+    return jax.jit(take, out_shardings=out_sh)(stacked)
 
 
 @jax.jit

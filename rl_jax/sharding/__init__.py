@@ -5,7 +5,9 @@ from rl_jax.sharding.mesh import (
     make_mesh,
     maybe_initialize_distributed,
     resolve_axis_sizes,
+    set_cpu_devices,
     split_devices,
+    start_jax,
 )
 from rl_jax.sharding.rules import (
     BATCH_AXES,
@@ -37,5 +39,7 @@ __all__ = [
     "num_batch_shards",
     "replicated",
     "resolve_axis_sizes",
+    "set_cpu_devices",
     "split_devices",
+    "start_jax",
 ]

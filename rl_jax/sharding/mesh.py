@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -29,6 +30,37 @@ def resolve_axis_sizes(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int
             f"mesh: data*fsdp*tensor = {math.prod(sizes)} but there are {num_devices} devices"
         )
     return tuple(sizes)  # type: ignore[return-value]
+
+
+def start_jax(cfg: MeshConfig) -> None:
+    """What must happen before JAX's backends start: the CPU device count, then
+    `jax.distributed` (both idempotent)."""
+    set_cpu_devices(cfg)
+    maybe_initialize_distributed(cfg)
+
+
+def set_cpu_devices(cfg: MeshConfig) -> None:
+    """Apply mesh.cpu_devices (a no-op at 0). Once the backends run, the count cannot
+    change: asking for another one than the CPU backend has is a ConfigError."""
+    n = cfg.cpu_devices
+    if n == 0:
+        return
+    if n == -1:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        jax.config.update("jax_num_cpu_devices", int(n))
+        return
+    except RuntimeError:  # the backends have started (jax's validator)
+        pass
+    if jax.default_backend() != "cpu":
+        return  # the knob is about the CPU backend; an accelerator run does not use it
+    have = len(jax.devices("cpu"))
+    if have != n:
+        raise ConfigError(
+            f"mesh.cpu_devices={cfg.cpu_devices} asks for {n} CPU devices, but JAX's CPU "
+            f"backend already runs with {have} in this process; set it before any JAX "
+            "computation (a fresh process), or use mesh.cpu_devices=0"
+        )
 
 
 def maybe_initialize_distributed(cfg: MeshConfig) -> None:

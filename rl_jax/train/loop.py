@@ -51,8 +51,8 @@ from rl_jax.sharding import (
     MeshConfig,
     get_rules,
     make_mesh,
-    maybe_initialize_distributed,
     num_batch_shards,
+    start_jax,
 )
 from rl_jax.train.accounting import ComputeCounters
 from rl_jax.train.checkpoint import Checkpointer
@@ -95,7 +95,7 @@ class RLTrainer:
     """Builds everything a RunConfig names and runs it into its run directory."""
 
     def __init__(self, cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False):
-        maybe_initialize_distributed(cfg.mesh)
+        start_jax(cfg.mesh)
         self.cfg = cfg
         self.quiet = quiet
         # mesh: the trainer's; sample_mesh: the sampler's (the same one unless split).
