@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: worker protocol, memory, machine rate, char tokenizer.
+"""Helpers shared by the benchmarks: worker protocol, memory, machine rate.
 
 Nothing here imports JAX or torch at module level: `trl_grpo.py` runs in its own
 virtual environment (torch + TRL, no JAX) and imports this file by path.
@@ -104,32 +104,3 @@ def jax_matmul_rate(
 
 
 _MATMUL: dict = {}
-
-# The CharTokenizer's ids (rl_jax.data.tokenizer): pad 0, bos 1, eos 2, unk 3, then ALPHABET.
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-
-
-def write_char_tokenizer(out_dir: str, alphabet: str) -> None:
-    """An HF fast tokenizer (tokenizer.json + tokenizer_config.json) that gives the same ids
-    as rl_jax's CharTokenizer: one token per character, specials first."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for i, c in enumerate(alphabet):
-        vocab[c] = len(SPECIAL_TOKENS) + i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "pad_token": "<pad>",
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "unk_token": "<unk>",
-        "model_max_length": 2048,
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)

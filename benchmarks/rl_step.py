@@ -66,7 +66,6 @@ from _common import (  # noqa: E402
     peak_rss_mb,
     wait_command,
     worker_env,
-    write_char_tokenizer,
 )
 
 TRL_VENV = os.path.join(ROOT, ".cache", "bench", "trl-venv")
@@ -238,13 +237,7 @@ def _export(trainer, out_dir: str) -> None:
 
     model = Transformer(trainer.spec, dict(trainer.params))
     export_hf(model, out_dir)
-    tok = trainer.tokenizer
-    if hasattr(tok, "save"):
-        tok.save(out_dir)
-    else:  # CharTokenizer: an HF tokenizer with the same ids
-        from rl_jax.data.tokenizer import ALPHABET
-
-        write_char_tokenizer(out_dir, ALPHABET)
+    trainer.tokenizer.save(out_dir)  # the char tokenizer writes an HF one with its ids
 
 
 def _write_problems(trainer, path: str) -> None:

@@ -56,5 +56,35 @@ class CharTokenizer:
                 out.append("\ufffd")
         return "".join(out)
 
+    def save(self, out_dir) -> None:
+        """Write an HF fast tokenizer (tokenizer.json, tokenizer_config.json) that gives
+        the same ids, so an exported model samples and trains with its own tokenizer
+        under transformers or `rl-jax sample --model DIR`."""
+        import json
+        from pathlib import Path
+
+        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+        specials = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, as above
+        vocab = {t: i for i, t in enumerate(specials)}
+        vocab.update({c: i for c, i in self._to_id.items()})
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.normalizer = normalizers.Lowercase()  # capitals read as lowercase, as encode does
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(specials)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save(str(out / "tokenizer.json"))
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "pad_token": "<pad>",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "unk_token": "<unk>",
+            "model_max_length": 2048,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"

@@ -3,10 +3,14 @@
     rl-jax convert hf_dir out_dir                 # HF -> rl_jax model directory
     rl-jax convert rl_jax_dir out_dir             # rl_jax -> HF (transformers loads it)
     rl-jax convert model.gguf out_dir             # GGUF -> HF (dequantized, tokenizer too)
+    rl-jax convert runs/NAME out_dir              # a run's newest checkpoint -> HF
+    rl-jax convert runs/NAME/checkpoints/40 out_dir --to rl_jax
     rl-jax convert SRC OUT --to hf|rl_jax --dtype bfloat16
 
 The default target is the other family: rl_jax for an HF source, HF otherwise.
-Tokenizer files travel along (from a GGUF file, a tokenizer.json is built).
+Tokenizer files travel along (from a GGUF file, a tokenizer.json is built; from a
+run, the tokenizer it trained with: its model.path's files, or the built-in
+character tokenizer written as an HF tokenizer with the same ids).
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    p.add_argument("src", help="HF directory, GGUF file or rl_jax model directory")
+    p.add_argument(
+        "src",
+        help="HF directory, GGUF file, rl_jax model directory, or a run (RUN[/checkpoints/STEP])",
+    )
+    p.add_argument("--step", type=int, default=None, help="with a run: its checkpoint step")
     p.add_argument("out", help="output directory")
     p.add_argument("--to", choices=TARGETS, default=None, help="target format")
     p.add_argument(
@@ -45,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def source_kind(src: Path) -> str:
     from rl_jax.models.native import is_native_dir
+    from rl_jax.train.policy_io import is_run_path
 
+    if is_run_path(src):
+        return "run"
     if src.suffix == ".gguf" and src.is_file():
         return "gguf"
     if is_native_dir(src):
@@ -53,7 +64,8 @@ def source_kind(src: Path) -> str:
     if (src / "config.json").is_file():
         return "hf"
     raise ConfigError(
-        f"{src} is neither an HF directory, a GGUF file nor an rl_jax model directory"
+        f"{src} is neither an HF directory, a GGUF file, an rl_jax model directory nor a "
+        "training run (RUN, RUN/checkpoints/STEP)"
     )
 
 
@@ -68,8 +80,19 @@ def main(argv: list[str]) -> int:
     target = args.to or ("rl_jax" if kind == "hf" else "hf")
     if out.resolve() == src.resolve():
         raise ConfigError(f"output {out} is the source itself; pick another directory")
-    model = load_model(ModelConfig(path=str(src), param_dtype=args.dtype))
+    if args.step is not None and kind != "run":
+        raise ConfigError(f"--step needs a run directory as the source, not {src}")
     tokenizer_from = src if src.is_dir() else None
+    write_tokenizer = None
+    if kind == "run":
+        from rl_jax.train.policy_io import load_run_model, run_tokenizer
+
+        model, ck = load_run_model(src, step=args.step, param_dtype=args.dtype)
+        tokenizer_from = ck.cfg.model.path or None
+        if not tokenizer_from:  # the built-in character tokenizer
+            write_tokenizer = run_tokenizer(ck).save
+    else:
+        model = load_model(ModelConfig(path=str(src), param_dtype=args.dtype))
     if target == "hf":
         export_hf(
             model,
@@ -79,6 +102,8 @@ def main(argv: list[str]) -> int:
         )
     else:
         save_model(model, out, tokenizer_from=tokenizer_from)
+    if write_tokenizer is not None:
+        write_tokenizer(out)
     if kind == "gguf":
         from rl_jax.models.tokenizer import HFTokenizer
 
@@ -88,6 +113,7 @@ def main(argv: list[str]) -> int:
             print(f"rl-jax convert: weights written; tokenizer not converted: {e}", file=sys.stderr)
     summary = {
         "from": kind,
+        **({"step": ck.step} if kind == "run" else {}),
         "to": target,
         "out": str(out),
         "architecture": model.spec.architecture,

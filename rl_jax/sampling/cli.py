@@ -5,10 +5,11 @@
     rl-jax sample --model DIR --prompt-token-ids 1,2,3 sampling.temperature=0
 
 --model: an HF directory, a GGUF file or an rl_jax model directory (tokenizer
-files beside the weights are used for text). --prompts FILE: one prompt per
-line, or JSON lines with "prompt" (text) or "token_ids". Text prompts are
-encoded without special tokens unless --chat wraps them in the tokenizer's
-chat template; token ids are used as given. With --json each row prints
+files beside the weights are used for text), or a training run: RUN (its newest
+checkpoint, or --step N) or RUN/checkpoints/STEP, sampled with the run's tokenizer.
+--prompts FILE: one prompt per line, or JSON lines with "prompt" (text) or
+"token_ids". Text prompts are encoded without special tokens unless --chat wraps
+them in the tokenizer's chat template; token ids are used as given. With --json each row prints
 {"prompt_index", "sample_index", "token_ids" (completion only), "logprobs",
 "finish_reason", "truncated", "length", "text"}. Log-probs are of the
 temperature-scaled distribution sampled from (temperature 1 for greedy).
@@ -32,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    p.add_argument("--model", required=True, help="HF directory, GGUF file or rl_jax model dir")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF directory, GGUF file, rl_jax model dir, or a run (RUN, RUN/checkpoints/STEP)",
+    )
+    p.add_argument("--step", type=int, default=None, help="with a run: its checkpoint step")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one text prompt")
     src.add_argument("--prompts", help="file: a prompt per line, or JSON lines")
@@ -106,7 +112,17 @@ def main(argv: list[str]) -> int:
         raw = [args.prompt]
     else:
         raw = read_prompts(args.prompts)
-    tok = _tokenizer(args.model)
+    from rl_jax.train.policy_io import find_run_checkpoint, is_run_path
+
+    run_ck = find_run_checkpoint(args.model, args.step) if is_run_path(args.model) else None
+    if run_ck is None and args.step is not None:
+        raise ConfigError(f"--step needs a run directory as --model, not {args.model}")
+    if run_ck is not None:
+        from rl_jax.train.policy_io import run_tokenizer
+
+        tok = run_tokenizer(run_ck)
+    else:
+        tok = _tokenizer(args.model)
     needs_text = any(isinstance(r, str) for r in raw) or scfg.length_control == "interrupt"
     if needs_text and tok is None:
         raise ConfigError(
@@ -127,7 +143,12 @@ def main(argv: list[str]) -> int:
     from rl_jax.models.hf import load_model
     from rl_jax.sampling._sampler import Sampler
 
-    model = load_model(model_cfg, purpose="sample")
+    if run_ck is not None:
+        from rl_jax.train.policy_io import load_run_model
+
+        model, _ = load_run_model(args.model, step=run_ck.step, purpose="sample")
+    else:
+        model = load_model(model_cfg, purpose="sample")
     spec = model.spec
     if tok is not None:
         eos, pad = tok.eos_id, tok.pad_id

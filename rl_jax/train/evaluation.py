@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
+import jax
 import numpy as np
+
+from rl_jax.rewards import score_batch
+
+# Folded into the run's seed for validation sampling: the same key at every
+# evaluation (and in `rl-jax eval`), so checkpoints are compared on the same draws.
+EVAL_KEY_SALT = 0xE7A1
+
+
+def eval_key(seed: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), EVAL_KEY_SALT)
 
 
 def pass_metrics(
@@ -40,3 +52,30 @@ def pass_metrics(
         for d, idx in sorted(groups.items(), key=lambda kv: str(kv[0])):
             out[f"{prefix}pass@1/{d}"] = float(c[idx].mean())
     return out
+
+
+def evaluate_policy(
+    sampler,
+    params,
+    problems: Sequence,
+    *,
+    tokenizer,
+    correct_fn,
+    k: int,
+    key: jax.Array,
+    version: int = 0,
+) -> tuple[dict[str, float], object]:
+    """Sample k completions per validation problem, score them with the 0/1 verifier
+    `correct_fn`, and return (`pass_metrics`, the rollouts)."""
+    prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
+    ro = sampler.generate(params, prompt_ids, n=k, key=key, version=version)
+    texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
+    answers = [problems[g].answer for g in ro.group_ids]
+    correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)
+    metrics = pass_metrics(
+        correct > 0.5,
+        lengths_pk=ro.lengths.reshape(len(problems), k),
+        truncated_pk=ro.truncated.reshape(len(problems), k),
+        difficulty_p=[p.meta.get("difficulty", "all") for p in problems],
+    )
+    return metrics, ro

@@ -56,7 +56,7 @@ from rl_jax.sharding import (
 )
 from rl_jax.train.accounting import ComputeCounters
 from rl_jax.train.checkpoint import Checkpointer
-from rl_jax.train.evaluation import pass_metrics
+from rl_jax.train.evaluation import eval_key, evaluate_policy
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.step import (
@@ -580,23 +580,15 @@ class RLTrainer:
 
     def evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        probs = self.val_problems
-        ro = self.eval_sampler.generate(
+        m, ro = evaluate_policy(
+            self.eval_sampler,
             self.sampler_weights()[0],
-            self._prompt_ids(probs),
-            n=self.cfg.eval.k,
-            key=jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0xE7A1),
+            self.val_problems,
+            tokenizer=self.tokenizer,
+            correct_fn=self.correct_fn,
+            k=self.cfg.eval.k,
+            key=eval_key(self.cfg.train.seed),
             version=self.version,
-        )
-        texts = [self.tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
-        answers = [probs[g].answer for g in ro.group_ids]
-        correct = score_batch(self.correct_fn, texts, answers).reshape(len(probs), -1)
-        k = self.cfg.eval.k
-        m = pass_metrics(
-            correct > 0.5,
-            lengths_pk=ro.lengths.reshape(len(probs), k),
-            truncated_pk=ro.truncated.reshape(len(probs), k),
-            difficulty_p=[p.meta.get("difficulty", "all") for p in probs],
         )
         ev_tokens = float(ro.lengths.sum())
         self.counters.add(

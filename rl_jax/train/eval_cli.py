@@ -1,0 +1,155 @@
+"""`rl-jax eval RUN [--step N] [key=value ...]`: validation metrics of a run's checkpoint.
+
+    rl-jax eval runs/scalerl                       # newest checkpoint, the run's eval settings
+    rl-jax eval runs/scalerl/checkpoints/40 eval.k=64 eval.num_prompts=256
+    rl-jax eval runs/scalerl --step 40 --json > step40.json
+
+The policy is sampled on the run's validation split with the run's sampling, eval
+and reward settings (overrides apply on top), the same key as the trainer's own
+evaluations, so the default settings reproduce the run's curve row at that step.
+Prints the metrics (val/pass@1 = mean@k, val/best@k, val/worst@k, per
+difficulty, response length, truncation rate); with --json one JSON object that
+also holds run_id, step, version, the checkpoint, the eval settings and the run's
+compute counters at that step (a curve point for a larger k or more prompts).
+The run directory is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from rl_jax.knobs import ConfigError
+
+# Overrides that would change the policy or the data it was trained on, not how it
+# is evaluated: refused, so a curve row never mixes two experiments.
+_FIXED = ("model.", "train.", "loss.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rl-jax eval",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("run", help="run directory, RUN/checkpoints or RUN/checkpoints/STEP")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="eval.*, sampling.*, data.*, rewards.*, mesh.* overrides",
+    )
+    return p
+
+
+def _eval_mesh(mesh_cfg):
+    """The run's mesh on this machine if it fits; else data parallel over every device
+    (the sampler's rows do not depend on the layout)."""
+    from rl_jax.sharding import make_mesh
+
+    one_process = dataclasses.replace(mesh_cfg, distributed=False, sampler_devices=0)
+    try:
+        return make_mesh(one_process)
+    except ConfigError:
+        return make_mesh(dataclasses.replace(one_process, data=-1, fsdp=1, tensor=1))
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    from rl_jax.config import apply_overrides, run_id
+    from rl_jax.train.policy_io import find_run_checkpoint
+
+    ck = find_run_checkpoint(args.run, args.step)
+    bad = [o for o in args.overrides if o.split("=", 1)[0].startswith(_FIXED)]
+    if bad:
+        raise ConfigError(
+            f"{bad}: eval keeps the run's model.*, train.* and loss.* (they define the policy)"
+        )
+    cfg = apply_overrides(ck.cfg, args.overrides)
+
+    from rl_jax.sharding import start_jax
+
+    start_jax(dataclasses.replace(cfg.mesh, distributed=False))
+    import jax
+
+    from rl_jax.data import build_task
+    from rl_jax.rewards import from_config as reward_from_config
+    from rl_jax.rewards import get as get_reward
+    from rl_jax.sampling import Sampler
+    from rl_jax.train.evaluation import eval_key, evaluate_policy
+    from rl_jax.train.policy_io import load_run_params, run_spec, run_tokenizer
+
+    t0 = time.perf_counter()
+    mesh = _eval_mesh(cfg.mesh)
+    spec = run_spec(ck)
+    params = load_run_params(ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample")
+    meta = _checkpoint_meta(ck)
+    tok = run_tokenizer(ck)
+    task = build_task(cfg.data)
+    problems = list(task.val)[: cfg.eval.num_prompts]
+    if not problems:
+        raise ConfigError(f"the run's task {cfg.data.task!r} has no validation problems")
+    reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
+    correct_fn = get_reward(
+        getattr(reward_fn, "name", task.reward_name),
+        scale="01",
+        timeout_s=cfg.rewards.timeout_s,
+        workers=cfg.rewards.workers,
+    )
+    eval_sampling = dataclasses.replace(
+        cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
+    )
+    sampler = Sampler(
+        spec,
+        eval_sampling,
+        mesh=mesh,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+        interrupt_ids=tok.encode(cfg.sampling.interrupt_text),
+        rules=cfg.mesh.rules,
+    )
+    version = int(meta.get("version", ck.step))
+    metrics, _ = evaluate_policy(
+        sampler,
+        params,
+        problems,
+        tokenizer=tok,
+        correct_fn=correct_fn,
+        k=cfg.eval.k,
+        key=eval_key(cfg.train.seed),
+        version=version,
+    )
+    metrics["time/eval_s"] = time.perf_counter() - t0
+    out = {
+        "run_id": run_id(ck.cfg),
+        "step": ck.step,
+        "version": version,
+        "checkpoint": str(ck.run_dir / "checkpoints" / str(ck.step)),
+        "devices": jax.device_count(),
+        **metrics,
+    }
+    if args.json:
+        out["eval"] = {f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
+        out["counters"] = meta.get("counters", {})
+        print(json.dumps(out))
+    else:
+        print(f"run {out['run_id']} step {ck.step} ({out['checkpoint']})")
+        for k, v in metrics.items():
+            print(f"  {k:<28} {v:.4f}")
+    sys.stdout.flush()
+    return 0
+
+
+def _checkpoint_meta(ck) -> dict:
+    """The checkpoint's JSON metadata (step, version, compute counters)."""
+    path = ck.run_dir / "checkpoints" / str(ck.step) / "meta" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

@@ -1,0 +1,183 @@
+"""A trained policy out of a run directory: its config, tokenizer and checkpointed weights.
+
+`rl-jax sample`, `rl-jax convert` and `rl-jax eval` accept a run where they accept
+a model, as any of:
+  RUN                          a run directory (config.json + checkpoints/): newest step
+  RUN/checkpoints              the same
+  RUN/checkpoints/STEP         that step
+Only the policy's parameters are read from the checkpoint (orbax partial restore):
+the optimizer state, a frozen reference policy and the data state stay on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from rl_jax.config import RunConfig, from_dict
+from rl_jax.knobs import ConfigError
+from rl_jax.models import ModelSpec, Transformer, build_model, param_layout, param_shardings
+from rl_jax.models.hf import CheckpointError
+from rl_jax.models.transformer import dtype_of
+from rl_jax.sharding import get_rules
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    run_dir: Path
+    step: int
+    cfg: RunConfig
+
+    @property
+    def state_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / str(self.step) / "state"
+
+
+def _run_root(p: Path) -> tuple[Path, int | None] | None:
+    """(run directory, step named by the path or None) if `p` is in a run's layout."""
+    if (p / "config.json").is_file() and (p / "checkpoints").is_dir():
+        return p, None
+    if p.name == "checkpoints" and (p.parent / "config.json").is_file():
+        return p.parent, None
+    if p.parent.name == "checkpoints" and (p.parent.parent / "config.json").is_file():
+        if not p.name.isdigit():
+            raise ConfigError(f"{p}: a checkpoint folder is named by its step number")
+        return p.parent.parent, int(p.name)
+    return None
+
+
+def is_run_path(path: str | Path) -> bool:
+    """Whether `path` names a run directory or one of its checkpoints (see the module doc)."""
+    try:
+        return _run_root(Path(path)) is not None
+    except ConfigError:
+        return True  # a run's layout with a malformed step: find_run_checkpoint says why
+
+
+def find_run_checkpoint(path: str | Path, step: int | None = None) -> RunCheckpoint:
+    """The run checkpoint `path` names (its newest step unless the path or `step` names
+    one); a ConfigError that lists the saved steps when there is no such checkpoint."""
+    p = Path(path).resolve()  # orbax wants absolute paths
+    found = _run_root(p)
+    if found is None:
+        raise ConfigError(
+            f"{path} is not a run directory (config.json and checkpoints/) nor one of its "
+            "checkpoints (RUN/checkpoints/STEP)"
+        )
+    run, named = found
+    if step is not None and named is not None and step != named:
+        raise ConfigError(f"{path} names step {named} but step={step} was asked for")
+    step = named if named is not None else step
+    try:
+        cfg = from_dict(json.loads((run / "config.json").read_text())["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{run / 'config.json'} is not a run config ({e})") from None
+    saved = sorted(
+        int(d.name)
+        for d in (run / "checkpoints").iterdir()
+        if d.is_dir() and d.name.isdigit() and (d / "state").is_dir()
+    )
+    if not saved:
+        raise ConfigError(f"run {run} has no checkpoint yet")
+    if step is None:
+        step = saved[-1]
+    elif step not in saved:
+        raise ConfigError(f"run {run} has no checkpoint at step {step}; saved steps: {saved}")
+    return RunCheckpoint(run_dir=run, step=step, cfg=cfg)
+
+
+def run_spec(ck: RunCheckpoint) -> ModelSpec:
+    from rl_jax.models import resolve_spec
+
+    return resolve_spec(ck.cfg.model)
+
+
+def load_run_params(
+    ck: RunCheckpoint,
+    spec: ModelSpec,
+    *,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+) -> dict[str, jax.Array]:
+    """The policy's parameters of checkpoint `ck`, placed by `rules_preset` on `mesh`
+    (one device without a mesh). A tensor missing or of another shape is named."""
+    shardings = param_shardings(spec, mesh, get_rules(rules_preset, purpose=purpose))
+    layout = param_layout(spec)
+    dtype = dtype_of(spec.param_dtype)
+    ckptr = ocp.PyTreeCheckpointer()
+    try:
+        with _quiet_absl():  # orbax warns that the step-level metadata file is not here
+            meta = ckptr.metadata(ck.state_dir)
+        stored = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+        stored_params = dict(stored["params"])
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
+        raise CheckpointError(f"{ck.state_dir}: cannot read the checkpoint ({e})") from None
+    for name, info in layout.items():
+        if name not in stored_params:
+            raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
+        shape = tuple(stored_params[name].shape)
+        if shape != info.shape:
+            raise CheckpointError(
+                f"{ck.state_dir}: tensor params/{name} has shape {shape} but the run's "
+                f"model needs {info.shape}"
+            )
+    target = {
+        name: jax.ShapeDtypeStruct(info.shape, dtype, sharding=shardings[name])
+        for name, info in layout.items()
+    }
+    args = ocp.args.PyTreeRestore(
+        item={"params": target},
+        restore_args={"params": ocp.checkpoint_utils.construct_restore_args(target)},
+        partial_restore=True,
+    )
+    try:
+        return dict(ckptr.restore(ck.state_dir, args=args)["params"])
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{ck.state_dir}: the parameters do not restore ({e})") from None
+
+
+def load_run_model(
+    path: str | Path,
+    *,
+    step: int | None = None,
+    mesh: Mesh | None = None,
+    rules_preset: str = "fsdp_tp",
+    purpose: str = "train",
+    param_dtype: str | None = None,
+) -> tuple[Transformer, RunCheckpoint]:
+    """The policy of a run's checkpoint as a Transformer (its parameters cast to
+    `param_dtype` if given), and which checkpoint it is."""
+    ck = find_run_checkpoint(path, step)
+    spec = run_spec(ck)
+    if param_dtype is not None:
+        spec = dataclasses.replace(spec, param_dtype=param_dtype)
+    params = load_run_params(ck, spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose)
+    model = build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
+    return model, ck
+
+
+def run_tokenizer(ck: RunCheckpoint):
+    """The tokenizer the run trained with."""
+    from rl_jax.train.loop import load_tokenizer
+
+    return load_tokenizer(ck.cfg)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
