@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("rl_jax.train.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
     "grid": ("rl_jax.grid.cli", "run an experiment grid spec (local, ray, tpu backends)"),
     "fit": ("rl_jax.scaling.cli", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
-    "eval": ("rl_jax.train.eval_cli", "evaluate a checkpoint on a validation split"),
+    "eval": ("rl_jax.train.eval_cli", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
     "sample": ("rl_jax.sampling.cli", "sample completions from a model"),
     "score": ("rl_jax.models.score_cli", "per-token log-probs of a text under a model (JSON)"),
     "convert": ("rl_jax.models.convert_cli", "convert between HF checkpoints and rl_jax"),

@@ -132,3 +132,12 @@ def test_cli_config_and_errors():
     for cmd in ("train", "grid", "fit", "sample", "convert", "config"):
         assert cmd in r.stdout
     assert "loss.eps_max" in r.stdout
+
+
+def test_every_advertised_command_exists():
+    import importlib
+
+    from rl_jax.cli import COMMANDS
+
+    for name, (module, _) in COMMANDS.items():
+        assert callable(importlib.import_module(module).main), name
