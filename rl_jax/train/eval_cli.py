@@ -94,7 +94,9 @@ def main(argv: list[str]) -> int:
     task = build_task(cfg.data)
     problems = list(task.val)[: cfg.eval.num_prompts]
     if not problems:
-        raise ConfigError(f"the run's task {cfg.data.task!r} has no validation problems")
+        raise ConfigError(
+            f"data.source={cfg.data.source!r} has no validation problems (data.val_size)"
+        )
     reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
     correct_fn = get_reward(
         getattr(reward_fn, "name", task.reward_name),
