@@ -77,9 +77,13 @@ def test_bad_runs_and_overrides_name_the_problem(run, tmp_path):
         eval_cli.main([str(path), "train.lr=1.0"])
     with pytest.raises(ConfigError, match="not a run directory"):
         eval_cli.main([str(tmp_path)])
-    assert (
-        is_run_path(path) and is_run_path(path / "checkpoints" / "4") and not is_run_path(tmp_path)
-    )
+    assert is_run_path(path) and is_run_path(path / "checkpoints" / "4")
+    assert not is_run_path(tmp_path)
+    # An HF model directory with a checkpoints folder is still a model, not a run.
+    hf = tmp_path / "hf_model"
+    (hf / "checkpoints").mkdir(parents=True)
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert not is_run_path(hf) and not is_run_path(hf / "checkpoints")
 
 
 def test_a_damaged_checkpoint_names_the_tensor(run, tmp_path):

@@ -41,13 +41,25 @@ class RunCheckpoint:
         return self.run_dir / "checkpoints" / str(self.step) / "state"
 
 
+def _is_run_dir(p: Path) -> bool:
+    """A run directory: checkpoints/ beside a config.json that holds a run id (an HF
+    model directory also has a config.json, and may have a checkpoints folder)."""
+    if not (p / "checkpoints").is_dir() or not (p / "config.json").is_file():
+        return False
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg, dict) and "run_id" in cfg and "config" in cfg
+
+
 def _run_root(p: Path) -> tuple[Path, int | None] | None:
     """(run directory, step named by the path or None) if `p` is in a run's layout."""
-    if (p / "config.json").is_file() and (p / "checkpoints").is_dir():
+    if _is_run_dir(p):
         return p, None
-    if p.name == "checkpoints" and (p.parent / "config.json").is_file():
+    if p.name == "checkpoints" and _is_run_dir(p.parent):
         return p.parent, None
-    if p.parent.name == "checkpoints" and (p.parent.parent / "config.json").is_file():
+    if p.parent.name == "checkpoints" and _is_run_dir(p.parent.parent):
         if not p.name.isdigit():
             raise ConfigError(f"{p}: a checkpoint folder is named by its step number")
         return p.parent.parent, int(p.name)
