@@ -59,7 +59,9 @@ class CharTokenizer:
     def save(self, out_dir) -> None:
         """Write an HF fast tokenizer (tokenizer.json, tokenizer_config.json) that gives
         the same ids, so an exported model samples and trains with its own tokenizer
-        under transformers or `rl-jax sample --model DIR`."""
+        under transformers or `rl-jax sample --model DIR`. (transformers 5's
+        AutoTokenizer gives a `qwen2` model Qwen2Tokenizer's pipeline whatever the
+        file says; `PreTrainedTokenizerFast(tokenizer_file=...)` reads it as written.)"""
         import json
         from pathlib import Path
 
@@ -67,7 +69,7 @@ class CharTokenizer:
 
         specials = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, as above
         vocab = {t: i for i, t in enumerate(specials)}
-        vocab.update({c: i for c, i in self._to_id.items()})
+        vocab.update(self._to_id)
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.normalizer = normalizers.Lowercase()  # capitals read as lowercase, as encode does
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
