@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     if run_ck is not None:
         from rl_jax.train.policy_io import load_run_model
 
-        model, _ = load_run_model(args.model, step=run_ck.step, purpose="sample")
+        model, _ = load_run_model(run_ck, purpose="sample")
     else:
         model = load_model(model_cfg, purpose="sample")
     spec = model.spec

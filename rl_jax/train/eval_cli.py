@@ -79,17 +79,19 @@ def main(argv: list[str]) -> int:
     import jax
 
     from rl_jax.data import build_task
-    from rl_jax.rewards import from_config as reward_from_config
-    from rl_jax.rewards import get as get_reward
-    from rl_jax.sampling import Sampler
-    from rl_jax.train.evaluation import eval_key, evaluate_policy
+    from rl_jax.train.evaluation import (
+        correctness_fn,
+        eval_key,
+        evaluate_policy,
+        make_eval_sampler,
+    )
     from rl_jax.train.policy_io import load_run_params, run_spec, run_tokenizer
 
     t0 = time.perf_counter()
     mesh = _eval_mesh(cfg.mesh)
     spec = run_spec(ck)
     params = load_run_params(ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample")
-    meta = _checkpoint_meta(ck)
+    meta = ck.meta()
     tok = run_tokenizer(ck)
     task = build_task(cfg.data)
     problems = list(task.val)[: cfg.eval.num_prompts]
@@ -97,32 +99,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError(
             f"data.source={cfg.data.source!r} has no validation problems (data.val_size)"
         )
-    reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
-    correct_fn = get_reward(
-        getattr(reward_fn, "name", task.reward_name),
-        scale="01",
-        timeout_s=cfg.rewards.timeout_s,
-        workers=cfg.rewards.workers,
-    )
-    eval_sampling = dataclasses.replace(
-        cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
-    )
-    sampler = Sampler(
-        spec,
-        eval_sampling,
-        mesh=mesh,
-        eos_id=tok.eos_id,
-        pad_id=tok.pad_id,
-        interrupt_ids=tok.encode(cfg.sampling.interrupt_text),
-        rules=cfg.mesh.rules,
-    )
+    sampler = make_eval_sampler(spec, cfg, tok, mesh=mesh)
     version = int(meta.get("version", ck.step))
     metrics, _ = evaluate_policy(
         sampler,
         params,
         problems,
         tokenizer=tok,
-        correct_fn=correct_fn,
+        correct_fn=correctness_fn(cfg.rewards, task),
         k=cfg.eval.k,
         key=eval_key(cfg.train.seed),
         version=version,
@@ -132,7 +116,7 @@ def main(argv: list[str]) -> int:
         "run_id": run_id(ck.cfg),
         "step": ck.step,
         "version": version,
-        "checkpoint": str(ck.run_dir / "checkpoints" / str(ck.step)),
+        "checkpoint": str(ck.step_dir),
         "devices": jax.device_count(),
         **metrics,
     }
@@ -146,12 +130,3 @@ def main(argv: list[str]) -> int:
             print(f"  {k:<28} {v:.4f}")
     sys.stdout.flush()
     return 0
-
-
-def _checkpoint_meta(ck) -> dict:
-    """The checkpoint's JSON metadata (step, version, compute counters)."""
-    path = ck.run_dir / "checkpoints" / str(ck.step) / "meta" / "metadata"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}

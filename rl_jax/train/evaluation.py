@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from rl_jax.rewards import from_config as reward_from_config
+from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch
 
 # Folded into the run's seed for validation sampling: the same key at every
@@ -17,6 +20,38 @@ EVAL_KEY_SALT = 0xE7A1
 
 def eval_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), EVAL_KEY_SALT)
+
+
+def make_eval_sampler(spec, cfg, tokenizer, *, mesh):
+    """The validation sampler of run config `cfg`: its sampling settings with eval.k
+    samples per prompt at eval.temperature, decoded in one piece."""
+    from rl_jax.sampling import Sampler
+
+    sampling = dataclasses.replace(
+        cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
+    )
+    return Sampler(
+        spec,
+        sampling,
+        mesh=mesh,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
+        rules=cfg.mesh.rules,
+    )
+
+
+def correctness_fn(rewards_cfg, task, reward_fn=None):
+    """The 0/1 verifier of the run's reward (`reward_fn`, built from the config if not
+    given): what pass@k counts as correct."""
+    if reward_fn is None:
+        reward_fn = reward_from_config(rewards_cfg, task_reward=task.reward_name)
+    return get_reward(
+        getattr(reward_fn, "name", task.reward_name),
+        scale="01",
+        timeout_s=rewards_cfg.timeout_s,
+        workers=rewards_cfg.workers,
+    )
 
 
 def pass_metrics(

@@ -43,7 +43,6 @@ from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
-from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch, shape_rewards
 from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
 from rl_jax.sampling import Rollouts, Sampler, round_up
@@ -56,7 +55,12 @@ from rl_jax.sharding import (
 )
 from rl_jax.train.accounting import ComputeCounters
 from rl_jax.train.checkpoint import Checkpointer
-from rl_jax.train.evaluation import eval_key, evaluate_policy
+from rl_jax.train.evaluation import (
+    correctness_fn,
+    eval_key,
+    evaluate_policy,
+    make_eval_sampler,
+)
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.step import (
@@ -132,18 +136,7 @@ class RLTrainer:
             interrupt_ids=interrupt_ids,
             rules=cfg.mesh.rules,
         )
-        eval_sampling = dataclasses.replace(
-            cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
-        )
-        self.eval_sampler = Sampler(
-            self.spec,
-            eval_sampling,
-            mesh=self.sample_mesh,
-            eos_id=eos,
-            pad_id=self.tokenizer.pad_id,
-            interrupt_ids=interrupt_ids,
-            rules=cfg.mesh.rules,
-        )
+        self.eval_sampler = make_eval_sampler(self.spec, cfg, self.tokenizer, mesh=self.sample_mesh)
         mb_groups = P // M
         self.max_tokens = cfg.sampling.max_new_tokens
         step_fn = make_train_step(
@@ -181,12 +174,7 @@ class RLTrainer:
 
         self.task = build_task(cfg.data)
         self.reward_fn = reward_from_config(cfg.rewards, task_reward=self.task.reward_name)
-        self.correct_fn = get_reward(
-            getattr(self.reward_fn, "name", self.task.reward_name),
-            scale="01",
-            timeout_s=cfg.rewards.timeout_s,
-            workers=cfg.rewards.workers,
-        )
+        self.correct_fn = correctness_fn(cfg.rewards, self.task, self.reward_fn)
         self.curriculum = Curriculum(cfg.data)
         self.pipeline = PromptPipeline(
             self.task.train,

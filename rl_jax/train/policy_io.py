@@ -37,8 +37,22 @@ class RunCheckpoint:
     cfg: RunConfig
 
     @property
+    def step_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / str(self.step)
+
+    @property
     def state_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / str(self.step) / "state"
+        return self.step_dir / "state"
+
+    def meta(self) -> dict:
+        """The checkpoint's JSON metadata (step, version, compute counters, data state);
+        empty if it does not read."""
+        try:
+            with _quiet_absl():
+                meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(self.step_dir / "meta")
+        except Exception:  # noqa: BLE001 - metadata is optional to what reads it
+            return {}
+        return dict(meta) if isinstance(meta, dict) else {}
 
 
 def _is_run_dir(p: Path) -> bool:
@@ -158,7 +172,7 @@ def load_run_params(
 
 
 def load_run_model(
-    path: str | Path,
+    source: str | Path | RunCheckpoint,
     *,
     step: int | None = None,
     mesh: Mesh | None = None,
@@ -166,9 +180,10 @@ def load_run_model(
     purpose: str = "train",
     param_dtype: str | None = None,
 ) -> tuple[Transformer, RunCheckpoint]:
-    """The policy of a run's checkpoint as a Transformer (its parameters cast to
-    `param_dtype` if given), and which checkpoint it is."""
-    ck = find_run_checkpoint(path, step)
+    """The policy of a run's checkpoint (a path, see `find_run_checkpoint`, or one
+    already found) as a Transformer (its parameters cast to `param_dtype` if given),
+    and which checkpoint it is."""
+    ck = source if isinstance(source, RunCheckpoint) else find_run_checkpoint(source, step)
     spec = run_spec(ck)
     if param_dtype is not None:
         spec = dataclasses.replace(spec, param_dtype=param_dtype)
