@@ -20,6 +20,7 @@ from rl_jax.models import (
     resolve_spec,
     token_logprobs,
 )
+from rl_jax.models.spec import RopeScaling
 from rl_jax.sharding import make_mesh
 
 SMALL = dict(
@@ -127,6 +128,30 @@ def test_num_params_counts_every_array(arch):
 
 
 # ---- forward semantics ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaling", [None, "llama3"])
+def test_rope_table_equals_direct_angles(scaling):
+    """The table read (num_positions) gives the same bits as computing cos and sin at
+    each position, with and without Llama 3.1 frequency scaling; a position past the
+    table reads its last row."""
+    kw = dict(architecture="llama", rope_theta=500000.0) if scaling else {}
+    spec = small_spec(**kw)
+    if scaling:
+        spec = dataclasses.replace(
+            spec,
+            rope_scaling=RopeScaling(
+                factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8
+            ),
+        )
+    pos = jnp.array([[0, 1, 5, 37, 63], [7, 7, 0, 2, 62]], jnp.int32)
+    want = jax.jit(lambda p: layers.rope_angles(p, spec))(pos)
+    got = jax.jit(lambda p: layers.rope_angles(p, spec, num_positions=64))(pos)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape == (2, 5, spec.head_dim // 2)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    past = layers.rope_angles(jnp.array([[70]]), spec, num_positions=64)[0]
+    np.testing.assert_array_equal(past, layers.rope_angles(jnp.array([[63]]), spec)[0])
 
 
 def test_logprobs_match_full_softmax_and_chunking(model):

@@ -119,6 +119,13 @@ def test_host_positions_and_shared_prompt_detection():
     assert st.shared_prompt_rows(other) == 1
     rows = np.arange(2 * G)  # a minibatch of two whole groups keeps the layout
     assert st.shared_prompt_rows({k: v[rows] for k, v in host.items()}) == G
+    # The step's rotary table covers the batch's columns: other positions are refused.
+    T = host["tokens"].shape[1]
+    for bad in (T, -1):
+        other = {k: v.copy() for k, v in host.items()}
+        other["positions"][0, -1] = bad
+        with pytest.raises(ValueError, match=rf"positions must lie in \[0, {T}\)"):
+            st.put_batch(other, None)
 
 
 def _benchmark(script: str, *args: str, timeout: int) -> dict:

@@ -113,7 +113,8 @@ def decode_step(
     H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     R = H // K
     S = cache[0][1].shape[2]
-    cos, sin = rope_angles(positions_b[:, None], spec)  # [B, 1, hd / 2]
+    # A row's position never exceeds its slot (< S).
+    cos, sin = rope_angles(positions_b[:, None], spec, num_positions=S)  # [B, 1, hd / 2]
     k_slot = jnp.arange(S)
     visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
     x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]

@@ -109,6 +109,10 @@ def shared_prompt_rows(arrays: dict[str, np.ndarray]) -> int:
 def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
     """Rows over the mesh's batch axes (every process holds the full batch); the
     batch's `group_size` is found on the host (see shared_prompt_rows)."""
+    pos, T = np.asarray(arrays["positions"]), arrays["tokens"].shape[1]
+    if pos.size and not 0 <= pos.min() <= pos.max() < T:
+        # The step's rotary table covers positions 0 .. T - 1 (completion_forward).
+        raise ValueError(f"batch positions must lie in [0, {T}); got {pos.min()}..{pos.max()}")
     G = shared_prompt_rows(arrays)
     if mesh is None:
         return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, group_size=G)
@@ -170,7 +174,8 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     c_tok, c_pos, c_val = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
     xp = model.constrain(jnp.take(embed, p_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
     xc = model.constrain(jnp.take(embed, c_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
-    rope_p, rope_c = rope_angles(p_pos, spec), rope_angles(c_pos, spec)
+    # Positions count a row's real tokens, so none reaches its column (< Tp + Tg).
+    rope_p, rope_c = (rope_angles(x, spec, num_positions=tp + tg) for x in (p_pos, c_pos))
     mask_p = attention_mask(tp, tp, kv_valid_bs=p_val)  # [P, Tp, Tp]
     # Completion query j sits at slot Tp + j of [prompt | completion] keys.
     kv_val = jnp.concatenate([jnp.repeat(p_val, G, axis=0), c_val], axis=1)
