@@ -170,11 +170,15 @@ def _module_constants() -> dict:
     """rl_jax's module-level settings read while tracing (tests set some of them)."""
     from rl_jax import runtime
     from rl_jax.models import layers
+    from rl_jax.sampling import _decode
 
     return {
         "layers.CACHE_BLOCK_BYTES": layers.CACHE_BLOCK_BYTES,
         "layers.MASK_VALUE": layers.MASK_VALUE,
         "runtime.CPU_LLVM_OPT_LEVEL": runtime.CPU_LLVM_OPT_LEVEL,
+        "decode.DECODE_BLOCK_MIN_SLOTS": _decode.DECODE_BLOCK_MIN_SLOTS,
+        "decode.DECODE_BLOCKS": _decode.DECODE_BLOCKS,
+        "decode.DECODE_BLOCK_MAX_SLOTS": _decode.DECODE_BLOCK_MAX_SLOTS,
     }
 
 

@@ -32,9 +32,9 @@ from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
-    KEYS_LOGICAL_AXES,
-    VALUES_LOGICAL_AXES,
     DecodeCache,
+    cache_axes,
+    decode_cache_blocks,
     decode_step,
     decode_weights,
     from_model_cache,
@@ -206,10 +206,11 @@ class Sampler:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        return tuple(
-            (self._constrain(k, KEYS_LOGICAL_AXES), self._constrain(v, VALUES_LOGICAL_AXES))
-            for k, v in cache
-        )
+        out = []
+        for k, v in cache:
+            k_axes, v_axes = cache_axes(k)
+            out.append((self._constrain(k, k_axes), self._constrain(v, v_axes)))
+        return tuple(out)
 
     # ---- compiled bodies ------------------------------------------------------------------
 
@@ -219,7 +220,7 @@ class Sampler:
         cfg = self.cfg
         model = self._model(params)
         P, Tp = prompt_pt.shape
-        S = Tp + gen_len
+        S, block = decode_cache_blocks(Tp + gen_len)
         kv_start_p = Tp - lens_p
         cache = model.init_cache(P, S)
         if Tp > 1:
@@ -235,7 +236,7 @@ class Sampler:
                 cache_index=0,
             )
         # Share each prompt's prefix with its G samples.
-        cache = self._cache_layout(from_model_cache(cache.take(group_b)))
+        cache = self._cache_layout(from_model_cache(cache.take(group_b), block))
         B = group_b.shape[0]
         if self.interrupt:
             interrupt_at = interrupt_lengths(key, row_ids_b, cfg.interrupt_lo, cfg.interrupt_hi)
