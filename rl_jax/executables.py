@@ -179,6 +179,7 @@ def _module_constants() -> dict:
         "decode.DECODE_BLOCK_MIN_SLOTS": _decode.DECODE_BLOCK_MIN_SLOTS,
         "decode.DECODE_BLOCKS": _decode.DECODE_BLOCKS,
         "decode.DECODE_BLOCK_MAX_SLOTS": _decode.DECODE_BLOCK_MAX_SLOTS,
+        "decode.DECODE_BLOCK_PLATFORMS": _decode.DECODE_BLOCK_PLATFORMS,
     }
 
 

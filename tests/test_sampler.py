@@ -190,6 +190,19 @@ def test_trainer_layout_weights_on_a_data_fsdp_mesh(params_a, sampled_cfg):
     np.testing.assert_allclose(sharded.logprobs, one.logprobs, atol=1e-5)
 
 
+def test_decode_cache_block_sizes():
+    """Short caches stay whole; long ones are rounded up to ~8 blocks of 16k slots (at
+    most 512); accelerators keep one piece."""
+    from rl_jax.sampling._decode import decode_cache_blocks
+
+    cases = {72: (72, 72), 128: (128, 128), 136: (160, 32), 264: (288, 48)}
+    cases |= {1032: (1152, 144), 16392: (16896, 512)}
+    for slots, want in cases.items():
+        got = decode_cache_blocks(slots, "cpu")
+        assert got == want and got[0] % got[1] == 0 and got[0] - slots < got[1], slots
+    assert decode_cache_blocks(1032, "gpu") == (1032, 1032)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Caches of more than 8 slots split into blocks of 16 (long generations do this)."""
@@ -197,6 +210,7 @@ def small_blocks(monkeypatch):
 
     monkeypatch.setattr(_decode, "DECODE_BLOCK_MIN_SLOTS", 8)
     monkeypatch.setattr(_decode, "DECODE_BLOCKS", 64)
+    monkeypatch.setattr(_decode, "DECODE_BLOCK_PLATFORMS", (jax.devices()[0].platform,))
     return _decode
 
 
@@ -208,7 +222,8 @@ def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a):
     devices. A 2-token prompt beside a 20-token one leaves the short row's first
     block wholly padding, which the online softmax must ignore."""
     prompts = [[5, 6], list(range(3, 23))]
-    assert small_blocks.decode_cache_blocks(24 + 40) == (64, 16)
+    assert small_blocks.decode_cache_blocks(24 + 40, jax.devices()[0].platform) == (64, 16)
+    assert small_blocks.decode_cache_blocks(24 + 40, "other") == (64, 64)
     greedy_cfg = SamplingConfig(
         temperature=0.0, max_new_tokens=40, length_bucket=8, max_prompt_len=24
     )

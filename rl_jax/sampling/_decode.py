@@ -59,10 +59,18 @@ DECODE_BLOCKS = 8
 DECODE_BLOCK_MAX_SLOTS = 512
 
 
-def decode_cache_blocks(slots: int) -> tuple[int, int]:
+# Where the decode step reads a long cache in blocks. On CPU a step is bound by
+# reading the cache, and a loop iteration costs a few small kernels. On an
+# accelerator every block of every layer adds kernel launches, against a whole
+# cache read at HBM bandwidth; not measured there yet, so it keeps one pass.
+DECODE_BLOCK_PLATFORMS = ("cpu",)
+
+
+def decode_cache_blocks(slots: int, platform: str = "cpu") -> tuple[int, int]:
     """(slots to allocate, slots per block) for a decode cache that must hold `slots`.
 
-    Up to DECODE_BLOCK_MIN_SLOTS: (slots, slots), one piece. Above: blocks of
+    Up to DECODE_BLOCK_MIN_SLOTS, or on a platform not in DECODE_BLOCK_PLATFORMS:
+    (slots, slots), one piece. Above: blocks of
     ~slots / DECODE_BLOCKS (a multiple of 16, at most DECODE_BLOCK_MAX_SLOTS),
     and the cache rounded up to whole blocks (the extra slots are never written
     or seen). Bench model, 64 rows, ms per decode step, whole cache against
@@ -70,7 +78,7 @@ def decode_cache_blocks(slots: int) -> tuple[int, int]:
     (one piece). A function of the slot count alone, so a row's numbers do not
     depend on how many rows share its batch.
     """
-    if slots <= DECODE_BLOCK_MIN_SLOTS:
+    if slots <= DECODE_BLOCK_MIN_SLOTS or platform not in DECODE_BLOCK_PLATFORMS:
         return slots, slots
     per_block = -(-slots // DECODE_BLOCKS)  # ceil
     block = min(DECODE_BLOCK_MAX_SLOTS, -(-per_block // 16) * 16)

@@ -142,6 +142,8 @@ class Sampler:
                 raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
+        # (decode_cache_blocks: whether long caches are read in blocks)
+        self.platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
         opts = xla_options(mesh)
         # What the compiled bodies close over, for their on-disk executables
         # (rl_jax.executables); the devices are in the arguments' shardings.
@@ -220,7 +222,7 @@ class Sampler:
         cfg = self.cfg
         model = self._model(params)
         P, Tp = prompt_pt.shape
-        S, block = decode_cache_blocks(Tp + gen_len)
+        S, block = decode_cache_blocks(Tp + gen_len, self.platform)
         kv_start_p = Tp - lens_p
         cache = model.init_cache(P, S)
         if Tp > 1:
