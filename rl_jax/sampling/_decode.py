@@ -13,14 +13,15 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   slot of each with a dynamic-update-slice.
   (The model's [L, B, S, K, hd] cache needs a transposed copy of every layer's
   keys and values per token.)
-* Long caches (over DECODE_BLOCK_SLOTS slots) are split into N blocks of slots,
-  keys [B, N, K, hd, S / N] and values [B, N, K, S / N, hd], and a step reads
-  only the blocks written so far, with an online softmax over them
-  (flash-decoding). Decoding is bound by reading the cache; reading all of it
-  at every step costs twice the attention of reading what is filled, and more
-  where rows stop early. A block of one row is contiguous, so taking one out
-  inside the loop is a cheap copy (a block of the unsplit layout is strided:
-  its copy cost more than the reads it saved).
+* On CPU, long caches (over DECODE_BLOCK_MIN_SLOTS slots) are split into N
+  blocks of slots, keys [B, N, K, hd, S / N] and values [B, N, K, S / N, hd]
+  (decode_cache_blocks), and a step reads only the blocks written so far, with
+  an online softmax over them (flash-decoding). Decoding is bound by reading
+  the cache; reading all of it at every step costs twice the attention of
+  reading what is filled, and more when a batch ends before its cache fills.
+  A block of one row is contiguous, so taking one out inside the loop is a
+  cheap copy (a block of the unsplit layout is strided: its copy cost more
+  than the reads it saved).
 
 Prefill still runs the model's own forward; `from_model_cache` converts its cache.
 """
@@ -73,10 +74,11 @@ def decode_cache_blocks(slots: int, platform: str = "cpu") -> tuple[int, int]:
     (slots, slots), one piece. Above: blocks of
     ~slots / DECODE_BLOCKS (a multiple of 16, at most DECODE_BLOCK_MAX_SLOTS),
     and the cache rounded up to whole blocks (the extra slots are never written
-    or seen). Bench model, 64 rows, ms per decode step, whole cache against
-    blocks: 12 against 8.3 at 264 slots, 27 against 14-15 at 1032; 6.5 at 72
-    (one piece). A function of the slot count alone, so a row's numbers do not
-    depend on how many rows share its batch.
+    or seen). Bench model, 64 rows, one CPU device, ms per decode step, whole
+    cache against blocks: 10.1-10.3 against 7.1-7.4 at 264 slots (blocks of 48),
+    25-27.5 against 15.9 at 1032 (blocks of 144); 6.5 at 72 (one piece). A
+    function of the slot count alone, so a row's numbers do not depend on how
+    many rows share its batch.
     """
     if slots <= DECODE_BLOCK_MIN_SLOTS or platform not in DECODE_BLOCK_PLATFORMS:
         return slots, slots
