@@ -8,6 +8,9 @@ from other processes on the machine hits both alike; the medians are reported.
     python benchmarks/sampler.py [--model HF_DIR | --preset NAME] [--devices N] [--repeats R]
     python benchmarks/sampler.py --platform gpu [--dtype bfloat16] ...   # on a GPU machine
 
+--new-tokens N times longer generations (past 128 cache slots a CPU decode step
+reads its cache in blocks, only those written so far: rl_jax/sampling/_decode.py).
+
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
 --dtype sets both models' parameter and compute dtype.
