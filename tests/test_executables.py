@@ -124,7 +124,7 @@ def test_broken_file_is_rebuilt(tmp_path, caplog):
 
 def test_loaded_executable_still_donates(tmp_path):
     def make():
-        jitted = jax.jit(lambda x, y: x * 2 + y.sum(), donate_argnums=(0,))
+        jitted = jax.jit(lambda x, y: x * 2 + y.sum() + _SALT, donate_argnums=(0,))
         return AotFunction(jitted, name="donor", static_key="k", directory=tmp_path)
 
     make()(*_args())

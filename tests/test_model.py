@@ -132,7 +132,7 @@ def test_num_params_counts_every_array(arch):
 
 @pytest.mark.parametrize("scaling", [None, "llama3"])
 def test_rope_table_equals_direct_angles(scaling):
-    """The table read (num_positions) gives the same bits as computing cos and sin at
+    """The table read (rope_table) gives the same bits as computing cos and sin at
     each position, with and without Llama 3.1 frequency scaling; a position past the
     table reads its last row."""
     kw = dict(architecture="llama", rope_theta=500000.0) if scaling else {}
@@ -146,11 +146,12 @@ def test_rope_table_equals_direct_angles(scaling):
         )
     pos = jnp.array([[0, 1, 5, 37, 63], [7, 7, 0, 2, 62]], jnp.int32)
     want = jax.jit(lambda p: layers.rope_angles(p, spec))(pos)
-    got = jax.jit(lambda p: layers.rope_angles(p, spec, num_positions=64))(pos)
+    table = layers.rope_table(spec, 64)
+    got = jax.jit(lambda p, t: layers.rope_angles(p, spec, table=t))(pos, table)
     for w, g in zip(want, got, strict=True):
         assert g.shape == w.shape == (2, 5, spec.head_dim // 2)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    past = layers.rope_angles(jnp.array([[70]]), spec, num_positions=64)[0]
+    past = layers.rope_angles(jnp.array([[70]]), spec, table=table)[0]
     np.testing.assert_array_equal(past, layers.rope_angles(jnp.array([[63]]), spec)[0])
 
 

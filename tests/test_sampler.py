@@ -215,12 +215,13 @@ def small_blocks(monkeypatch):
 
 
 @pytest.mark.devices(8)
-def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a):
+def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a, params_b):
     """The block-at-a-time decode (only the blocks written so far, online softmax)
     equals the one-pass decode: greedy tokens are the full forward's argmax, sampled
     log-probs match the trainer's within 1e-5, and the draws are the same, also on 8
-    devices. A 2-token prompt beside a 20-token one leaves the short row's first
-    block wholly padding, which the online softmax must ignore."""
+    devices, and after a weight swap between decode chunks. A 2-token prompt beside
+    a 20-token one leaves the short row's first block wholly padding, which the
+    online softmax must ignore."""
     prompts = [[5, 6], list(range(3, 23))]
     assert small_blocks.decode_cache_blocks(24 + 40, jax.devices()[0].platform) == (64, 16)
     assert small_blocks.decode_cache_blocks(24 + 40, "other") == (64, 64)
@@ -254,10 +255,23 @@ def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a):
     on_eight = eight.generate(eight.reshard(params_a), prompts, n=3, key=key)
     np.testing.assert_array_equal(on_eight.completion_tokens, blocked.completion_tokens)
     np.testing.assert_allclose(on_eight.logprobs, blocked.logprobs, atol=1e-5)
+
+    def swapped(sampler):  # 5 tokens from A, the rest from B on A's cache
+        state = sampler.start(params_a, prompts, n=2, key=key, version=1)
+        state = sampler.decode(params_a, state, max_steps=5, version=1)
+        return sampler.result(sampler.decode(params_b, state, version=2))
+
+    blocked_swap = swapped(Sampler(SPEC, cfg, pad_id=0))
     small_blocks.DECODE_BLOCK_MIN_SLOTS = 10_000  # (monkeypatch restores it) one piece
-    whole = Sampler(SPEC, cfg, pad_id=0).generate(params_a, prompts, n=3, key=key)
+    whole_sampler = Sampler(SPEC, cfg, pad_id=0)
+    assert whole_sampler.start(params_a, prompts, n=1).cache[0][0].ndim == 4
+    whole = whole_sampler.generate(params_a, prompts, n=3, key=key)
     np.testing.assert_array_equal(whole.completion_tokens, blocked.completion_tokens)
     np.testing.assert_allclose(whole.logprobs, blocked.logprobs, atol=1e-5)
+    whole_swap = swapped(whole_sampler)
+    assert (whole_swap.versions[:, :5] == 1).all() and (whole_swap.versions[:, 5:] == 2).all()
+    np.testing.assert_array_equal(whole_swap.completion_tokens, blocked_swap.completion_tokens)
+    np.testing.assert_allclose(whole_swap.logprobs, blocked_swap.logprobs, atol=1e-5)
 
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):

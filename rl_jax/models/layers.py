@@ -77,25 +77,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_table(spec: ModelSpec, num_positions: int) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the rotation angles of positions 0 .. num_positions - 1, [N, hd / 2]
+    float32: for `rope_angles(..., table=)`."""
+    inv = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling))
+    ang = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv
+    return jnp.cos(ang), jnp.sin(ang)
+
+
 def rope_angles(
-    positions_bt: jax.Array, spec: ModelSpec, *, num_positions: int | None = None
+    positions_bt: jax.Array,
+    spec: ModelSpec,
+    *,
+    table: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """cos, sin of the rotation angles, [B, T, hd / 2] float32.
 
-    num_positions: a static bound on the positions (every one below it). cos and
-    sin are then computed once, for positions 0 .. num_positions - 1, and read
-    from that table. Without it, XLA fuses the cos and sin into every consumer
-    and evaluates them per element there: in each layer's q and k rotation, and
-    again wherever the rotated keys are written. That was ~0.3 ms of a 6 ms
-    decode step on the bench workload, and the values are bit-identical either
-    way. Out-of-range positions are clamped to the table's last row.
+    table: `rope_table` of a bound on the positions (every one below it); cos and
+    sin are then read from it (bit-identical values). Without one, XLA fuses the
+    cos and sin into every consumer and evaluates them per element there: in
+    each layer's q and k rotation, and again wherever the rotated keys are
+    written (~0.3 ms of a 6 ms decode step on the bench workload). Build the
+    table outside a loop: XLA does not hoist it. Out-of-range positions read
+    the table's last row.
     """
-    inv = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling))
-    if num_positions is None:
+    if table is None:
+        inv = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling))
         ang = positions_bt.astype(jnp.float32)[..., None] * inv
         return jnp.cos(ang), jnp.sin(ang)
-    ang = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv  # [N, hd / 2]
-    return tuple(jnp.take(f(ang), positions_bt, axis=0, mode="clip") for f in (jnp.cos, jnp.sin))
+    return tuple(jnp.take(t, positions_bt, axis=0, mode="clip") for t in table)
 
 
 def apply_rope(x_bthk: jax.Array, cos_btk: jax.Array, sin_btk: jax.Array) -> jax.Array:

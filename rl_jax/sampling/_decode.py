@@ -38,6 +38,7 @@ from rl_jax.models.layers import (
     matmul,
     rms_norm,
     rope_angles,
+    rope_table,
 )
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
@@ -87,6 +88,12 @@ def decode_cache_blocks(slots: int, platform: str = "cpu") -> tuple[int, int]:
     return -(-slots // block) * block, block
 
 
+def cache_slots(cache: DecodeCache) -> int:
+    """Slots of a decode cache (all its blocks)."""
+    values = cache[0][1]
+    return values.shape[1] * values.shape[3] if values.ndim == 5 else values.shape[2]
+
+
 def cache_axes(keys: jax.Array) -> tuple[tuple, tuple]:
     """Logical axes of a layer's (keys, values) in the decode layout."""
     if keys.ndim == 5:
@@ -98,18 +105,13 @@ def from_model_cache(cache: KVCache, block: int | None = None) -> DecodeCache:
     """The model's prefill cache in the decode layout (see DecodeCache), split into
     blocks of `block` slots when that is fewer than its slots (decode_cache_blocks).
 
-    Accepts per-layer [B, K, S, hd] arrays, their [L, B, K, S, hd] stack
-    (scanned layers), or the earlier [L, B, S, K, hd] stack.
+    Accepts per-layer [B, K, S, hd] arrays or their [L, B, K, S, hd] stack
+    (scanned layers).
     """
     if isinstance(cache.k, tuple | list):
         pairs = list(zip(cache.k, cache.v, strict=True))
-    elif hasattr(KVCache, "LAYER_AXES"):
-        pairs = [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
     else:
-        pairs = [
-            (jnp.swapaxes(cache.k[i], 1, 2), jnp.swapaxes(cache.v[i], 1, 2))
-            for i in range(cache.k.shape[0])
-        ]
+        pairs = [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
     S = pairs[0][1].shape[2]
     blk = S if block is None else block
     if blk == S:
@@ -125,8 +127,9 @@ def from_model_cache(cache: KVCache, block: int | None = None) -> DecodeCache:
     return tuple(out)
 
 
-def decode_weights(spec: ModelSpec, params: dict[str, jax.Array]) -> dict:
-    """Per-layer weights in the decode layout (compute dtype); run outside the loop."""
+def decode_weights(spec: ModelSpec, params: dict[str, jax.Array], slots: int) -> dict:
+    """Per-layer weights in the decode layout (compute dtype), and the rotary table of
+    a `slots`-slot cache; run outside the loop."""
     cdt = jnp.dtype(spec.compute_dtype)
     D, H, K, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     layers = []
@@ -158,6 +161,7 @@ def decode_weights(spec: ModelSpec, params: dict[str, jax.Array]) -> dict:
         "final_norm": params["final_norm"],
         "head": head,
         "layers": layers,
+        "rope": rope_table(spec, slots),
     }
 
 
@@ -182,12 +186,10 @@ def decode_step(
     R = H // K
     blocked = cache[0][0].ndim == 5
     keys_axes, values_axes = cache_axes(cache[0][0])
-    # Slots: whole cache S, or N blocks of blk.
-    S = cache[0][1].shape[1] * cache[0][1].shape[3] if blocked else cache[0][1].shape[2]
-    # A row's position never exceeds its slot (< S).
-    cos, sin = rope_angles(positions_b[:, None], spec, num_positions=S)  # [B, 1, hd / 2]
+    # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
+    cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
     if not blocked:
-        k_slot = jnp.arange(S)
+        k_slot = jnp.arange(cache_slots(cache))
         visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
     x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
     new_cache = []

@@ -34,6 +34,7 @@ from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
     DecodeCache,
     cache_axes,
+    cache_slots,
     decode_cache_blocks,
     decode_step,
     decode_weights,
@@ -272,7 +273,7 @@ class Sampler:
         )
 
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
-        weights = decode_weights(self.spec, dict(params))
+        weights = decode_weights(self.spec, dict(params), cache_slots(state.cache))
         end = jnp.minimum(state.step + max_steps, state.limit)
         version = jnp.asarray(version, jnp.int32)
         if not self._local_loops:

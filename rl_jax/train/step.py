@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
-from rl_jax.models.layers import attention, matmul, rope_angles
+from rl_jax.models.layers import attention, matmul, rope_angles, rope_table
 from rl_jax.models.transformer import block_out, block_qkv, dtype_of
 from rl_jax.runtime import xla_options
 from rl_jax.sharding import batch_sharding
@@ -175,7 +175,8 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     xp = model.constrain(jnp.take(embed, p_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
     xc = model.constrain(jnp.take(embed, c_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
     # Positions count a row's real tokens, so none reaches its column (< Tp + Tg).
-    rope_p, rope_c = (rope_angles(x, spec, num_positions=tp + tg) for x in (p_pos, c_pos))
+    table = rope_table(spec, tp + tg)
+    rope_p, rope_c = (rope_angles(x, spec, table=table) for x in (p_pos, c_pos))
     mask_p = attention_mask(tp, tp, kv_valid_bs=p_val)  # [P, Tp, Tp]
     # Completion query j sits at slot Tp + j of [prompt | completion] keys.
     kv_val = jnp.concatenate([jnp.repeat(p_val, G, axis=0), c_val], axis=1)
