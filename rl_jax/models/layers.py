@@ -181,6 +181,37 @@ def cache_block_size(batch: int, kv_heads: int, slots: int, head_dim: int, items
     return block
 
 
+def online_softmax(num_blocks, block_fn, pv_spec: str, out_shape) -> jax.Array:
+    """softmax(scores) @ values over blocks 0 .. num_blocks - 1 (a traced count), one
+    block at a time: flash attention's online softmax, equal to the one-pass
+    softmax up to float32 rounding. float32 `out_shape` [..., hd].
+
+    block_fn(j) -> (scores [..., blk] of block j, masked and scaled, float32; its
+    values), contracted by the einsum `pv_spec` into out_shape. A block a row
+    sees none of (all MASK_VALUE) adds weights of 1 there; a later visible score
+    lies far above, so the rescale exp(MASK_VALUE - m) removes them exactly
+    (every row must see at least one key).
+    """
+
+    def body(j, carry):
+        m, l, acc = carry
+        s, vb = block_fn(j)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = einsum_f32(pv_spec, p.astype(vb.dtype), vb)
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+
+    lead = tuple(out_shape[:-1])
+    init = (
+        jnp.full(lead, -jnp.inf, jnp.float32),
+        jnp.zeros(lead, jnp.float32),
+        jnp.zeros(tuple(out_shape), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    return acc / l[..., None]
+
+
 def attention_cached(
     q_bthk: jax.Array,
     k_bksh: jax.Array,
@@ -203,27 +234,16 @@ def attention_cached(
     R = H // K
     q = q_bthk.reshape(B, T, K, R, hd)
 
-    def body(j, carry):
-        m, l, acc = carry
+    def block_fn(j):
         kb = jax.lax.dynamic_slice_in_dim(k_bksh, j * block, block, axis=2)
         vb = jax.lax.dynamic_slice_in_dim(v_bksh, j * block, block, axis=2)
         mb = jax.lax.dynamic_slice_in_dim(mask_bts, j * block, block, axis=2)
         s = einsum_f32("btkrh,bksh->bkrts", q, kb)
-        s = jnp.where(mb[:, None, None], s * scale, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = einsum_f32("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        return jnp.where(mb[:, None, None], s * scale, MASK_VALUE), vb
 
-    init = (
-        jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, R, T), jnp.float32),
-        jnp.zeros((B, K, R, T, hd), jnp.float32),
-    )
     n_blocks = (filled + block - 1) // block
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
+    att = online_softmax(n_blocks, block_fn, "bkrts,bksh->bkrth", (B, K, R, T, hd))
+    out = att.transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
     return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
 
 

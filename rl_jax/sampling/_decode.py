@@ -36,6 +36,7 @@ from rl_jax.models.layers import (
     apply_rope,
     einsum_f32,
     matmul,
+    online_softmax,
     rms_norm,
     rope_angles,
     rope_table,
@@ -240,35 +241,19 @@ def decode_step(
 
 def _filled_blocks_attention(q, ck, cv, kv_start_b, slot, *, cdt) -> jax.Array:
     """q [B, K, R, hd] over the blocked cache's slots up to `slot`: an online softmax
-    over blocks 0 .. slot // blk, the blocks written so far. Equal to the one-pass
-    softmax over the whole cache up to float32 rounding. [B, K, R, hd] float32.
-
-    A block a row cannot see at all (left padding) adds weights of 1 at MASK_VALUE;
-    the row's own slot, in that block or a later one, scores far above it, so the
-    rescale exp(MASK_VALUE - m) removes them exactly.
-    """
+    (layers.online_softmax) over blocks 0 .. slot // blk, the blocks written so far.
+    [B, K, R, hd] float32. Fully padded blocks of a row (left padding) drop out: its
+    own slot, in the last block, is always visible."""
     B, K, R, hd = q.shape
     blk = cv.shape[3]
     in_block = jnp.arange(blk)
 
-    def body(j, carry):
-        m, l, acc = carry
+    def block_fn(j):
         kb = jax.lax.dynamic_index_in_dim(ck, j, axis=1, keepdims=False).astype(cdt)
         vb = jax.lax.dynamic_index_in_dim(cv, j, axis=1, keepdims=False).astype(cdt)
         s_b = j * blk + in_block
         visible = (s_b[None, :] >= kv_start_b[:, None]) & (s_b[None, :] <= slot)
         s = einsum_f32("bkrh,bkhs->bkrs", q, kb)
-        s = jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = einsum_f32("bkrs,bksh->bkrh", p.astype(cdt), vb)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        return jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE), vb
 
-    init = (
-        jnp.full((B, K, R), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, R), jnp.float32),
-        jnp.zeros((B, K, R, hd), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, slot // blk + 1, body, init)
-    return acc / l[..., None]
+    return online_softmax(slot // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd))
