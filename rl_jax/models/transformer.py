@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax.models.layers import (
+    add_bias,
     apply_rope,
     attention,
     attention_cached,
@@ -450,8 +451,7 @@ def block_qkv(
     h = rms_norm(x, p["attn_norm"], eps)
     q, k, v = dense(h, p["q"]), dense(h, p["k"]), dense(h, p["v"])
     if spec.qkv_bias:
-        dt = x.dtype
-        q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+        q, k, v = add_bias(q, p["q_bias"]), add_bias(k, p["k_bias"]), add_bias(v, p["v_bias"])
     if spec.qk_norm:
         q = rms_norm(q, p["q_norm"], eps)
         k = rms_norm(k, p["k_norm"], eps)
@@ -489,7 +489,7 @@ def block_out(
     dt = x.dtype
     o = dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
     if spec.o_bias:
-        o = o + p["o_bias"].astype(dt)
+        o = add_bias(o, p["o_bias"])
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
     weights = (p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
