@@ -155,11 +155,14 @@ def test_rope_table_equals_direct_angles(scaling):
     np.testing.assert_array_equal(past, layers.rope_angles(jnp.array([[63]]), spec)[0])
 
 
-def test_bias_and_norm_scale_gradients_equal_plain_autodiff():
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_bias_and_norm_scale_gradients_equal_plain_autodiff(backend, monkeypatch):
     """add_bias and the norm scale (layers.scale_last) sum their parameter gradients
-    as a matmul with ones (layers.sum_leading): equal to autodiff of the plain
-    broadcast ops within float32 rounding, in the parameter's dtype, and exactly
-    in float64 terms on integers."""
+    with layers.sum_leading (on CPU a matmul with ones, elsewhere a plain sum; the
+    accelerator branch is traced here on CPU): equal to autodiff of the plain
+    broadcast ops within float32 rounding, in the parameter's dtype, and exact on
+    small integers."""
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: backend)
     k = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(k[0], (3, 37, 4, 8))
     b = jax.random.normal(k[1], (4, 8))
