@@ -31,6 +31,13 @@ _trim_registered = False
 CPU_LLVM_OPT_LEVEL = 1
 
 
+def mesh_platform(mesh=None) -> str:
+    """Platform of `mesh`'s devices ("cpu", "gpu", "tpu"); the default device's without one."""
+    import jax
+
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+
+
 def xla_options(mesh=None, *, eigen_matmuls: bool = False) -> dict:
     """Per-`jax.jit` XLA options (`compiler_options=`) for `mesh`'s platform (default
     device without one). CPU only; accelerators get XLA's defaults.
@@ -40,10 +47,7 @@ def xla_options(mesh=None, *, eigen_matmuls: bool = False) -> dict:
     YNNPACK fusions want their own operand layouts, hence extra copies); the
     sampler's small decode matmuls keep YNNPACK.
     """
-    import jax
-
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    if device.platform != "cpu":
+    if mesh_platform(mesh) != "cpu":
         return {}
     opts: dict = {"xla_backend_optimization_level": CPU_LLVM_OPT_LEVEL}
     if eigen_matmuls:

@@ -30,7 +30,7 @@ from rl_jax.executables import AotFunction
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
-from rl_jax.runtime import xla_options
+from rl_jax.runtime import mesh_platform, xla_options
 from rl_jax.sampling._decode import (
     DecodeCache,
     cache_axes,
@@ -144,7 +144,7 @@ class Sampler:
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         # (decode_cache_blocks: whether long caches are read in blocks)
-        self.platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        self.platform = mesh_platform(mesh)
         opts = xla_options(mesh)
         # What the compiled bodies close over, for their on-disk executables
         # (rl_jax.executables); the devices are in the arguments' shardings.
