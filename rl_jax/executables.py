@@ -134,7 +134,7 @@ def code_digest() -> str:
     off as the new code's."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     for lib in _LIBRARIES:
@@ -147,7 +147,7 @@ def code_digest() -> str:
 
 
 @functools.cache
-def _host_cpu() -> str:
+def host_cpu() -> str:
     """The host CPU's architecture and feature flags: XLA:CPU code is generated for
     them, so a cache shared between machines (a network home) must not mix them."""
     flags = ""
@@ -196,7 +196,7 @@ def _environment() -> str:
             "platform_version": devices[0].client.platform_version,
             "device_kinds": sorted({d.device_kind for d in devices}),
             "devices": len(devices),
-            "host_cpu": _host_cpu(),
+            "host_cpu": host_cpu(),
             "process": [jax.process_index(), jax.process_count()],
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),

@@ -214,25 +214,24 @@ def small_blocks(monkeypatch):
     return _decode
 
 
-@pytest.mark.devices(8)
-def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a, params_b):
-    """The block-at-a-time decode (only the blocks written so far, online softmax)
-    equals the one-pass decode: greedy tokens are the full forward's argmax, sampled
-    log-probs match the trainer's within 1e-5, and the draws are the same, also on 8
-    devices, and after a weight swap between decode chunks. A 2-token prompt beside
-    a 20-token one leaves the short row's first block wholly padding, which the
-    online softmax must ignore."""
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Decode attention in XLA (the CPU kernel off), whatever the machine can build."""
+    monkeypatch.setattr(Sampler, "_use_attention_kernel", lambda self: False)
+
+
+def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, monkeypatch):
+    """Greedy tokens are the full forward's argmax, sampled log-probs match the
+    trainer's within 1e-5, and the draws equal the whole-cache XLA decode's, also on 8
+    devices and after a weight swap between decode chunks. A 2-token prompt beside a
+    20-token one leaves the short row's first block or tiles wholly padding."""
     prompts = [[5, 6], list(range(3, 23))]
-    assert small_blocks.decode_cache_blocks(24 + 40, jax.devices()[0].platform) == (64, 16)
-    assert small_blocks.decode_cache_blocks(24 + 40, "other") == (64, 64)
     greedy_cfg = SamplingConfig(
         temperature=0.0, max_new_tokens=40, length_bucket=8, max_prompt_len=24
     )
     sampler = Sampler(SPEC, greedy_cfg, pad_id=0)
     state = sampler.start(params_a, prompts, n=2)
-    keys, values = state.cache[0]
-    assert keys.shape == (4, 4, SPEC.num_kv_heads, SPEC.head_dim, 16)  # [B, N, K, hd, blk]
-    assert values.shape == (4, 4, SPEC.num_kv_heads, 16, SPEC.head_dim)
+    check_cache(*state.cache[0])
     out = sampler.result(sampler.decode(params_a, state))
     assert (out.lengths == 40).all()
     tokens, valid, positions = _sequences(out)
@@ -247,31 +246,67 @@ def test_blocked_cache_decodes_as_the_whole_cache(small_blocks, params_a, params
 
     cfg = SamplingConfig(temperature=0.7, max_new_tokens=40, length_bucket=8, max_prompt_len=24)
     key = jax.random.key(3)
-    blocked = Sampler(SPEC, cfg, pad_id=0).generate(params_a, prompts, n=3, key=key)
-    ref = _trainer_logprobs(SPEC, params_a, blocked, logprob_temperature(0.7))
-    np.testing.assert_allclose(blocked.logprobs, ref, atol=1e-5)
+    got = Sampler(SPEC, cfg, pad_id=0).generate(params_a, prompts, n=3, key=key)
+    ref = _trainer_logprobs(SPEC, params_a, got, logprob_temperature(0.7))
+    np.testing.assert_allclose(got.logprobs, ref, atol=1e-5)
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
     eight = Sampler(SPEC, cfg, pad_id=0, mesh=mesh)
+    check_cache(*eight.start(eight.reshard(params_a), prompts, n=2).cache[0])
     on_eight = eight.generate(eight.reshard(params_a), prompts, n=3, key=key)
-    np.testing.assert_array_equal(on_eight.completion_tokens, blocked.completion_tokens)
-    np.testing.assert_allclose(on_eight.logprobs, blocked.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(on_eight.completion_tokens, got.completion_tokens)
+    np.testing.assert_allclose(on_eight.logprobs, got.logprobs, atol=1e-5)
 
     def swapped(sampler):  # 5 tokens from A, the rest from B on A's cache
         state = sampler.start(params_a, prompts, n=2, key=key, version=1)
         state = sampler.decode(params_a, state, max_steps=5, version=1)
         return sampler.result(sampler.decode(params_b, state, version=2))
 
-    blocked_swap = swapped(Sampler(SPEC, cfg, pad_id=0))
-    small_blocks.DECODE_BLOCK_MIN_SLOTS = 10_000  # (monkeypatch restores it) one piece
+    got_swap = swapped(Sampler(SPEC, cfg, pad_id=0))
+    # The reference: one piece, in XLA (monkeypatch restores both).
+    monkeypatch.setattr(layout, "DECODE_BLOCK_MIN_SLOTS", 10_000)
+    monkeypatch.setattr(Sampler, "_use_attention_kernel", lambda self: False)
     whole_sampler = Sampler(SPEC, cfg, pad_id=0)
-    assert whole_sampler.start(params_a, prompts, n=1).cache[0][0].ndim == 4
+    keys, values = whole_sampler.start(params_a, prompts, n=1).cache[0]
+    assert keys.ndim == values.ndim == 4
     whole = whole_sampler.generate(params_a, prompts, n=3, key=key)
-    np.testing.assert_array_equal(whole.completion_tokens, blocked.completion_tokens)
-    np.testing.assert_allclose(whole.logprobs, blocked.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(whole.completion_tokens, got.completion_tokens)
+    np.testing.assert_allclose(whole.logprobs, got.logprobs, atol=1e-5)
     whole_swap = swapped(whole_sampler)
     assert (whole_swap.versions[:, :5] == 1).all() and (whole_swap.versions[:, 5:] == 2).all()
-    np.testing.assert_array_equal(whole_swap.completion_tokens, blocked_swap.completion_tokens)
-    np.testing.assert_allclose(whole_swap.logprobs, blocked_swap.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(whole_swap.completion_tokens, got_swap.completion_tokens)
+    np.testing.assert_allclose(whole_swap.logprobs, got_swap.logprobs, atol=1e-5)
+
+
+@pytest.mark.devices(8)
+def test_blocked_cache_decodes_as_the_whole_cache(
+    small_blocks, no_kernel, params_a, params_b, monkeypatch
+):
+    """The block-at-a-time decode (only the blocks written so far, online softmax)
+    equals the one-pass decode (_assert_decodes_as_the_whole_cache)."""
+    assert small_blocks.decode_cache_blocks(24 + 40, jax.devices()[0].platform) == (64, 16)
+    assert small_blocks.decode_cache_blocks(24 + 40, "other") == (64, 64)
+
+    def check(keys, values):  # [B, N, K, hd, blk], [B, N, K, blk, hd]
+        assert keys.shape[1:] == (4, SPEC.num_kv_heads, SPEC.head_dim, 16)
+        assert values.shape[1:] == (4, SPEC.num_kv_heads, 16, SPEC.head_dim)
+
+    _assert_decodes_as_the_whole_cache(small_blocks, params_a, params_b, check, monkeypatch)
+
+
+@pytest.mark.devices(8)
+def test_cpu_attention_kernel_decodes_as_the_whole_cache(params_a, params_b, monkeypatch):
+    """The CPU kernel's decode (keys in tiles of 16 slots, only filled slots read)
+    equals XLA's one-pass decode (_assert_decodes_as_the_whole_cache)."""
+    from rl_jax.sampling import _cpu_attention, _decode
+
+    if jax.devices()[0].platform != "cpu" or not _cpu_attention.available():
+        pytest.skip("the CPU decode-attention kernel cannot be built here (no C++ compiler)")
+
+    def check(keys, values):  # [B, K, S / 16, hd, 16] tiles, [B, K, S, hd]
+        assert keys.shape[1:] == (SPEC.num_kv_heads, 4, SPEC.head_dim, 16)
+        assert values.shape[1:] == (SPEC.num_kv_heads, 64, SPEC.head_dim)
+
+    _assert_decodes_as_the_whole_cache(_decode, params_a, params_b, check, monkeypatch)
 
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):

@@ -23,6 +23,12 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   cheap copy (a block of the unsplit layout is strided: its copy cost more
   than the reads it saved).
 
+* With the CPU decode-attention kernel (`_cpu_attention`, chosen by the
+  Sampler where it can be built), keys are kept in tiles of KEY_TILE slots,
+  [B, K, S / KEY_TILE, hd, KEY_TILE], one contiguous block per tile, and the
+  kernel computes the attention: it reads each row's filled slots once, front
+  to back, so no blocks are needed at any length.
+
 Prefill still runs the model's own forward; `from_model_cache` converts its cache.
 """
 
@@ -43,14 +49,22 @@ from rl_jax.models.layers import (
 )
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
+from rl_jax.sampling import _cpu_attention
 
 # Per layer: (keys [B, K, hd, S], values [B, K, S, hd]), or split into blocks of
-# slots (keys [B, N, K, hd, S / N], values [B, N, K, S / N, hd]).
+# slots (keys [B, N, K, hd, S / N], values [B, N, K, S / N, hd]), or with keys in
+# tiles for the CPU kernel (keys [B, K, S / KEY_TILE, hd, KEY_TILE], values as
+# unsplit).
 DecodeCache = tuple[tuple[jax.Array, jax.Array], ...]
 KEYS_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
 VALUES_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 BLOCKED_KEYS_LOGICAL_AXES = ("batch", None, "kv_heads", "head_dim", "cache_seq")
 BLOCKED_VALUES_LOGICAL_AXES = ("batch", None, "kv_heads", "cache_seq", "head_dim")
+TILED_KEYS_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim", None)
+
+# Slots per key tile of the CPU kernel's layout: its vector width (kLanes in
+# _cpu_attention.cc).
+KEY_TILE = 16
 
 # Caches of more slots than this are split into blocks (decode_cache_blocks)
 # and a step reads only the blocks written so far. Up to here one pass over the
@@ -95,16 +109,26 @@ def cache_slots(cache: DecodeCache) -> int:
     return values.shape[1] * values.shape[3] if values.ndim == 5 else values.shape[2]
 
 
-def cache_axes(keys: jax.Array) -> tuple[tuple, tuple]:
+def cache_layout(keys: jax.Array, values: jax.Array) -> str:
+    """The layout ("whole", "blocked" or "tiled"; see DecodeCache), from the ranks."""
+    if values.ndim == 5:
+        return "blocked"
+    return "tiled" if keys.ndim == 5 else "whole"
+
+
+def cache_axes(keys: jax.Array, values: jax.Array) -> tuple[tuple, tuple]:
     """Logical axes of a layer's (keys, values) in the decode layout."""
-    if keys.ndim == 5:
-        return BLOCKED_KEYS_LOGICAL_AXES, BLOCKED_VALUES_LOGICAL_AXES
-    return KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES
+    return {
+        "whole": (KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES),
+        "blocked": (BLOCKED_KEYS_LOGICAL_AXES, BLOCKED_VALUES_LOGICAL_AXES),
+        "tiled": (TILED_KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES),
+    }[cache_layout(keys, values)]
 
 
-def from_model_cache(cache: KVCache, block: int | None = None) -> DecodeCache:
+def from_model_cache(cache: KVCache, block: int | None = None, tiled: bool = False) -> DecodeCache:
     """The model's prefill cache in the decode layout (see DecodeCache), split into
-    blocks of `block` slots when that is fewer than its slots (decode_cache_blocks).
+    blocks of `block` slots when that is fewer than its slots (decode_cache_blocks),
+    or with keys in tiles of KEY_TILE slots for the CPU kernel (`tiled`).
 
     Accepts per-layer [B, K, S, hd] arrays or their [L, B, K, S, hd] stack
     (scanned layers).
@@ -114,6 +138,14 @@ def from_model_cache(cache: KVCache, block: int | None = None) -> DecodeCache:
     else:
         pairs = [(cache.k[i], cache.v[i]) for i in range(cache.k.shape[0])]
     S = pairs[0][1].shape[2]
+    if tiled:
+        if S % KEY_TILE:
+            raise ValueError(f"a cache of {S} slots does not split into tiles of {KEY_TILE}")
+        # [B, K, S, hd] -> [B, K, S / KEY_TILE, hd, KEY_TILE]
+        return tuple(
+            (k.reshape(*k.shape[:2], S // KEY_TILE, KEY_TILE, k.shape[3]).swapaxes(3, 4), v)
+            for k, v in pairs
+        )
     blk = S if block is None else block
     if blk == S:
         return tuple((jnp.swapaxes(k, 2, 3), v) for k, v in pairs)
@@ -175,21 +207,23 @@ def decode_step(
     slot: jax.Array,
     kv_start_b: jax.Array,
     constrain=lambda x, logical: x,
+    kernel_threads: bool = True,
 ) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
 
     Row b attends to slots kv_start_b[b] .. slot (its prompt's first real token on).
+    kernel_threads: whether the CPU kernel (tiled caches) may use XLA's intra-op threads.
     """
     cdt = jnp.dtype(spec.compute_dtype)
     eps = spec.rms_norm_eps
     B = tokens_b.shape[0]
     H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     R = H // K
-    blocked = cache[0][0].ndim == 5
-    keys_axes, values_axes = cache_axes(cache[0][0])
+    layout = cache_layout(*cache[0])
+    keys_axes, values_axes = cache_axes(*cache[0])
     # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
     cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
-    if not blocked:
+    if layout == "whole":
         k_slot = jnp.arange(cache_slots(cache))
         visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
     x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
@@ -207,21 +241,28 @@ def decode_step(
             k = rms_norm(k, lw["k_norm"], eps)
         q = apply_rope(q, cos, sin).reshape(B, K, R, hd)
         k = apply_rope(k, cos, sin)
-        if blocked:
+        if layout == "blocked":
             blk = cv.shape[3]
             at = (slot // blk, slot % blk)
             k, v = k.reshape(B, 1, K, hd, 1), v.reshape(B, 1, K, 1, hd)
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, at[0], 0, 0, at[1]))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, at[0], 0, at[1], 0))
         else:
-            k = k.reshape(B, K, hd, 1)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, slot))
+            if layout == "tiled":
+                k, at = k.reshape(B, K, 1, hd, 1), (0, 0, slot // KEY_TILE, 0, slot % KEY_TILE)
+            else:
+                k, at = k.reshape(B, K, hd, 1), (0, 0, 0, slot)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, slot, 0))
         ck = constrain(ck, keys_axes)
         cv = constrain(cv, values_axes)
         new_cache.append((ck, cv))
-        if blocked:
+        if layout == "blocked":
             att = _filled_blocks_attention(q, ck, cv, kv_start_b, slot, cdt=cdt)
+        elif layout == "tiled":
+            att = _cpu_attention.decode_attention(
+                q, ck, cv, kv_start_b, slot, hd**-0.5, parallel=kernel_threads
+            )
         else:
             scores = einsum_f32("bkrh,bkhs->bkrs", q, ck.astype(cdt))
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)

@@ -31,7 +31,9 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.runtime import mesh_platform, xla_options
+from rl_jax.sampling import _cpu_attention
 from rl_jax.sampling._decode import (
+    KEY_TILE,
     DecodeCache,
     cache_axes,
     cache_slots,
@@ -145,6 +147,7 @@ class Sampler:
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         # (decode_cache_blocks: whether long caches are read in blocks)
         self.platform = mesh_platform(mesh)
+        self.attention_kernel = self._use_attention_kernel()
         opts = xla_options(mesh)
         # What the compiled bodies close over, for their on-disk executables
         # (rl_jax.executables); the devices are in the arguments' shardings.
@@ -158,6 +161,7 @@ class Sampler:
                 self.pad_id,
                 self.shards,
                 self._local_loops,
+                self.attention_kernel,
                 None if mesh is None else (mesh.axis_names, mesh.devices.shape),
             )
         )
@@ -170,6 +174,20 @@ class Sampler:
             jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts),
             name="sampler_decode",
             static_key=closure,
+        )
+
+    def _use_attention_kernel(self) -> bool:
+        """Whether decode attention runs in the CPU kernel (`_cpu_attention`): on CPU, in
+        float32, with head dimensions in whole vectors, where each device decodes alone
+        (no mesh, one device, or rows split over all devices: the call has no sharding
+        rule), and where the kernel can be built (RL_JAX_CPU_KERNELS=0 turns it off)."""
+        one_device = self.mesh is None or self.mesh.devices.size == 1 or self._local_loops
+        return (
+            self.platform == "cpu"
+            and jnp.dtype(self.spec.compute_dtype) == jnp.float32
+            and self.spec.head_dim % KEY_TILE == 0
+            and one_device
+            and _cpu_attention.available()
         )
 
     def compile_counts(self) -> dict[str, int]:
@@ -211,7 +229,7 @@ class Sampler:
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
         out = []
         for k, v in cache:
-            k_axes, v_axes = cache_axes(k)
+            k_axes, v_axes = cache_axes(k, v)
             out.append((self._constrain(k, k_axes), self._constrain(v, v_axes)))
         return tuple(out)
 
@@ -223,7 +241,10 @@ class Sampler:
         cfg = self.cfg
         model = self._model(params)
         P, Tp = prompt_pt.shape
-        S, block = decode_cache_blocks(Tp + gen_len, self.platform)
+        if self.attention_kernel:  # reads only filled slots at any length: no blocks
+            S = block = round_up(Tp + gen_len, KEY_TILE)
+        else:
+            S, block = decode_cache_blocks(Tp + gen_len, self.platform)
         kv_start_p = Tp - lens_p
         cache = model.init_cache(P, S)
         if Tp > 1:
@@ -239,7 +260,8 @@ class Sampler:
                 cache_index=0,
             )
         # Share each prompt's prefix with its G samples.
-        cache = self._cache_layout(from_model_cache(cache.take(group_b), block))
+        cache = from_model_cache(cache.take(group_b), block, tiled=self.attention_kernel)
+        cache = self._cache_layout(cache)
         B = group_b.shape[0]
         if self.interrupt:
             interrupt_at = interrupt_lengths(key, row_ids_b, cfg.interrupt_lo, cfg.interrupt_hi)
@@ -324,6 +346,8 @@ class Sampler:
                 slot,
                 s.kv_start,
                 constrain=constrain,
+                # One device per core: each keeps to its own thread.
+                kernel_threads=self.mesh is None or self.mesh.devices.size == 1,
             )
             tok, logp = sample_logits(
                 logits_bv,

@@ -1,0 +1,277 @@
+// One decode step of grouped-query attention over a KV cache, on CPU (XLA FFI).
+//
+// Why a hand-written kernel: XLA:CPU runs the decode score and value matmuls
+// as batched [R, hd] x [hd, S] products (R = query heads per KV head, often 1
+// or 2), which stream the cache at a fraction of memory bandwidth, and it reads
+// every slot of the cache, filled or not. This kernel reads only the slots a
+// row can see (kv_start[b] .. slot), once, front to back:
+//
+//   q        [B, K, R, hd]          float32  queries (RoPE applied)
+//   keys     [B, K, S/16, hd, 16]   float32  tiles of 16 slots, each one
+//                                            contiguous [hd, 16] block
+//   values   [B, K, S, hd]          float32
+//   kv_start [B]                    int32    first visible slot of each row
+//   slot     []                     int32    last visible slot (this step's)
+//   out      [B, K, R, hd]          float32  softmax(scale * q k^T) v
+//
+// Same math as the model's attention (float32 scores, max-subtracted softmax,
+// probabilities times values); summation order differs, so results agree to
+// float32 rounding, not bit for bit. Work is split over (b, k) pairs on XLA's
+// intra-op thread pool; the calling thread takes its share too.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp for x <= 0 (softmax after max subtraction): Cephes' expf polynomial,
+// ~2 ulp, written so the compiler vectorises it (libm's expf is a scalar call).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below, exp underflows to denormals: treat as 0 below
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.0f ? 0.0f : y * scale;
+}
+
+struct Problem {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const int32_t* kv_start;
+  int64_t slot;
+  float scale;
+  float* out;
+  int64_t B, K, R, hd, S;
+};
+
+// One vector of floats: GCC/Clang vector extensions, so the same code compiles to
+// AVX-512, AVX2 (two halves) or NEON (four) for whatever -march=native finds. The
+// inner loops below load and multiply-add whole vectors only, without branches,
+// so the accumulators stay in registers.
+constexpr int kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec LoadVec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// s[r, j] = scale * q[r] . key(lo + j) for RR query rows, j < n. Keys come in
+// tiles of kLanes slots, [hd, kLanes] each and contiguous, so a tile is one
+// sequential read and one vector per head dimension. kChains interleaved
+// accumulators per row: one chain of dependent multiply-adds would wait on each
+// add's latency.
+constexpr int kChains = 4;
+
+template <int RR>
+void Scores(const float* q, const float* tiles, int64_t hd, int64_t lo, int64_t n,
+            float scale, float* s) {
+  for (int64_t t = lo / kLanes; t * kLanes < lo + n; ++t) {
+    const float* tile = tiles + t * hd * kLanes;
+    Vec acc[kChains][RR] = {};
+    int64_t d = 0;
+    for (; d + kChains <= hd; d += kChains) {
+      for (int u = 0; u < kChains; ++u) {
+        const Vec kv = LoadVec(tile + (d + u) * kLanes);
+        for (int r = 0; r < RR; ++r) acc[u][r] += q[r * hd + d + u] * kv;
+      }
+    }
+    for (; d < hd; ++d) {
+      const Vec kv = LoadVec(tile + d * kLanes);
+      for (int r = 0; r < RR; ++r) acc[0][r] += q[r * hd + d] * kv;
+    }
+    // Lanes of this tile inside [lo, lo + n).
+    const int64_t first = std::max<int64_t>(lo - t * kLanes, 0);
+    const int64_t last = std::min<int64_t>(lo + n - t * kLanes, kLanes);
+    for (int r = 0; r < RR; ++r) {
+      Vec total = acc[0][r];
+      for (int u = 1; u < kChains; ++u) total += acc[u][r];
+      total *= scale;
+      float lanes[kLanes];
+      std::memcpy(lanes, &total, sizeof(lanes));
+      std::memcpy(s + r * n + t * kLanes + first - lo, lanes + first,
+                  (last - first) * sizeof(float));
+    }
+  }
+}
+
+// out[r, :] = sum_j p[r, j] values[lo + j, :], C * kLanes head dimensions per pass
+// (hd a multiple of that): RR x C accumulators while the slots stream.
+template <int RR, int C>
+void WeightedValues(const float* p, const float* v, int64_t hd, int64_t lo, int64_t n,
+                    float* out) {
+  for (int64_t d0 = 0; d0 < hd; d0 += C * kLanes) {
+    Vec acc[RR][C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + (lo + j) * hd + d0;
+      Vec vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = LoadVec(vr + c * kLanes);
+      for (int r = 0; r < RR; ++r) {
+        const float pj = p[r * n + j];
+        for (int c = 0; c < C; ++c) acc[r][c] += pj * vv[c];
+      }
+    }
+    for (int r = 0; r < RR; ++r) {
+      for (int c = 0; c < C; ++c) {
+        std::memcpy(out + r * hd + d0 + c * kLanes, &acc[r][c], sizeof(Vec));
+      }
+    }
+  }
+}
+
+// Scaled scores -> probabilities, in place, for rows rows of n.
+void Softmax(float* s, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * n;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - m);
+      total += sr[j];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
+  }
+}
+
+// RR query rows of one (row, KV head) pair, vector path; s holds RR * n floats.
+template <int RR>
+void AttendRows(const float* q, const float* tiles, const float* v, int64_t hd, int64_t lo,
+                int64_t n, float scale, float* s, float* out) {
+  Scores<RR>(q, tiles, hd, lo, n, scale, s);
+  Softmax(s, RR, n);
+  // Up to 8 accumulators: 4 value vectors per pass for 1-2 query rows, 2 for 3-4.
+  if (RR <= 2 && hd % (4 * kLanes) == 0) {
+    WeightedValues<RR, 4>(s, v, hd, lo, n, out);
+  } else if (hd % (2 * kLanes) == 0) {
+    WeightedValues<RR, 2>(s, v, hd, lo, n, out);
+  } else {
+    WeightedValues<RR, 1>(s, v, hd, lo, n, out);
+  }
+}
+
+// Attention of the R queries of one (row, KV head) pair.
+void Attend(const Problem& p, int64_t item, std::vector<float>& scores) {
+  const int64_t b = item / p.K;
+  const int64_t R = p.R, hd = p.hd, S = p.S;
+  const float* q = p.q + item * R * hd;
+  const float* tiles = p.keys + item * hd * S;
+  const float* v = p.values + item * S * hd;
+  float* out = p.out + item * R * hd;
+  const int64_t lo = std::max<int64_t>(p.kv_start[b], 0);
+  const int64_t hi = std::min<int64_t>(p.slot, S - 1);
+  if (hi < lo) {
+    std::fill(out, out + R * hd, 0.0f);
+    return;
+  }
+  const int64_t n = hi - lo + 1;
+  if (static_cast<int64_t>(scores.size()) < 4 * n) scores.resize(4 * n);
+  float* s = scores.data();
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const float* qr = q + r0 * hd;
+    float* o = out + r0 * hd;
+    switch (std::min<int64_t>(4, R - r0)) {
+      case 1: AttendRows<1>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
+      case 2: AttendRows<2>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
+      case 3: AttendRows<3>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
+      default: AttendRows<4>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
+    }
+  }
+}
+
+// Shared by the calling thread and the pool tasks it schedules; a task that
+// starts after every item is claimed returns without touching the buffers, so
+// the handler may return (and XLA free them) once all claimed items are done.
+struct Work {
+  Problem problem;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void run() {
+    thread_local std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      Attend(problem, i, scores);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// One pool task per this many cache floats read, at most one per thread: for a
+// short cache, scheduling a task costs more than it saves.
+constexpr int64_t kMinFloatsPerHelper = 1 << 16;
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                           ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
+                           float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = keys.dimensions();
+  auto vd = values.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "decode attention: q and values must be rank 4, keys rank 5");
+  }
+  const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3], S = vd[2];
+  if (kd[0] != B || kd[1] != K || kd[2] * kLanes != S || kd[3] != hd || kd[4] != kLanes ||
+      vd[0] != B || vd[1] != K || vd[3] != hd || hd % kLanes != 0 ||
+      kv_start.element_count() != static_cast<size_t>(B) || slot.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "decode attention: expected q [B,K,R,hd], keys [B,K,S/16,hd,16], values [B,K,S,hd] "
+        "(hd a multiple of 16), kv_start [B], slot []");
+  }
+  auto work = std::make_shared<Work>();
+  work->problem = Problem{q.typed_data(),    keys.typed_data(), values.typed_data(),
+                          kv_start.typed_data(), static_cast<int64_t>(slot.typed_data()[0]),
+                          scale,             out->typed_data(), B, K, R, hd, S};
+  work->items = B * K;
+  // Floats read per item, about: keys and values of the filled slots.
+  const int64_t reads = (std::min<int64_t>(slot.typed_data()[0], S - 1) + 1) * hd * 2;
+  const int64_t helpers = std::min<int64_t>(
+      {parallel ? pool.num_threads() - 1 : 0, work->items - 1, work->items * reads / kMinFloatsPerHelper});
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->finished.load(std::memory_order_acquire) < work->items) {
+    std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("parallel")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+);

@@ -1,0 +1,92 @@
+"""The CPU decode-attention kernel (rl_jax/sampling/_cpu_attention.cc) against XLA's
+attention on the same cache, and its build's failure modes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.models.layers import MASK_VALUE, einsum_f32
+from rl_jax.sampling import _cpu_attention
+from rl_jax.sampling._decode import KEY_TILE
+
+needs_kernel = pytest.mark.skipif(
+    jax.devices()[0].platform != "cpu" or not _cpu_attention.available(),
+    reason="the CPU decode-attention kernel cannot be built here (no C++ compiler)",
+)
+
+
+def _reference(q, keys_t, values, kv_start, slot):
+    """The sampler's XLA attention: keys [B, K, hd, S]."""
+    hd, S = keys_t.shape[2], keys_t.shape[3]
+    s = einsum_f32("bkrh,bkhs->bkrs", q, keys_t)
+    k_slot = jnp.arange(S)
+    visible = (k_slot[None, :] >= kv_start[:, None]) & (k_slot[None, :] <= slot)
+    s = jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE)
+    return einsum_f32("bkrs,bksh->bkrh", jax.nn.softmax(s, axis=-1), values)
+
+
+def _tiles(keys_t):
+    """[B, K, hd, S] -> [B, K, S / 16, hd, 16]."""
+    B, K, hd, S = keys_t.shape
+    return keys_t.reshape(B, K, hd, S // KEY_TILE, KEY_TILE).transpose(0, 1, 3, 2, 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "B,K,R,hd,S,slot",
+    [
+        (6, 2, 2, 64, 80, 40),  # the bench model's heads
+        (4, 3, 3, 32, 32, 19),  # three query heads per KV head
+        (3, 1, 7, 128, 304, 150),  # seven, 128-wide heads, a long cache
+        (2, 2, 1, 64, 16, 0),  # one slot
+        (3, 2, 5, 48, 48, 47),  # head width not a multiple of 32; the last slot
+        (2, 1, 9, 80, 64, 33),  # more query heads than one pass takes (4)
+        (5, 2, 2, 16, 48, 31),  # a tile boundary
+    ],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_kernel_equals_xla_attention(B, K, R, hd, S, slot, parallel):
+    """Rows with different first visible slots (left padding), every query-head
+    grouping: within float32 rounding of XLA's masked softmax attention. Slots past
+    `slot` hold garbage (NaN), which must not be read."""
+    rng = np.random.default_rng(B * 1000 + S)
+    q = jnp.asarray(rng.standard_normal((B, K, R, hd)), jnp.float32)
+    keys_t = rng.standard_normal((B, K, hd, S)).astype(np.float32)
+    values = rng.standard_normal((B, K, S, hd)).astype(np.float32)
+    kv_start = jnp.asarray(rng.integers(0, slot + 1, (B,)), jnp.int32)
+    want = _reference(q, jnp.asarray(keys_t), jnp.asarray(values), kv_start, slot)
+    keys_t[..., slot + 1 :] = np.nan
+    values[:, :, slot + 1 :] = np.nan
+    call = jax.jit(
+        lambda q, k, v, s0: _cpu_attention.decode_attention(
+            q, k, v, s0, slot, hd**-0.5, parallel=parallel
+        )
+    )
+    got = call(q, _tiles(jnp.asarray(keys_t)), jnp.asarray(values), kv_start)
+    assert got.shape == (B, K, R, hd) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_kernel_rejects_wrong_shapes():
+    q = jnp.zeros((2, 2, 2, 64), jnp.float32)
+    keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
+    values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
+    with pytest.raises(Exception, match=r"keys \[B,K,S/16,hd,16\]"):
+        _cpu_attention.decode_attention(q, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125)
+
+
+def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (or RL_JAX_CPU_KERNELS=0) leaves the kernel off with a
+    warning that says so; nothing half-written is left in the cache directory."""
+    build = _cpu_attention.available.__wrapped__  # past the per-process cache
+    monkeypatch.setenv("RL_JAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("RL_JAX_CPU_KERNELS", "0")
+    assert build() is False
+    monkeypatch.setenv("RL_JAX_CPU_KERNELS", "1")
+    monkeypatch.setenv("CXX", "false")
+    with caplog.at_level("WARNING"):
+        assert build() is False
+    assert "unavailable" in caplog.text and "failed" in caplog.text
+    assert list(tmp_path.iterdir()) == []
