@@ -48,33 +48,46 @@ def _tiles(keys_t):
 @pytest.mark.parametrize("parallel", [True, False])
 def test_kernel_equals_xla_attention(B, K, R, hd, S, slot, parallel):
     """Rows with different first visible slots (left padding), every query-head
-    grouping: within float32 rounding of XLA's masked softmax attention. Slots past
-    `slot` hold garbage (NaN), which must not be read."""
+    grouping: the new key and value land at `slot` (nothing else changes), and the
+    attention is within float32 rounding of XLA's masked softmax attention. Slots
+    past `slot` hold garbage (NaN), which must not be read."""
     rng = np.random.default_rng(B * 1000 + S)
     q = jnp.asarray(rng.standard_normal((B, K, R, hd)), jnp.float32)
     keys_t = rng.standard_normal((B, K, hd, S)).astype(np.float32)
     values = rng.standard_normal((B, K, S, hd)).astype(np.float32)
     kv_start = jnp.asarray(rng.integers(0, slot + 1, (B,)), jnp.int32)
-    want = _reference(q, jnp.asarray(keys_t), jnp.asarray(values), kv_start, slot)
-    keys_t[..., slot + 1 :] = np.nan
-    values[:, :, slot + 1 :] = np.nan
+    # jnp.array copies: jnp.asarray may share the numpy buffer, written below while
+    # the (asynchronous) reference could still be reading it.
+    want = np.asarray(_reference(q, jnp.array(keys_t), jnp.array(values), kv_start, slot))
+    k_new, v_new = keys_t[..., slot].copy(), values[:, :, slot].copy()
+    keys_t[..., slot:] = np.nan
+    values[:, :, slot:] = np.nan
     call = jax.jit(
-        lambda q, k, v, s0: _cpu_attention.decode_attention(
-            q, k, v, s0, slot, hd**-0.5, parallel=parallel
+        lambda q, k, v, keys, values, s0: _cpu_attention.decode_attention(
+            q, k, v, keys, values, s0, slot, hd**-0.5, parallel=parallel
         )
     )
-    got = call(q, _tiles(jnp.asarray(keys_t)), jnp.asarray(values), kv_start)
+    got, keys, values_out = call(
+        q, k_new, v_new, _tiles(jnp.array(keys_t)), jnp.array(values), kv_start
+    )
     assert got.shape == (B, K, R, hd) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+    keys_t[..., slot] = k_new
+    values[:, :, slot] = v_new
+    np.testing.assert_array_equal(np.asarray(keys), np.asarray(_tiles(jnp.array(keys_t))))
+    np.testing.assert_array_equal(np.asarray(values_out), values)
 
 
 @needs_kernel
 def test_kernel_rejects_wrong_shapes():
     q = jnp.zeros((2, 2, 2, 64), jnp.float32)
+    kv = jnp.zeros((2, 2, 64), jnp.float32)
     keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
     values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
     with pytest.raises(Exception, match=r"keys \[B,K,S/16,hd,16\]"):
-        _cpu_attention.decode_attention(q, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125)
+        _cpu_attention.decode_attention(
+            q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125
+        )
 
 
 def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):

@@ -7,12 +7,19 @@
 // row can see (kv_start[b] .. slot), once, front to back:
 //
 //   q        [B, K, R, hd]          float32  queries (RoPE applied)
+//   k, v     [B, K, hd]             float32  this step's key and value
 //   keys     [B, K, S/16, hd, 16]   float32  tiles of 16 slots, each one
 //                                            contiguous [hd, 16] block
 //   values   [B, K, S, hd]          float32
 //   kv_start [B]                    int32    first visible slot of each row
-//   slot     []                     int32    last visible slot (this step's)
+//   slot     []                     int32    this step's slot, the last visible
+// results:
 //   out      [B, K, R, hd]          float32  softmax(scale * q k^T) v
+//   keys, values                             the cache with k, v written at
+//                                            `slot`: aliased to the inputs
+//
+// Writing the new key here rather than in XLA: a key is one float in each of hd
+// cache lines of its tile, which the score loop reads right after anyway.
 //
 // Same math as the model's attention (float32 scores, max-subtracted softmax,
 // probabilities times values); summation order differs, so results agree to
@@ -57,8 +64,10 @@ inline float exp_nonpositive(float x) {
 
 struct Problem {
   const float* q;
-  const float* keys;
-  const float* values;
+  const float* k_new;
+  const float* v_new;
+  float* keys;
+  float* values;
   const int32_t* kv_start;
   int64_t slot;
   float scale;
@@ -174,14 +183,20 @@ void AttendRows(const float* q, const float* tiles, const float* v, int64_t hd, 
   }
 }
 
-// Attention of the R queries of one (row, KV head) pair.
+// Write this step's key and value of one (row, KV head) pair, then attend with its
+// R queries.
 void Attend(const Problem& p, int64_t item, std::vector<float>& scores) {
   const int64_t b = item / p.K;
   const int64_t R = p.R, hd = p.hd, S = p.S;
   const float* q = p.q + item * R * hd;
-  const float* tiles = p.keys + item * hd * S;
-  const float* v = p.values + item * S * hd;
+  float* tiles = p.keys + item * hd * S;
+  float* v = p.values + item * S * hd;
   float* out = p.out + item * R * hd;
+  if (p.slot >= 0 && p.slot < S) {
+    float* tile = tiles + (p.slot / kLanes) * hd * kLanes + p.slot % kLanes;
+    for (int64_t d = 0; d < hd; ++d) tile[d * kLanes] = p.k_new[item * hd + d];
+    std::memcpy(v + p.slot * hd, p.v_new + item * hd, hd * sizeof(float));
+  }
   const int64_t lo = std::max<int64_t>(p.kv_start[b], 0);
   const int64_t hi = std::min<int64_t>(p.slot, S - 1);
   if (hi < lo) {
@@ -226,9 +241,12 @@ struct Work {
 constexpr int64_t kMinFloatsPerHelper = 1 << 16;
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
-                           float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out) {
+                           float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> keys_out,
+                           ffi::ResultBuffer<ffi::F32> values_out) {
   auto qd = q.dimensions();
   auto kd = keys.dimensions();
   auto vd = values.dimensions();
@@ -236,18 +254,32 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "decode attention: q and values must be rank 4, keys rank 5");
   }
+  // The cache is updated in place: XLA must have aliased the results to the inputs.
+  if (keys_out->typed_data() != keys.typed_data() ||
+      values_out->typed_data() != values.typed_data()) {
+    return ffi::Error::Internal("decode attention: the cache results are not aliased");
+  }
   const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3], S = vd[2];
   if (kd[0] != B || kd[1] != K || kd[2] * kLanes != S || kd[3] != hd || kd[4] != kLanes ||
       vd[0] != B || vd[1] != K || vd[3] != hd || hd % kLanes != 0 ||
+      k_new.element_count() != static_cast<size_t>(B * K * hd) ||
+      v_new.element_count() != static_cast<size_t>(B * K * hd) ||
       kv_start.element_count() != static_cast<size_t>(B) || slot.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "decode attention: expected q [B,K,R,hd], keys [B,K,S/16,hd,16], values [B,K,S,hd] "
-        "(hd a multiple of 16), kv_start [B], slot []");
+        "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys [B,K,S/16,hd,16], "
+        "values [B,K,S,hd] (hd a multiple of 16), kv_start [B], slot []");
   }
   auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(),    keys.typed_data(), values.typed_data(),
-                          kv_start.typed_data(), static_cast<int64_t>(slot.typed_data()[0]),
-                          scale,             out->typed_data(), B, K, R, hd, S};
+  work->problem = Problem{q.typed_data(),
+                          k_new.typed_data(),
+                          v_new.typed_data(),
+                          keys_out->typed_data(),
+                          values_out->typed_data(),
+                          kv_start.typed_data(),
+                          static_cast<int64_t>(slot.typed_data()[0]),
+                          scale,
+                          out->typed_data(),
+                          B, K, R, hd, S};
   work->items = B * K;
   // Floats read per item, about: keys and values of the filled slots.
   const int64_t reads = (std::min<int64_t>(slot.typed_data()[0], S - 1) + 1) * hd * 2;
@@ -267,6 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
                                   .Arg<ffi::Buffer<ffi::F32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
@@ -274,4 +308,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
                                   .Attr<float>("scale")
                                   .Attr<bool>("parallel")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // keys (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // values (aliased)
 );

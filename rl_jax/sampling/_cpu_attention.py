@@ -108,15 +108,20 @@ def available() -> bool:
 
 def decode_attention(
     q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     keys: jax.Array,
     values: jax.Array,
     kv_start: jax.Array,
     slot,
     scale: float,
     parallel: bool = True,
-) -> jax.Array:
-    """softmax(scale * q k^T) v over slots kv_start[b] .. slot of each row: [B, K, R, hd]
-    float32 (q [B, K, R, hd], keys [B, K, hd, S], values [B, K, S, hd], all float32).
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write this step's k, v ([B, K, hd]) at `slot`, then attend: softmax(scale * q k^T) v
+    over slots kv_start[b] .. slot of each row. Returns (attention [B, K, R, hd],
+    keys, values); all float32, q [B, K, R, hd], keys in tiles [B, K, S / 16, hd, 16],
+    values [B, K, S, hd]. The cache is updated in place (the results alias keys and
+    values; XLA copies them first only where the inputs are still needed).
 
     Call only after `available()` returned True, and on arrays local to one device
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
@@ -124,9 +129,20 @@ def decode_attention(
     each device's call keeps to its own thread (bench model, 64 rows: 16% faster
     generation on one device with the threads, per core no faster with them).
     """
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, f32),
+            jax.ShapeDtypeStruct(keys.shape, f32),
+            jax.ShapeDtypeStruct(values.shape, f32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+    )
     return call(
-        q,
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
         keys,
         values,
         kv_start.astype(jnp.int32),

@@ -241,29 +241,34 @@ def decode_step(
             k = rms_norm(k, lw["k_norm"], eps)
         q = apply_rope(q, cos, sin).reshape(B, K, R, hd)
         k = apply_rope(k, cos, sin)
-        if layout == "blocked":
+        if layout == "tiled":  # the kernel writes k, v and attends in one call
+            att, ck, cv = _cpu_attention.decode_attention(
+                q,
+                k.reshape(B, K, hd),
+                v.reshape(B, K, hd),
+                ck,
+                cv,
+                kv_start_b,
+                slot,
+                hd**-0.5,
+                parallel=kernel_threads,
+            )
+        elif layout == "blocked":
             blk = cv.shape[3]
             at = (slot // blk, slot % blk)
             k, v = k.reshape(B, 1, K, hd, 1), v.reshape(B, 1, K, 1, hd)
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, at[0], 0, 0, at[1]))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, at[0], 0, at[1], 0))
         else:
-            if layout == "tiled":
-                k, at = k.reshape(B, K, 1, hd, 1), (0, 0, slot // KEY_TILE, 0, slot % KEY_TILE)
-            else:
-                k, at = k.reshape(B, K, hd, 1), (0, 0, 0, slot)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
+            k = k.reshape(B, K, hd, 1)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, slot))
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, slot, 0))
         ck = constrain(ck, keys_axes)
         cv = constrain(cv, values_axes)
         new_cache.append((ck, cv))
         if layout == "blocked":
             att = _filled_blocks_attention(q, ck, cv, kv_start_b, slot, cdt=cdt)
-        elif layout == "tiled":
-            att = _cpu_attention.decode_attention(
-                q, ck, cv, kv_start_b, slot, hd**-0.5, parallel=kernel_threads
-            )
-        else:
+        elif layout == "whole":
             scores = einsum_f32("bkrh,bkhs->bkrs", q, ck.astype(cdt))
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
