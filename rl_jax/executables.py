@@ -180,6 +180,7 @@ def _module_constants() -> dict:
         "decode.DECODE_BLOCKS": _decode.DECODE_BLOCKS,
         "decode.DECODE_BLOCK_MAX_SLOTS": _decode.DECODE_BLOCK_MAX_SLOTS,
         "decode.DECODE_BLOCK_PLATFORMS": _decode.DECODE_BLOCK_PLATFORMS,
+        "decode.KEY_TILE": _decode.KEY_TILE,
     }
 
 

@@ -13,7 +13,8 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   slot of each with a dynamic-update-slice.
   (The model's [L, B, S, K, hd] cache needs a transposed copy of every layer's
   keys and values per token.)
-* On CPU, long caches (over DECODE_BLOCK_MIN_SLOTS slots) are split into N
+* On CPU without the attention kernel (below), long caches (over
+  DECODE_BLOCK_MIN_SLOTS slots) are split into N
   blocks of slots, keys [B, N, K, hd, S / N] and values [B, N, K, S / N, hd]
   (decode_cache_blocks), and a step reads only the blocks written so far, with
   an online softmax over them (flash-decoding). Decoding is bound by reading
@@ -22,12 +23,12 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   A block of one row is contiguous, so taking one out inside the loop is a
   cheap copy (a block of the unsplit layout is strided: its copy cost more
   than the reads it saved).
-
 * With the CPU decode-attention kernel (`_cpu_attention`, chosen by the
   Sampler where it can be built), keys are kept in tiles of KEY_TILE slots,
-  [B, K, S / KEY_TILE, hd, KEY_TILE], one contiguous block per tile, and the
-  kernel computes the attention: it reads each row's filled slots once, front
-  to back, so no blocks are needed at any length.
+  [B, K, S / KEY_TILE, hd, KEY_TILE], one contiguous block per tile, and one
+  kernel call per layer writes the step's key and value and computes the
+  attention: it reads each row's filled slots once, front to back, so no
+  blocks are needed at any length.
 
 Prefill still runs the model's own forward; `from_model_cache` converts its cache.
 """
