@@ -7,9 +7,15 @@ from other processes on the machine hits both alike; the medians are reported.
 
     python benchmarks/sampler.py [--model HF_DIR | --preset NAME] [--devices N] [--repeats R]
     python benchmarks/sampler.py --platform gpu [--dtype bfloat16] ...   # on a GPU machine
+    python benchmarks/sampler.py --hf-only    # transformers alone, no JAX work in the process
 
---new-tokens N times longer generations (past 128 cache slots a CPU decode step
-reads its cache in blocks, only those written so far: rl_jax/sampling/_decode.py).
+Inside a process that holds one XLA CPU device per core (--devices 0),
+`generate` ran ~20% slower than alone on the 2-core machine (README,
+Performance); --hf-only gives the undisturbed baseline.
+
+--new-tokens N times longer generations (a CPU decode step reads only the filled
+slots of its cache: in the attention kernel, or without it in blocks past 128
+slots; rl_jax/sampling/_decode.py).
 
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
@@ -48,6 +54,12 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
+    p.add_argument(
+        "--hf-only",
+        action="store_true",
+        help="time transformers alone (no JAX computation in the process): the baseline "
+        "without any interference from our runtime's threads",
+    )
     return p.parse_args(argv)
 
 
@@ -157,6 +169,8 @@ def main() -> int:
         out = sampler.generate(params, prompt_list, seed=seed)
         assert (out.lengths == a.new_tokens).all()
 
+    if a.hf_only:
+        return _hf_only(model, prompts)
     t = time.perf_counter()
     ours(0)
     first_call = time.perf_counter() - t
@@ -203,6 +217,33 @@ def main() -> int:
         "devices": DEVICES,
         "hf_threads": _torch_threads() if hf_t else None,
         "compile_cache": bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _hf_only(model, prompts: np.ndarray) -> int:
+    """`generate` alone, a.repeats timed runs after a warm-up; one JSON line."""
+    a = ARGS
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = a.model or str(export_hf(model, tmp, dtype=a.dtype))
+        hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
+        hf_run(0)
+        times = []
+        for r in range(a.repeats):
+            t = time.perf_counter()
+            hf_run(r + 1)
+            times.append(time.perf_counter() - t)
+    hf_s = statistics.median(times)
+    tokens = a.prompts * a.samples * a.new_tokens
+    result = {
+        "hf_tokens_per_s": round(tokens / hf_s, 1),
+        "hf_seconds": round(hf_s, 4),
+        "hf_threads": _torch_threads(),
+        "model": a.model or f"preset:{a.preset}",
+        "rows": a.prompts * a.samples,
+        "new_tokens": a.new_tokens,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
