@@ -103,3 +103,14 @@ def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):
         assert build() is False
     assert "unavailable" in caplog.text and "failed" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path):
+    """A truncated library in the kernel cache is built again, not trusted or kept."""
+    if not _cpu_attention._compiler():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("RL_JAX_KERNEL_CACHE", str(tmp_path))
+    path = _cpu_attention._library_path(_cpu_attention._compiler())
+    path.write_bytes(b"not a shared library")
+    assert _cpu_attention._load_handler(_cpu_attention._compiler()) is not None
+    assert path.stat().st_size > 1000

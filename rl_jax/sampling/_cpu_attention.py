@@ -85,6 +85,19 @@ def _build(cxx: str, out: Path) -> None:
             os.unlink(tmp)
 
 
+def _load_handler(cxx: str):
+    """The kernel's handler from the cached library, built first if missing; a damaged
+    cache entry (it does not load) is built again, once."""
+    path = _library_path(cxx)
+    if not path.exists():
+        _build(cxx, path)
+    try:
+        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+    except (OSError, AttributeError):
+        _build(cxx, path)
+        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+
+
 @functools.cache
 def available() -> bool:
     """Build (once per machine) and register the kernel; False where it cannot be."""
@@ -95,11 +108,8 @@ def available() -> bool:
         log.warning("no C++ compiler (CXX): the sampler keeps XLA's decode attention on CPU")
         return False
     try:
-        path = _library_path(cxx)
-        if not path.exists():
-            _build(cxx, path)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        handler = _load_handler(cxx)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("CPU decode-attention kernel unavailable (%s); using XLA's", e)
         return False
