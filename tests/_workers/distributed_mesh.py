@@ -12,8 +12,32 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from rl_jax.config import MeshConfig  # noqa: E402
+from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
+from rl_jax.models import load_model, model_params  # noqa: E402
+from rl_jax.sampling import Sampler  # noqa: E402
 from rl_jax.sharding import make_mesh, maybe_initialize_distributed  # noqa: E402
+
+
+def sample_over_processes() -> str:
+    """Rows over all 4 devices of both processes: each device decodes its own rows
+    (the CPU attention kernel where it can be built); the same draws as XLA's
+    attention on the same mesh."""
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    model = load_model(ModelConfig(preset="tiny"), mesh=mesh, purpose="sample", rules_preset="dp")
+    params = model_params(model)
+    cfg = SamplingConfig(n=2, temperature=0.7, max_new_tokens=24, length_bucket=8)
+    prompts = [[3, 4, 5], [6, 7], list(range(8, 20)), [9]]
+    key = jax.random.key(5)
+    runs = {}
+    for kernel in (True, False):
+        if not kernel:
+            Sampler._use_attention_kernel = lambda self: False
+        sampler = Sampler(model.spec, cfg, mesh=mesh, pad_id=0, rules="dp")
+        runs[kernel] = (sampler.attention_kernel, sampler.generate(params, prompts, key=key))
+    (used, a), (_, b) = runs[True], runs[False]
+    same = bool((a.completion_tokens == b.completion_tokens).all())
+    diff = float(np.abs(a.logprobs - b.logprobs).max())
+    return f"SAMPLER {used} {same} {diff <= 1e-5} {int(a.completion_tokens.sum())}"
 
 
 def main() -> None:
@@ -32,6 +56,7 @@ def main() -> None:
     x = jax.make_array_from_process_local_data(sh, local)
     total = jax.jit(lambda v: jnp.sum(v * v))(x)
     print(f"RESULT {jax.process_count()} {jax.device_count()} {float(total)}", flush=True)
+    print(sample_over_processes(), flush=True)
 
 
 if __name__ == "__main__":
