@@ -44,7 +44,9 @@ namespace {
 // exp for x <= 0 (softmax after max subtraction): Cephes' expf polynomial,
 // ~2 ulp, written so the compiler vectorises it (libm's expf is a scalar call).
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below, exp underflows to denormals: treat as 0 below
+  // exp(-87) is about the smallest normal float; below, 0 (a softmax term that
+  // small changes no sum of terms >= 1, which max subtraction guarantees).
+  x = std::max(x, -87.0f);
   float fx = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - fx * 0.693359375f;
   r = r + fx * 2.12194440e-4f;
@@ -151,7 +153,7 @@ void WeightedValues(const float* p, const float* v, int64_t hd, int64_t lo, int6
   }
 }
 
-// Scaled scores -> probabilities, in place, for rows rows of n.
+// Scaled scores -> probabilities, in place: `rows` rows of n slots.
 void Softmax(float* s, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * n;
