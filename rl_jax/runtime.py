@@ -62,8 +62,13 @@ def compile_cache_dir() -> Path | None:
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    return user_cache_dir("jax")
+
+
+def user_cache_dir(name: str) -> Path:
+    """$XDG_CACHE_HOME/rl_jax/<name> (~/.cache by default): rl_jax's per-user caches."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rl_jax" / "jax"
+    return Path(base) / "rl_jax" / name
 
 
 def enable_compile_cache(path: str | Path | None = None) -> Path | None:

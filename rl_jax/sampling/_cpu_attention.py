@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.runtime import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_cpu_attention.cc")
@@ -46,8 +48,7 @@ def kernel_cache_dir() -> Path:
     """RL_JAX_KERNEL_CACHE if set, else $XDG_CACHE_HOME/rl_jax/kernels (~/.cache)."""
     if os.environ.get("RL_JAX_KERNEL_CACHE"):
         return Path(os.environ["RL_JAX_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rl_jax" / "kernels"
+    return user_cache_dir("kernels")
 
 
 def _compiler() -> str | None:
