@@ -162,6 +162,8 @@ def main() -> int:
         max_prompt_len=a.prompt_len,
         length_bucket=8,
     )
+    if a.hf_only:  # before the sampler exists: nothing of ours built or run
+        return _hf_only(model, prompts)
     sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
     prompt_list = prompts.tolist()
 
@@ -169,8 +171,6 @@ def main() -> int:
         out = sampler.generate(params, prompt_list, seed=seed)
         assert (out.lengths == a.new_tokens).all()
 
-    if a.hf_only:
-        return _hf_only(model, prompts)
     t = time.perf_counter()
     ours(0)
     first_call = time.perf_counter() - t
