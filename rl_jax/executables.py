@@ -134,7 +134,7 @@ def code_digest() -> str:
     off as the new code's."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent
-    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc"), *root.rglob("*.h")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     for lib in _LIBRARIES:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl_jax.sampling import _cpu_attention
+from rl_jax.sampling import _cpu_kernels
 
 WORKER = Path(__file__).parent / "_workers" / "distributed_mesh.py"
 
@@ -33,11 +33,11 @@ def test_two_process_mesh_collective():
         line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
         # 2 processes, 4 global devices, sum of squares of 0..3 = 14
         assert line.split()[1:] == ["2", "4", "14.0"], out
-    # The sampler with rows over both processes' devices: kernel (where it builds) and
-    # XLA attention give the same tokens and log-probs within 1e-5, the same on both.
+    # The sampler with rows over both processes' devices: kernels (where they build) and
+    # XLA attention and matmuls give the same tokens and log-probs within 1e-5, the same on both.
     sampled = [next(ln for ln in out.splitlines() if ln.startswith("SAMPLER")) for out in outs]
     for line in sampled:
         _, used, same, close, _ = line.split()
-        assert used == str(_cpu_attention.available()), line
+        assert used == str(_cpu_kernels.available()), line
         assert same == close == "True", line
     assert sampled[0] == sampled[1], sampled

@@ -54,6 +54,16 @@ def params_b():
     return _params(1)
 
 
+@pytest.fixture(scope="module")
+def mild_params():
+    """Weights scaled by 3, for 60-token comparisons at float32 rounding. Scaled by 10,
+    two correct summation orders of the same forward (XLA's against the CPU kernels',
+    or XLA's on two machines) drift apart by up to 4e-5 in log-prob over 60 tokens:
+    large weights amplify rounding layer by layer. By 3, logits are still far from
+    ties and the drift stays under 2e-6 (both measured over 6 seeds)."""
+    return _params(0, 3.0), _params(1, 3.0)
+
+
 def _sequences(out):
     """Prompt + completion as one left-padded row, its validity mask and positions."""
     tg = out.completion_tokens.shape[1]
@@ -262,10 +272,12 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
         return sampler.result(sampler.decode(params_b, state, version=2))
 
     got_swap = swapped(Sampler(SPEC, cfg, pad_id=0))
-    # The reference: one piece, in XLA (monkeypatch restores both).
+    # The reference: one piece, attention and matmuls in XLA (monkeypatch restores all).
     monkeypatch.setattr(layout, "DECODE_BLOCK_MIN_SLOTS", 10_000)
     monkeypatch.setattr(Sampler, "_use_attention_kernel", lambda self: False)
+    monkeypatch.setattr(Sampler, "_use_matmul_kernel", lambda self: False)
     whole_sampler = Sampler(SPEC, cfg, pad_id=0)
+    assert not whole_sampler.matmul_kernel
     keys, values = whole_sampler.start(params_a, prompts, n=1).cache[0]
     assert keys.ndim == values.ndim == 4
     whole = whole_sampler.generate(params_a, prompts, n=3, key=key)
@@ -279,7 +291,7 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
 
 @pytest.mark.devices(8)
 def test_blocked_cache_decodes_as_the_whole_cache(
-    small_blocks, no_kernel, params_a, params_b, monkeypatch
+    small_blocks, no_kernel, mild_params, monkeypatch
 ):
     """The block-at-a-time decode (only the blocks written so far, online softmax)
     equals the one-pass decode (_assert_decodes_as_the_whole_cache)."""
@@ -290,23 +302,26 @@ def test_blocked_cache_decodes_as_the_whole_cache(
         assert keys.shape[1:] == (4, SPEC.num_kv_heads, SPEC.head_dim, 16)
         assert values.shape[1:] == (4, SPEC.num_kv_heads, 16, SPEC.head_dim)
 
-    _assert_decodes_as_the_whole_cache(small_blocks, params_a, params_b, check, monkeypatch)
+    _assert_decodes_as_the_whole_cache(small_blocks, *mild_params, check, monkeypatch)
 
 
 @pytest.mark.devices(8)
-def test_cpu_attention_kernel_decodes_as_the_whole_cache(params_a, params_b, monkeypatch):
-    """The CPU kernel's decode (keys in tiles of 16 slots, only filled slots read)
-    equals XLA's one-pass decode (_assert_decodes_as_the_whole_cache)."""
-    from rl_jax.sampling import _cpu_attention, _decode
+def test_cpu_kernels_decode_as_the_whole_cache(mild_params, monkeypatch):
+    """The CPU kernels' decode (keys in tiles of 16 slots, only filled slots read;
+    projections and LM head on packed weights) equals XLA's one-pass decode
+    (_assert_decodes_as_the_whole_cache)."""
+    from rl_jax.sampling import _cpu_kernels, _decode
 
-    if jax.devices()[0].platform != "cpu" or not _cpu_attention.available():
-        pytest.skip("the CPU decode-attention kernel cannot be built here (no C++ compiler)")
+    if jax.devices()[0].platform != "cpu" or not _cpu_kernels.available():
+        pytest.skip("the CPU decode kernels cannot be built here (no C++ compiler)")
+    sampler = Sampler(SPEC, SamplingConfig(), pad_id=0)
+    assert sampler.attention_kernel and sampler.matmul_kernel
 
     def check(keys, values):  # [B, K, S / 16, hd, 16] tiles, [B, K, S, hd]
         assert keys.shape[1:] == (SPEC.num_kv_heads, 4, SPEC.head_dim, 16)
         assert values.shape[1:] == (SPEC.num_kv_heads, 64, SPEC.head_dim)
 
-    _assert_decodes_as_the_whole_cache(_decode, params_a, params_b, check, monkeypatch)
+    _assert_decodes_as_the_whole_cache(_decode, *mild_params, check, monkeypatch)
 
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):

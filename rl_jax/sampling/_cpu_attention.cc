@@ -27,15 +27,13 @@
 // intra-op thread pool; the calling thread takes its share too.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "_cpu_parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -220,24 +218,6 @@ void Attend(const Problem& p, int64_t item, std::vector<float>& scores) {
   }
 }
 
-// Shared by the calling thread and the pool tasks it schedules; a task that
-// starts after every item is claimed returns without touching the buffers, so
-// the handler may return (and XLA free them) once all claimed items are done.
-struct Work {
-  Problem problem;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-
-  void run() {
-    thread_local std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      Attend(problem, i, scores);
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // One pool task per this many cache floats read, at most one per thread: for a
 // short cache, scheduling a task costs more than it saves.
 constexpr int64_t kMinFloatsPerHelper = 1 << 16;
@@ -271,27 +251,23 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys [B,K,S/16,hd,16], "
         "values [B,K,S,hd] (hd a multiple of 16), kv_start [B], slot []");
   }
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(),
-                          k_new.typed_data(),
-                          v_new.typed_data(),
-                          keys_out->typed_data(),
-                          values_out->typed_data(),
-                          kv_start.typed_data(),
-                          static_cast<int64_t>(slot.typed_data()[0]),
-                          scale,
-                          out->typed_data(),
-                          B, K, R, hd, S};
-  work->items = B * K;
+  const Problem problem{q.typed_data(),
+                        k_new.typed_data(),
+                        v_new.typed_data(),
+                        keys_out->typed_data(),
+                        values_out->typed_data(),
+                        kv_start.typed_data(),
+                        static_cast<int64_t>(slot.typed_data()[0]),
+                        scale,
+                        out->typed_data(),
+                        B, K, R, hd, S};
   // Floats read per item, about: keys and values of the filled slots.
   const int64_t reads = (std::min<int64_t>(slot.typed_data()[0], S - 1) + 1) * hd * 2;
-  const int64_t helpers = std::min<int64_t>(
-      {parallel ? pool.num_threads() - 1 : 0, work->items - 1, work->items * reads / kMinFloatsPerHelper});
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->finished.load(std::memory_order_acquire) < work->items) {
-    std::this_thread::yield();
-  }
+  const int64_t helpers = parallel ? B * K * reads / kMinFloatsPerHelper : 0;
+  rl_jax::ParallelFor(pool, B * K, helpers, [problem](int64_t item) {
+    thread_local std::vector<float> scores;
+    Attend(problem, item, scores);
+  });
   return ffi::Error::Success();
 }
 

@@ -23,12 +23,16 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   A block of one row is contiguous, so taking one out inside the loop is a
   cheap copy (a block of the unsplit layout is strided: its copy cost more
   than the reads it saved).
-* With the CPU decode-attention kernel (`_cpu_attention`, chosen by the
+* With the CPU decode-attention kernel (`_cpu_kernels`, chosen by the
   Sampler where it can be built), keys are kept in tiles of KEY_TILE slots,
   [B, K, S / KEY_TILE, hd, KEY_TILE], one contiguous block per tile, and one
   kernel call per layer writes the step's key and value and computes the
   attention: it reads each row's filled slots once, front to back, so no
   blocks are needed at any length.
+* With the CPU matmul kernel (`_cpu_kernels.matmul`, chosen with the attention
+  kernel), the four projection weights are packed into panels of columns
+  (`decode_weights(..., packed=True)`, outside the loop) and each step's
+  projections run in the kernel.
 
 Prefill still runs the model's own forward; `from_model_cache` converts its cache.
 """
@@ -49,8 +53,8 @@ from rl_jax.models.layers import (
     rope_table,
 )
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
-from rl_jax.sampling import _cpu_attention
+from rl_jax.models.transformer import LAYER_PARAMS, KVCache, final_norm, lm_logits
+from rl_jax.sampling import _cpu_kernels
 
 # Per layer: (keys [B, K, hd, S], values [B, K, S, hd]), or split into blocks of
 # slots (keys [B, N, K, hd, S / N], values [B, N, K, S / N, hd]), or with keys in
@@ -161,9 +165,17 @@ def from_model_cache(cache: KVCache, block: int | None = None, tiled: bool = Fal
     return tuple(out)
 
 
-def decode_weights(spec: ModelSpec, params: dict[str, jax.Array], slots: int) -> dict:
+# The projections of a layer's decode weights, as [in, out] matrices.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def decode_weights(
+    spec: ModelSpec, params: dict[str, jax.Array], slots: int, packed: bool = False
+) -> dict:
     """Per-layer weights in the decode layout (compute dtype), and the rotary table of
-    a `slots`-slot cache; run outside the loop."""
+    a `slots`-slot cache; run outside the loop. `packed`: the projections in the CPU
+    matmul kernel's panels (`_cpu_kernels.pack_panels`), which decode_step then
+    multiplies in the kernel (float32 compute only)."""
     cdt = jnp.dtype(spec.compute_dtype)
     D, H, K, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     layers = []
@@ -188,8 +200,12 @@ def decode_weights(spec: ModelSpec, params: dict[str, jax.Array], slots: int) ->
             w["o_bias"] = p["o_bias"].astype(cdt)
         if spec.qk_norm:
             w["q_norm"], w["k_norm"] = p["q_norm"], p["k_norm"]
+        if packed:
+            w.update({n: _cpu_kernels.pack_panels(w[n]) for n in PROJECTIONS})
         layers.append(w)
-    head = params["embed"] if spec.tie_embeddings else params["lm_head"]
+    head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
+    if packed:  # the LM head too, transposed: a copy of V x D floats per decode call
+        head = _cpu_kernels.pack_panels(head.T)
     return {
         "embed": params["embed"],
         "final_norm": params["final_norm"],
@@ -213,7 +229,8 @@ def decode_step(
     """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
 
     Row b attends to slots kv_start_b[b] .. slot (its prompt's first real token on).
-    kernel_threads: whether the CPU kernel (tiled caches) may use XLA's intra-op threads.
+    kernel_threads: whether the CPU kernels (tiled caches, packed weights) may use
+    XLA's intra-op threads.
     """
     cdt = jnp.dtype(spec.compute_dtype)
     eps = spec.rms_norm_eps
@@ -222,6 +239,13 @@ def decode_step(
     R = H // K
     layout = cache_layout(*cache[0])
     keys_axes, values_axes = cache_axes(*cache[0])
+    D, F = spec.hidden_size, spec.intermediate_size
+
+    def dense(x, w, cols):  # x @ w; packed weights (rank 3) in the CPU kernel
+        if w.ndim == 3:
+            return _cpu_kernels.matmul(x, w, cols, parallel=kernel_threads)
+        return matmul(x, w)
+
     # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
     cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
     if layout == "whole":
@@ -231,7 +255,7 @@ def decode_step(
     new_cache = []
     for lw, (ck, cv) in zip(w["layers"], cache, strict=True):
         h = rms_norm(x, lw["attn_norm"], eps)
-        qkv = matmul(h, lw["qkv"])
+        qkv = dense(h, lw["qkv"], (H + 2 * K) * hd)
         if "qkv_bias" in lw:
             qkv = qkv + lw["qkv_bias"]
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
@@ -243,7 +267,7 @@ def decode_step(
         q = apply_rope(q, cos, sin).reshape(B, K, R, hd)
         k = apply_rope(k, cos, sin)
         if layout == "tiled":  # the kernel writes k, v and attends in one call
-            att, ck, cv = _cpu_attention.decode_attention(
+            att, ck, cv = _cpu_kernels.decode_attention(
                 q,
                 k.reshape(B, K, hd),
                 v.reshape(B, K, hd),
@@ -274,14 +298,17 @@ def decode_step(
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
             att = einsum_f32("bkrs,bksh->bkrh", probs, cv.astype(cdt))
-        a = matmul(att.astype(cdt).reshape(B, H * hd), lw["o"])
+        a = dense(att.astype(cdt).reshape(B, H * hd), lw["o"], D)
         if "o_bias" in lw:
             a = a + lw["o_bias"]
         x = x + a
         h = rms_norm(x, lw["mlp_norm"], eps)
-        g, u = jnp.split(matmul(h, lw["gate_up"]), 2, axis=1)
-        x = x + matmul(jax.nn.silu(g) * u, lw["down"])
+        g, u = jnp.split(dense(h, lw["gate_up"], 2 * F), 2, axis=1)
+        x = x + dense(jax.nn.silu(g) * u, lw["down"], D)
         x = constrain(x, ("batch", "embed"))
+    if w["head"].ndim == 3:  # packed: final norm, then the head in the kernel
+        h = final_norm(spec, w["final_norm"], x)
+        return dense(h, w["head"], spec.vocab_size), tuple(new_cache)
     logits = lm_logits(spec, w["final_norm"], w["head"], x[:, None, :])[:, 0]
     return logits, tuple(new_cache)
 

@@ -31,7 +31,7 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.runtime import mesh_platform, xla_options
-from rl_jax.sampling import _cpu_attention
+from rl_jax.sampling import _cpu_kernels
 from rl_jax.sampling._decode import (
     KEY_TILE,
     DecodeCache,
@@ -148,6 +148,7 @@ class Sampler:
         # (decode_cache_blocks: whether long caches are read in blocks)
         self.platform = mesh_platform(mesh)
         self.attention_kernel = self._use_attention_kernel()
+        self.matmul_kernel = self._use_matmul_kernel()
         opts = xla_options(mesh)
         # What the compiled bodies close over, for their on-disk executables
         # (rl_jax.executables); the devices are in the arguments' shardings.
@@ -162,6 +163,7 @@ class Sampler:
                 self.shards,
                 self._local_loops,
                 self.attention_kernel,
+                self.matmul_kernel,
                 None if mesh is None else (mesh.axis_names, mesh.devices.shape),
             )
         )
@@ -176,19 +178,27 @@ class Sampler:
             static_key=closure,
         )
 
-    def _use_attention_kernel(self) -> bool:
-        """Whether decode attention runs in the CPU kernel (`_cpu_attention`): on CPU, in
-        float32, with head dimensions in whole vectors, where each device decodes alone
-        (no mesh, one device, or rows split over all devices: the call has no sharding
-        rule), and where the kernel can be built (RL_JAX_CPU_KERNELS=0 turns it off)."""
+    def _cpu_kernels_apply(self) -> bool:
+        """Whether the CPU decode kernels (`_cpu_kernels`) can run this sampler's decode:
+        on CPU, in float32, where each device decodes alone (no mesh, one device, or rows
+        split over all devices: the calls have no sharding rule), and where they can be
+        built (RL_JAX_CPU_KERNELS=0 turns them off)."""
         one_device = self.mesh is None or self.mesh.devices.size == 1 or self._local_loops
         return (
             self.platform == "cpu"
             and jnp.dtype(self.spec.compute_dtype) == jnp.float32
-            and self.spec.head_dim % KEY_TILE == 0
             and one_device
-            and _cpu_attention.available()
+            and _cpu_kernels.available()
         )
+
+    def _use_attention_kernel(self) -> bool:
+        """Decode attention in the CPU kernel: where the kernels apply, with head
+        dimensions in whole vectors of KEY_TILE floats."""
+        return self.spec.head_dim % KEY_TILE == 0 and self._cpu_kernels_apply()
+
+    def _use_matmul_kernel(self) -> bool:
+        """The decode step's projections in the CPU matmul kernel: where the kernels apply."""
+        return self._cpu_kernels_apply()
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of "no recompilation")."""
@@ -295,7 +305,9 @@ class Sampler:
         )
 
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
-        weights = decode_weights(self.spec, dict(params), cache_slots(state.cache))
+        weights = decode_weights(
+            self.spec, dict(params), cache_slots(state.cache), packed=self.matmul_kernel
+        )
         end = jnp.minimum(state.step + max_steps, state.limit)
         version = jnp.asarray(version, jnp.int32)
         if not self._local_loops:

@@ -20,8 +20,8 @@ from rl_jax.sharding import make_mesh, maybe_initialize_distributed  # noqa: E40
 
 def sample_over_processes() -> str:
     """Rows over all 4 devices of both processes: each device decodes its own rows
-    (the CPU attention kernel where it can be built); the same draws as XLA's
-    attention on the same mesh."""
+    (the CPU attention and matmul kernels where they can be built); the same draws as
+    XLA's attention and matmuls on the same mesh."""
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     model = load_model(ModelConfig(preset="tiny"), mesh=mesh, purpose="sample", rules_preset="dp")
     params = model_params(model)
@@ -32,8 +32,10 @@ def sample_over_processes() -> str:
     for kernel in (True, False):
         if not kernel:
             Sampler._use_attention_kernel = lambda self: False
+            Sampler._use_matmul_kernel = lambda self: False
         sampler = Sampler(model.spec, cfg, mesh=mesh, pad_id=0, rules="dp")
-        runs[kernel] = (sampler.attention_kernel, sampler.generate(params, prompts, key=key))
+        used = sampler.attention_kernel and sampler.matmul_kernel
+        runs[kernel] = (used, sampler.generate(params, prompts, key=key))
     (used, a), (_, b) = runs[True], runs[False]
     same = bool((a.completion_tokens == b.completion_tokens).all())
     diff = float(np.abs(a.logprobs - b.logprobs).max())

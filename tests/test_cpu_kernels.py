@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel (rl_jax/sampling/_cpu_attention.cc) against XLA's
-attention on the same cache, and its build's failure modes."""
+"""The CPU decode kernels (rl_jax/sampling/_cpu_attention.cc, _cpu_matmul.cc) against
+XLA's attention on the same cache and float64 matmuls, and their build's failure
+modes."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 
 from rl_jax.models.layers import MASK_VALUE, einsum_f32
-from rl_jax.sampling import _cpu_attention
+from rl_jax.sampling import _cpu_kernels
 from rl_jax.sampling._decode import KEY_TILE
 
 needs_kernel = pytest.mark.skipif(
-    jax.devices()[0].platform != "cpu" or not _cpu_attention.available(),
+    jax.devices()[0].platform != "cpu" or not _cpu_kernels.available(),
     reason="the CPU decode-attention kernel cannot be built here (no C++ compiler)",
 )
 
@@ -63,7 +64,7 @@ def test_kernel_equals_xla_attention(B, K, R, hd, S, slot, parallel):
     keys_t[..., slot:] = np.nan
     values[:, :, slot:] = np.nan
     call = jax.jit(
-        lambda q, k, v, keys, values, s0: _cpu_attention.decode_attention(
+        lambda q, k, v, keys, values, s0: _cpu_kernels.decode_attention(
             q, k, v, keys, values, s0, slot, hd**-0.5, parallel=parallel
         )
     )
@@ -85,15 +86,54 @@ def test_kernel_rejects_wrong_shapes():
     keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
     values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
     with pytest.raises(Exception, match=r"keys \[B,K,S/16,hd,16\]"):
-        _cpu_attention.decode_attention(
+        _cpu_kernels.decode_attention(
             q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125
         )
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "M,K,N",
+    [
+        (64, 256, 1376),  # the bench model's gate/up projection
+        (64, 688, 256),  # its down projection
+        (1, 1, 1),
+        (7, 5, 47),  # a short row tile, a partial panel
+        (8, 300, 48),  # one whole panel (AVX-512); K past one block of 256
+        (9, 520, 49),  # a row past the tile, a column past the panel, three K blocks
+        (300, 64, 96),  # more rows than one work item takes (256)
+        (5, 0, 7),  # K = 0: zeros
+        (0, 16, 33),  # no rows
+    ],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_matmul_equals_float64(M, K, N, parallel):
+    """x @ w through pack_panels and the kernel, within float32 rounding of float64,
+    for every edge of the register tile, the panels and the K blocks."""
+    rng = np.random.default_rng(M * 7 + K * 3 + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    panels = _cpu_kernels.pack_panels(jnp.asarray(w))
+    nr = _cpu_kernels.panel_width()
+    assert panels.shape == (-(-N // nr), K, nr)
+    call = jax.jit(lambda x, p: _cpu_kernels.matmul(x, p, N, parallel=parallel))
+    got = np.asarray(call(x, panels))
+    assert got.shape == (M, N) and got.dtype == np.float32
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(K, 1)))
+
+
+@needs_kernel
+def test_matmul_rejects_unpacked_weights():
+    x = jnp.zeros((4, 32), jnp.float32)
+    with pytest.raises(Exception, match=r"panels \[ceil\(N / \d+\), K, \d+\]"):
+        jax.jit(lambda x, w: _cpu_kernels.matmul(x, w, 8))(x, jnp.zeros((1, 32, 8), jnp.float32))
 
 
 def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):
     """A compiler that fails (or RL_JAX_CPU_KERNELS=0) leaves the kernel off with a
     warning that says so; nothing half-written is left in the cache directory."""
-    build = _cpu_attention.available.__wrapped__  # past the per-process cache
+    build = _cpu_kernels.available.__wrapped__  # past the per-process cache
     monkeypatch.setenv("RL_JAX_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("RL_JAX_CPU_KERNELS", "0")
     assert build() is False
@@ -107,10 +147,10 @@ def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):
 
 def test_damaged_cache_entry_is_rebuilt(monkeypatch, tmp_path):
     """A truncated library in the kernel cache is built again, not trusted or kept."""
-    if not _cpu_attention._compiler():
+    if not _cpu_kernels._compiler():
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("RL_JAX_KERNEL_CACHE", str(tmp_path))
-    path = _cpu_attention._library_path(_cpu_attention._compiler())
+    path = _cpu_kernels._library_path(_cpu_kernels._compiler())
     path.write_bytes(b"not a shared library")
-    assert _cpu_attention._load_handler(_cpu_attention._compiler()) is not None
+    assert _cpu_kernels._load_library(_cpu_kernels._compiler()) is not None
     assert path.stat().st_size > 1000

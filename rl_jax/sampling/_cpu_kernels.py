@@ -1,19 +1,25 @@
-"""The CPU decode-attention kernel (`_cpu_attention.cc`): built once per machine, called
-through XLA's FFI from inside the compiled decode loop.
+"""The CPU decode kernels: built once per machine, called through XLA's FFI from inside
+the compiled decode loop.
 
-Decoding on CPU is bound by reading the KV cache, and XLA:CPU reads it slowly
-there: the score matmul q @ k of one decode step is a batch of [R, hd] x [hd, S]
-products (R query heads per KV head, 1 or 2 in many models), which it streams
-at ~8 GB/s, and it reads all S slots whether filled or not. The kernel reads
-each row's visible slots once (bench model, 64 rows, 72 slots: see
-`benchmarks/sampler.py` and the README's performance section for the numbers).
+* Decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading the
+  KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode
+  step is a batch of [R, hd] x [hd, S] products (R query heads per KV head, 1 or 2
+  in many models), which it streams at ~8 GB/s, and it reads all S slots whether
+  filled or not. The kernel reads each row's visible slots once.
+* Small-M matmul (`_cpu_matmul.cc`): the step's projections, a few dozen rows
+  times each weight matrix, which XLA:CPU runs at under half its large-matmul
+  rate; the kernel reads weights packed in panels (`pack_panels`, once per decode
+  call).
+
+Bench model, 64 rows: see `benchmarks/sampler.py` and the README's performance
+section for the numbers.
 
 The shared library is compiled with the host's C++ compiler (`CXX`, default
 `c++`) for the host CPU (`-march=native`) and kept in `kernel_cache_dir()`, keyed
-by the source, the flags, the compiler, jaxlib's version and the CPU's
+by the sources, the flags, the compiler, jaxlib's version and the CPU's
 features; a later process loads it in milliseconds. Without a compiler, or with
 RL_JAX_CPU_KERNELS=0, `available()` is False and the sampler keeps XLA's
-attention (same results to float32 rounding).
+attention and matmuls (same results to float32 rounding).
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from rl_jax.runtime import user_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("_cpu_attention.cc")
-TARGET = "rl_jax_decode_attention"
-SYMBOL = "RlJaxDecodeAttention"
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "_cpu_attention.cc", _HERE / "_cpu_matmul.cc")
+HEADERS = (_HERE / "_cpu_parallel.h",)
+# FFI target name -> handler symbol in the library.
+TARGETS = {"rl_jax_decode_attention": "RlJaxDecodeAttention", "rl_jax_matmul": "RlJaxMatmul"}
 # -fno-math-errno lets floor/max vectorise; no -ffast-math: in a shared library it
 # would also set flush-to-zero for the whole process when loaded.
 CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -63,10 +71,12 @@ def _library_path(cxx: str) -> Path:
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), version.encode()):
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
+    for part in (" ".join(CXX_FLAGS).encode(), version.encode()):
         h.update(part)
     h.update(f"{jax.lib.__version__}|{host_cpu()}".encode())
-    return kernel_cache_dir() / f"decode_attention-{h.hexdigest()[:20]}.so"
+    return kernel_cache_dir() / f"cpu_kernels-{h.hexdigest()[:20]}.so"
 
 
 def _build(cxx: str, out: Path) -> None:
@@ -75,7 +85,7 @@ def _build(cxx: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
@@ -86,35 +96,80 @@ def _build(cxx: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load_handler(cxx: str):
-    """The kernel's handler from the cached library, built first if missing; a damaged
-    cache entry (it does not load) is built again, once."""
+def _open(path: Path) -> ctypes.CDLL:
+    """The library, with every handler and the panel width present (AttributeError if not)."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for symbol in (*TARGETS.values(), "RlJaxMatmulPanelWidth"):
+        getattr(lib, symbol)
+    return lib
+
+
+def _load_library(cxx: str) -> ctypes.CDLL:
+    """The cached library, built first if missing; a damaged cache entry (it does not
+    load) is built again, once."""
     path = _library_path(cxx)
     if not path.exists():
         _build(cxx, path)
     try:
-        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        return _open(path)
     except (OSError, AttributeError):
         _build(cxx, path)
-        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        return _open(path)
+
+
+_PANEL_WIDTH: list[int] = []  # set by available()
 
 
 @functools.cache
 def available() -> bool:
-    """Build (once per machine) and register the kernel; False where it cannot be."""
+    """Build (once per machine) and register the kernels; False where they cannot be."""
     if os.environ.get("RL_JAX_CPU_KERNELS", "1") == "0":
         return False
     cxx = _compiler()
     if cxx is None:
-        log.warning("no C++ compiler (CXX): the sampler keeps XLA's decode attention on CPU")
+        log.warning("no C++ compiler (CXX): the sampler keeps XLA's decode kernels on CPU")
         return False
     try:
-        handler = _load_handler(cxx)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        lib = _load_library(cxx)
+        for target, symbol in TARGETS.items():
+            handler = getattr(lib, symbol)
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
-        log.warning("CPU decode-attention kernel unavailable (%s); using XLA's", e)
+        log.warning("CPU decode kernels unavailable (%s); using XLA's", e)
         return False
+    _PANEL_WIDTH[:] = [int(lib.RlJaxMatmulPanelWidth())]
     return True
+
+
+def panel_width() -> int:
+    """Columns per panel of `pack_panels` (48 with AVX-512, 16 with AVX2: the matmul
+    kernel's register tile). Call only after `available()` returned True."""
+    if not _PANEL_WIDTH:
+        raise RuntimeError("the CPU kernels are not loaded: call available() first")
+    return _PANEL_WIDTH[0]
+
+
+def pack_panels(w: jax.Array) -> jax.Array:
+    """w [K, N] -> float32 panels [ceil(N / NR), K, NR] for `matmul` (NR = panel_width()):
+    columns p * NR .. (p + 1) * NR - 1 of w, contiguous, the last panel zero-padded."""
+    nr = panel_width()
+    K, N = w.shape
+    P = -(-N // nr)
+    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * nr - N)))
+    return w.reshape(K, P, nr).transpose(1, 0, 2)
+
+
+def matmul(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) -> jax.Array:
+    """x [M, K] @ w [K, cols] in float32, w given as `pack_panels(w)`.
+
+    Call only after `available()` returned True, and on arrays local to one device
+    (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
+    use XLA's intra-op threads (as for `decode_attention`).
+    """
+    call = jax.ffi.ffi_call(
+        "rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32)
+    )
+    return call(x.astype(jnp.float32), panels, parallel=bool(parallel))
 
 
 def decode_attention(
@@ -142,7 +197,7 @@ def decode_attention(
     """
     f32 = jnp.float32
     call = jax.ffi.ffi_call(
-        TARGET,
+        "rl_jax_decode_attention",
         (
             jax.ShapeDtypeStruct(q.shape, f32),
             jax.ShapeDtypeStruct(keys.shape, f32),
