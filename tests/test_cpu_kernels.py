@@ -86,9 +86,7 @@ def test_kernel_rejects_wrong_shapes():
     keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
     values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
     with pytest.raises(Exception, match=r"keys \[B,K,S/16,hd,16\]"):
-        _cpu_kernels.decode_attention(
-            q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125
-        )
+        _cpu_kernels.decode_attention(q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125)
 
 
 @needs_kernel

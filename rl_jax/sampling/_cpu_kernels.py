@@ -166,9 +166,7 @@ def matmul(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) ->
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
     use XLA's intra-op threads (as for `decode_attention`).
     """
-    call = jax.ffi.ffi_call(
-        "rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32)
-    )
+    call = jax.ffi.ffi_call("rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
     return call(x.astype(jnp.float32), panels, parallel=bool(parallel))
 
 
