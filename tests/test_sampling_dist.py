@@ -7,10 +7,13 @@ import pytest
 
 from rl_jax.sampling._dist import (
     interrupt_lengths,
+    inverse_cdf,
     logprob_temperature,
     row_keys,
     sample_logits,
     step_keys,
+    step_uniforms,
+    uniforms,
 )
 
 N = 20000  # draws per frequency test: 3 sigma of a frequency is < 0.011
@@ -106,3 +109,43 @@ def test_interrupt_lengths_uniform_in_range():
     np.testing.assert_allclose(np.bincount(got)[5:] / 4000, 0.2, atol=0.03)
     again = np.asarray(interrupt_lengths(jax.random.key(0), jnp.arange(10, 20), 5, 9))
     np.testing.assert_array_equal(again, got[10:20])
+
+
+def test_step_uniforms_are_the_per_step_draws():
+    """The loop's precomputed [B, T] uniforms are, column by column, the draws
+    sample_logits makes from step_keys(row_keys, t): same bits."""
+    keys = row_keys(jax.random.key(4), jnp.arange(5) + 10)
+    table = np.asarray(jax.jit(step_uniforms)(keys, jnp.arange(7, dtype=jnp.int32)))
+    assert table.shape == (5, 7)
+    for t in range(7):
+        np.testing.assert_array_equal(table[:, t], np.asarray(uniforms(step_keys(keys, t))))
+
+
+@pytest.mark.parametrize("V", [1, 2, 5, 64, 1000, 151936])
+def test_inverse_cdf_matches_float64_cumsum(V):
+    """Against the one-level inverse CDF in float64: the same index except where the
+    target lies within float32 rounding of a boundary; never a zero-weight index,
+    with most of the vocabulary (and whole blocks) at weight zero."""
+    rng = np.random.default_rng(V)
+    B = 64
+    w = rng.random((B, V)).astype(np.float32) ** 4
+    w[rng.random((B, V)) < 0.7] = 0.0
+    w[:, rng.integers(0, V)] = 1.0  # a positive total in every row
+    if V >= 1000:
+        w[:, : V // 2] = 0.0  # whole blocks of zeros before the mass
+        w[:, 0] = 1e-3
+    u = rng.random(B).astype(np.float32)
+    got = np.asarray(jax.jit(inverse_cdf)(jnp.asarray(w), jnp.asarray(u)))
+    cdf = np.cumsum(w.astype(np.float64), axis=-1)
+    target = (1.0 - u.astype(np.float64)) * cdf[:, -1]
+    want = (cdf < target[:, None]).sum(-1)
+    assert (w[np.arange(B), got] > 0).all()
+    close = np.abs(cdf[np.arange(B), np.minimum(got, want)] - target) <= 1e-5 * cdf[:, -1]
+    assert ((got == want) | close).all(), (got, want)
+
+
+def test_inverse_cdf_hand_cases():
+    """Weights [0, 1, 0, 3]: (1 - u) x 4 falls in (0, 1] -> 1, in (1, 4] -> 3."""
+    w = jnp.asarray([[0.0, 1.0, 0.0, 3.0]] * 4)
+    u = jnp.asarray([0.0, 0.74, 0.76, 0.999])  # targets 4, 1.04, 0.96, 0.004
+    np.testing.assert_array_equal(np.asarray(inverse_cdf(w, u)), [3, 3, 1, 1])

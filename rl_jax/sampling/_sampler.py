@@ -42,7 +42,7 @@ from rl_jax.sampling._decode import (
     decode_weights,
     from_model_cache,
 )
-from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_logits, step_keys
+from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_with_uniforms, step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._state import THINK, SamplerState, advance
 from rl_jax.sharding.rules import (
@@ -344,6 +344,11 @@ class Sampler:
             pad_id=self.pad_id,
         )
 
+        # Every column's draws, made before the loop: [B, Tg] (none for greedy).
+        greedy = cfg.temperature <= 0
+        Tg = state.tokens.shape[1]
+        u_bt = None if greedy else step_uniforms(state.keys, jnp.arange(Tg, dtype=jnp.int32))
+
         def cond(s: SamplerState):
             return (s.step < end) & ~jnp.all(s.done)
 
@@ -361,9 +366,10 @@ class Sampler:
                 # One device per core: each keeps to its own thread.
                 kernel_threads=self.mesh is None or self.mesh.devices.size == 1,
             )
-            tok, logp = sample_logits(
+            u_b = None if greedy else jax.lax.dynamic_index_in_dim(u_bt, s.step, 1, False)
+            tok, logp = sample_with_uniforms(
                 logits_bv,
-                step_keys(s.keys, s.step),
+                u_b,
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
