@@ -33,34 +33,11 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "_cpu_parallel.h"
+#include "_cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// exp for x <= 0 (softmax after max subtraction): Cephes' expf polynomial,
-// ~2 ulp, written so the compiler vectorises it (libm's expf is a scalar call).
-inline float exp_nonpositive(float x) {
-  // exp(-87) is about the smallest normal float; below, 0 (a softmax term that
-  // small changes no sum of terms >= 1, which max subtraction guarantees).
-  x = std::max(x, -87.0f);
-  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - fx * 0.693359375f;
-  r = r + fx * 2.12194440e-4f;
-  float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.0f : y * scale;
-}
 
 struct Problem {
   const float* q;
@@ -151,17 +128,40 @@ void WeightedValues(const float* p, const float* v, int64_t hd, int64_t lo, int6
   }
 }
 
-// Scaled scores -> probabilities, in place: `rows` rows of n slots.
+// Scaled scores -> probabilities, in place: `rows` rows of n slots. The max and the
+// total run over whole vectors (a scalar float reduction does not vectorise
+// without reassociation), the exponentials in a loop of their own, which does.
 void Softmax(float* s, int64_t rows, int64_t n) {
+  const int64_t whole = n - n % kLanes;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * n;
     float m = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - m);
-      total += sr[j];
+    if (whole) {
+      Vec vm = LoadVec(sr);
+      for (int64_t j = kLanes; j < whole; j += kLanes) {
+        const Vec x = LoadVec(sr + j);
+        vm = x > vm ? x : vm;
+      }
+      for (int l = 0; l < kLanes; ++l) m = std::max(m, vm[l]);
     }
+    for (int64_t j = whole; j < n; ++j) m = std::max(m, sr[j]);
+    Vec vt = {};
+    for (int64_t j = 0; j < whole; j += kLanes) {
+      const Vec e = rl_jax::ExpNonpositive(LoadVec(sr + j) - m);
+      std::memcpy(sr + j, &e, sizeof(e));
+      vt += e;
+    }
+    if (whole < n) {  // the tail in one vector, padded with -inf (exp: 0)
+      float tail[kLanes];
+      std::fill_n(tail, kLanes, -INFINITY);
+      std::memcpy(tail, sr + whole, (n - whole) * sizeof(float));
+      const Vec e = rl_jax::ExpNonpositive(LoadVec(tail) - m);
+      std::memcpy(tail, &e, sizeof(e));
+      std::memcpy(sr + whole, tail, (n - whole) * sizeof(float));
+      vt += e;
+    }
+    float total = 0.0f;
+    for (int l = 0; l < kLanes; ++l) total += vt[l];
     const float inv = 1.0f / total;
     for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
   }

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "_cpu_attention.cc", _HERE / "_cpu_matmul.cc")
-HEADERS = (_HERE / "_cpu_parallel.h",)
+HEADERS = (_HERE / "_cpu_common.h",)
 # FFI target name -> handler symbol in the library.
 TARGETS = {"rl_jax_decode_attention": "RlJaxDecodeAttention", "rl_jax_matmul": "RlJaxMatmul"}
 # -fno-math-errno lets floor/max vectorise; no -ffast-math: in a shared library it

@@ -28,7 +28,7 @@
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
-#include "_cpu_parallel.h"
+#include "_cpu_common.h"
 
 namespace ffi = xla::ffi;
 

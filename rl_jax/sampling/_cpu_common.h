@@ -1,9 +1,11 @@
-// Work sharing for the CPU kernels (_cpu_attention.cc, _cpu_matmul.cc) on XLA's
-// intra-op thread pool.
+// What the CPU kernels (_cpu_attention.cc, _cpu_matmul.cc) share: work sharing on
+// XLA's intra-op thread pool, and exp on float vectors.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -39,6 +41,35 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t helpers, Bod
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->Run(); });
   shared->Run();
   while (shared->finished.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+// exp(x) for x <= 0 (a softmax after max subtraction, a sigmoid of -|x|) on a GCC
+// float vector V, lane by lane: Cephes' expf polynomial, ~2 ulp, 0 below -87
+// (about the smallest normal float's log). libm's expf is a scalar call, and GCC
+// does not vectorise a scalar version (its floor and float -> int conversions
+// stay scalar).
+template <typename V>
+inline V ExpNonpositive(V x) {
+  using VI = decltype(x < x);  // the int32 vector of the same lanes
+  const V lo = V{} - 87.0f;
+  x = x < lo ? lo : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  V fx = __builtin_convertvector(__builtin_convertvector(t, VI), V);  // trunc
+  fx = fx > t ? fx - 1.0f : fx;                                      // floor
+  V r = x - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  const V z = r * r;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const VI bits = (__builtin_convertvector(fx, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x <= lo ? V{} : y * scale;
 }
 
 }  // namespace rl_jax
