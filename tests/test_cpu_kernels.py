@@ -122,6 +122,35 @@ def test_matmul_equals_float64(M, K, N, parallel):
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "M,K,F",
+    [
+        (64, 256, 688),  # the bench model's MLP
+        (1, 16, 1),
+        (7, 5, 47),  # a short row tile, a part panel
+        (13, 700, 33),  # three K blocks (sums carried in the scratch), a part panel
+        (300, 64, 24),  # more rows than one work item takes
+        (3, 0, 5),  # K = 0: silu(0) * 0
+    ],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_matmul_swiglu_equals_float64(M, K, F, parallel):
+    """silu(x @ gate) * (x @ up) from SwiGLU panels, within float32 rounding of float64;
+    pre-activations of both signs and large magnitudes (the sigmoid of -|g|)."""
+    rng = np.random.default_rng(M + K + F)
+    x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+    gate = rng.standard_normal((K, F)).astype(np.float32)
+    up = rng.standard_normal((K, F)).astype(np.float32)
+    panels = _cpu_kernels.pack_swiglu_panels(jnp.asarray(gate), jnp.asarray(up))
+    call = jax.jit(lambda x, p: _cpu_kernels.matmul_swiglu(x, p, F, parallel=parallel))
+    got = np.asarray(call(x, panels))
+    assert got.shape == (M, F) and got.dtype == np.float32
+    g, u = x.astype(np.float64) @ gate, x.astype(np.float64) @ up
+    want = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+@needs_kernel
 def test_matmul_rejects_unpacked_weights():
     x = jnp.zeros((4, 32), jnp.float32)
     with pytest.raises(Exception, match=r"panels \[ceil\(N / \d+\), K, \d+\]"):

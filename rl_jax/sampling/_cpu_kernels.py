@@ -46,7 +46,11 @@ _HERE = Path(__file__).parent
 SOURCES = (_HERE / "_cpu_attention.cc", _HERE / "_cpu_matmul.cc")
 HEADERS = (_HERE / "_cpu_common.h",)
 # FFI target name -> handler symbol in the library.
-TARGETS = {"rl_jax_decode_attention": "RlJaxDecodeAttention", "rl_jax_matmul": "RlJaxMatmul"}
+TARGETS = {
+    "rl_jax_decode_attention": "RlJaxDecodeAttention",
+    "rl_jax_matmul": "RlJaxMatmul",
+    "rl_jax_matmul_swiglu": "RlJaxMatmulSwiGLU",
+}
 # -fno-math-errno lets floor/max vectorise; no -ffast-math: in a shared library it
 # would also set flush-to-zero for the whole process when loaded.
 CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -99,7 +103,7 @@ def _build(cxx: str, out: Path) -> None:
 def _open(path: Path) -> ctypes.CDLL:
     """The library, with every handler and the panel width present (AttributeError if not)."""
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for symbol in (*TARGETS.values(), "RlJaxMatmulPanelWidth"):
+    for symbol in (*TARGETS.values(), "RlJaxMatmulPanelWidth", "RlJaxSwiGLUPanelWidth"):
         getattr(lib, symbol)
     return lib
 
@@ -117,7 +121,7 @@ def _load_library(cxx: str) -> ctypes.CDLL:
         return _open(path)
 
 
-_PANEL_WIDTH: list[int] = []  # set by available()
+_PANEL_WIDTH: list[int] = []  # set by available(): plain, SwiGLU
 
 
 @functools.cache
@@ -137,7 +141,7 @@ def available() -> bool:
     except (OSError, RuntimeError, AttributeError) as e:
         log.warning("CPU decode kernels unavailable (%s); using XLA's", e)
         return False
-    _PANEL_WIDTH[:] = [int(lib.RlJaxMatmulPanelWidth())]
+    _PANEL_WIDTH[:] = [int(lib.RlJaxMatmulPanelWidth()), int(lib.RlJaxSwiGLUPanelWidth())]
     return True
 
 
@@ -157,6 +161,38 @@ def pack_panels(w: jax.Array) -> jax.Array:
     P = -(-N // nr)
     w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * nr - N)))
     return w.reshape(K, P, nr).transpose(1, 0, 2)
+
+
+def pack_swiglu_panels(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gate, up [K, F] -> float32 panels [ceil(F / h), K, 2h] for `matmul_swiglu`
+    (h: one vector, 16 floats with AVX-512): panel p holds gate columns
+    p * h .. (p + 1) * h - 1, then the same up columns, the last zero-padded."""
+    panel_width()  # loaded?
+    h = _PANEL_WIDTH[1] // 2
+    K, F = gate.shape
+    P = -(-F // h)
+
+    def cut(w):  # [K, F] -> [K, P, h]
+        return jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * h - F))).reshape(K, P, h)
+
+    return jnp.concatenate([cut(gate), cut(up)], axis=2).transpose(1, 0, 2)
+
+
+def matmul_swiglu(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) -> jax.Array:
+    """SwiGLU's activation silu(x @ gate) * (x @ up), [M, cols] float32, from
+    `pack_swiglu_panels(gate, up)`: computed in the matmul kernel as each panel's rows
+    finish (one pass, vectorised; XLA's separate elementwise pass cost as much as
+    the down projection's matmul on the bench model). Same conditions as `matmul`."""
+    M = x.shape[0]
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        "rl_jax_matmul_swiglu",
+        (
+            jax.ShapeDtypeStruct((M, panels.shape[0] * panels.shape[2]), f32),
+            jax.ShapeDtypeStruct((M, cols), f32),
+        ),
+    )
+    return call(x.astype(f32), panels, parallel=bool(parallel))[1]
 
 
 def matmul(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) -> jax.Array:

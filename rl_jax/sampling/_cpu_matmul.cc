@@ -67,42 +67,70 @@ inline Vec Load(const float* p) {
 
 inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// c[MR, kNR] = (accumulate ? c : 0) + a[MR, kc] @ w[kc, kNR]; rows of a lda apart,
-// of c ldc apart; w contiguous (a panel's block).
-template <int MR>
+// silu(g) * u lane by lane: g * sigmoid(g), the sigmoid from exp(-|g|) (no overflow).
+inline Vec SwiGLU(Vec g, Vec u) {
+  const Vec e = rl_jax::ExpNonpositive(g < 0 ? g : -g);
+  const Vec sigmoid = (g < 0 ? e : Vec{} + 1.0f) / (1.0f + e);
+  return g * sigmoid * u;
+}
+
+// c[MR, NV * kWidth] = (accumulate ? c : 0) + a[MR, kc] @ w[kc, NV * kWidth]; rows of
+// a lda apart, of c ldc apart; w contiguous (a panel's block). With `act` (SwiGLU
+// panels, NV = 2: a gate vector, then the same columns' up vector), the tile's
+// activation [MR, kWidth] goes to act (rows ld_act apart) instead of c, straight
+// from the accumulators.
+template <int MR, int NV>
 void Tile(int64_t kc, const float* a, int64_t lda, const float* w, float* c, int64_t ldc,
-          bool accumulate) {
-  Vec acc[MR][kNV];
+          bool accumulate, float* act, int64_t ld_act) {
+  Vec acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < kNV; ++j) acc[i][j] = accumulate ? Load(c + i * ldc + j * kWidth) : Vec{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? Load(c + i * ldc + j * kWidth) : Vec{};
   }
   for (int64_t k = 0; k < kc; ++k) {
-    Vec b[kNV];
-    for (int j = 0; j < kNV; ++j) b[j] = Load(w + k * kNR + j * kWidth);
+    Vec b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = Load(w + k * NV * kWidth + j * kWidth);
     for (int i = 0; i < MR; ++i) {
       const float ai = a[i * lda + k];  // vector * scalar broadcasts it
-      for (int j = 0; j < kNV; ++j) acc[i][j] += b[j] * ai;
+      for (int j = 0; j < NV; ++j) acc[i][j] += b[j] * ai;
+    }
+  }
+  if constexpr (NV == 2) {
+    if (act) {
+      for (int i = 0; i < MR; ++i) Store(act + i * ld_act, SwiGLU(acc[i][0], acc[i][1]));
+      return;
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < kNV; ++j) Store(c + i * ldc + j * kWidth, acc[i][j]);
+    for (int j = 0; j < NV; ++j) Store(c + i * ldc + j * kWidth, acc[i][j]);
   }
 }
 
-using TileFn = void (*)(int64_t, const float*, int64_t, const float*, float*, int64_t, bool);
+using TileFn = void (*)(int64_t, const float*, int64_t, const float*, float*, int64_t, bool,
+                        float*, int64_t);
 
-// Tile<mr> for mr = 1 .. kMR (the last row tile may be short).
-template <int... MR>
+// Tile<mr, NV> for mr = 1 .. rows (the last row tile may be short).
+template <int NV, int... MR>
 constexpr auto MakeTiles(std::integer_sequence<int, MR...>) {
-  return std::array<TileFn, sizeof...(MR)>{&Tile<MR + 1>...};
+  return std::array<TileFn, sizeof...(MR)>{&Tile<MR + 1, NV>...};
 }
-constexpr auto kTiles = MakeTiles(std::make_integer_sequence<int, kMR>{});
+constexpr auto kTiles = MakeTiles<kNV>(std::make_integer_sequence<int, kMR>{});
+
+// SwiGLU panels: one gate and one up vector, kSwMR rows (as many accumulators as
+// the plain tile).
+constexpr int kSwMR = kMR * kNV / 2;
+constexpr int kSwNR = 2 * kWidth;
+constexpr auto kSwTiles = MakeTiles<2>(std::make_integer_sequence<int, kSwMR>{});
 
 struct Problem {
   const float* x;
   const float* panels;
   float* y;
   int64_t M, K, N;
+  // SwiGLU panels (pack_swiglu_panels): y is [M, P * kSwNR] scratch for the
+  // pre-activations of all but the last k block, and the activation [M, F] goes to
+  // act; null otherwise.
+  float* act = nullptr;
+  int64_t F = 0;
 };
 
 // Rows [m0, m1) times panel p.
@@ -124,14 +152,39 @@ void Item(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
       const float* w = panel + k0 * kNR;
       float* c = pr.y + m * pr.N + n0;
       if (cols == kNR) {
-        kTiles[mr - 1](kc, a, pr.K, w, c, pr.N, accumulate);
+        kTiles[mr - 1](kc, a, pr.K, w, c, pr.N, accumulate, nullptr, 0);
         continue;
       }
       if (accumulate) {
         for (int64_t i = 0; i < mr; ++i) std::memcpy(edge + i * kNR, c + i * pr.N, cols * 4);
       }
-      kTiles[mr - 1](kc, a, pr.K, w, edge, kNR, accumulate);
+      kTiles[mr - 1](kc, a, pr.K, w, edge, kNR, accumulate, nullptr, 0);
       for (int64_t i = 0; i < mr; ++i) std::memcpy(c + i * pr.N, edge + i * kNR, cols * 4);
+    }
+  }
+}
+
+// Rows [m0, m1) times SwiGLU panel p: activation columns p * kWidth .. + kWidth.
+void SwiGLUItem(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
+  const int64_t j0 = p * kWidth;
+  const int64_t cols = std::min<int64_t>(kWidth, pr.F - j0);
+  const float* panel = pr.panels + p * pr.K * kSwNR;
+  alignas(64) float edge[kSwMR * kWidth];  // the last panel's part tile
+  for (int64_t k0 = 0; k0 < std::max<int64_t>(pr.K, 1); k0 += kKC) {
+    const int64_t kc = std::min(kKC, pr.K - k0);
+    const bool last = k0 + kKC >= pr.K;
+    for (int64_t m = m0; m < m1; m += kSwMR) {
+      const int64_t mr = std::min<int64_t>(kSwMR, m1 - m);
+      const float* a = pr.x + m * pr.K + k0;
+      float* c = pr.y + m * pr.N + p * kSwNR;
+      float* act = !last ? nullptr : cols == kWidth ? pr.act + m * pr.F + j0 : edge;
+      const int64_t ld_act = cols == kWidth ? pr.F : kWidth;
+      kSwTiles[mr - 1](kc, a, pr.K, panel + k0 * kSwNR, c, pr.N, k0 > 0, act, ld_act);
+      if (last && cols < kWidth) {
+        for (int64_t i = 0; i < mr; ++i) {
+          std::copy_n(edge + i * kWidth, cols, pr.act + (m + i) * pr.F + j0);
+        }
+      }
     }
   }
 }
@@ -139,6 +192,18 @@ void Item(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
 // One pool task per this many multiply-adds, at most one per thread: scheduling a
 // task costs microseconds, the time of ~10^5 multiply-adds.
 constexpr int64_t kMinMacsPerHelper = 1 << 18;
+
+// x @ w into pr.y (and pr.act), panels and row blocks split over the pool.
+void Multiply(ffi::ThreadPool& pool, const Problem& pr, int64_t panels, bool parallel) {
+  if (pr.M == 0 || pr.N == 0) return;
+  const int64_t row_blocks = (pr.M + kMC - 1) / kMC;
+  const int64_t helpers = parallel ? pr.M * pr.K * pr.N / kMinMacsPerHelper : 0;
+  rl_jax::ParallelFor(pool, panels * row_blocks, helpers, [pr, row_blocks](int64_t i) {
+    const int64_t m0 = (i % row_blocks) * kMC;
+    const int64_t m1 = std::min(pr.M, m0 + kMC);
+    pr.act ? SwiGLUItem(pr, i / row_blocks, m0, m1) : Item(pr, i / row_blocks, m0, m1);
+  });
+}
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                   bool parallel, ffi::ResultBuffer<ffi::F32> y) {
@@ -152,14 +217,32 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         std::to_string(kNR) + "] and result [M, N]");
   }
   const Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
-  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
-  const int64_t row_blocks = (pr.M + kMC - 1) / kMC;
-  const int64_t items = pd[0] * row_blocks;
-  const int64_t helpers = parallel ? pr.M * pr.K * pr.N / kMinMacsPerHelper : 0;
-  rl_jax::ParallelFor(pool, items, helpers, [pr, row_blocks](int64_t i) {
-    const int64_t m0 = (i % row_blocks) * kMC;
-    Item(pr, i / row_blocks, m0, std::min(pr.M, m0 + kMC));
-  });
+  Multiply(pool, pr, pd[0], parallel);
+  return ffi::Error::Success();
+}
+
+// SwiGLU's activation silu(x @ gate) * (x @ up), [M, F], from panels that hold both
+// (pack_swiglu_panels), computed from the accumulators of each tile's last k block:
+// `scratch` [M, P * 2W] holds the earlier blocks' sums, the activation goes to `act`.
+ffi::Error MatmulSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> panels, bool parallel,
+                        ffi::ResultBuffer<ffi::F32> scratch, ffi::ResultBuffer<ffi::F32> act) {
+  auto xd = x.dimensions();
+  auto pd = panels.dimensions();
+  auto sd = scratch->dimensions();
+  auto ad = act->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || sd.size() != 2 || ad.size() != 2 || pd[1] != xd[1] ||
+      pd[2] != kSwNR || ad[0] != xd[0] || pd[0] != (ad[1] + kWidth - 1) / kWidth ||
+      sd[0] != xd[0] || sd[1] != pd[0] * kSwNR) {
+    return ffi::Error::InvalidArgument(
+        "matmul_swiglu: expected x [M, K], panels [ceil(F / " + std::to_string(kWidth) +
+        "), K, " + std::to_string(kSwNR) + "], scratch [M, P * " + std::to_string(kSwNR) +
+        "] and result [M, F]");
+  }
+  Problem pr{x.typed_data(), panels.typed_data(), scratch->typed_data(), xd[0], xd[1], sd[1]};
+  pr.act = act->typed_data();
+  pr.F = ad[1];
+  Multiply(pool, pr, pd[0], parallel);
   return ffi::Error::Success();
 }
 
@@ -168,6 +251,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // The panel width NR the library was built for (it depends on the vector
 // registers): pack_panels cuts weights to it.
 extern "C" int RlJaxMatmulPanelWidth() { return kNR; }
+// The same for SwiGLU panels (pack_swiglu_panels): a gate and an up vector.
+extern "C" int RlJaxSwiGLUPanelWidth() { return kSwNR; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmul, Matmul,
                               ffi::Ffi::Bind()
@@ -176,4 +261,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels
                                   .Attr<bool>("parallel")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulSwiGLU, MatmulSwiGLU,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Attr<bool>("parallel")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scratch
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // act
 );

@@ -165,10 +165,6 @@ def from_model_cache(cache: KVCache, block: int | None = None, tiled: bool = Fal
     return tuple(out)
 
 
-# The projections of a layer's decode weights, as [in, out] matrices.
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
 def decode_weights(
     spec: ModelSpec, params: dict[str, jax.Array], slots: int, packed: bool = False
 ) -> dict:
@@ -201,7 +197,10 @@ def decode_weights(
         if spec.qk_norm:
             w["q_norm"], w["k_norm"] = p["q_norm"], p["k_norm"]
         if packed:
-            w.update({n: _cpu_kernels.pack_panels(w[n]) for n in PROJECTIONS})
+            w.update({n: _cpu_kernels.pack_panels(w[n]) for n in ("qkv", "o", "down")})
+            w["gate_up"] = _cpu_kernels.pack_swiglu_panels(
+                p["gate"].astype(cdt), p["up"].astype(cdt)
+            )
         layers.append(w)
     head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
     if packed:  # the LM head too, transposed: a copy of V x D floats per decode call
@@ -303,8 +302,12 @@ def decode_step(
             a = a + lw["o_bias"]
         x = x + a
         h = rms_norm(x, lw["mlp_norm"], eps)
-        g, u = jnp.split(dense(h, lw["gate_up"], 2 * F), 2, axis=1)
-        x = x + dense(jax.nn.silu(g) * u, lw["down"], D)
+        if lw["gate_up"].ndim == 3:  # packed: SwiGLU in the kernel
+            act = _cpu_kernels.matmul_swiglu(h, lw["gate_up"], F, parallel=kernel_threads)
+        else:
+            g, u = jnp.split(matmul(h, lw["gate_up"]), 2, axis=1)
+            act = jax.nn.silu(g) * u
+        x = x + dense(act, lw["down"], D)
         x = constrain(x, ("batch", "embed"))
     if w["head"].ndim == 3:  # packed: final norm, then the head in the kernel
         h = final_norm(spec, w["final_norm"], x)
