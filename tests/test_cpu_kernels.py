@@ -154,7 +154,8 @@ def test_matmul_swiglu_equals_float64(M, K, F, parallel):
 def test_matmul_rejects_unpacked_weights():
     x = jnp.zeros((4, 32), jnp.float32)
     with pytest.raises(Exception, match=r"panels \[ceil\(N / \d+\), K, \d+\]"):
-        jax.jit(lambda x, w: _cpu_kernels.matmul(x, w, 8))(x, jnp.zeros((1, 32, 8), jnp.float32))
+        bad = jnp.zeros((1, 32, _cpu_kernels.panel_width() + 1), jnp.float32)
+        jax.jit(lambda x, w: _cpu_kernels.matmul(x, w, 8))(x, bad)
 
 
 def test_unavailable_without_a_working_compiler(monkeypatch, tmp_path, caplog):

@@ -19,6 +19,10 @@
 // block is reused by every row tile from L1/L2. Panels are split over XLA's
 // intra-op threads. Summation runs over k in order, in float32, with fused
 // multiply-adds: results agree with XLA's to float32 rounding, not bit for bit.
+//
+// SwiGLU panels (_cpu_kernels.pack_swiglu_panels) hold one vector of gate columns
+// and the same up columns side by side; their tile computes silu(gate) * up from
+// the accumulators and writes only the activation [M, F] (matmul_swiglu).
 
 #include <algorithm>
 #include <array>

@@ -29,10 +29,11 @@ what differs is the layout, chosen so a decode step on CPU does no copies:
   kernel call per layer writes the step's key and value and computes the
   attention: it reads each row's filled slots once, front to back, so no
   blocks are needed at any length.
-* With the CPU matmul kernel (`_cpu_kernels.matmul`, chosen with the attention
-  kernel), the four projection weights are packed into panels of columns
-  (`decode_weights(..., packed=True)`, outside the loop) and each step's
-  projections run in the kernel.
+* With the CPU matmul kernels (`_cpu_kernels`, chosen by the Sampler with the
+  attention kernel), the weights are packed outside the loop
+  (`decode_weights(..., packed=True)`): q/k/v, o and down projections and the
+  transposed LM head into panels of columns, gate and up side by side into
+  SwiGLU panels, whose activation the kernel computes from its sums.
 
 Prefill still runs the model's own forward; `from_model_cache` converts its cache.
 """
@@ -169,9 +170,10 @@ def decode_weights(
     spec: ModelSpec, params: dict[str, jax.Array], slots: int, packed: bool = False
 ) -> dict:
     """Per-layer weights in the decode layout (compute dtype), and the rotary table of
-    a `slots`-slot cache; run outside the loop. `packed`: the projections in the CPU
-    matmul kernel's panels (`_cpu_kernels.pack_panels`), which decode_step then
-    multiplies in the kernel (float32 compute only)."""
+    a `slots`-slot cache; run outside the loop. `packed`: the projections and the LM
+    head in the CPU matmul kernels' panels (`_cpu_kernels.pack_panels`, gate and up
+    in `pack_swiglu_panels`), which decode_step then multiplies in the kernels
+    (float32 compute only). Packing copies every weight once per decode call."""
     cdt = jnp.dtype(spec.compute_dtype)
     D, H, K, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     layers = []
@@ -203,7 +205,7 @@ def decode_weights(
             )
         layers.append(w)
     head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
-    if packed:  # the LM head too, transposed: a copy of V x D floats per decode call
+    if packed:  # the LM head too, transposed
         head = _cpu_kernels.pack_panels(head.T)
     return {
         "embed": params["embed"],
