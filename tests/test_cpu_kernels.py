@@ -151,6 +151,44 @@ def test_matmul_swiglu_equals_float64(M, K, F, parallel):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M,K,N", [(64, 256, 512), (7, 5, 47), (13, 700, 33), (2, 0, 3)])
+def test_folded_norm_residual_and_rows_equal_float64(M, K, N):
+    """The decode step's fused forms against float64: RMSNorm(x) @ w with the norm's
+    weight folded into the panels (matmul and matmul_swiglu, norm_eps), residual +
+    x @ w summed in place (matmul_add), and table rows by id, clipped (take_rows)."""
+    rng = np.random.default_rng(M + K + N)
+    eps = 1e-6
+    x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+    norm = rng.standard_normal(K).astype(np.float32)
+    w, up = rng.standard_normal((2, K, N)).astype(np.float32)
+    r = rng.standard_normal((M, N)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    h = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * norm if K else x64
+    tol = dict(rtol=2e-5, atol=2e-5 * max(1.0, np.sqrt(K)))
+
+    fold = jnp.asarray(norm)[:, None]
+    got = jax.jit(lambda x, p: _cpu_kernels.matmul(x, p, N, norm_eps=eps))(
+        x, _cpu_kernels.pack_panels(fold * jnp.asarray(w))
+    )
+    np.testing.assert_allclose(np.asarray(got), h @ w, **tol)
+    panels = _cpu_kernels.pack_swiglu_panels(fold * jnp.asarray(w), fold * jnp.asarray(up))
+    got = jax.jit(lambda x, p: _cpu_kernels.matmul_swiglu(x, p, N, norm_eps=eps))(x, panels)
+    g, u = h @ w, h @ up
+    np.testing.assert_allclose(np.asarray(got), g / (1 + np.exp(-g)) * u, **tol)
+
+    got = jax.jit(lambda x, p, r: _cpu_kernels.matmul_add(x, p, r))(
+        x, _cpu_kernels.pack_panels(jnp.asarray(w)), jnp.asarray(r)
+    )
+    np.testing.assert_allclose(np.asarray(got), r + x64 @ w, **tol)
+
+    ids = jnp.asarray([0, M - 1, -3, M + 5, M // 2][: max(M, 1)], jnp.int32)
+    table = jnp.asarray(r) if M else jnp.ones((1, N), jnp.float32)
+    got = jax.jit(_cpu_kernels.take_rows)(table, ids)
+    want = np.asarray(table)[np.clip(np.asarray(ids), 0, table.shape[0] - 1)]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@needs_kernel
 def test_matmul_rejects_unpacked_weights():
     x = jnp.zeros((4, 32), jnp.float32)
     with pytest.raises(Exception, match=r"panels \[ceil\(N / \d+\), K, \d+\]"):

@@ -51,6 +51,8 @@ TARGETS = {
     "rl_jax_decode_attention": "RlJaxDecodeAttention",
     "rl_jax_matmul": "RlJaxMatmul",
     "rl_jax_matmul_swiglu": "RlJaxMatmulSwiGLU",
+    "rl_jax_matmul_add": "RlJaxMatmulAdd",
+    "rl_jax_take_rows": "RlJaxTakeRows",
 }
 # -fno-math-errno lets floor/max vectorise; no -ffast-math: in a shared library it
 # would also set flush-to-zero for the whole process when loaded.
@@ -182,11 +184,18 @@ def pack_swiglu_panels(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jnp.concatenate([cut(gate), cut(up)], axis=2).transpose(1, 0, 2)
 
 
-def matmul_swiglu(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) -> jax.Array:
+def matmul_swiglu(
+    x: jax.Array,
+    panels: jax.Array,
+    cols: int,
+    parallel: bool = True,
+    norm_eps: float | None = None,
+) -> jax.Array:
     """SwiGLU's activation silu(x @ gate) * (x @ up), [M, cols] float32, from
     `pack_swiglu_panels(gate, up)`: computed from the kernel's accumulators, with no
     pre-activations written out and no elementwise pass over them (+6% generation
-    on the bench model, paired runs). Same conditions as `matmul`."""
+    on the bench model, paired runs). `norm_eps`: as for `matmul`. Same conditions
+    as `matmul`."""
     M = x.shape[0]
     f32 = jnp.float32
     call = jax.ffi.ffi_call(
@@ -196,18 +205,55 @@ def matmul_swiglu(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = T
             jax.ShapeDtypeStruct((M, cols), f32),
         ),
     )
-    return call(x.astype(f32), panels, parallel=bool(parallel))[1]
+    return call(x.astype(f32), panels, parallel=bool(parallel), norm_eps=_eps(norm_eps))[1]
 
 
-def matmul(x: jax.Array, panels: jax.Array, cols: int, parallel: bool = True) -> jax.Array:
+def _eps(norm_eps: float | None) -> np.float32:
+    return np.float32(-1.0 if norm_eps is None else norm_eps)  # < 0: no norm
+
+
+def matmul(
+    x: jax.Array,
+    panels: jax.Array,
+    cols: int,
+    parallel: bool = True,
+    norm_eps: float | None = None,
+) -> jax.Array:
     """x [M, K] @ w [K, cols] in float32, w given as `pack_panels(w)`.
+
+    norm_eps: x is an RMSNorm's input and the panels hold `norm_weight[:, None] * w`;
+    the result is RMSNorm(x) @ w, the rows' 1 / rms computed in the kernel and
+    applied to the sums.
 
     Call only after `available()` returned True, and on arrays local to one device
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
     use XLA's intra-op threads (as for `decode_attention`).
     """
     call = jax.ffi.ffi_call("rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
-    return call(x.astype(jnp.float32), panels, parallel=bool(parallel))
+    return call(x.astype(jnp.float32), panels, parallel=bool(parallel), norm_eps=_eps(norm_eps))
+
+
+def matmul_add(
+    x: jax.Array, panels: jax.Array, residual: jax.Array, parallel: bool = True
+) -> jax.Array:
+    """residual + x @ w in float32 (w as `pack_panels(w)`, residual [M, N]), summed in
+    place in the residual's buffer: a decoder layer's o and down projections with
+    their residual connection. Same conditions as `matmul`."""
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        "rl_jax_matmul_add", jax.ShapeDtypeStruct(residual.shape, f32), input_output_aliases={2: 0}
+    )
+    return call(x.astype(f32), panels, residual.astype(f32), parallel=bool(parallel))
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] for a float32 table [V, D] and ids [B] (out-of-range ids clipped): a
+    step's token embeddings, every row requested before any is copied. Same
+    conditions as `matmul`."""
+    call = jax.ffi.ffi_call(
+        "rl_jax_take_rows", jax.ShapeDtypeStruct((ids.shape[0], table.shape[1]), jnp.float32)
+    )
+    return call(table.astype(jnp.float32), ids.astype(jnp.int32))
 
 
 def decode_attention(

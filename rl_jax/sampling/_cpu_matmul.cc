@@ -26,10 +26,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "_cpu_common.h"
@@ -78,14 +80,22 @@ inline Vec SwiGLU(Vec g, Vec u) {
   return g * sigmoid * u;
 }
 
+// What a tile does with its sums before they leave the registers (on its last k
+// block only): scale row i by row_scale[i] (an RMSNorm's 1 / rms; the norm's
+// weight is folded into the panels), then, with `act` (SwiGLU panels, NV = 2: a
+// gate vector, then the same columns' up vector), write the activation
+// [MR, kWidth] to act (rows ld_act apart) instead of the sums to c.
+struct Epilogue {
+  const float* row_scale = nullptr;
+  float* act = nullptr;
+  int64_t ld_act = 0;
+};
+
 // c[MR, NV * kWidth] = (accumulate ? c : 0) + a[MR, kc] @ w[kc, NV * kWidth]; rows of
-// a lda apart, of c ldc apart; w contiguous (a panel's block). With `act` (SwiGLU
-// panels, NV = 2: a gate vector, then the same columns' up vector), the tile's
-// activation [MR, kWidth] goes to act (rows ld_act apart) instead of c, straight
-// from the accumulators.
+// a lda apart, of c ldc apart; w contiguous (a panel's block); then `epilogue`.
 template <int MR, int NV>
 void Tile(int64_t kc, const float* a, int64_t lda, const float* w, float* c, int64_t ldc,
-          bool accumulate, float* act, int64_t ld_act) {
+          bool accumulate, const Epilogue& epilogue) {
   Vec acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? Load(c + i * ldc + j * kWidth) : Vec{};
@@ -103,9 +113,16 @@ void Tile(int64_t kc, const float* a, int64_t lda, const float* w, float* c, int
       for (int j = 0; j < NV; ++j) acc[i][j] += b[j] * ai;
     }
   }
+  if (epilogue.row_scale) {
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < NV; ++j) acc[i][j] *= epilogue.row_scale[i];
+    }
+  }
   if constexpr (NV == 2) {
-    if (act) {
-      for (int i = 0; i < MR; ++i) Store(act + i * ld_act, SwiGLU(acc[i][0], acc[i][1]));
+    if (epilogue.act) {
+      for (int i = 0; i < MR; ++i) {
+        Store(epilogue.act + i * epilogue.ld_act, SwiGLU(acc[i][0], acc[i][1]));
+      }
       return;
     }
   }
@@ -115,7 +132,7 @@ void Tile(int64_t kc, const float* a, int64_t lda, const float* w, float* c, int
 }
 
 using TileFn = void (*)(int64_t, const float*, int64_t, const float*, float*, int64_t, bool,
-                        float*, int64_t);
+                        const Epilogue&);
 
 // Tile<mr, NV> for mr = 1 .. rows (the last row tile may be short).
 template <int NV, int... MR>
@@ -140,6 +157,9 @@ struct Problem {
   // act; null otherwise.
   float* act = nullptr;
   int64_t F = 0;
+  // With an RMSNorm folded in: 1 / rms of each row of x, [M]; null otherwise.
+  const float* row_scale = nullptr;
+  bool add = false;  // y holds a residual on entry: y += x @ w
 };
 
 // Rows [m0, m1) times panel p.
@@ -148,26 +168,29 @@ void Item(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
   const int64_t cols = std::min<int64_t>(kNR, pr.N - n0);
   const float* panel = pr.panels + p * pr.K * kNR;
   if (pr.K == 0) {
+    if (pr.add) return;
     for (int64_t m = m0; m < m1; ++m) std::fill_n(pr.y + m * pr.N + n0, cols, 0.0f);
     return;
   }
   alignas(64) float edge[kMR * kNR];  // the padded last panel's tile
   for (int64_t k0 = 0; k0 < pr.K; k0 += kKC) {
     const int64_t kc = std::min(kKC, pr.K - k0);
-    const bool accumulate = k0 > 0;
+    const bool accumulate = k0 > 0 || pr.add;
+    const bool last = k0 + kKC >= pr.K;
     for (int64_t m = m0; m < m1; m += kMR) {
       const int64_t mr = std::min<int64_t>(kMR, m1 - m);
       const float* a = pr.x + m * pr.K + k0;
       const float* w = panel + k0 * kNR;
       float* c = pr.y + m * pr.N + n0;
+      const Epilogue e{last && pr.row_scale ? pr.row_scale + m : nullptr};
       if (cols == kNR) {
-        kTiles[mr - 1](kc, a, pr.K, w, c, pr.N, accumulate, nullptr, 0);
+        kTiles[mr - 1](kc, a, pr.K, w, c, pr.N, accumulate, e);
         continue;
       }
       if (accumulate) {
         for (int64_t i = 0; i < mr; ++i) std::memcpy(edge + i * kNR, c + i * pr.N, cols * 4);
       }
-      kTiles[mr - 1](kc, a, pr.K, w, edge, kNR, accumulate, nullptr, 0);
+      kTiles[mr - 1](kc, a, pr.K, w, edge, kNR, accumulate, e);
       for (int64_t i = 0; i < mr; ++i) std::memcpy(c + i * pr.N, edge + i * kNR, cols * 4);
     }
   }
@@ -186,9 +209,10 @@ void SwiGLUItem(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
       const int64_t mr = std::min<int64_t>(kSwMR, m1 - m);
       const float* a = pr.x + m * pr.K + k0;
       float* c = pr.y + m * pr.N + p * kSwNR;
-      float* act = !last ? nullptr : cols == kWidth ? pr.act + m * pr.F + j0 : edge;
-      const int64_t ld_act = cols == kWidth ? pr.F : kWidth;
-      kSwTiles[mr - 1](kc, a, pr.K, panel + k0 * kSwNR, c, pr.N, k0 > 0, act, ld_act);
+      const Epilogue e{last && pr.row_scale ? pr.row_scale + m : nullptr,
+                       !last ? nullptr : cols == kWidth ? pr.act + m * pr.F + j0 : edge,
+                       cols == kWidth ? pr.F : kWidth};
+      kSwTiles[mr - 1](kc, a, pr.K, panel + k0 * kSwNR, c, pr.N, k0 > 0, e);
       if (last && cols < kWidth) {
         for (int64_t i = 0; i < mr; ++i) {
           std::copy_n(edge + i * kWidth, cols, pr.act + (m + i) * pr.F + j0);
@@ -196,6 +220,27 @@ void SwiGLUItem(const Problem& pr, int64_t p, int64_t m0, int64_t m1) {
       }
     }
   }
+}
+
+// 1 / sqrt(mean(x[m]^2) + eps) for each row of x [M, K]: an RMSNorm's scale, in
+// float32 like the model's.
+std::vector<float> InverseRms(const float* x, int64_t M, int64_t K, float eps) {
+  std::vector<float> out(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    Vec acc = {};
+    int64_t k = 0;
+    for (; k + kWidth <= K; k += kWidth) {
+      const Vec v = Load(row + k);
+      acc += v * v;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < kWidth; ++l) sum += acc[l];
+    for (; k < K; ++k) sum += row[k] * row[k];
+    const float mean = K ? sum / static_cast<float>(K) : 0.0f;  // no NaN for K = 0
+    out[m] = 1.0f / std::sqrt(mean + eps);
+  }
+  return out;
 }
 
 // One pool task per this many multiply-adds, at most one per thread: scheduling a
@@ -214,8 +259,10 @@ void Multiply(ffi::ThreadPool& pool, const Problem& pr, int64_t panels, bool par
   });
 }
 
+// norm_eps >= 0: x is the input of an RMSNorm whose weight is folded into the
+// panels, and the result is RMSNorm(x) @ w (the rows' 1 / rms applied to the sums).
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                  bool parallel, ffi::ResultBuffer<ffi::F32> y) {
+                  bool parallel, float norm_eps, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   auto yd = y->dimensions();
@@ -225,8 +272,59 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         "matmul: expected x [M, K], panels [ceil(N / " + std::to_string(kNR) + "), K, " +
         std::to_string(kNR) + "] and result [M, N]");
   }
-  const Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  std::vector<float> scale;
+  if (norm_eps >= 0) {
+    scale = InverseRms(pr.x, pr.M, pr.K, norm_eps);
+    pr.row_scale = scale.data();
+  }
   Multiply(pool, pr, pd[0], parallel);
+  return ffi::Error::Success();
+}
+
+// residual + x @ w, summed in place in the residual's buffer (the result is aliased
+// to it): a decoder layer's o and down projections with their residual connection.
+ffi::Error MatmulAdd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                     ffi::Buffer<ffi::F32> residual, bool parallel,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto pd = panels.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] ||
+      pd[2] != kNR || yd[0] != xd[0] || pd[0] != (yd[1] + kNR - 1) / kNR ||
+      residual.element_count() != static_cast<size_t>(yd[0] * yd[1])) {
+    return ffi::Error::InvalidArgument(
+        "matmul_add: expected x [M, K], panels [ceil(N / " + std::to_string(kNR) + "), K, " +
+        std::to_string(kNR) + "], residual and result [M, N]");
+  }
+  if (y->typed_data() != residual.typed_data()) {
+    return ffi::Error::Internal("matmul_add: the result is not aliased to the residual");
+  }
+  Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  pr.add = true;
+  Multiply(pool, pr, pd[0], parallel);
+  return ffi::Error::Success();
+}
+
+// out[b] = table[clamp(ids[b], 0, V - 1)]: the step's token embeddings, every row
+// requested before any is copied (they are cold: a decode step streams more
+// weights and cache than the caches hold).
+ffi::Error TakeRows(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  auto td = table.dimensions();
+  auto od = out->dimensions();
+  const int64_t B = static_cast<int64_t>(ids.element_count());
+  if (td.size() != 2 || od.size() != 2 || od[0] != B || od[1] != td[1] || td[0] == 0) {
+    return ffi::Error::InvalidArgument("take_rows: expected table [V, D], ids [B], result [B, D]");
+  }
+  const int64_t V = td[0], D = td[1];
+  const float* t = table.typed_data();
+  const int32_t* id = ids.typed_data();
+  auto row = [&](int64_t b) { return t + std::clamp<int64_t>(id[b], 0, V - 1) * D; };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row(b) + d);
+  }
+  for (int64_t b = 0; b < B; ++b) std::copy_n(row(b), D, out->typed_data() + b * D);
   return ffi::Error::Success();
 }
 
@@ -234,7 +332,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // (pack_swiglu_panels), computed from the accumulators of each tile's last k block:
 // `scratch` [M, P * 2W] holds the earlier blocks' sums, the activation goes to `act`.
 ffi::Error MatmulSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> panels, bool parallel,
+                        ffi::Buffer<ffi::F32> panels, bool parallel, float norm_eps,
                         ffi::ResultBuffer<ffi::F32> scratch, ffi::ResultBuffer<ffi::F32> act) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
@@ -251,6 +349,11 @@ ffi::Error MatmulSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Problem pr{x.typed_data(), panels.typed_data(), scratch->typed_data(), xd[0], xd[1], sd[1]};
   pr.act = act->typed_data();
   pr.F = ad[1];
+  std::vector<float> scale;
+  if (norm_eps >= 0) {  // as for Matmul
+    scale = InverseRms(pr.x, pr.M, pr.K, norm_eps);
+    pr.row_scale = scale.data();
+  }
   Multiply(pool, pr, pd[0], parallel);
   return ffi::Error::Success();
 }
@@ -269,7 +372,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels
                                   .Attr<bool>("parallel")
+                                  .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulAdd, MatmulAdd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual
+                                  .Attr<bool>("parallel")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (aliased)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxTakeRows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // rows
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulSwiGLU, MatmulSwiGLU,
@@ -278,6 +399,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulSwiGLU, MatmulSwiGLU,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels
                                   .Attr<bool>("parallel")
+                                  .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // scratch
                                   .Ret<ffi::Buffer<ffi::F32>>()  // act
 );

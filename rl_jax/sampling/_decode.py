@@ -54,7 +54,7 @@ from rl_jax.models.layers import (
     rope_table,
 )
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import LAYER_PARAMS, KVCache, final_norm, lm_logits
+from rl_jax.models.transformer import LAYER_PARAMS, KVCache, lm_logits
 from rl_jax.sampling import _cpu_kernels
 
 # Per layer: (keys [B, K, hd, S], values [B, K, S, hd]), or split into blocks of
@@ -198,15 +198,20 @@ def decode_weights(
             w["o_bias"] = p["o_bias"].astype(cdt)
         if spec.qk_norm:
             w["q_norm"], w["k_norm"] = p["q_norm"], p["k_norm"]
-        if packed:
-            w.update({n: _cpu_kernels.pack_panels(w[n]) for n in ("qkv", "o", "down")})
+        if packed:  # the norms' weights folded in (the kernels apply 1 / rms)
+            attn_w = p["attn_norm"].astype(cdt)[:, None]
+            mlp_w = p["mlp_norm"].astype(cdt)[:, None]
+            w["qkv"] = _cpu_kernels.pack_panels(attn_w * w["qkv"])
+            w["o"] = _cpu_kernels.pack_panels(w["o"])
+            w["down"] = _cpu_kernels.pack_panels(w["down"])
             w["gate_up"] = _cpu_kernels.pack_swiglu_panels(
-                p["gate"].astype(cdt), p["up"].astype(cdt)
+                mlp_w * p["gate"].astype(cdt), mlp_w * p["up"].astype(cdt)
             )
         layers.append(w)
     head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
-    if packed:  # the LM head too, transposed
-        head = _cpu_kernels.pack_panels(head.T)
+    if packed:  # the LM head too, transposed, the final norm's weight folded in
+        norm_w = params["final_norm"].astype(jnp.float32)[:, None]
+        head = _cpu_kernels.pack_panels(norm_w * head.T.astype(jnp.float32))
     return {
         "embed": params["embed"],
         "final_norm": params["final_norm"],
@@ -240,23 +245,33 @@ def decode_step(
     R = H // K
     layout = cache_layout(*cache[0])
     keys_axes, values_axes = cache_axes(*cache[0])
-    D, F = spec.hidden_size, spec.intermediate_size
+    F = spec.intermediate_size
+    packed = w["head"].ndim == 3  # decode_weights(..., packed=True): the CPU kernels
 
-    def dense(x, w, cols):  # x @ w; packed weights (rank 3) in the CPU kernel
-        if w.ndim == 3:
-            return _cpu_kernels.matmul(x, w, cols, parallel=kernel_threads)
-        return matmul(x, w)
+    def normed_dense(x, norm_w, w, cols):  # rms_norm(x) @ w; packed: all in the kernel
+        if packed:
+            return _cpu_kernels.matmul(x, w, cols, parallel=kernel_threads, norm_eps=eps)
+        return matmul(rms_norm(x, norm_w, eps), w)
+
+    def residual_dense(r, x, w, bias=None):  # r + (x @ w + bias); packed: summed in place
+        if packed:
+            r = r if bias is None else r + bias
+            return _cpu_kernels.matmul_add(x, w, r, parallel=kernel_threads)
+        a = matmul(x, w)
+        return r + (a if bias is None else a + bias)
 
     # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
     cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
     if layout == "whole":
         k_slot = jnp.arange(cache_slots(cache))
         visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
-    x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
+    if packed:
+        x = _cpu_kernels.take_rows(w["embed"], tokens_b)
+    else:
+        x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
     new_cache = []
     for lw, (ck, cv) in zip(w["layers"], cache, strict=True):
-        h = rms_norm(x, lw["attn_norm"], eps)
-        qkv = dense(h, lw["qkv"], (H + 2 * K) * hd)
+        qkv = normed_dense(x, lw["attn_norm"], lw["qkv"], (H + 2 * K) * hd)
         if "qkv_bias" in lw:
             qkv = qkv + lw["qkv_bias"]
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
@@ -299,21 +314,21 @@ def decode_step(
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
             att = einsum_f32("bkrs,bksh->bkrh", probs, cv.astype(cdt))
-        a = dense(att.astype(cdt).reshape(B, H * hd), lw["o"], D)
-        if "o_bias" in lw:
-            a = a + lw["o_bias"]
-        x = x + a
-        h = rms_norm(x, lw["mlp_norm"], eps)
-        if lw["gate_up"].ndim == 3:  # packed: SwiGLU in the kernel
-            act = _cpu_kernels.matmul_swiglu(h, lw["gate_up"], F, parallel=kernel_threads)
+        x = residual_dense(x, att.astype(cdt).reshape(B, H * hd), lw["o"], lw.get("o_bias"))
+        if packed:  # the norm and SwiGLU in the kernel
+            act = _cpu_kernels.matmul_swiglu(
+                x, lw["gate_up"], F, parallel=kernel_threads, norm_eps=eps
+            )
         else:
-            g, u = jnp.split(matmul(h, lw["gate_up"]), 2, axis=1)
+            g, u = jnp.split(matmul(rms_norm(x, lw["mlp_norm"], eps), lw["gate_up"]), 2, axis=1)
             act = jax.nn.silu(g) * u
-        x = x + dense(act, lw["down"], D)
+        x = residual_dense(x, act, lw["down"])
         x = constrain(x, ("batch", "embed"))
-    if w["head"].ndim == 3:  # packed: final norm, then the head in the kernel
-        h = final_norm(spec, w["final_norm"], x)
-        return dense(h, w["head"], spec.vocab_size), tuple(new_cache)
+    if packed:  # the final norm and the head in the kernel
+        logits = _cpu_kernels.matmul(
+            x, w["head"], spec.vocab_size, parallel=kernel_threads, norm_eps=eps
+        )
+        return logits, tuple(new_cache)
     logits = lm_logits(spec, w["final_norm"], w["head"], x[:, None, :])[:, 0]
     return logits, tuple(new_cache)
 
