@@ -80,6 +80,47 @@ def test_kernel_equals_xla_attention(B, K, R, hd, S, slot, parallel):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B,K,R,hd,S,slot", [(6, 2, 2, 64, 80, 40), (3, 1, 7, 32, 48, 47)])
+def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, S, slot):
+    """decode_attention_qkv on the projection's rows [B, (H + 2K) hd] equals XLA's
+    split and rotation (apply_rope) followed by decode_attention: the same cache
+    writes, attention within float32 rounding, as [B, H hd]."""
+    from rl_jax.models.layers import apply_rope
+
+    rng = np.random.default_rng(S + slot)
+    H = K * R
+    qkv = jnp.asarray(rng.standard_normal((B, (H + 2 * K) * hd)), jnp.float32)
+    ang = rng.uniform(0, 6.3, (B, hd // 2))
+    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((B, K, S // KEY_TILE, hd, KEY_TILE)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal((B, K, S, hd)), jnp.float32)
+    kv_start = jnp.asarray(rng.integers(0, slot + 1, (B,)), jnp.int32)
+
+    def split(qkv, keys, values):
+        q = apply_rope(qkv[:, : H * hd].reshape(B, 1, H, hd), cos[:, None], sin[:, None])
+        k = apply_rope(
+            qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd), cos[:, None], sin[:, None]
+        )
+        v = qkv[:, (H + K) * hd :].reshape(B, K, hd)
+        att, keys, values = _cpu_kernels.decode_attention(
+            q.reshape(B, K, R, hd), k.reshape(B, K, hd), v, keys, values, kv_start, slot, hd**-0.5
+        )
+        return att.reshape(B, H * hd), keys, values
+
+    def fused(qkv, keys, values):
+        return _cpu_kernels.decode_attention_qkv(
+            qkv, cos, sin, keys, values, kv_start, slot, hd**-0.5
+        )
+
+    want = jax.jit(split)(qkv, jnp.array(keys), jnp.array(values))
+    got = jax.jit(fused)(qkv, jnp.array(keys), jnp.array(values))
+    assert got[0].shape == (B, H * hd)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-6)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
 def test_kernel_rejects_wrong_shapes():
     q = jnp.zeros((2, 2, 2, 64), jnp.float32)
     kv = jnp.zeros((2, 2, 64), jnp.float32)

@@ -50,7 +50,21 @@ struct Problem {
   float scale;
   float* out;
   int64_t B, K, R, hd, S;
+  // The fused form (DecodeAttentionQKV): q is the projection's row [B, (H + 2K) hd]
+  // (k_new, v_new unused), rotated here with cos, sin [B, hd / 2]; null otherwise.
+  const float* cos = nullptr;
+  const float* sin = nullptr;
 };
+
+// dst = x rotated by the angles (cos, sin), pairs (i, i + hd/2): RoPE's "rotate
+// half" layout, as rl_jax.models.layers.apply_rope.
+void Rope(const float* x, const float* cos, const float* sin, int64_t hd, float* dst) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    dst[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    dst[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+}
 
 // One vector of floats: GCC/Clang vector extensions, so the same code compiles to
 // AVX-512, AVX2 (two halves) or NEON (four) for whatever -march=native finds. The
@@ -185,17 +199,32 @@ void AttendRows(const float* q, const float* tiles, const float* v, int64_t hd, 
 
 // Write this step's key and value of one (row, KV head) pair, then attend with its
 // R queries.
-void Attend(const Problem& p, int64_t item, std::vector<float>& scores) {
+void Attend(const Problem& p, int64_t item, std::vector<float>& scores,
+            std::vector<float>& rotated) {
   const int64_t b = item / p.K;
   const int64_t R = p.R, hd = p.hd, S = p.S;
   const float* q = p.q + item * R * hd;
+  const float* k_new = p.k_new + item * hd;
+  const float* v_new = p.v_new + item * hd;
+  if (p.cos) {  // fused: this pair's heads from the projection's row, q and k rotated
+    const int64_t k = item % p.K, H = p.K * R;
+    const float* row = p.q + b * (H + 2 * p.K) * hd;
+    const float* cos = p.cos + b * hd / 2;
+    const float* sin = p.sin + b * hd / 2;
+    rotated.resize((R + 1) * hd);
+    for (int64_t r = 0; r < R; ++r) Rope(row + (k * R + r) * hd, cos, sin, hd, &rotated[r * hd]);
+    Rope(row + (H + k) * hd, cos, sin, hd, &rotated[R * hd]);
+    q = rotated.data();
+    k_new = q + R * hd;
+    v_new = row + (H + p.K + k) * hd;
+  }
   float* tiles = p.keys + item * hd * S;
   float* v = p.values + item * S * hd;
   float* out = p.out + item * R * hd;
   if (p.slot >= 0 && p.slot < S) {
     float* tile = tiles + (p.slot / kLanes) * hd * kLanes + p.slot % kLanes;
-    for (int64_t d = 0; d < hd; ++d) tile[d * kLanes] = p.k_new[item * hd + d];
-    std::memcpy(v + p.slot * hd, p.v_new + item * hd, hd * sizeof(float));
+    for (int64_t d = 0; d < hd; ++d) tile[d * kLanes] = k_new[d];
+    std::memcpy(v + p.slot * hd, v_new, hd * sizeof(float));
   }
   const int64_t lo = std::max<int64_t>(p.kv_start[b], 0);
   const int64_t hi = std::min<int64_t>(p.slot, S - 1);
@@ -221,6 +250,18 @@ void Attend(const Problem& p, int64_t item, std::vector<float>& scores) {
 // One pool task per this many cache floats read, at most one per thread: for a
 // short cache, scheduling a task costs more than it saves.
 constexpr int64_t kMinFloatsPerHelper = 1 << 16;
+
+// Every (row, KV head) pair, split over the pool.
+void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
+  // Floats read per item, about: keys and values of the filled slots.
+  const int64_t reads = (std::min<int64_t>(problem.slot, problem.S - 1) + 1) * problem.hd * 2;
+  const int64_t items = problem.B * problem.K;
+  const int64_t helpers = parallel ? items * reads / kMinFloatsPerHelper : 0;
+  rl_jax::ParallelFor(pool, items, helpers, [problem](int64_t item) {
+    thread_local std::vector<float> scores, rotated;
+    Attend(problem, item, scores, rotated);
+  });
+}
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
@@ -261,13 +302,59 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         scale,
                         out->typed_data(),
                         B, K, R, hd, S};
-  // Floats read per item, about: keys and values of the filled slots.
-  const int64_t reads = (std::min<int64_t>(slot.typed_data()[0], S - 1) + 1) * hd * 2;
-  const int64_t helpers = parallel ? B * K * reads / kMinFloatsPerHelper : 0;
-  rl_jax::ParallelFor(pool, B * K, helpers, [problem](int64_t item) {
-    thread_local std::vector<float> scores;
-    Attend(problem, item, scores);
-  });
+  Run(pool, problem, parallel);
+  return ffi::Error::Success();
+}
+
+// DecodeAttention on the q/k/v projection's rows: qkv [B, (H + 2K) hd] (H = K R query
+// heads, then K key heads, then K value heads, as the decode step's fused
+// projection), q and k rotated here (RoPE) with cos, sin [B, hd / 2]; out
+// [B, H hd], the same floats as [B, K, R, hd]. Saves the decode step's slices,
+// rotations and copies of q, k and v in XLA.
+ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                              ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                              ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                              ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
+                              float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> keys_out,
+                              ffi::ResultBuffer<ffi::F32> values_out) {
+  auto xd = qkv.dimensions();
+  auto kd = keys.dimensions();
+  auto vd = values.dimensions();
+  if (xd.size() != 2 || kd.size() != 5 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "decode attention (qkv): qkv must be rank 2, keys rank 5, values rank 4");
+  }
+  if (keys_out->typed_data() != keys.typed_data() ||
+      values_out->typed_data() != values.typed_data()) {
+    return ffi::Error::Internal("decode attention: the cache results are not aliased");
+  }
+  const int64_t B = xd[0], K = kd[1], hd = kd[3], S = vd[2];
+  const int64_t H = hd ? xd[1] / hd - 2 * K : 0;
+  if (kd[0] != B || kd[2] * kLanes != S || kd[4] != kLanes || vd[0] != B || vd[1] != K ||
+      vd[3] != hd || hd % kLanes != 0 || H <= 0 || H % K != 0 || xd[1] != (H + 2 * K) * hd ||
+      cos.element_count() != static_cast<size_t>(B * hd / 2) ||
+      sin.element_count() != static_cast<size_t>(B * hd / 2) ||
+      out->element_count() != static_cast<size_t>(B * H * hd) ||
+      kv_start.element_count() != static_cast<size_t>(B) || slot.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "decode attention (qkv): expected qkv [B,(H+2K)hd] (H a multiple of K), cos and "
+        "sin [B,hd/2], keys [B,K,S/16,hd,16], values [B,K,S,hd] (hd a multiple of 16), "
+        "kv_start [B], slot [], result [B,H hd]");
+  }
+  Problem problem{qkv.typed_data(),
+                  nullptr,
+                  nullptr,
+                  keys_out->typed_data(),
+                  values_out->typed_data(),
+                  kv_start.typed_data(),
+                  static_cast<int64_t>(slot.typed_data()[0]),
+                  scale,
+                  out->typed_data(),
+                  B, K, H / K, hd, S};
+  problem.cos = cos.typed_data();
+  problem.sin = sin.typed_data();
+  Run(pool, problem, parallel);
   return ffi::Error::Success();
 }
 
@@ -279,6 +366,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("parallel")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // keys (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // values (aliased)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttentionQKV, DecodeAttentionQKV,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
                                   .Arg<ffi::Buffer<ffi::F32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_start

@@ -49,6 +49,7 @@ HEADERS = (_HERE / "_cpu_common.h",)
 # FFI target name -> handler symbol in the library.
 TARGETS = {
     "rl_jax_decode_attention": "RlJaxDecodeAttention",
+    "rl_jax_decode_attention_qkv": "RlJaxDecodeAttentionQKV",
     "rl_jax_matmul": "RlJaxMatmul",
     "rl_jax_matmul_swiglu": "RlJaxMatmulSwiGLU",
     "rl_jax_matmul_add": "RlJaxMatmulAdd",
@@ -254,6 +255,48 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
         "rl_jax_take_rows", jax.ShapeDtypeStruct((ids.shape[0], table.shape[1]), jnp.float32)
     )
     return call(table.astype(jnp.float32), ids.astype(jnp.int32))
+
+
+def decode_attention_qkv(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    kv_start: jax.Array,
+    slot,
+    scale: float,
+    parallel: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention` from the q/k/v projection's rows, qkv [B, (H + 2K) hd] (query
+    heads, then key heads, then value heads), with RoPE applied in the kernel
+    (cos, sin [B, hd / 2], the rows' angles): no slices, rotations or copies of q,
+    k and v in XLA. Returns (attention [B, H hd], keys, values). Same conditions as
+    `decode_attention`.
+    """
+    f32 = jnp.float32
+    B, K, hd = qkv.shape[0], keys.shape[1], keys.shape[3]
+    H = qkv.shape[1] // hd - 2 * K
+    call = jax.ffi.ffi_call(
+        "rl_jax_decode_attention_qkv",
+        (
+            jax.ShapeDtypeStruct((B, H * hd), f32),
+            jax.ShapeDtypeStruct(keys.shape, f32),
+            jax.ShapeDtypeStruct(values.shape, f32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+    )
+    return call(
+        qkv.astype(f32),
+        cos.astype(f32),
+        sin.astype(f32),
+        keys,
+        values,
+        kv_start.astype(jnp.int32),
+        jnp.asarray(slot, jnp.int32),
+        scale=np.float32(scale),
+        parallel=bool(parallel),
+    )
 
 
 def decode_attention(

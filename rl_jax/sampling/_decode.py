@@ -253,6 +253,16 @@ def decode_step(
             return _cpu_kernels.matmul(x, w, cols, parallel=kernel_threads, norm_eps=eps)
         return matmul(rms_norm(x, norm_w, eps), w)
 
+    def mlp(x, lw):  # x + SwiGLU MLP(rms_norm(x)); packed: norm and SwiGLU in the kernel
+        if packed:
+            act = _cpu_kernels.matmul_swiglu(
+                x, lw["gate_up"], F, parallel=kernel_threads, norm_eps=eps
+            )
+        else:
+            g, u = jnp.split(matmul(rms_norm(x, lw["mlp_norm"], eps), lw["gate_up"]), 2, axis=1)
+            act = jax.nn.silu(g) * u
+        return constrain(residual_dense(x, act, lw["down"]), ("batch", "embed"))
+
     def residual_dense(r, x, w, bias=None):  # r + (x @ w + bias); packed: summed in place
         if packed:
             r = r if bias is None else r + bias
@@ -260,20 +270,7 @@ def decode_step(
         a = matmul(x, w)
         return r + (a if bias is None else a + bias)
 
-    # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
-    cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
-    if layout == "whole":
-        k_slot = jnp.arange(cache_slots(cache))
-        visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
-    if packed:
-        x = _cpu_kernels.take_rows(w["embed"], tokens_b)
-    else:
-        x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
-    new_cache = []
-    for lw, (ck, cv) in zip(w["layers"], cache, strict=True):
-        qkv = normed_dense(x, lw["attn_norm"], lw["qkv"], (H + 2 * K) * hd)
-        if "qkv_bias" in lw:
-            qkv = qkv + lw["qkv_bias"]
+    def attend(qkv, ck, cv, lw):  # split, (norm,) rotate, write the cache, attend
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
         k = qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd)
         v = qkv[:, (H + K) * hd :].reshape(B, K, 1, hd)
@@ -306,7 +303,6 @@ def decode_step(
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, slot, 0))
         ck = constrain(ck, keys_axes)
         cv = constrain(cv, values_axes)
-        new_cache.append((ck, cv))
         if layout == "blocked":
             att = _filled_blocks_attention(q, ck, cv, kv_start_b, slot, cdt=cdt)
         elif layout == "whole":
@@ -314,16 +310,32 @@ def decode_step(
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
             att = einsum_f32("bkrs,bksh->bkrh", probs, cv.astype(cdt))
-        x = residual_dense(x, att.astype(cdt).reshape(B, H * hd), lw["o"], lw.get("o_bias"))
-        if packed:  # the norm and SwiGLU in the kernel
-            act = _cpu_kernels.matmul_swiglu(
-                x, lw["gate_up"], F, parallel=kernel_threads, norm_eps=eps
+        return att, ck, cv
+
+    # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
+    cos, sin = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
+    if layout == "whole":
+        k_slot = jnp.arange(cache_slots(cache))
+        visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
+    if packed:
+        x = _cpu_kernels.take_rows(w["embed"], tokens_b)
+    else:
+        x = jnp.take(w["embed"], tokens_b, axis=0).astype(cdt)  # [B, D]
+    new_cache = []
+    for lw, (ck, cv) in zip(w["layers"], cache, strict=True):
+        qkv = normed_dense(x, lw["attn_norm"], lw["qkv"], (H + 2 * K) * hd)
+        if "qkv_bias" in lw:
+            qkv = qkv + lw["qkv_bias"]
+        if layout == "tiled" and "q_norm" not in lw:  # split, rotate, write, attend
+            att, ck, cv = _cpu_kernels.decode_attention_qkv(
+                qkv, cos[:, 0], sin[:, 0], ck, cv, kv_start_b, slot, hd**-0.5, kernel_threads
             )
+            ck, cv = constrain(ck, keys_axes), constrain(cv, values_axes)
         else:
-            g, u = jnp.split(matmul(rms_norm(x, lw["mlp_norm"], eps), lw["gate_up"]), 2, axis=1)
-            act = jax.nn.silu(g) * u
-        x = residual_dense(x, act, lw["down"])
-        x = constrain(x, ("batch", "embed"))
+            att, ck, cv = attend(qkv, ck, cv, lw)
+        new_cache.append((ck, cv))
+        x = residual_dense(x, att.astype(cdt).reshape(B, H * hd), lw["o"], lw.get("o_bias"))
+        x = mlp(x, lw)
     if packed:  # the final norm and the head in the kernel
         logits = _cpu_kernels.matmul(
             x, w["head"], spec.vocab_size, parallel=kernel_threads, norm_eps=eps
