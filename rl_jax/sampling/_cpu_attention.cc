@@ -21,6 +21,9 @@
 // Writing the new key here rather than in XLA: a key is one float in each of hd
 // cache lines of its tile, which the score loop reads right after anyway.
 //
+// DecodeAttentionQKV does the same from the q/k/v projection's rows
+// [B, (H + 2K) hd], splitting the heads and applying RoPE itself.
+//
 // Same math as the model's attention (float32 scores, max-subtracted softmax,
 // probabilities times values); summation order differs, so results agree to
 // float32 rounding, not bit for bit. Work is split over (b, k) pairs on XLA's
@@ -203,10 +206,12 @@ void Attend(const Problem& p, int64_t item, std::vector<float>& scores,
             std::vector<float>& rotated) {
   const int64_t b = item / p.K;
   const int64_t R = p.R, hd = p.hd, S = p.S;
-  const float* q = p.q + item * R * hd;
-  const float* k_new = p.k_new + item * hd;
-  const float* v_new = p.v_new + item * hd;
-  if (p.cos) {  // fused: this pair's heads from the projection's row, q and k rotated
+  const float *q, *k_new, *v_new;
+  if (!p.cos) {
+    q = p.q + item * R * hd;
+    k_new = p.k_new + item * hd;
+    v_new = p.v_new + item * hd;
+  } else {  // fused: this pair's heads from the projection's row, q and k rotated
     const int64_t k = item % p.K, H = p.K * R;
     const float* row = p.q + b * (H + 2 * p.K) * hd;
     const float* cos = p.cos + b * hd / 2;
