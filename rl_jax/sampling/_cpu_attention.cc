@@ -76,11 +76,7 @@ void Rope(const float* x, const float* cos, const float* sin, int64_t hd, float*
 constexpr int kLanes = 16;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline Vec LoadVec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline Vec LoadVec(const float* p) { return rl_jax::Load<Vec>(p); }
 
 // s[r, j] = scale * q[r] . key(lo + j) for RR query rows, j < n. Keys come in
 // tiles of kLanes slots, [hd, kLanes] each and contiguous, so a tile is one
@@ -268,6 +264,30 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
   });
 }
 
+// Whether the cache (keys [B,K,S/16,hd,16], values [B,K,S,hd], hd a multiple of 16,
+// updated in place: the results aliased to them), kv_start [B] and slot [] fit B rows
+// of K KV heads of width hd; else the error that says so.
+ffi::Error CheckCache(ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::F32>& values,
+                      ffi::ResultBuffer<ffi::F32>& keys_out,
+                      ffi::ResultBuffer<ffi::F32>& values_out, ffi::Buffer<ffi::S32>& kv_start,
+                      ffi::Buffer<ffi::S32>& slot, int64_t B, int64_t K, int64_t hd) {
+  auto kd = keys.dimensions();
+  auto vd = values.dimensions();
+  if (kd.size() != 5 || vd.size() != 4 || kd[0] != B || kd[1] != K || kd[2] * kLanes != vd[2] ||
+      kd[3] != hd || kd[4] != kLanes || vd[0] != B || vd[1] != K || vd[3] != hd ||
+      hd % kLanes != 0 || kv_start.element_count() != static_cast<size_t>(B) ||
+      slot.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "decode attention: expected keys [B,K,S/16,hd,16], values [B,K,S,hd] (hd a multiple "
+        "of 16), kv_start [B], slot []");
+  }
+  if (keys_out->typed_data() != keys.typed_data() ||
+      values_out->typed_data() != values.typed_data()) {
+    return ffi::Error::Internal("decode attention: the cache results are not aliased");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
@@ -276,27 +296,18 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::ResultBuffer<ffi::F32> keys_out,
                            ffi::ResultBuffer<ffi::F32> values_out) {
   auto qd = q.dimensions();
-  auto kd = keys.dimensions();
-  auto vd = values.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "decode attention: q and values must be rank 4, keys rank 5");
-  }
-  // The cache is updated in place: XLA must have aliased the results to the inputs.
-  if (keys_out->typed_data() != keys.typed_data() ||
-      values_out->typed_data() != values.typed_data()) {
-    return ffi::Error::Internal("decode attention: the cache results are not aliased");
-  }
-  const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3], S = vd[2];
-  if (kd[0] != B || kd[1] != K || kd[2] * kLanes != S || kd[3] != hd || kd[4] != kLanes ||
-      vd[0] != B || vd[1] != K || vd[3] != hd || hd % kLanes != 0 ||
-      k_new.element_count() != static_cast<size_t>(B * K * hd) ||
-      v_new.element_count() != static_cast<size_t>(B * K * hd) ||
-      kv_start.element_count() != static_cast<size_t>(B) || slot.element_count() != 1) {
+  if (qd.size() != 4 || k_new.element_count() != static_cast<size_t>(qd[0] * qd[1] * qd[3]) ||
+      v_new.element_count() != k_new.element_count()) {
     return ffi::Error::InvalidArgument(
         "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys [B,K,S/16,hd,16], "
         "values [B,K,S,hd] (hd a multiple of 16), kv_start [B], slot []");
   }
+  const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3];
+  if (auto e = CheckCache(keys, values, keys_out, values_out, kv_start, slot, B, K, hd);
+      e.failure()) {
+    return e;
+  }
+  const int64_t S = values.dimensions()[2];
   const Problem problem{q.typed_data(),
                         k_new.typed_data(),
                         v_new.typed_data(),
@@ -325,28 +336,23 @@ ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                               ffi::ResultBuffer<ffi::F32> values_out) {
   auto xd = qkv.dimensions();
   auto kd = keys.dimensions();
-  auto vd = values.dimensions();
-  if (xd.size() != 2 || kd.size() != 5 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "decode attention (qkv): qkv must be rank 2, keys rank 5, values rank 4");
+  // K and hd from the keys (CheckCache holds them to the rest); H from qkv's width.
+  const int64_t K = kd.size() == 5 ? kd[1] : 0, hd = kd.size() == 5 ? kd[3] : 0;
+  const int64_t B = xd.size() == 2 ? xd[0] : 0;
+  if (auto e = CheckCache(keys, values, keys_out, values_out, kv_start, slot, B, K, hd);
+      e.failure()) {
+    return e;
   }
-  if (keys_out->typed_data() != keys.typed_data() ||
-      values_out->typed_data() != values.typed_data()) {
-    return ffi::Error::Internal("decode attention: the cache results are not aliased");
-  }
-  const int64_t B = xd[0], K = kd[1], hd = kd[3], S = vd[2];
-  const int64_t H = hd ? xd[1] / hd - 2 * K : 0;
-  if (kd[0] != B || kd[2] * kLanes != S || kd[4] != kLanes || vd[0] != B || vd[1] != K ||
-      vd[3] != hd || hd % kLanes != 0 || H <= 0 || H % K != 0 || xd[1] != (H + 2 * K) * hd ||
+  const int64_t H = xd.size() == 2 && hd ? xd[1] / hd - 2 * K : 0;
+  if (H <= 0 || H % K != 0 || xd[1] != (H + 2 * K) * hd ||
       cos.element_count() != static_cast<size_t>(B * hd / 2) ||
       sin.element_count() != static_cast<size_t>(B * hd / 2) ||
-      out->element_count() != static_cast<size_t>(B * H * hd) ||
-      kv_start.element_count() != static_cast<size_t>(B) || slot.element_count() != 1) {
+      out->element_count() != static_cast<size_t>(B * H * hd)) {
     return ffi::Error::InvalidArgument(
         "decode attention (qkv): expected qkv [B,(H+2K)hd] (H a multiple of K), cos and "
-        "sin [B,hd/2], keys [B,K,S/16,hd,16], values [B,K,S,hd] (hd a multiple of 16), "
-        "kv_start [B], slot [], result [B,H hd]");
+        "sin [B,hd/2], result [B,H hd]");
   }
+  const int64_t S = values.dimensions()[2];
   Problem problem{qkv.typed_data(),
                   nullptr,
                   nullptr,

@@ -43,6 +43,19 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t helpers, Bod
   while (shared->finished.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
+// A GCC float vector V from, or to, unaligned memory (one vector move).
+template <typename V>
+inline V Load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename V>
+inline void Store(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
 // exp(x) for x <= 0 (a softmax after max subtraction, a sigmoid of -|x|) on a GCC
 // float vector V, lane by lane: Cephes' expf polynomial, ~2 ulp, 0 below -87
 // (about the smallest normal float's log). libm's expf is a scalar call, and GCC

@@ -274,22 +274,33 @@ def decode_attention_qkv(
     k and v in XLA. Returns (attention [B, H hd], keys, values). Same conditions as
     `decode_attention`.
     """
-    f32 = jnp.float32
     B, K, hd = qkv.shape[0], keys.shape[1], keys.shape[3]
     H = qkv.shape[1] // hd - 2 * K
-    call = jax.ffi.ffi_call(
+    return _attention_call(
         "rl_jax_decode_attention_qkv",
+        (B, H * hd),
+        (qkv, cos, sin),
+        (keys, values, kv_start, slot, scale, parallel),
+    )
+
+
+def _attention_call(target, out_shape, inputs, cache_args):
+    """An attention kernel's call: three float32 inputs, then the cache (keys and
+    values, updated in place: the results alias them), kv_start, slot, and the
+    scale and parallel attributes. Returns (attention, keys, values)."""
+    keys, values, kv_start, slot, scale, parallel = cache_args
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        target,
         (
-            jax.ShapeDtypeStruct((B, H * hd), f32),
+            jax.ShapeDtypeStruct(out_shape, f32),
             jax.ShapeDtypeStruct(keys.shape, f32),
             jax.ShapeDtypeStruct(values.shape, f32),
         ),
         input_output_aliases={3: 1, 4: 2},
     )
     return call(
-        qkv.astype(f32),
-        cos.astype(f32),
-        sin.astype(f32),
+        *(x.astype(f32) for x in inputs),
         keys,
         values,
         kv_start.astype(jnp.int32),
@@ -322,24 +333,9 @@ def decode_attention(
     each device's call keeps to its own thread (bench model, 64 rows: 16% faster
     generation on one device with the threads, per core no faster with them).
     """
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(
+    return _attention_call(
         "rl_jax_decode_attention",
-        (
-            jax.ShapeDtypeStruct(q.shape, f32),
-            jax.ShapeDtypeStruct(keys.shape, f32),
-            jax.ShapeDtypeStruct(values.shape, f32),
-        ),
-        input_output_aliases={3: 1, 4: 2},
-    )
-    return call(
-        q.astype(f32),
-        k.astype(f32),
-        v.astype(f32),
-        keys,
-        values,
-        kv_start.astype(jnp.int32),
-        jnp.asarray(slot, jnp.int32),
-        scale=np.float32(scale),
-        parallel=bool(parallel),
+        q.shape,
+        (q, k, v),
+        (keys, values, kv_start, slot, scale, parallel),
     )

@@ -65,13 +65,8 @@ constexpr int64_t kMC = 256;
 
 typedef float Vec __attribute__((vector_size(kWidth * sizeof(float))));
 
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
+inline Vec Load(const float* p) { return rl_jax::Load<Vec>(p); }
+using rl_jax::Store;
 
 // silu(g) * u lane by lane: g * sigmoid(g), the sigmoid from exp(-|g|) (no overflow).
 inline Vec SwiGLU(Vec g, Vec u) {
@@ -248,8 +243,16 @@ std::vector<float> InverseRms(const float* x, int64_t M, int64_t K, float eps) {
 constexpr int64_t kMinMacsPerHelper = 1 << 18;
 
 // x @ w into pr.y (and pr.act), panels and row blocks split over the pool.
-void Multiply(ffi::ThreadPool& pool, const Problem& pr, int64_t panels, bool parallel) {
+// norm_eps >= 0: x is the input of an RMSNorm whose weight is folded into the
+// panels, and the result is RMSNorm(x) @ w (the rows' 1 / rms applied to the sums).
+void Multiply(ffi::ThreadPool& pool, Problem pr, int64_t panels, bool parallel,
+              float norm_eps = -1.0f) {
   if (pr.M == 0 || pr.N == 0) return;
+  std::vector<float> scale;
+  if (norm_eps >= 0) {
+    scale = InverseRms(pr.x, pr.M, pr.K, norm_eps);
+    pr.row_scale = scale.data();
+  }
   const int64_t row_blocks = (pr.M + kMC - 1) / kMC;
   const int64_t helpers = parallel ? pr.M * pr.K * pr.N / kMinMacsPerHelper : 0;
   rl_jax::ParallelFor(pool, panels * row_blocks, helpers, [pr, row_blocks](int64_t i) {
@@ -259,26 +262,30 @@ void Multiply(ffi::ThreadPool& pool, const Problem& pr, int64_t panels, bool par
   });
 }
 
-// norm_eps >= 0: x is the input of an RMSNorm whose weight is folded into the
-// panels, and the result is RMSNorm(x) @ w (the rows' 1 / rms applied to the sums).
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                  bool parallel, float norm_eps, ffi::ResultBuffer<ffi::F32> y) {
+// Whether x [M, K], panels [ceil(N / NR), K, NR] and y [M, N] fit; else the error
+// that says what was expected (`name`, and `extra` words about other buffers).
+ffi::Error CheckPanels(const char* name, const char* extra, ffi::Buffer<ffi::F32>& x,
+                       ffi::Buffer<ffi::F32>& panels, ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] ||
       pd[2] != kNR || yd[0] != xd[0] || pd[0] != (yd[1] + kNR - 1) / kNR) {
     return ffi::Error::InvalidArgument(
-        "matmul: expected x [M, K], panels [ceil(N / " + std::to_string(kNR) + "), K, " +
-        std::to_string(kNR) + "] and result [M, N]");
+        std::string(name) + ": expected x [M, K], panels [ceil(N / " + std::to_string(kNR) +
+        "), K, " + std::to_string(kNR) + "]" + extra + " and result [M, N]");
   }
-  Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
-  std::vector<float> scale;
-  if (norm_eps >= 0) {
-    scale = InverseRms(pr.x, pr.M, pr.K, norm_eps);
-    pr.row_scale = scale.data();
-  }
-  Multiply(pool, pr, pd[0], parallel);
+  return ffi::Error::Success();
+}
+
+// x @ w; with norm_eps >= 0, RMSNorm(x) @ w (Multiply).
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                  bool parallel, float norm_eps, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckPanels("matmul", "", x, panels, y); e.failure()) return e;
+  auto xd = x.dimensions();
+  const Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(),
+                   xd[0], xd[1], y->dimensions()[1]};
+  Multiply(pool, pr, panels.dimensions()[0], parallel, norm_eps);
   return ffi::Error::Success();
 }
 
@@ -287,22 +294,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 ffi::Error MatmulAdd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                      ffi::Buffer<ffi::F32> residual, bool parallel,
                      ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckPanels("matmul_add", ", residual", x, panels, y); e.failure()) return e;
   auto xd = x.dimensions();
-  auto pd = panels.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] ||
-      pd[2] != kNR || yd[0] != xd[0] || pd[0] != (yd[1] + kNR - 1) / kNR ||
-      residual.element_count() != static_cast<size_t>(yd[0] * yd[1])) {
-    return ffi::Error::InvalidArgument(
-        "matmul_add: expected x [M, K], panels [ceil(N / " + std::to_string(kNR) + "), K, " +
-        std::to_string(kNR) + "], residual and result [M, N]");
+  if (residual.element_count() != static_cast<size_t>(yd[0] * yd[1])) {
+    return ffi::Error::InvalidArgument("matmul_add: the residual must be [M, N], as the result");
   }
   if (y->typed_data() != residual.typed_data()) {
     return ffi::Error::Internal("matmul_add: the result is not aliased to the residual");
   }
   Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
   pr.add = true;
-  Multiply(pool, pr, pd[0], parallel);
+  Multiply(pool, pr, panels.dimensions()[0], parallel);
   return ffi::Error::Success();
 }
 
@@ -349,12 +352,7 @@ ffi::Error MatmulSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Problem pr{x.typed_data(), panels.typed_data(), scratch->typed_data(), xd[0], xd[1], sd[1]};
   pr.act = act->typed_data();
   pr.F = ad[1];
-  std::vector<float> scale;
-  if (norm_eps >= 0) {  // as for Matmul
-    scale = InverseRms(pr.x, pr.M, pr.K, norm_eps);
-    pr.row_scale = scale.data();
-  }
-  Multiply(pool, pr, pd[0], parallel);
+  Multiply(pool, pr, pd[0], parallel, norm_eps);
   return ffi::Error::Success();
 }
 
