@@ -2,6 +2,8 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from rl_jax.config import LoggingConfig, RunConfig, apply_overrides
 from rl_jax.runs import (
     MetricsLogger,
+    RunDirError,
     append_jsonl,
     atomic_write_json,
     create_run_dir,
@@ -55,9 +58,91 @@ def test_run_dir_layout_and_conflicts(tmp_path):
     saved = json.loads(rd.config_path.read_text())
     assert saved["run_id"] == rd.run_id
     assert saved["knobs"]["loss.name"] == "cispo"
-    assert create_run_dir(cfg).run_id == rd.run_id  # reopen: same config is fine
-    with pytest.raises(FileExistsError, match="another config"):
+    rd.close()
+    again = create_run_dir(cfg)  # reopen: same config is fine
+    assert again.run_id == rd.run_id
+    again.close()
+    with pytest.raises(RunDirError, match="another config"):
         create_run_dir(apply_overrides(cfg, ["train.seed=3"]))
+    # The refusal released the lock: the right config still opens the directory.
+    create_run_dir(cfg).close()
+
+
+def test_append_after_a_torn_line_repairs_the_tail(tmp_path):
+    path = tmp_path / "m.jsonl"
+    append_jsonl(path, [{"step": 1}])
+    with open(path, "a") as f:
+        f.write('{"step": 2, "lo')  # a writer killed mid-line
+    append_jsonl(path, [{"step": 2}, {"step": 3}])
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+    path.write_text('{"step": 1')  # a torn first line: nothing whole to keep
+    append_jsonl(path, [{"step": 1}])
+    assert path.read_text() == '{"step": 1}\n'
+
+
+_HOLD = """
+import sys
+from rl_jax.config import RunConfig
+from rl_jax.runs import create_run_dir
+rd = create_run_dir(RunConfig(out_dir=sys.argv[1], name="r"))
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_second_process_on_a_run_is_refused_with_the_holders_pid(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=f"in use by another process \\(pid {holder.pid}\\)"):
+            create_run_dir(RunConfig(out_dir=str(tmp_path), name="r"))
+        # The CLI says it in one line and exits 2 before building anything.
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rl_jax.cli",
+                "train",
+                "scalerl",
+                f"out_dir={tmp_path}",
+                "name=r",
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"pid {holder.pid}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    create_run_dir(RunConfig(out_dir=str(tmp_path), name="r")).close()  # free again
+
+
+def test_damaged_config_json_is_rewritten_unless_rows_say_another_run(tmp_path):
+    cfg = RunConfig(out_dir=str(tmp_path), name="r")
+    rd = create_run_dir(cfg)
+    rd.append_curve({"run_id": rd.run_id, "step": 0})
+    rd.close()
+    rd.config_path.write_text('{"run_id": "ab')
+    create_run_dir(cfg).close()
+    assert json.loads(rd.config_path.read_text())["run_id"] == rd.run_id
+    rd.config_path.write_text("garbage")
+    with pytest.raises(RunDirError, match="another config"):
+        create_run_dir(apply_overrides(cfg, ["train.seed=3"]))
+
+
+def test_unwritable_run_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match="cannot create the run directory"):
+        create_run_dir(RunConfig(out_dir=str(tmp_path), name="r"), blocker / "run")
 
 
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):

@@ -37,9 +37,10 @@ def main(argv: list[str]) -> int:
     from rl_jax.train.loop import NonFiniteError, RLTrainer
 
     trainer = RLTrainer(cfg, quiet=True)
-    if trainer.run.is_done():
+    if trainer.run.read_done() is not None:
+        trainer.close()
         return 0
-    if not trainer.ckpt.steps():
+    if not trainer.try_resume():
         info = warm_start(trainer, target=a.target, quiet=True)
         print(f"warm-up: {json.dumps(info, default=str)}", flush=True)
     try:

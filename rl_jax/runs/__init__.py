@@ -1,5 +1,6 @@
 """Run directories, atomic writes, metrics sinks and progress bars."""
 
+from rl_jax.config.logging import LoggingConfig
 from rl_jax.runs.atomic import (
     append_jsonl,
     atomic_write_bytes,
@@ -8,15 +9,16 @@ from rl_jax.runs.atomic import (
     read_jsonl,
     truncate_jsonl_after,
 )
-from rl_jax.config.logging import LoggingConfig
 from rl_jax.runs.metrics import MetricsLogger
 from rl_jax.runs.progress import progress_bar
-from rl_jax.runs.run_dir import RunDir, create_run_dir
+from rl_jax.runs.run_dir import RunDir, RunDirError, RunLock, create_run_dir
 
 __all__ = [
     "LoggingConfig",
     "MetricsLogger",
     "RunDir",
+    "RunDirError",
+    "RunLock",
     "append_jsonl",
     "atomic_write_bytes",
     "atomic_write_json",

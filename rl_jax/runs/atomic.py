@@ -29,20 +29,47 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True, default=_jsonable) + "\n")
+    atomic_write_text(
+        path, json.dumps(obj, indent=indent, sort_keys=True, default=_jsonable) + "\n"
+    )
 
 
 def append_jsonl(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
-    """Append whole lines with one write + fsync; a reader skips a torn last line."""
+    """Append whole lines with one write + fsync.
+
+    A torn last line (a writer killed mid-write) is cut off first: appended after
+    it, it would become a bad line in the middle, which readers refuse.
+    """
     if not rows:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     blob = "".join(json.dumps(r, sort_keys=True, default=_jsonable) + "\n" for r in rows)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(blob)
+    with open(path, "a+b") as f:
+        _cut_torn_tail(f)
+        f.write(blob.encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _cut_torn_tail(f) -> None:
+    """Truncate an open file after its last newline (nothing to do if it ends in one)."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    pos = end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        f.seek(start)
+        nl = f.read(pos - start).rfind(b"\n")
+        if nl >= 0:
+            f.truncate(start + nl + 1)
+            return
+        pos = start
+    f.truncate(0)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -66,7 +93,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def truncate_jsonl_after(path: str | os.PathLike, key: str, last: int) -> None:
-    """Keep only rows with row[key] <= last (rewind logs on resume), atomically."""
+    """Keep only rows with row[key] <= last (rewind logs on resume), atomically.
+
+    A missing file stays missing; a torn last line is dropped with the rows after `last`.
+    """
+    if not Path(path).exists():
+        return
     rows = [r for r in read_jsonl(path) if r.get(key, -1) <= last]
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 

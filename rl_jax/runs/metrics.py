@@ -23,7 +23,16 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 class MetricsLogger:
     """Writes each row to metrics.jsonl, TensorBoard and (if enabled) W&B."""
 
-    def __init__(self, run: RunDir, cfg: LoggingConfig | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run: RunDir,
+        cfg: LoggingConfig | None = None,
+        config: dict | None = None,
+        *,
+        purge_step: int | None = None,
+    ):
+        """purge_step: TensorBoard hides this run's earlier events at steps >= it (a
+        resumed run rewinds to its checkpoint, as the JSONL rows are rewound)."""
         self.run = run
         self.cfg = cfg or LoggingConfig()
         self._tb = None
@@ -31,15 +40,18 @@ class MetricsLogger:
         if self.cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=str(run.events_dir))
+            self._tb = SummaryWriter(logdir=str(run.events_dir), purge_step=purge_step)
         if self.cfg.wandb:
             try:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("logging.wandb=true but wandb is not installed") from e
             self._wandb = wandb.init(
-                project=self.cfg.wandb_project, name=run.root.name, id=run.run_id,
-                config=config, resume="allow",
+                project=self.cfg.wandb_project,
+                name=run.root.name,
+                id=run.run_id,
+                config=config,
+                resume="allow",
             )
 
     def log(self, step: int, row: dict[str, Any]) -> None:

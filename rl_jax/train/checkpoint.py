@@ -2,20 +2,44 @@
 
 Layout: <run>/checkpoints/<step>/{state (arrays), meta (JSON)}. Orbax writes
 into a temporary directory and renames on commit, so a process killed mid-save
-leaves no half-checkpoint under a step name. A checkpoint that exists but does
-not restore (files damaged later) is reported and the previous one is used.
+leaves no half-checkpoint under a step name.
+
+Files can still be damaged later (a disk, a copy, a hand). Each save records a
+checksum of every array and of the meta, and a restore recomputes them: a
+checkpoint that does not load or does not match is unusable, the newest usable
+one is restored, and the unusable ones are moved to <run>/checkpoints.unusable/
+(kept for inspection, out of orbax's rotation: a resumed run saves those steps
+again, and `keep` rotation only ever counts checkpoints of the run's own
+trajectory). A state with NaN/Inf in it is never saved: resuming it is useless
+and its save would rotate a good checkpoint out.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
+
+CHECKSUMS = "checksums"  # meta key: {array path: hex digest}
+META_DIGEST = "meta_sha256"  # meta key: sha256 of the rest of the meta
+
+
+class ChecksumError(ValueError):
+    """A restored checkpoint's arrays or meta differ from what was saved."""
 
 
 class Checkpointer:
@@ -28,14 +52,31 @@ class Checkpointer:
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
                 create=True,
+                # Saves a killed process left half-written are removed, not kept forever.
+                cleanup_tmp_directories=True,
             ),
         )
+
+    @property
+    def unusable_dir(self) -> Path:
+        return self.directory.parent / f"{self.directory.name}.unusable"
 
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> None:
-        """state: a pytree of jax/numpy arrays; meta: JSON (iterator state, counters, ...)."""
+    def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
+        """state: a pytree of jax/numpy arrays; meta: JSON (iterator state, counters, ...).
+
+        Returns False (and saves nothing) when the state holds a NaN or Inf."""
+        sums, nonfinite = state_checksums(state)
+        if nonfinite:
+            bad = ", ".join(k for k, n in nonfinite.items() if n)
+            print(
+                f"warning: not saving the checkpoint of step {step}: NaN/Inf in {bad}",
+                flush=True,
+            )
+            return False
+        meta = seal_meta({**meta, CHECKSUMS: sums})
         self._mngr.save(
             step,
             args=ocp.args.Composite(
@@ -43,17 +84,21 @@ class Checkpointer:
             ),
             force=force,
         )
+        return True
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-        """Restore the newest checkpoint that loads, onto the shardings of `abstract_state`.
+        """Restore the newest checkpoint that loads and verifies, onto the shardings of
+        `abstract_state`; checkpoints newer than it are moved out of the rotation.
 
         `abstract_state` is a pytree of jax.ShapeDtypeStruct (with .sharding) or
         arrays; returns (step, state, meta) or None when there is no usable checkpoint.
         """
         target = jax.tree.map(_abstract, abstract_state)
+        bad: list[int] = []
+        found = None
         for step in reversed(self.steps()):
             try:
                 out = self._mngr.restore(
@@ -62,24 +107,140 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
                     ),
                 )
-                return step, out["state"], dict(out["meta"])
+                meta = verify(out["state"], dict(out["meta"]))
+                found = step, out["state"], meta
+                break
             except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
-                log.warning(
-                    "checkpoint step %d in %s is unusable (%s); trying the previous one",
-                    step,
-                    self.directory,
-                    _short(e),
-                )
+                log.warning("checkpoint %d in %s is unusable: %s", step, self.directory, _short(e))
                 print(
                     f"warning: checkpoint {self.directory / str(step)} is unusable "
                     f"({_short(e)}); falling back to an older one",
                     flush=True,
                 )
-        return None
+                bad.append(step)
+        if bad:
+            self._set_aside(bad)
+        return found
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move unusable checkpoints out of orbax's directory (only the first process)."""
+        self._mngr.wait_until_finished()
+        if jax.process_index() == 0:
+            self.unusable_dir.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step in steps:
+                src = self.directory / str(step)
+                if src.exists():
+                    shutil.move(str(src), str(self.unusable_dir / f"{step}-{stamp}"))
+                    print(f"moved unusable checkpoint {src} to {self.unusable_dir}", flush=True)
+        self._mngr.reload()
 
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()
+
+
+def seal_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    return {**body, META_DIGEST: _meta_digest(body)}
+
+
+def verify(state: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Check a restored state and meta against the checksums saved with them.
+
+    Returns the meta without the checksum entries. A checkpoint saved without them
+    (before they existed) is accepted as it is."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    if META_DIGEST in meta and meta[META_DIGEST] != _meta_digest(body):
+        raise ChecksumError("the meta JSON does not match its checksum")
+    saved = body.pop(CHECKSUMS, None)
+    if saved is not None:
+        got, _ = state_checksums(state)
+        for k in sorted(set(saved) | set(got)):
+            if saved.get(k) != got.get(k):
+                raise ChecksumError(f"array {k} does not match its checksum")
+    return body
+
+
+def _meta_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def state_checksums(state: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """({array path: 64-bit hex digest}, {array path: NaN/Inf count}) of a pytree.
+
+    Computed where the arrays live (one jitted pass, nothing copied to the host but the
+    sums): two position-weighted sums of each element's bits, modulo 2^32. Integer
+    sums do not depend on the order of summation, so a sharded array gives the same
+    digest on any mesh."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    if not leaves:
+        return {}, {}
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    arrays = [x for _, x in leaves]
+    out = _checksum_fn(arrays)(arrays)
+    sums, bad = jax.device_get(out)
+    digests = {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums, strict=True)}
+    nonfinite = {n: int(c) for n, c in zip(names, bad, strict=True)}
+    return digests, {k: v for k, v in nonfinite.items() if v}
+
+
+def _checksum_fn(arrays):
+    mesh = next(
+        (
+            a.sharding.mesh
+            for a in arrays
+            if isinstance(getattr(a, "sharding", None), NamedSharding)
+        ),
+        None,
+    )
+    return _jitted_checksums(mesh)
+
+
+@functools.cache
+def _jitted_checksums(mesh):
+    out_sh = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+    return jax.jit(_checksums, out_shardings=out_sh)
+
+
+def _checksums(arrays):
+    sums, bad = [], []
+    for x in arrays:
+        x = jnp.asarray(x)
+        bits = _bits_u32(x).reshape(-1)
+        i = lax.iota(jnp.uint32, bits.size)
+        w1 = i * jnp.uint32(2654435761) + jnp.uint32(1)
+        w2 = (i ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(0x85EBCA6B) | jnp.uint32(1)
+        sums.append(
+            jnp.stack(
+                [
+                    jnp.sum(bits * w1, dtype=jnp.uint32),
+                    jnp.sum((bits ^ (bits >> 15)) * w2, dtype=jnp.uint32),
+                ]
+            )
+        )
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            bad.append(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+        else:
+            bad.append(jnp.zeros((), jnp.int32))
+    return jnp.stack(sums), jnp.stack(bad)
+
+
+def _bits_u32(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    size = np.dtype(x.dtype).itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    if size == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+    if size == 2:
+        return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    if size == 1:
+        return lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    raise TypeError(f"cannot checksum dtype {x.dtype}")
 
 
 def _abstract(x):

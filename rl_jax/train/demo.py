@@ -139,8 +139,8 @@ def main(argv: list[str]) -> int:
     # changing a knob starts a new one instead of refusing the old directory.
     root = Path(cfg.out_dir) / f"{cfg.name}-{run_id(cfg)}"
     trainer = RLTrainer(cfg, run_root=root, quiet=a.quiet)
-    if not trainer.run.is_done():
-        if not trainer.ckpt.steps():
+    if trainer.run.read_done() is None:
+        if not trainer.try_resume():
             print("supervised warm-up (stops early; RL does the rest) ...", flush=True)
             info = warm_start(trainer, target=a.warmup_target, quiet=a.quiet)
             print(

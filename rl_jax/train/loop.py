@@ -102,6 +102,17 @@ class RLTrainer:
         start_jax(cfg.mesh)
         self.cfg = cfg
         self.quiet = quiet
+        self.is_main = jax.process_index() == 0
+        # The run directory first: a busy or foreign one is refused before any device work.
+        self.run: RunDir = create_run_dir(cfg, run_root, lock=self.is_main, write=False)
+        self.run_id = run_id(cfg)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.run.close()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
         # mesh: the trainer's; sample_mesh: the sampler's (the same one unless split).
         self.mesh, self.sample_mesh = _make_meshes(cfg)
         self.split = self.sample_mesh is not self.mesh
@@ -188,13 +199,11 @@ class RLTrainer:
         )
         self.val_problems = list(self.task.val)[: cfg.eval.num_prompts]
 
-        self.run: RunDir = create_run_dir(cfg, run_root)
-        self.run_id = run_id(cfg)
+        if self.is_main:
+            self.run.write_config(cfg)
         self.knobs = flatten(cfg)
-        self.is_main = jax.process_index() == 0
-        self.logger = (
-            MetricsLogger(self.run, cfg.logging, config=self.knobs) if self.is_main else None
-        )
+        # Opened by run_loop once it knows the step it resumes from (TensorBoard's purge).
+        self.logger: MetricsLogger | None = None
         self.ckpt = Checkpointer(
             self.run.checkpoints_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
         )
@@ -212,6 +221,9 @@ class RLTrainer:
         self._step_compiled_early = False
         self._step_loading: PendingLoad | None = None  # the train step's, from disk
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
+        self._closed = False
+        self._resumed: bool | None = None  # try_resume's answer, once asked
+        self._mid_group = False  # inside a PPO-off-policy-k group (no checkpoint here)
 
     def set_initial_params(self, host_params: dict) -> None:
         """Start from these weights (e.g. a supervised warm-up) instead of the random init."""
@@ -632,12 +644,30 @@ class RLTrainer:
         self.ckpt.save(self.step, self._state(), self._meta(), force=force)
 
     def try_resume(self) -> bool:
-        if not self.cfg.checkpoint.resume or not self.ckpt.steps():
-            return False
-        got = self.ckpt.restore_latest(self._state())
+        """Restore the newest usable checkpoint, or start over; either way the logs are
+        rewound to the restored step (to nothing when starting over), so a rerun after a
+        kill at any moment writes exactly the rows of a run that never stopped.
+
+        Decided once: later calls return the first answer (callers that prepare a fresh
+        start, such as a supervised warm-up, ask before `run_loop` does)."""
+        if self._resumed is None:
+            self._resumed = self._try_resume()
+        return self._resumed
+
+    def _try_resume(self) -> bool:
+        got = self.ckpt.restore_latest(self._state()) if self.cfg.checkpoint.resume else None
+        if got is not None and got[2].get("run_id", self.run_id) != self.run_id:
+            raise ConfigError(
+                f"checkpoint {self.run.checkpoints_dir / str(got[0])} belongs to run "
+                f"{got[2]['run_id']}, not to this config's {self.run_id}; use another run name"
+            )
+        last = -1 if got is None else int(got[2]["step"])
+        if self.is_main:
+            for path in (self.run.metrics_path, self.run.curve_path):
+                truncate_jsonl_after(path, "step", last)
         if got is None:
             return False
-        step, state, meta = got
+        _, state, meta = got
         self.params, self.opt_state = state["params"], state["opt_state"]
         if "ref_params" in state:
             self.ref_params = state["ref_params"]
@@ -647,9 +677,6 @@ class RLTrainer:
         self.curriculum.load_state_dict(meta["curriculum"])
         self.nonfinite_streak = int(meta["nonfinite_streak"])
         self.staleness_hist = {int(k): v for k, v in meta["staleness_hist"].items()}
-        # Rows logged after the checkpoint are redone: drop them so logs match a clean run.
-        for path in (self.run.metrics_path, self.run.curve_path):
-            truncate_jsonl_after(path, "step", self.step)
         return True
 
     # ---- the loop -------------------------------------------------------------------------
@@ -670,8 +697,14 @@ class RLTrainer:
         return m
 
     def _ckpt_due(self) -> bool:
+        """Due once a multiple of checkpoint.every has been reached since the newest
+        checkpoint. PPO-off-policy-k defers it to the end of its group of k batches
+        (sampled together, with one policy): a checkpoint inside a group would resume
+        by sampling the group's remaining batches with newer weights."""
         every = self.cfg.checkpoint.every
-        return every > 0 and self.step % every == 0
+        if every <= 0 or self._mid_group:
+            return False
+        return self.step // every > max(self.ckpt.steps(), default=0) // every
 
     def _after_step(self, metrics: dict[str, float], bar) -> None:
         self.step += 1
@@ -695,10 +728,22 @@ class RLTrainer:
         bar.advance(info=info)
 
     def run_loop(self) -> dict[str, Any]:
+        try:
+            return self._run_loop()
+        finally:
+            self.close()
+
+    def _run_loop(self) -> dict[str, Any]:
         cfg = self.cfg
-        if self.run.is_done():
-            return dict(__import__("json").loads(self.run.done_path.read_text()))
+        done = self.run.read_done()
+        if done is not None:
+            return done
         resumed = self.try_resume()
+        if self.is_main:
+            # Events of steps after the restored one are hidden, as the JSONL rows are cut.
+            self.logger = MetricsLogger(
+                self.run, cfg.logging, config=self.knobs, purge_step=self.step + 1 if resumed else 0
+            )
         if not resumed and cfg.eval.at_start:
             self._maybe_eval(force=True)
         mode = cfg.train.off_policy
@@ -725,7 +770,6 @@ class RLTrainer:
         }
         if self.is_main:
             self.run.mark_done(summary)
-        self.close()
         return summary
 
     def _dynamic_batch(self) -> tuple[Rollouts, list]:
@@ -770,6 +814,7 @@ class RLTrainer:
                 self._account_sampling(ro)
             sample_s = time.perf_counter() - t0
             for i, problems in enumerate(batches):
+                self._mid_group = i < len(batches) - 1
                 part = _rows_of(ro, i * self.P * self.G, (i + 1) * self.P * self.G, i * self.P)
                 t1 = time.perf_counter()
                 m = self._train_on(part, problems)
@@ -872,12 +917,17 @@ class RLTrainer:
         return {k: int(f._cache_size()) for k, f in fns.items()}
 
     def close(self) -> None:
+        """Finish pending saves and release the run directory (idempotent)."""
         if self._step_loading is not None:  # no thread left loading past the trainer
             self._step_loading.future.exception()
             self._step_loading = None
         if self.logger is not None:
             self.logger.close()
-        self.ckpt.close()
+            self.logger = None
+        if not self._closed:
+            self._closed = True
+            self.ckpt.close()
+        self.run.close()
 
 
 def _make_meshes(cfg: RunConfig):

@@ -12,6 +12,7 @@ one. Test hooks (environment):
   FAKE_FAIL_ALWAYS=rc  exit rc before the first step
   FAKE_LEDGER=path     append "<run_id> start <step>" / "<run_id> done" lines
   FAKE_BAD_N=n         runs with sampling.n == n saturate far lower (early-stop tests)
+  FAKE_HOLD=path       before finishing (DONE), wait until this file exists
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def main(argv: list[str]) -> int:
             rd.append_metrics({"step": step, "train/reward": row["train/reward"]})
         if step > start and (step % ck_every == 0 or step == steps):
             (rd.checkpoints_dir / f"{step}.json").write_text(json.dumps({"step": step}))
+    hold = os.environ.get("FAKE_HOLD")
+    while hold and not os.path.exists(hold):  # released by the test, whatever the machine's speed
+        time.sleep(0.02)
     rd.mark_done({"run_id": rid, "steps": steps, "curve_rows": len(read_jsonl(rd.curve_path))})
     ledger(f"{rid} done")
     return 0
