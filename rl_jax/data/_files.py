@@ -27,8 +27,10 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict[str, Any
     """Rows of a .jsonl / .json (one object per line) or .parquet file; `key` is the knob
     that named the file (for messages)."""
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{key}={str(path)!r} does not exist")
     if not path.is_file():
-        raise ConfigError(f"{key}={str(path)!r} is not a file")
+        raise ConfigError(f"{key}={str(path)!r} is a directory, expected a data file")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
