@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.main(argv[1:]) or 0)
     except ConfigError as e:
-        print(f"rl-jax {argv[0]}: config error: {e}", file=sys.stderr)
+        # One line, whatever the message wraps (a YAML or JSON error spans several).
+        text = " ".join(line.strip() for line in str(e).strip().splitlines())
+        print(f"rl-jax {argv[0]}: config error: {text}", file=sys.stderr)
         return 2
 
 

@@ -7,6 +7,7 @@ Each knob carries its meaning in field metadata so `rl-jax --help` and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,14 +44,46 @@ def check_range(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
+    hi_open: bool = False,
 ) -> None:
+    """`owner.name` within [lo, hi] (either end open or absent); NaN and inf never are.
+
+    NaN compares false with everything, so a plain `value < lo` test lets it through.
+    """
+    check_finite(owner, name, value)
     bad = False
     if lo is not None:
         bad |= value <= lo if lo_open else value < lo
     if hi is not None:
-        bad |= value > hi
+        bad |= value >= hi if hi_open else value > hi
     if bad:
         lo_s = "-inf" if lo is None else f"{lo}"
         hi_s = "inf" if hi is None else f"{hi}"
         bracket = "(" if lo_open else "["
-        raise ConfigError(f"{owner}.{name}={value!r} must be in {bracket}{lo_s}, {hi_s}]")
+        close = ")" if hi_open else "]"
+        raise ConfigError(f"{owner}.{name}={value!r} must be in {bracket}{lo_s}, {hi_s}{close}")
+
+
+# Integers every knob must fit: they reach numpy/JAX as int64 (seeds, sizes, steps).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+
+def check_finite(owner: str, name: str, value: Any) -> None:
+    """A number knob must be a finite float or an int that fits int64."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{owner}.{name}={value!r} must be a finite number")
+    if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+        raise ConfigError(f"{owner}.{name}={value!r} must fit a 64-bit integer")
+
+
+def check_numbers(owner: str, cfg: Any) -> None:
+    """The generic pass every config runs first: each int/float field (and each number in a
+    list field) finite and int64-sized. Specific ranges are checked after it, per knob."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        values = value if isinstance(value, list | tuple) else [value]
+        for v in values:
+            if isinstance(v, int | float):
+                check_finite(owner, f.name, v)

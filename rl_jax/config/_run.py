@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import importlib.util
 import json
+import re
 import sys
+import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from rl_jax.config.data import DataConfig
@@ -44,6 +47,19 @@ class RunConfig:
     mesh: MeshConfig = sub(MeshConfig, "device mesh")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoints")
     logging: LoggingConfig = sub(LoggingConfig, "metrics and progress")
+
+    def __post_init__(self):
+        # The run directory is <out_dir>/<name>: a name with a separator, `..` or a
+        # leading dot would put it (or hide it) somewhere else.
+        if not _NAME_OK.fullmatch(self.name):
+            raise ConfigError(
+                f"name={self.name!r} must be a single path component of letters, digits and "
+                "_ . , + = @ - (not starting with '.', at most 255 characters); "
+                "set out_dir for where runs go"
+            )
+
+
+_NAME_OK = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]{0,254}")
 
 
 class OverrideError(ConfigError):
@@ -91,21 +107,48 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         key = item.split("=", 1)[0].strip()
         if key not in known:
             raise OverrideError(f"unknown config key {key!r}{_suggest(key)}")
+        value = item.split("=", 1)[1]
+        if key == "name" and "${" in value:
+            raise OverrideError(
+                f"name={value!r}: interpolation is not allowed in the run name (it names a "
+                "directory under out_dir); give the name itself"
+            )
     base = OmegaConf.structured(cfg)
     OmegaConf.set_readonly(base, False)
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
+        key, value = (s.strip() for s in item.split("=", 1))
         try:
-            merged = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
+            merged = OmegaConf.merge(base, _override_conf(key, value))
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise OverrideError(f"unknown config key {key!r}{_suggest(key)}") from e
         except OmegaConfBaseException as e:
-            value = item.split("=", 1)[1]
             raise OverrideError(
                 f"{key}={value!r}: expected {_type_name(RunConfig, key)} ({_first_line(e)})"
             ) from e
         base = merged
     return to_object(base)
+
+
+def _override_conf(key: str, value: str):
+    """The one-knob config that `key=value` merges in: the value read as YAML, except that
+    a str knob takes verbatim text YAML would read as a mapping or list, or cannot read
+    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`)."""
+    expected = _type_name(RunConfig, key)
+    try:
+        conf = OmegaConf.from_dotlist([f"{key}={value}"])
+        parsed = OmegaConf.select(conf, key, throw_on_resolution_failure=False)
+    except Exception as e:  # noqa: BLE001 - YAML's errors are not OmegaConf's
+        if expected != "str":
+            raise OverrideError(
+                f"{key}={value!r}: expected {expected} (not a YAML value: {_first_line(e)})"
+            ) from None
+        parsed = conf = None
+    if expected == "str" and (conf is None or isinstance(parsed, DictConfig | ListConfig)):
+        nested: Any = value
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        return OmegaConf.create(nested)
+    return conf
 
 
 def _first_line(e: Exception) -> str:
@@ -131,6 +174,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def from_dict(d: dict[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from `to_dict` output (a resolved config.json)."""
+    d = _drop_retired(d)
     base = OmegaConf.structured(RunConfig())
     OmegaConf.set_readonly(base, False)
     try:
@@ -138,6 +182,18 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config dict: {_first_line(e)}") from e
     return to_object(merged)
+
+
+# Knobs that were removed: a config.json written while they existed still loads.
+_RETIRED = (("logging", "every"),)
+
+
+def _drop_retired(d: dict[str, Any]) -> dict[str, Any]:
+    d = dict(d)
+    for section, name in _RETIRED:
+        if isinstance(d.get(section), dict) and name in d[section]:
+            d[section] = {k: v for k, v in d[section].items() if k != name}
+    return d
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -210,17 +266,37 @@ def load_recipe(recipe: str, overrides: list[str] | None = None) -> RunConfig:
     # Recipes may share helpers that sit beside them (experiments/_cpu.py).
     sys.path.insert(0, str(path.parent.resolve()))
     try:
-        spec.loader.exec_module(module)
+        with user_file_errors(path, "recipe file"):
+            spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(path.parent.resolve()))
     if not hasattr(module, "recipe"):
         raise ConfigError(f"recipe file {path} defines no recipe() function")
-    cfg = module.recipe()
+    with user_file_errors(path, "recipe file"):
+        cfg = module.recipe()
     if not isinstance(cfg, RunConfig):
         raise ConfigError(f"{path}: recipe() returned {type(cfg).__name__}, not RunConfig")
     if not cfg.recipe:
         cfg = dataclasses.replace(cfg, recipe=path.stem)
     return apply_overrides(cfg, list(overrides or []))
+
+
+@contextlib.contextmanager
+def user_file_errors(path: Path, what: str):
+    """Errors raised by a user's Python file (a recipe, a grid spec) as one ConfigError line
+    naming the file and line; ConfigErrors (a bad knob inside it) pass through as they are."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"{what} {path}:{e.lineno}: syntax error: {e.msg}") from e
+    except Exception as e:  # noqa: BLE001 - any error in user code is a bad input file
+        where = Path(path).resolve()
+        tb = traceback.extract_tb(e.__traceback__)
+        lines = [f.lineno for f in tb if Path(f.filename).resolve() == where]
+        at = f":{lines[-1]}" if lines else ""
+        raise ConfigError(f"{what} {path}{at}: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def describe_knobs() -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 SOURCES = ("arith", "countdown", "file", "tfds", "reasoning_gym")
 FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl")
 ARITH_TASKS = ("add", "sub", "mul", "chain")
+# Generated sources build every problem in memory up front: a typo'd size must not hang.
+MAX_PROBLEMS = 1 << 24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,7 @@ class DataConfig:
     max_resample_rounds: int = knob(4, help="bound on DAPO dynamic-sampling rounds")
 
     def __post_init__(self):
+        check_numbers("data", self)
         check_choice("data", "source", self.source, SOURCES)
         check_choice("data", "format", self.format, FILE_FORMATS)
         if self.source == "arith":
@@ -69,10 +72,13 @@ class DataConfig:
             raise ConfigError("data.source='file' needs data.path (a JSONL or parquet file)")
         if self.source in ("tfds", "reasoning_gym") and not self.task:
             raise ConfigError(f"data.source={self.source!r} needs data.task (the dataset name)")
-        check_range("data", "num_terms", self.num_terms, lo=2)
-        check_range("data", "train_size", self.train_size, lo=1)
-        check_range("data", "val_size", self.val_size, lo=0)
-        check_range("data", "prompts_per_batch", self.prompts_per_batch, lo=1)
+        check_range("data", "num_terms", self.num_terms, lo=2, hi=1000)
+        check_range("data", "train_size", self.train_size, lo=1, hi=MAX_PROBLEMS)
+        # Every run evaluates (at least at the end): it needs validation problems.
+        check_range("data", "val_size", self.val_size, lo=1, hi=MAX_PROBLEMS)
+        check_range("data", "prompts_per_batch", self.prompts_per_batch, lo=1, hi=MAX_PROBLEMS)
+        # numpy's SeedSequence refuses negative entropy.
+        check_range("data", "seed", self.seed, lo=0)
         check_range("data", "npr_threshold", self.npr_threshold, lo=0.0, hi=1.0)
         check_range("data", "max_resample_rounds", self.max_resample_rounds, lo=1)
         if "{question}" not in self.prompt_template:

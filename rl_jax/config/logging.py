@@ -9,7 +9,6 @@ from rl_jax.knobs import knob
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    every: int = knob(1, help="write metrics every this many steps")
     tensorboard: bool = knob(True, help="write TensorBoard event files (tensorboardX)")
     wandb: bool = knob(False, help="log to Weights & Biases (if installed)")
     wandb_project: str = knob("rl_jax", help="W&B project name")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 LOSSES = ("ppo", "grpo", "dr_grpo", "dapo", "cispo", "gspo", "reinforce", "rloo", "reinforce_pp")
 AGGREGATIONS = ("token", "sample", "prompt", "seq_sum")
@@ -49,6 +49,7 @@ class LossConfig:
     lam: float = knob(1.0, help="GAE lambda")
 
     def __post_init__(self):
+        check_numbers("loss", self)
         check_choice("loss", "name", self.name, LOSSES)
         check_choice("loss", "aggregation", self.aggregation, AGGREGATIONS)
         check_choice("loss", "advantage", self.advantage, ADV_ESTIMATORS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 RULE_PRESETS = ("dp", "fsdp", "fsdp_tp")
 
@@ -34,6 +34,9 @@ class MeshConfig:
     process_id: int = knob(-1, help="this process's id (-1 = auto-detect)")
 
     def __post_init__(self):
+        check_numbers("mesh", self)
+        check_range("mesh", "num_processes", self.num_processes, lo=0)
+        check_range("mesh", "process_id", self.process_id, lo=-1)
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for k, v in sizes.items():
             if v == 0 or v < -1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,6 +51,7 @@ class ModelConfig:
     logprob_chunk: int = knob(0, help="chunk size over T for log-probs/entropy (0 = no chunking)")
 
     def __post_init__(self):
+        check_numbers("model", self)
         check_choice("model", "architecture", self.architecture, ("",) + ARCHITECTURES)
         check_choice("model", "param_dtype", self.param_dtype, DTYPES)
         check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
@@ -69,8 +70,8 @@ class ModelConfig:
             "max_position",
             "logprob_chunk",
         ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0")
+            # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
+            check_range("model", name, getattr(self, name), lo=0, hi=2**31 - 1)
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = default)")

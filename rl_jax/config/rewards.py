@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 SCALES = ("pm1", "01")
 
@@ -28,11 +28,20 @@ class RewardConfig:
     overlong_cache: int = knob(0, help="DAPO L_cache (generated tokens)")
 
     def __post_init__(self):
+        check_numbers("rewards", self)
         if not self.name:
             raise ConfigError("rewards.name is empty; use a verifier name or 'auto'")
+        if self.name != "auto":
+            # Imported here: rl_jax.rewards imports this module. Checked now, not when the
+            # trainer builds the verifier after JAX has started and the model has loaded.
+            from rl_jax.rewards import names
+
+            check_choice("rewards", "name", self.name, ["auto", *names()])
         check_choice("rewards", "scale", self.scale, SCALES)
         check_range("rewards", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
         check_range("rewards", "workers", self.workers, lo=1)
+        check_range("rewards", "overlong_max", self.overlong_max, lo=0)
+        check_range("rewards", "overlong_cache", self.overlong_cache, lo=0)
         if self.overlong_penalty and not 0 < self.overlong_cache < self.overlong_max:
             raise ConfigError(
                 "rewards.overlong_penalty=true needs 0 < rewards.overlong_cache < "

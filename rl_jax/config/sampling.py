@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 LENGTH_CONTROL = ("truncate", "interrupt")
+# Bounds that catch a typo before it becomes a host allocation of that many rows or tokens.
+MAX_SAMPLES = 1 << 16
+MAX_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,14 +42,16 @@ class SamplingConfig:
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
 
     def __post_init__(self):
-        check_range("sampling", "n", self.n, lo=1)
+        check_numbers("sampling", self)
+        check_range("sampling", "n", self.n, lo=1, hi=MAX_SAMPLES)
         check_range("sampling", "temperature", self.temperature, lo=0.0)
         check_range("sampling", "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         check_range("sampling", "top_k", self.top_k, lo=0)
-        check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1)
-        check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=1)
-        check_range("sampling", "length_bucket", self.length_bucket, lo=1)
-        check_range("sampling", "decode_chunk", self.decode_chunk, lo=0)
+        check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1, hi=MAX_TOKENS)
+        check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=1, hi=MAX_TOKENS)
+        check_range("sampling", "length_bucket", self.length_bucket, lo=1, hi=MAX_TOKENS)
+        for k in ("decode_chunk", "interrupt_lo", "interrupt_hi", "answer_budget"):
+            check_range("sampling", k, getattr(self, k), lo=0, hi=MAX_TOKENS)
         check_choice("sampling", "length_control", self.length_control, LENGTH_CONTROL)
         if self.length_control == "interrupt" and not 0 < self.interrupt_lo <= self.interrupt_hi:
             raise ConfigError(

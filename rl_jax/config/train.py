@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_range, knob
+from rl_jax.config.sampling import MAX_SAMPLES
+from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
 OFF_POLICY = ("on_policy", "ppo_off_policy", "pipeline")
 SCHEDULES = ("constant", "cosine")
@@ -33,16 +34,30 @@ class TrainConfig:
     seed: int = knob(0, help="RNG seed of sampling and initialization")
 
     def __post_init__(self):
+        check_numbers("train", self)
         check_choice("train", "off_policy", self.off_policy, OFF_POLICY)
         check_choice("train", "schedule", self.schedule, SCHEDULES)
         for k in ("steps", "updates_per_batch", "grad_accum", "off_policy_k", "max_nonfinite"):
             check_range("train", k, getattr(self, k), lo=1)
-        check_range("train", "lr", self.lr, lo=0.0)
-        check_range("train", "adam_eps", self.adam_eps, lo=0.0)
+        for k in ("pipeline_waves", "lr_sqrt_batch_ref", "warmup_steps", "seed"):
+            check_range("train", k, getattr(self, k), lo=0)
+        for k in ("lr", "weight_decay", "grad_clip"):
+            check_range("train", k, getattr(self, k), lo=0.0)
+        # Adam's moment decay rates: 1 would never forget, above 1 diverges.
+        check_range("train", "adam_b1", self.adam_b1, lo=0.0, hi=1.0, hi_open=True)
+        check_range("train", "adam_b2", self.adam_b2, lo=0.0, hi=1.0, hi_open=True)
+        # eps=0 makes a zero gradient's update 0/0 = NaN.
+        check_range("train", "adam_eps", self.adam_eps, lo=0.0, lo_open=True)
         if self.off_policy == "on_policy" and self.off_policy_k != 1:
             raise ConfigError(
                 f"train.off_policy_k={self.off_policy_k} needs train.off_policy in "
                 f"{OFF_POLICY[1:]}, got 'on_policy'"
+            )
+        # Only PipelineRL has waves; elsewhere the knob would be ignored yet change the run id.
+        if self.off_policy != "pipeline" and self.pipeline_waves != 0:
+            raise ConfigError(
+                f"train.pipeline_waves={self.pipeline_waves} needs train.off_policy='pipeline', "
+                f"got {self.off_policy!r}; leave it at 0"
             )
 
 
@@ -55,8 +70,11 @@ class EvalConfig:
     at_start: bool = knob(True, help="evaluate before the first step (R0)")
 
     def __post_init__(self):
-        check_range("eval", "k", self.k, lo=1)
+        check_numbers("eval", self)
+        check_range("eval", "k", self.k, lo=1, hi=MAX_SAMPLES)
         check_range("eval", "every", self.every, lo=0)
+        check_range("eval", "num_prompts", self.num_prompts, lo=1)
+        check_range("eval", "temperature", self.temperature, lo=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,4 +85,6 @@ class CheckpointConfig:
     resume: bool = knob(True, help="resume from the newest good checkpoint in the run directory")
 
     def __post_init__(self):
+        check_numbers("checkpoint", self)
         check_range("checkpoint", "keep", self.keep, lo=1)
+        check_range("checkpoint", "every", self.every, lo=0)

@@ -35,11 +35,11 @@ def _gym(cfg: DataConfig) -> RawSplits:
 
 def _file(cfg: DataConfig) -> RawSplits:
     problems, reward, _ = problems_from_records(
-        read_records(cfg.path), layout=cfg.format, source=cfg.path
+        read_records(cfg.path, "data.path"), layout=cfg.format, source=cfg.path
     )
     if cfg.val_path:
         val, _, _ = problems_from_records(
-            read_records(cfg.val_path), layout=cfg.format, source=cfg.val_path
+            read_records(cfg.val_path, "data.val_path"), layout=cfg.format, source=cfg.val_path
         )
         held = {p.id for p in val}
         # A validation problem that also sits in the training file is trained on: drop it there.

@@ -23,27 +23,48 @@ from rl_jax.rewards import last_boxed, parse_number
 Record = Mapping[str, Any]
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl / .json (one object per line) or .parquet file."""
+def read_records(path: str | Path, key: str = "data.path") -> list[dict[str, Any]]:
+    """Rows of a .jsonl / .json (one object per line) or .parquet file; `key` is the knob
+    that named the file (for messages)."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"data.path={str(path)!r} does not exist")
+        raise ConfigError(f"{key}={str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{key}={str(path)!r} is a directory, expected a data file")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"{key}={str(path)!r}: not a readable parquet file ({first})") from e
     if path.suffix not in (".jsonl", ".json", ".ndjson"):
-        raise ConfigError(f"data.path={str(path)!r}: expected .jsonl, .json or .parquet")
+        raise ConfigError(f"{key}={str(path)!r}: expected .jsonl, .json or .parquet")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not a JSON object per line ({e})") from e
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); expected one JSON object per line"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not a JSON object per line ({e})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"{path}:{n}: a JSON {type(row).__name__}, expected one object per line "
+                    '({"question": ..., "answer": ...})'
+                )
+            rows.append(row)
     return rows
 
 
@@ -51,29 +72,43 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
+class _RowError(ValueError):
+    """What is wrong with one record (the caller adds the file and row)."""
+
+
+def _field(r: Record, key: str) -> str:
+    """A question/answer/solution field as text. Null, a list or an object is refused: as
+    `str()` they would become 'None' or '[...]', a wrong answer that also switches the
+    verifier (a non-number answer makes the jsonl layout pick `math`)."""
+    if key not in r:
+        raise _RowError(f"no {key!r} field (keys: {sorted(r)})")
+    x = r[key]
+    if x is None or isinstance(x, bool | list | dict):
+        raise _RowError(f"{key}={x!r}: expected a string or a number")
+    return _text(x)
+
+
 def _gsm8k(r: Record) -> tuple[str, str]:
-    answer = _text(r["answer"]).split("####")[-1].strip().replace(",", "")
-    return _text(r["question"]), answer
+    answer = _field(r, "answer").split("####")[-1].strip().replace(",", "")
+    return _field(r, "question"), answer
 
 
 def _math(r: Record) -> tuple[str, str]:
     if r.get("answer") not in (None, ""):
-        return _text(r["problem"]), _text(r["answer"]).strip()
-    boxed = last_boxed(_text(r["solution"]))
+        return _field(r, "problem"), _field(r, "answer").strip()
+    boxed = last_boxed(_field(r, "solution"))
     if boxed is None:
-        raise ValueError("solution has no \\boxed{} answer")
-    return _text(r["problem"]), boxed.strip()
+        raise _RowError("solution has no \\boxed{} answer")
+    return _field(r, "problem"), boxed.strip()
 
 
 def _polaris(r: Record) -> tuple[str, str]:
-    return _text(r["problem"]), _text(r["answer"]).strip()
+    return _field(r, "problem"), _field(r, "answer").strip()
 
 
 def _generic(r: Record) -> tuple[str, str]:
-    q = r.get("question", r.get("prompt"))
-    if q is None:
-        raise KeyError("question")
-    return _text(q), _text(r["answer"]).strip()
+    q = "question" if "question" in r else "prompt"
+    return _field(r, q), _field(r, "answer").strip()
 
 
 LAYOUTS: dict[str, Callable[[Record], tuple[str, str]]] = {
@@ -110,13 +145,19 @@ def problems_from_records(
     if not records:
         raise ConfigError(f"{source}: no records")
     if layout == "auto":
+        if not isinstance(records[0], Mapping):
+            raise ConfigError(f"{source} row 0: a {type(records[0]).__name__}, expected a record")
         layout = detect_layout(records[0])
     if layout not in LAYOUTS:
         raise ConfigError(f"data.format={layout!r} is not one of {['auto', *sorted(LAYOUTS)]}")
     out: dict[int, Problem] = {}
     for n, r in enumerate(records):
+        if not isinstance(r, Mapping):
+            raise ConfigError(f"{source} row {n}: a {type(r).__name__}, expected a record")
         try:
             question, answer = LAYOUTS[layout](r)
+        except _RowError as e:
+            raise ConfigError(f"{source} row {n} ({layout} layout): {e}") from None
         except (KeyError, ValueError) as e:
             raise ConfigError(f"{source} row {n}: not in the {layout} layout ({e!r})") from e
         # The id ignores the file path, so moving a file keeps curriculum and split ids valid.

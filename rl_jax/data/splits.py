@@ -107,10 +107,19 @@ def read_splits(path: str | Path) -> dict[str, Any]:
     import json
 
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"data.split_file={str(path)!r} does not exist")
-    content = json.loads(path.read_text(encoding="utf-8"))
-    if content.get("format") != FORMAT or content.get("version") != VERSION:
+    if not path.is_file():
+        raise ConfigError(f"data.split_file={str(path)!r} is not a file")
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"data.split_file={str(path)!r}: not valid JSON ({e})") from None
+    if not isinstance(content, dict):
+        content = {}
+    splits = content.get("splits")
+    ok_splits = isinstance(splits, dict) and all(
+        isinstance(ids, list) and all(type(i) is int for i in ids) for ids in splits.values()
+    )
+    if content.get("format") != FORMAT or content.get("version") != VERSION or not ok_splits:
         raise ConfigError(
             f"{path} is not a difficulty split file (format {FORMAT!r} v{VERSION}); "
             "write one with rl_jax.data.splits.write_splits"

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_jax.config import ConfigError
-from rl_jax.config._run import EXPERIMENTS_DIR
+from rl_jax.config import ConfigError, check_range
+from rl_jax.config._run import EXPERIMENTS_DIR, user_file_errors
 
 # Compute units a budget can be given in; each is also a curve-row counter, so
 # the report can put the same unit on its x axis.
@@ -152,8 +152,8 @@ class Budget:
         if self.amount <= 0:
             raise ConfigError(f"budget amount {self.amount!r} must be > 0")
         for k in ("prompt_tokens", "generated_tokens"):
-            if getattr(self, k) < 0:
-                raise ConfigError(f"budget.{k}={getattr(self, k)!r} must be >= 0 (0 = limit)")
+            # 0 = the length limit
+            check_range("budget", k, getattr(self, k), lo=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +201,7 @@ class EarlyStop:
             raise ConfigError(f"early_stop.min_fraction={self.min_fraction!r} must be in (0, 1)")
         if self.min_points < 3:
             raise ConfigError(f"early_stop.min_points={self.min_points} must be >= 3 (a fit)")
+        check_range("early_stop", "every_s", self.every_s, lo=0.0, lo_open=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,8 +213,8 @@ class Resources:
     custom: tuple[tuple[str, float], ...] = ()  # e.g. (("TPU", 4),)
 
     def __post_init__(self):
-        if self.cpus < 0 or self.gpus < 0 or any(v < 0 for _, v in self.custom):
-            raise ConfigError(f"resources must be >= 0, got {self}")
+        for k, v in (("cpus", self.cpus), ("gpus", self.gpus), *self.custom):
+            check_range("resources", k, v, lo=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,7 +307,8 @@ def load_spec(spec: str) -> GridSpec:
     mod_spec = importlib.util.spec_from_file_location(f"rl_jax_grid_{path.stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
     assert mod_spec.loader is not None
-    mod_spec.loader.exec_module(module)
+    with user_file_errors(path, "grid spec"):
+        mod_spec.loader.exec_module(module)
     if not hasattr(module, "grid"):
         hint = (
             " (it looks like a recipe: run it with rl-jax train)"
@@ -314,11 +316,9 @@ def load_spec(spec: str) -> GridSpec:
             else ""
         )
         raise ConfigError(f"{path} defines no grid() function{hint}")
-    try:
+    # An unknown GridSpec / Axis field surfaces as a TypeError (unexpected keyword argument).
+    with user_file_errors(path, "grid spec"):
         g = module.grid()
-    except TypeError as e:
-        # An unknown GridSpec / Axis field surfaces as an unexpected keyword argument.
-        raise ConfigError(f"{path}: {e}") from e
     if not isinstance(g, GridSpec):
         raise ConfigError(f"{path}: grid() returned {type(g).__name__}, not GridSpec")
     return g

@@ -147,6 +147,17 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 def spec_fields_from_gguf(path: str | Path) -> dict[str, Any]:
+    try:
+        return _spec_fields(path)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: GGUF metadata lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: GGUF metadata value is not a number ({e})") from None
+
+
+def _spec_fields(path: str | Path) -> dict[str, Any]:
     g = read_gguf(path)
     m = g.metadata
     arch = m.get("general.architecture")

@@ -10,6 +10,7 @@ sharded parameter. Both config.json spellings are read: transformers 4.x
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -61,13 +62,44 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     f = Path(path) / "config.json"
     if not f.is_file():
         raise CheckpointError(f"{path} is not an HF model directory: no config.json")
-    return json.loads(f.read_text())
+    return read_json_object(f)
 
 
-def _ids(value) -> tuple[int, ...]:
+def read_json_object(f: Path) -> dict[str, Any]:
+    """A JSON file holding one object; anything else is a CheckpointError naming the file."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> int:
+    """An integer field of config.json ('64' or 64.5 named as the culprit, not a traceback)."""
+    value = cfg.get(key, default)
+    if value is None:
+        raise CheckpointError(f"{where}: missing {key!r} (an integer)")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{where}: {key}={value!r} must be an integer")
+    return value
+
+
+def _float(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"{where}: {key}={value!r} must be a finite number")
+    return float(value)
+
+
+def _ids(value, key: str, where: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+    values = value if isinstance(value, list) else [value]
+    return tuple(_int({key: v}, key, where) for v in values)
 
 
 def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> dict:
@@ -100,36 +132,41 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
         scaling = None
     elif rope_type == "llama3":
         scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope["original_max_position_embeddings"]),
+            factor=_float(rope, "factor", f"{where} rope_scaling"),
+            low_freq_factor=_float(rope, "low_freq_factor", f"{where} rope_scaling"),
+            high_freq_factor=_float(rope, "high_freq_factor", f"{where} rope_scaling"),
+            original_max_position=_int(
+                rope, "original_max_position_embeddings", f"{where} rope_scaling"
+            ),
         )
     else:
         raise CheckpointError(
             f"{where}: rope_type={rope_type!r} is not supported (supported: default, llama3)"
         )
-    H = int(cfg["num_attention_heads"])
+    H = _int(cfg, "num_attention_heads", where)
+    has = lambda key: cfg.get(key) not in (None, 0)  # noqa: E731 - absent, null or 0: default
     fields: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=_int(cfg, "vocab_size", where),
+        hidden_size=_int(cfg, "hidden_size", where),
+        intermediate_size=_int(cfg, "intermediate_size", where),
+        num_layers=_int(cfg, "num_hidden_layers", where),
         num_heads=H,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or H),
-        rope_theta=float(theta),
+        num_kv_heads=_int(cfg, "num_key_value_heads", where) if has("num_key_value_heads") else H,
+        rope_theta=_float({"rope_theta": theta}, "rope_theta", where),
         rope_scaling=scaling,
-        max_position=int(cfg.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=(
+            _int(cfg, "max_position_embeddings", where) if has("max_position_embeddings") else 2048
+        ),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        bos_token_id=-1 if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
-        eos_token_ids=_ids(cfg.get("eos_token_id")),
-        pad_token_id=-1 if cfg.get("pad_token_id") is None else int(cfg["pad_token_id"]),
+        bos_token_id=-1 if cfg.get("bos_token_id") is None else _int(cfg, "bos_token_id", where),
+        eos_token_ids=_ids(cfg.get("eos_token_id"), "eos_token_id", where),
+        pad_token_id=-1 if cfg.get("pad_token_id") is None else _int(cfg, "pad_token_id", where),
     )
     if cfg.get("head_dim"):
-        fields["head_dim"] = int(cfg["head_dim"])
+        fields["head_dim"] = _int(cfg, "head_dim", where)
     return fields
 
 
@@ -262,21 +299,53 @@ def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
 
 def open_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Name -> memmap view over `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    out: dict[str, np.ndarray] = {}
+    for file in hf_weight_files(path):
+        out.update(open_safetensors(file))
+    return out
+
+
+def hf_weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of an HF directory (one, or the shards its index names)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        out: dict[str, np.ndarray] = {}
-        for file in sorted(set(weight_map.values())):
-            out.update(open_safetensors(path / file))
-        return out
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are not there: {missing}")
+        return files
     if single.is_file():
-        return open_safetensors(single)
+        return [single]
     raise CheckpointError(
         f"{path}: no model.safetensors or model.safetensors.index.json "
         "(PyTorch .bin checkpoints are not read; re-save with safe_serialization=True)"
     )
+
+
+def check_hf_shapes(spec: ModelSpec, shapes: Mapping[str, Any], *, where: str) -> None:
+    """Every tensor the spec needs is there with its shape: one message per defect, before
+    any device is touched."""
+    for name, c in hf_layout(spec).items():
+        names = (
+            [c.hf_name.format(i=i) for i in range(spec.num_layers)]
+            if name in LAYER_PARAMS
+            else [c.hf_name]
+        )
+        for n in names:
+            if n not in shapes:
+                raise CheckpointError(f"{where}: missing tensor {n!r} (needed for {name})")
+            if tuple(shapes[n]) != c.hf_shape:
+                raise CheckpointError(
+                    f"{where}: tensor {n!r} has shape {tuple(shapes[n])} in the "
+                    f"checkpoint but the config needs {c.hf_shape}"
+                )
 
 
 def params_from_tensors(
@@ -291,21 +360,7 @@ def params_from_tensors(
     """Sharded parameters read from HF-named host tensors (each device reads its slice)."""
     lay = param_layout(spec)
     conv = hf_layout(spec)
-    # Check every tensor before touching a device: one message per checkpoint defect.
-    for name, c in conv.items():
-        names = (
-            [c.hf_name.format(i=i) for i in range(spec.num_layers)]
-            if name in LAYER_PARAMS
-            else [c.hf_name]
-        )
-        for n in names:
-            if n not in tensors:
-                raise CheckpointError(f"{where}: missing tensor {n!r} (needed for {name})")
-            if tuple(tensors[n].shape) != c.hf_shape:
-                raise CheckpointError(
-                    f"{where}: tensor {n!r} has shape {tuple(tensors[n].shape)} in the "
-                    f"checkpoint but the config needs {c.hf_shape}"
-                )
+    check_hf_shapes(spec, {n: t.shape for n, t in tensors.items()}, where=where)
     used = {c.hf_name.format(i=i) for c in conv.values() for i in range(spec.num_layers)}
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if spec.tie_embeddings:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rl_jax.models.hf import TOKENIZER_FILES, CheckpointError
+from rl_jax.models.hf import TOKENIZER_FILES, CheckpointError, read_json_object
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.spec import ModelSpec, RopeScaling
 from rl_jax.models.transformer import (
@@ -51,12 +51,21 @@ def is_native_dir(path: str | Path) -> bool:
 
 
 def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
-    data = json.loads((Path(path) / SPEC_FILE).read_text())
+    data = read_json_object(Path(path) / SPEC_FILE)
     if data.get("format") != FORMAT:
         raise CheckpointError(f"{path}/{SPEC_FILE}: format {data.get('format')!r}, need {FORMAT!r}")
+    if not isinstance(data.get("spec"), dict):
+        raise CheckpointError(f"{path}/{SPEC_FILE}: 'spec' must be an object")
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(data["spec"]) - known)
+    if unknown:
+        raise CheckpointError(f"{path}/{SPEC_FILE}: unknown spec fields {unknown}")
     fields = {k: v for k, v in data["spec"].items() if k not in _RUN_FIELDS}
     if fields.get("rope_scaling"):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        try:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        except TypeError as e:
+            raise CheckpointError(f"{path}/{SPEC_FILE}: rope_scaling: {e}") from None
     fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
     return fields
 

@@ -107,11 +107,14 @@ class HFTokenizer:
                 f"{path}: no tokenizer.json (only fast-tokenizer files are read; "
                 "re-save the tokenizer with transformers to produce one)"
             )
-        tok = Tokenizer.from_file(str(tj))
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception
+            raise ConfigError(f"{tj}: not a readable tokenizer.json ({_first_line(e)})") from None
         cfg: dict[str, Any] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             if (path / name).is_file():
-                cfg.update(json.loads((path / name).read_text()))
+                cfg.update(_json_object(path / name))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             named = {t["name"]: t["template"] for t in template}
@@ -119,7 +122,7 @@ class HFTokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         elif (path / "chat_template.json").is_file():
-            template = json.loads((path / "chat_template.json").read_text())["chat_template"]
+            template = _json_object(path / "chat_template.json").get("chat_template")
         eos = _token_text(cfg.get("eos_token"))
         if eos is None:
             eos = _eos_from_generation_config(path, tok)
@@ -196,9 +199,25 @@ def _eos_from_generation_config(path: Path, tok: Tokenizer) -> str | None:
     gc = path / "generation_config.json"
     if not gc.is_file():
         return None
-    eos = json.loads(gc.read_text()).get("eos_token_id")
+    eos = _json_object(gc).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    return None if eos is None else tok.id_to_token(int(eos))
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise ConfigError(f"{gc}: eos_token_id={eos!r} must be a token id")
+    return None if eos is None else tok.id_to_token(eos)
+
+
+def _json_object(f: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{f}: holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _render(template: str, **variables: Any) -> str:

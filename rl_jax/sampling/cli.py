@@ -90,12 +90,18 @@ def read_prompts(path: str) -> list[str | list[int]]:
 
 
 def _tokenizer(model_path: str):
+    """The model's tokenizer; None if it ships none (a damaged one is an error)."""
     from rl_jax.models.tokenizer import load_tokenizer
 
+    p = Path(model_path)
+    if p.is_dir() and not (p / "tokenizer.json").is_file():
+        return None
     try:
         return load_tokenizer(model_path)
     except (OSError, ValueError):
-        return None
+        if p.is_dir():  # a tokenizer.json that does not load is damaged, not absent
+            raise
+        return None  # a GGUF file whose tokenizer kind is not supported: token ids only
 
 
 def main(argv: list[str]) -> int:
@@ -122,6 +128,9 @@ def main(argv: list[str]) -> int:
 
         tok = run_tokenizer(run_ck)
     else:
+        from rl_jax.train.preflight import check_model_files
+
+        check_model_files(model_cfg, tokenizer=False)
         tok = _tokenizer(args.model)
     needs_text = any(isinstance(r, str) for r in raw) or scfg.length_control == "interrupt"
     if needs_text and tok is None:

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -250,6 +251,19 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _short(e: Exception) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0][:200]}" if s else type(e).__name__
+def _short(e: BaseException) -> str:
+    """One line naming what failed. Orbax wraps TensorStore's reason, which names the tensor
+    and file, in a ~60-line spec dump; the reason is the innermost cause."""
+    dump = str(e)
+    for _ in range(8):
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
+    lines = str(e).strip().splitlines()
+    text = lines[0].split(" See full TensorStore details")[0] if lines else type(e).__name__
+    # Without a cause the dump's relative kvstore path is the tensor ('params.embed/').
+    tensor = re.findall(r"'path': '([^/'][^']*?)/?'", dump)
+    if tensor and tensor[-1] not in text:
+        text = f"tensor {tensor[-1]!r}: {text}"
+    return f"{type(e).__name__}: {text[:300]}"

@@ -23,6 +23,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
+    from rl_jax.train.preflight import check_run_inputs
+
+    check_run_inputs(cfg)
 
     from rl_jax.train.loop import NonFiniteError, train
 

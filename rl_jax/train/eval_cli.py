@@ -72,6 +72,9 @@ def main(argv: list[str]) -> int:
             f"{bad}: eval keeps the run's model.*, train.* and loss.* (they define the policy)"
         )
     cfg = apply_overrides(ck.cfg, args.overrides)
+    from rl_jax.train.preflight import check_data_files
+
+    check_data_files(cfg.data)
 
     from rl_jax.sharding import start_jax
 

@@ -1,0 +1,420 @@
+"""Bad input exits 2 with one line naming the key or file, before any device work.
+
+Every test here runs the CLI in-process (or the function it calls) on one bad
+input. Commands that would train have the trainer replaced by a tripwire: a bad
+input must be refused before it is reached.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from rl_jax.cli import main
+from rl_jax.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
+
+RECIPE = "grpo"
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err.strip()
+
+
+def assert_refused(rc: int, err: str, *names: str) -> None:
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    for n in names:
+        assert n in err, err
+
+
+@pytest.fixture
+def no_trainer(monkeypatch):
+    """`rl-jax train` must refuse bad input before it reaches the trainer."""
+    import rl_jax.train.loop as loop
+
+    def tripwire(*a, **k):
+        raise AssertionError("bad input reached the trainer")
+
+    monkeypatch.setattr(loop, "train", tripwire)
+
+
+# ---- knobs: refused by `rl-jax config`, which does no device work ----------------------------
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        # accepted silently on main
+        ("train.lr=nan", "train.lr"),
+        ("train.lr=inf", "train.lr"),
+        ("train.lr=-inf", "train.lr"),
+        ("train.weight_decay=nan", "train.weight_decay"),
+        ("eval.num_prompts=-3", "eval.num_prompts"),
+        ("train.grad_clip=-1", "train.grad_clip"),
+        ("train.adam_b1=2", "train.adam_b1"),
+        ("checkpoint.every=-1", "checkpoint.every"),
+        ("train.pipeline_waves=2", "train.pipeline_waves"),
+        # tracebacks on main
+        ("eval.num_prompts=0", "eval.num_prompts"),
+        ("data.val_size=0", "data.val_size"),
+        ("sampling.n=1000000000", "sampling.n"),
+        ("rewards.name=nope", "rewards.name"),
+        # misleading on main (named sampling.temperature)
+        ("eval.temperature=-1", "eval.temperature"),
+        # siblings
+        ("train.adam_b2=1", "train.adam_b2"),
+        ("train.adam_eps=0", "train.adam_eps"),
+        ("train.warmup_steps=-1", "train.warmup_steps"),
+        ("train.lr_sqrt_batch_ref=-5", "train.lr_sqrt_batch_ref"),
+        ("data.seed=-1", "data.seed"),
+        ("data.train_size=100000000000", "data.train_size"),
+        ("data.npr_threshold=nan", "data.npr_threshold"),
+        ("sampling.temperature=nan", "sampling.temperature"),
+        ("sampling.max_new_tokens=1000000000", "sampling.max_new_tokens"),
+        ("sampling.interrupt_lo=-1", "sampling.interrupt_lo"),
+        ("eval.k=1000000000", "eval.k"),
+        ("loss.dual_clip=nan", "loss.dual_clip"),
+        ("loss.kl_coef=inf", "loss.kl_coef"),
+        ("rewards.format_coef=nan", "rewards.format_coef"),
+        ("rewards.timeout_s=inf", "rewards.timeout_s"),
+        ("rewards.overlong_max=-1", "rewards.overlong_max"),
+        ("model.rope_theta=nan", "model.rope_theta"),
+        ("model.hidden_size=100000000000", "model.hidden_size"),
+        ("mesh.num_processes=-2", "mesh.num_processes"),
+        ("train.seed=100000000000000000000", "train.seed"),
+        ("train.lr=[1", "train.lr"),
+    ],
+)
+def test_bad_knob_exits_2_naming_it(capsys, override, key):
+    assert_refused(*run(capsys, "config", RECIPE, override), key)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", ".hidden", "", "${oc.env:HOME}"])
+def test_run_name_is_one_safe_path_component(capsys, name):
+    assert_refused(*run(capsys, "config", RECIPE, f"name={name}"), "name=")
+
+
+def test_run_name_interpolated_in_a_recipe_is_refused():
+    # A name that resolves to a path (here through an interpolation) is refused after
+    # resolution too, not only when typed as an override.
+    with pytest.raises(ConfigError, match="name="):
+        apply_overrides(RunConfig(), ["out_dir=/tmp", "name=${out_dir}"])
+
+
+def test_good_run_names_still_pass():
+    for name in ("run", "n8-bp16-lr1e-6-0123abcd", "a.b", "x=1,y=2", "123"):
+        assert apply_overrides(RunConfig(), [f"name={name}"]).name == name
+
+
+@pytest.mark.parametrize(
+    "template", ["{question}{x}", "{question}", "[Q] {question}", "Q: {question} A:"]
+)
+def test_str_override_taken_verbatim_when_not_yaml_text(capsys, template):
+    rc = main(["config", RECIPE, f"data.prompt_template={template}", "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["config"]["data"]["prompt_template"] == template
+
+
+def test_logging_every_is_gone_and_old_configs_still_load(capsys):
+    assert_refused(*run(capsys, "config", RECIPE, "logging.every=3"), "logging.every")
+    old = to_dict(RunConfig())
+    old["logging"]["every"] = 1  # a config.json written while the knob existed
+    assert from_dict(old) == RunConfig()
+
+
+# ---- check_range / the generic pass ----------------------------------------------------------
+
+
+def test_check_range_refuses_nan_and_inf():
+    from rl_jax.knobs import check_range
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ConfigError, match=r"x\.y=.*finite"):
+            check_range("x", "y", bad, lo=0.0)
+    check_range("x", "y", 0.5, lo=0.0, hi=1.0, hi_open=True)
+    with pytest.raises(ConfigError, match=r"\[0\.0, 1\.0\)"):
+        check_range("x", "y", 1.0, lo=0.0, hi=1.0, hi_open=True)
+
+
+def test_every_numeric_knob_refuses_nan():
+    """The generic pass covers each float knob, including those without a range check."""
+    from rl_jax.config import all_keys
+    from rl_jax.config._run import _type_name
+
+    floats = [k for k in all_keys() if _type_name(RunConfig, k) == "float"]
+    assert floats
+    for key in floats:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            apply_overrides(RunConfig(), [f"{key}=nan"])
+
+
+# ---- files the CLI reads -----------------------------------------------------------------------
+
+TINY = dict(V=32, D=8, F=16, L=1, H=2, K=1)
+
+
+def _tiny_hf_dir(d):
+    """A llama HF directory by hand (zeros; no JAX): config.json, safetensors, tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from rl_jax.models.safetensors_io import write_safetensors
+
+    V, D, F, L, H, K = (TINY[k] for k in "VDFLHK")
+    hd = D // H
+    d.mkdir()
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": V,
+                "hidden_size": D,
+                "intermediate_size": F,
+                "num_hidden_layers": L,
+                "num_attention_heads": H,
+                "num_key_value_heads": K,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    shapes = {
+        "model.embed_tokens.weight": (V, D),
+        "model.norm.weight": (D,),
+        "lm_head.weight": (V, D),
+    }
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+                p + "self_attn.q_proj.weight": (H * hd, D),
+                p + "self_attn.k_proj.weight": (K * hd, D),
+                p + "self_attn.v_proj.weight": (K * hd, D),
+                p + "self_attn.o_proj.weight": (D, H * hd),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+            }
+        )
+    write_safetensors(
+        d / "model.safetensors", {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    )
+    vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "[UNK]"])}
+    for i in range(len(vocab), V):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<pad>", "</s>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return d
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    return _tiny_hf_dir(tmp_path / "hf")
+
+
+def _train(capsys, tmp_path, *overrides):
+    return run(capsys, "train", RECIPE, *overrides, "--run-dir", str(tmp_path / "run"), "--quiet")
+
+
+def test_good_tiny_model_reaches_the_trainer(capsys, tmp_path, hf_dir, no_trainer):
+    # The fixture itself passes every check: the refusals below are about the damage.
+    with pytest.raises(AssertionError, match="reached the trainer"):
+        _train(capsys, tmp_path, f"model.path={hf_dir}")
+
+
+def test_truncated_safetensors(capsys, tmp_path, hf_dir, no_trainer):
+    f = hf_dir / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    rc, err = _train(capsys, tmp_path, f"model.path={hf_dir}")
+    assert_refused(rc, err, "model.safetensors", "tensor '", "truncated")
+
+
+@pytest.mark.parametrize(
+    "damage, expect",
+    [
+        (lambda b: b[:5], "too short"),
+        (lambda b: struct.pack("<Q", 10**9) + b[8:], "does not fit"),
+        (lambda b: b[:8] + b"{not json" + b[17:], "not JSON"),
+    ],
+)
+def test_damaged_safetensors_header(capsys, tmp_path, hf_dir, no_trainer, damage, expect):
+    f = hf_dir / "model.safetensors"
+    f.write_bytes(damage(f.read_bytes()))
+    assert_refused(*_train(capsys, tmp_path, f"model.path={hf_dir}"), "model.safetensors", expect)
+
+
+def test_safetensors_wrong_shape_found_before_device_work(capsys, tmp_path, hf_dir, no_trainer):
+    from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
+
+    f = hf_dir / "model.safetensors"
+    tensors = {k: np.array(v) for k, v in open_safetensors(f).items()}
+    tensors["model.norm.weight"] = np.zeros(3, np.float32)
+    write_safetensors(f, tensors)
+    rc, err = _train(capsys, tmp_path, f"model.path={hf_dir}")
+    assert_refused(rc, err, "model.norm.weight", "shape")
+
+
+@pytest.mark.parametrize("value", ["64", 64.5, None, True])
+def test_hf_config_non_integer_hidden_size(capsys, tmp_path, hf_dir, no_trainer, value):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["hidden_size"] = value
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    rc, err = _train(capsys, tmp_path, f"model.path={hf_dir}")
+    assert_refused(rc, err, "config.json", "hidden_size")
+
+
+@pytest.mark.parametrize(
+    "name, text, expect",
+    [
+        ("config.json", "{bad json", "not valid JSON"),
+        ("config.json", "[1, 2]", "expected an object"),
+        ("tokenizer.json", "{}", "tokenizer.json"),
+        ("tokenizer_config.json", "{", "tokenizer_config.json"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": "gone.safetensors"}}', "gone"),
+    ],
+)
+def test_damaged_model_json_files(capsys, tmp_path, hf_dir, no_trainer, name, text, expect):
+    (hf_dir / name).write_text(text)
+    assert_refused(*_train(capsys, tmp_path, f"model.path={hf_dir}"), name, expect)
+
+
+def test_missing_model_path_names_it(capsys, tmp_path, no_trainer):
+    rc, err = _train(capsys, tmp_path, f"model.path={tmp_path / 'nowhere'}")
+    assert_refused(rc, err, "model.path", "does not exist")
+    assert "tokenizer" not in err
+
+
+def _data(tmp_path, lines: list[bytes]):
+    f = tmp_path / "data.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    return f
+
+
+GOOD_ROW = b'{"question": "1+1", "answer": "2"}'
+
+
+@pytest.mark.parametrize(
+    "row, expect",
+    [
+        (b'["1+1", "2"]', "a JSON list"),
+        (b"7", "a JSON int"),
+        (b'{"question": "1+1", "answer": "\xff\xfe"}', "not UTF-8"),
+        (b'{"question": "1+1"', "not a JSON object"),
+    ],
+)
+def test_bad_data_rows(capsys, tmp_path, no_trainer, row, expect):
+    f = _data(tmp_path, [GOOD_ROW] * 3 + [row] + [GOOD_ROW] * 3)
+    overrides = ("data.source=file", f"data.path={f}", "data.val_size=1")
+    rc, err = _train(capsys, tmp_path, *overrides)
+    assert_refused(rc, err, f"{f}:4", expect)
+
+
+@pytest.mark.parametrize("field", ["answer", "question"])
+def test_null_field_in_data_file(tmp_path, field):
+    from rl_jax.config import DataConfig
+    from rl_jax.data import build_task
+
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(6)]
+    rows[2][field] = None
+    f = _data(tmp_path, [json.dumps(r).encode() for r in rows])
+    with pytest.raises(ConfigError, match=rf"row 2.*{field}=None"):
+        build_task(DataConfig(source="file", path=str(f), val_size=1))
+
+
+def test_null_answer_refused_at_the_cli(capsys, tmp_path, no_trainer):
+    f = _data(tmp_path, [GOOD_ROW, b'{"question": "2+2", "answer": null}', GOOD_ROW])
+    rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", "data.val_size=1")
+    assert_refused(rc, err, "row 1", "answer=None")
+
+
+def test_damaged_split_file(capsys, tmp_path, no_trainer):
+    f = tmp_path / "splits.json"
+    f.write_text("{oops")
+    overrides = (f"data.split_file={f}", "data.split_name=easy")
+    assert_refused(*_train(capsys, tmp_path, *overrides), "data.split_file", "JSON")
+
+
+# ---- recipe and grid spec files ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, expect",
+    [
+        ("def recipe(:\n", ":1: syntax error"),
+        ("import no_such_module_xyz\n", ":1: ModuleNotFoundError"),
+        ("def recipe():\n    return 1 / 0\n", ":2: ZeroDivisionError"),
+    ],
+)
+def test_broken_recipe_file(capsys, tmp_path, body, expect):
+    f = tmp_path / "mine.py"
+    f.write_text(body)
+    assert_refused(*run(capsys, "config", str(f)), "recipe file", str(f), expect)
+
+
+def test_broken_grid_spec_file(capsys, tmp_path):
+    f = tmp_path / "g.py"
+    f.write_text("def grid(:\n")
+    assert_refused(*run(capsys, "grid", str(f), "--dry-run"), "grid spec", str(f), "syntax")
+
+
+def test_grid_budget_nan_refused():
+    from rl_jax.grid import Budget
+
+    with pytest.raises(ConfigError, match="budget.prompt_tokens"):
+        Budget(amount=10.0, prompt_tokens=float("nan"))
+
+
+# ---- checkpoint restore message -----------------------------------------------------------------
+
+
+def test_checkpoint_restore_failure_is_one_short_line_naming_the_tensor():
+    from rl_jax.train.checkpoint import _short
+
+    spec = "\n".join(
+        ["{", "  'kvstore': {", "    'base': {'driver': 'file', 'path': '/runs/x/1/state/'},"]
+        + ["    'x': 1,"] * 50
+        + ["    'path': 'params.embed/',", "  },", "})>."]
+    )
+    e = Exception(
+        "Encountered error while reading array index: (slice(0, 64, 1),). See full "
+        "TensorStore details: <bound method spec of TensorStore(" + spec
+    )
+    s = _short(e)
+    assert "\n" not in s and len(s) < 400 and "params.embed" in s
+    # With its cause attached (as orbax raises it), the cause's reason is the line.
+    cause = ValueError('OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database')
+    e.__cause__ = cause
+    s = _short(e)
+    assert s.startswith("ValueError: OUT_OF_RANGE") and "params.embed" in s
+
+
+# ---- the CLI's one line -----------------------------------------------------------------------
+
+
+def test_multiline_config_error_prints_one_line(capsys, monkeypatch):
+    import rl_jax.config.cli as config_cli
+
+    def boom(argv):
+        raise ConfigError("first\nsecond\n  third")
+
+    monkeypatch.setattr(config_cli, "main", boom)
+    rc, err = run(capsys, "config", RECIPE)
+    assert_refused(rc, err, "first second third")
+
+
+def test_sampling_n_cap_is_generous():
+    from rl_jax.config.sampling import MAX_SAMPLES
+
+    # IsoCompute grids go to n=2048; the cap only catches typos.
+    assert MAX_SAMPLES >= 2048
+    assert apply_overrides(RunConfig(), ["sampling.n=2048"]).sampling.n == 2048
