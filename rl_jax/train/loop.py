@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rl_jax.config import RunConfig, flatten, run_id
+from rl_jax.config import RunConfig, flatten, resolved, run_id
 from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
 from rl_jax.executables import AotFunction, PendingLoad
 from rl_jax.knobs import ConfigError
@@ -99,6 +99,7 @@ class RLTrainer:
     """Builds everything a RunConfig names and runs it into its run directory."""
 
     def __init__(self, cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False):
+        cfg = resolved(cfg)  # knobs left to the loss's defaults, filled in once for every part
         start_jax(cfg.mesh)
         self.cfg = cfg
         self.quiet = quiet
