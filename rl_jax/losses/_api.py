@@ -76,8 +76,8 @@ def policy_loss(
       with dual clip), 'masked_frac' (tokens of the [B, T] grid not trained),
       'tokens', 'adv_mean'; with tis: 'tis_weight_mean', 'tis_clip_frac'; with
       ref_logp: 'kl'; with entropy: 'entropy'; with values: 'value_loss',
-      'value_clip_frac'. The zero-variance group fraction comes from
-      `compute_advantages`, where rewards are known.
+      'value_clip_frac'. Zero-variance groups are found from the rewards, by
+      `zero_variance_groups`.
     """
     spec = get(name)
     unknown = sorted(set(params) - set(spec.params))

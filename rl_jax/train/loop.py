@@ -37,10 +37,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, resolved, run_id
-from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
+from rl_jax.data import Curriculum, PromptPipeline, build_task
 from rl_jax.executables import AotFunction, PendingLoad
 from rl_jax.knobs import ConfigError
-from rl_jax.losses import advantages_from_config, gae_from_config
+from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import score_batch, shape_rewards
@@ -440,6 +440,17 @@ class RLTrainer:
             sampler_flops=float(prefill) + decode,
         )
 
+    def _zero_variance(self, shaped: np.ndarray, group_ids: np.ndarray, n_prompts: int):
+        """[P] bool: groups whose shaped rewards are all equal (`zero_variance_groups`, the
+        one definition: the rewards the advantages read, so exactly the groups whose
+        advantages are all zero)."""
+        zv, _ = zero_variance_groups(
+            jnp.asarray(shaped, jnp.float32),
+            jnp.asarray(group_ids, jnp.int32),
+            num_groups=n_prompts,
+        )
+        return np.asarray(zv)
+
     def _train_on(self, ro: Rollouts, problems) -> dict[str, float]:
         """M updates on one batch of P prompts x G samples; returns step metrics."""
         t0 = time.perf_counter()
@@ -447,16 +458,12 @@ class RLTrainer:
         raw, shaped, texts = self._score(ro, problems)
         score_s = time.perf_counter() - t0
         ids = [p.id for p in problems]
-        rewards_pg = raw.reshape(P, G)
-        with self.data_lock:
-            self.curriculum.update(ids, rewards_pg)
-            keep_p = (
-                self.curriculum.zero_variance_mask(rewards_pg)
-                if self.cfg.data.zero_variance_filter
-                else np.ones(P, bool)
-            )
-        keep_b = np.repeat(keep_p, G)
         group_b = ro.group_ids.astype(np.int32)
+        zero_var_p = self._zero_variance(shaped, group_b, P)
+        with self.data_lock:
+            self.curriculum.update(ids, raw.reshape(P, G))
+        keep_p = ~zero_var_p if self.cfg.data.zero_variance_filter else np.ones(P, bool)
+        keep_b = np.repeat(keep_p, G)
         loss_mask = ro.completion_mask & keep_b[:, None]
         if self.critic:  # GAE below, from the critic's values
             adv, adv_info = np.zeros(P * G, np.float32), {}
@@ -548,7 +555,8 @@ class RLTrainer:
             {
                 "train/reward": float(shaped.mean()),
                 "train/pass@1": float((raw > 0).mean()),
-                "train/zero_variance_frac": float(1.0 - keep_p.mean()),
+                # Zero-variance groups (dropped from the loss with data.zero_variance_filter).
+                "train/zero_variance_frac": float(zero_var_p.mean()),
                 "train/response_len": float(ro.lengths.mean()),
                 "train/truncation_rate": float(ro.truncated.mean()),
                 "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
@@ -732,25 +740,40 @@ class RLTrainer:
     def _dynamic_batch(self) -> tuple[Rollouts, list]:
         """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
         differ, until B_p are kept or data.max_resample_rounds; short batches are filled
-        with zero-variance groups (which the zero-variance filter then drops)."""
+        with zero-variance groups (which the zero-variance filter then drops).
+
+        Zero variance is decided as in `_train_on` (`_zero_variance`, shaped rewards).
+        Groups scored but not kept still enter the pass-rate history here (the kept
+        ones do in `_train_on`), so No-Positive-Resampling and the interference
+        histogram see every scored group once."""
         kept: list[tuple[Rollouts, int]] = []
         spare: list[tuple[Rollouts, int]] = []
         problems: list = []
         spare_problems: list = []
+        kept_raw: list[np.ndarray] = []  # [G] verifier rewards of each group
+        spare_raw: list[np.ndarray] = []
+        G = self.G
         for r in range(self.cfg.data.max_resample_rounds):
             batch = next(self.pipeline)
             ro = self._generate(self.step * 64 + r, batch)
             self._account_sampling(ro)
-            raw, _, _ = self._score(ro, batch)
-            var = has_variance(raw.reshape(len(batch), self.G))
-            for g, ok in enumerate(var):
-                (kept if ok else spare).append((ro, g))
-                (problems if ok else spare_problems).append(batch[g])
+            raw, shaped, _ = self._score(ro, batch)
+            zero_var = self._zero_variance(shaped, ro.group_ids, len(batch))
+            for g, zv in enumerate(zero_var):
+                (spare if zv else kept).append((ro, g))
+                (spare_problems if zv else problems).append(batch[g])
+                (spare_raw if zv else kept_raw).append(raw[g * G : (g + 1) * G])
             if len(kept) >= self.P:
                 break
         fill = max(0, self.P - len(kept))
         groups = (kept + spare[:fill])[: self.P]
         probs = (problems + spare_problems[:fill])[: self.P]
+        dropped = problems[self.P :] + spare_problems[fill:]
+        if dropped:
+            with self.data_lock:
+                self.curriculum.update(
+                    [p.id for p in dropped], np.stack(kept_raw[self.P :] + spare_raw[fill:])
+                )
         generated = (r + 1) * self.P * self.G
         self.counters.add(rollouts=generated - self.P * self.G)
         return _concat_groups(groups, self.G), probs
