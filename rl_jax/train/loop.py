@@ -465,17 +465,7 @@ class RLTrainer:
         keep_p = ~zero_var_p if self.cfg.data.zero_variance_filter else np.ones(P, bool)
         keep_b = np.repeat(keep_p, G)
         loss_mask = ro.completion_mask & keep_b[:, None]
-        if self.critic:  # GAE below, from the critic's values
-            adv, adv_info = np.zeros(P * G, np.float32), {}
-        else:
-            adv, adv_info = advantages_from_config(
-                self.cfg.loss,
-                jnp.asarray(shaped),
-                jnp.asarray(group_b),
-                num_groups=P,
-                valid_b=jnp.asarray(keep_b),
-            )
-            adv = np.asarray(adv, np.float32) * keep_b
+        adv_info: dict = {}
         versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
         oldest = int(versions.min()) if ro.completion_mask.any() else self.version
 
@@ -490,15 +480,25 @@ class RLTrainer:
                 ro.lengths,
                 loss_mask,
                 ro.logprobs,
-                adv,
+                np.zeros(P * G, np.float32),  # the advantages, set below
                 group_b,
             )
             need_old = self._needs_old_logp
-            # The whole batch on device once: the critic's values and the old policy's
-            # log-probs are both taken before this batch's first update.
-            full = put_batch(host, self.mesh) if self.critic or need_old else None
-            if need_old:
+            kl_reward = self.cfg.loss.kl_in_reward and self.ref_params is not None
+            # The whole batch on device once: the old policy's and the reference's
+            # log-probs and the critic's values are all taken before this batch's first
+            # update (with the KL in the reward, the advantages need the first two).
+            on_device = self.critic or need_old or self.ref_params is not None
+            full = put_batch(host, self.mesh) if on_device else None
+            old_all = ref_all = None
+            if need_old or kl_reward:
                 old_all = np.asarray(self.logprob_fn(self.params, full))
+            if self.ref_params is not None:
+                ref_all = np.asarray(self.logprob_fn(self.ref_params, full))
+            # KL in the reward: behaviour = the policy before this batch's updates, as
+            # the trainer computes it (the same forward as the reference's).
+            kl = dict(behaviour_logp_bt=old_all, ref_logp_bt=ref_all) if kl_reward else {}
+            mask_f = loss_mask.astype(np.float32)
             if self.critic:
                 # GAE from the critic's values before this batch's updates (PPO).
                 values = np.asarray(self.value_fn(self.params, full))
@@ -506,11 +506,23 @@ class RLTrainer:
                     self.cfg.loss,
                     jnp.asarray(shaped),
                     jnp.asarray(values),
-                    jnp.asarray(loss_mask.astype(np.float32)),
+                    jnp.asarray(mask_f),
+                    **kl,
                 )
                 host["advantages"] = np.asarray(adv_bt, np.float32) * loss_mask
                 host["old_values"] = values.astype(np.float32)
                 host["returns"] = np.asarray(ret_bt, np.float32)
+            else:
+                adv, adv_info = advantages_from_config(
+                    self.cfg.loss,
+                    jnp.asarray(shaped),
+                    jnp.asarray(group_b),
+                    num_groups=P,
+                    valid_b=jnp.asarray(keep_b),
+                    mask_bt=jnp.asarray(mask_f) if kl_reward else None,
+                    **kl,
+                )
+                host["advantages"] = np.asarray(adv, np.float32) * keep_b
             per_mb = P // M
             for j in range(M):
                 # Minibatch j: prompts [j*P/M, (j+1)*P/M), group ids renumbered from 0.
@@ -522,9 +534,10 @@ class RLTrainer:
                     batch = dataclasses.replace(
                         batch, old_logp=_put_like(old_all[rows], batch.mask)
                     )
-                if self.ref_params is not None:
-                    ref = self.logprob_fn(self.ref_params, batch)
-                    batch = dataclasses.replace(batch, ref_logp=ref)
+                if ref_all is not None:
+                    batch = dataclasses.replace(
+                        batch, ref_logp=_put_like(ref_all[rows], batch.mask)
+                    )
                 stale = self.version - oldest
                 if self.cfg.train.off_policy == "pipeline" and stale > self.cfg.train.off_policy_k:
                     raise AssertionError(
@@ -541,10 +554,12 @@ class RLTrainer:
                 metrics[f"train/{k}"] = float(np.mean([float(m[k]) for m in host_m]))
             nonfinite = sum(float(m["nonfinite"]) for m in host_m)
             tokens = float(host["valid"].sum())
-            passes = M + (1 if need_old else 0) + (M if self.ref_params is not None else 0)
+            # Forward passes over the whole batch besides the M updates' (which together
+            # see every token once): the old policy's and the reference's log-probs.
+            forwards = (old_all is not None) + (ref_all is not None)
             self.counters.add(
                 trainer_flops=self.spec.train_flops_per_token(host["valid"].shape[1] / 2) * tokens
-                + (passes - M) * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
+                + forwards * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
             )
         else:
             nonfinite = 0.0
