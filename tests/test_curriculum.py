@@ -1,5 +1,6 @@
-"""Zero-variance filtering, No-Positive-Resampling, dynamic sampling, interference histogram,
-and exact resume of pipeline + curriculum together."""
+"""Pass rates, No-Positive-Resampling, interference histogram, and exact resume of
+pipeline + curriculum together. (Zero-variance filtering and dynamic sampling: the
+trainer's, tests/test_train_filters.py.)"""
 
 import dataclasses
 import json
@@ -11,10 +12,8 @@ from rl_jax.config import DataConfig
 from rl_jax.data import (
     Curriculum,
     DataExhausted,
-    DynamicSampler,
     PromptPipeline,
     build_task,
-    has_variance,
     pass_rates,
 )
 
@@ -27,13 +26,9 @@ def _pipe(problems, cur, seed=0):
     )
 
 
-def test_zero_variance_mask_and_pass_rates():
+def test_pass_rates():
     r = np.array([[1, 1, 1, 1], [-1, -1, -1, -1], [1, -1, -1, -1], [0, 0, 0, 1]], np.float32)
-    np.testing.assert_array_equal(has_variance(r), [False, False, True, True])
     np.testing.assert_allclose(pass_rates(r), [1.0, 0.0, 0.25, 0.25])
-    assert Curriculum(CFG).zero_variance_mask(r).tolist() == [False, False, True, True]
-    off = Curriculum(dataclasses.replace(CFG, zero_variance_filter=False))
-    assert off.zero_variance_mask(r).tolist() == [True] * 4
     with pytest.raises(ValueError, match=r"\[P, G\]"):
         pass_rates(np.ones(4))
 
@@ -77,22 +72,6 @@ def test_all_retired_is_a_clear_error_and_few_left_still_fill_a_batch():
             next(pipe)
 
 
-def test_dynamic_sampling_collects_groups_with_variance_within_bounded_rounds():
-    ds = DynamicSampler(target=3, max_rounds=4)
-    flat = np.ones((4, 2))
-    mixed = np.array([[1, 0], [1, 1], [0, 1], [1, 0]], np.float32)
-    assert ds.offer(flat).tolist() == [] and not ds.done
-    assert ds.offer(mixed).tolist() == [0, 2, 3] and ds.done and ds.kept == 3
-    with pytest.raises(RuntimeError, match="done"):
-        ds.offer(mixed)
-    capped = DynamicSampler(target=8, max_rounds=2)
-    capped.offer(mixed)
-    assert capped.offer(mixed).tolist() == [0, 2, 3]  # only what is still needed, in order
-    assert capped.done and capped.kept == 6  # rounds ran out short of the target
-    last = DynamicSampler(target=2, max_rounds=3)
-    assert last.offer(mixed).tolist() == [0, 2]
-
-
 def test_interference_histogram():
     cur = Curriculum(CFG)
     cur.update([1, 2, 3, 4], np.array([[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]))
@@ -121,7 +100,7 @@ def _run(pipe, cur, steps, start=0):
         ids = [p.id for p in batch]
         r = _fake_rewards(ids, step)
         cur.update(ids, r)
-        out.append((ids, cur.zero_variance_mask(r).tolist()))
+        out.append((ids, pass_rates(r).tolist()))
     return out
 
 

@@ -234,11 +234,22 @@ _LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0, "mesh.cpu_devices": 0}
 _PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""}
 
 
+def resolved(cfg: RunConfig) -> RunConfig:
+    """cfg with every knob left to a default that depends on other knobs filled in
+    (the loss's own defaults: `LossConfig.resolved`); idempotent."""
+    loss = cfg.loss.resolved()
+    return cfg if loss is cfg.loss else dataclasses.replace(cfg, loss=loss)
+
+
 def run_id(cfg: RunConfig) -> str:
-    """Stable hash of the resolved config (seeds included), independent of paths and names."""
+    """Stable hash of the resolved config (seeds included), independent of paths and names.
+
+    The hash is of `resolved(cfg)`: a knob left unset and the same knob set to the
+    value it resolves to give one id (and one run directory).
+    """
     flat = {
         k: _PROCESS_LOCAL_DEFAULTS.get(k, v)
-        for k, v in flatten(cfg).items()
+        for k, v in flatten(resolved(cfg)).items()
         if not any(k.startswith(p) for p in _NON_SEMANTIC)
         and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
     }

@@ -1,11 +1,20 @@
-"""`rl-jax config RECIPE [key=value ...]`: print the resolved config."""
+"""`rl-jax config RECIPE [key=value ...]`: print the resolved config (every knob left
+to its loss's default shown at the value it takes)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from rl_jax.config import describe_knobs, flatten, load_recipe, run_id, to_dict, to_yaml
+from rl_jax.config import (
+    describe_knobs,
+    flatten,
+    load_recipe,
+    resolved,
+    run_id,
+    to_dict,
+    to_yaml,
+)
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +27,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--format", choices=("yaml", "json", "flat"), default="yaml")
     a = p.parse_intermixed_args(argv)
-    cfg = load_recipe(a.recipe, a.overrides)
+    cfg = resolved(load_recipe(a.recipe, a.overrides))
     if a.format == "yaml":
         print(f"# run_id: {run_id(cfg)}")
         print(to_yaml(cfg), end="")

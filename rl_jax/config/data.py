@@ -48,7 +48,9 @@ class DataConfig:
         "{question}", help="template of each prompt; '{question}' is replaced by the question"
     )
     zero_variance_filter: bool = knob(
-        True, help="drop groups whose rewards are all equal from the loss (ScaleRL)"
+        True,
+        help="drop groups whose shaped rewards (those the advantages read) are all equal "
+        "from the loss (ScaleRL)",
     )
     no_positive_resampling: bool = knob(
         True, help="retire prompts with pass rate >= npr_threshold from later epochs (ScaleRL)"

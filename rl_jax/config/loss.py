@@ -2,11 +2,20 @@
 
 The choices below mirror the registries of `rl_jax.losses` (which imports JAX;
 this module must not): tests/test_losses.py checks that both lists agree.
+
+Knobs that a loss's paper fixes (aggregation, advantage estimator and
+normalization, clip ranges) default to None, "this loss's default": the
+`LOSS_DEFAULTS` table below, which the loss registry of `rl_jax.losses` reads
+too. Changing `loss.name` alone therefore gives that loss as its paper defines
+it; a knob set explicitly wins. `LossConfig.resolved()` fills the unset knobs
+(the trainer, `rl-jax config` and `run_id` all see resolved configs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
@@ -16,25 +25,120 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
 ADV_NORMS = ("batch", "prompt", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+_PPO_CLIP = {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 0.0}
+
+# Each loss as its paper defines it: the value of every unset (None) knob of
+# LossConfig when loss.name is that loss. seq_sum_constant 0 = the generation
+# budget (sampling.max_new_tokens), Dr. GRPO's constant.
+LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
+    # PPO-RLHF: learned critic with GAE, advantages whitened over the batch,
+    # token-mean loss, symmetric clip 0.2 (Schulman et al. 2017; needs
+    # model.value_head=true).
+    "ppo": {"aggregation": "token", "advantage": "gae", "adv_norm": "batch", **_PPO_CLIP},
+    # GRPO (DeepSeekMath): group mean / prompt std, per-sample token mean, clip 0.2.
+    "grpo": {"aggregation": "sample", "advantage": "grpo", "adv_norm": "prompt", **_PPO_CLIP},
+    # Dr. GRPO: no std normalization, token sums over a constant (the budget).
+    "dr_grpo": {
+        "aggregation": "seq_sum",
+        "seq_sum_constant": 0.0,
+        "advantage": "grpo",
+        "adv_norm": "none",
+        **_PPO_CLIP,
+    },
+    # DAPO: token-mean loss, clip-higher 0.2 / 0.28, GRPO advantages.
+    "dapo": {
+        "aggregation": "token",
+        "advantage": "grpo",
+        "adv_norm": "prompt",
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "dual_clip": 0.0,
+    },
+    # CISPO as ScaleRL uses it: prompt-mean loss, batch-std advantages, eps_max 5.
+    "cispo": {
+        "aggregation": "prompt",
+        "advantage": "grpo",
+        "adv_norm": "batch",
+        "eps_max": 5.0,
+        "eps_min": 0.0,
+    },
+    # GSPO: sequence ratio clipped to [1 - 3e-4, 1 + 4e-4], GRPO advantages, mean over samples.
+    "gspo": {
+        "aggregation": "sample",
+        "advantage": "grpo",
+        "adv_norm": "prompt",
+        "gspo_eps_low": 3e-4,
+        "gspo_eps_high": 4e-4,
+    },
+    # REINFORCE with the group mean as baseline, unnormalized, token mean.
+    "reinforce": {"aggregation": "token", "advantage": "grpo", "adv_norm": "none"},
+    # RLOO: leave-one-out baseline, unnormalized, the completion's log-prob summed.
+    "rloo": {
+        "aggregation": "seq_sum",
+        "seq_sum_constant": 1.0,
+        "advantage": "rloo",
+        "adv_norm": "none",
+    },
+    # REINFORCE++: PPO clip 0.2, advantages z-scored over the batch, token mean.
+    "reinforce_pp": {
+        "aggregation": "token",
+        "advantage": "reinforce_pp",
+        "adv_norm": "batch",
+        **_PPO_CLIP,
+    },
+}
+# What a knob a loss does not read resolves to: the one default every loss had
+# before defaults were per loss, so that configs leaving them unset keep their
+# run ids (the ScaleRL recipe's is cb561e1f1c82).
+SHARED_DEFAULTS: dict[str, Any] = {
+    "eps_low": 0.2,
+    "eps_high": 0.28,
+    "dual_clip": 0.0,
+    "eps_max": 5.0,
+    "eps_min": 0.0,
+    "gspo_eps_low": 3e-4,
+    "gspo_eps_high": 4e-4,
+    "seq_sum_constant": 0.0,
+}
+PER_LOSS_KNOBS = ("aggregation", "advantage", "adv_norm", *SHARED_DEFAULTS)
+
+_UNSET = "None = this loss's default (rl_jax.config.loss.LOSS_DEFAULTS)"
+
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
     name: str = knob("cispo", help=f"policy loss, one of {LOSSES}")
-    aggregation: str = knob("prompt", help=f"loss aggregation, one of {AGGREGATIONS}")
-    advantage: str = knob("grpo", help=f"advantage estimator, one of {ADV_ESTIMATORS}")
-    adv_norm: str = knob("batch", help=f"advantage normalization by the std of, one of {ADV_NORMS}")
+    aggregation: str | None = knob(None, help=f"loss aggregation, one of {AGGREGATIONS}; {_UNSET}")
+    advantage: str | None = knob(
+        None, help=f"advantage estimator, one of {ADV_ESTIMATORS}; {_UNSET}"
+    )
+    adv_norm: str | None = knob(
+        None,
+        help=f"advantage normalization by the std of, one of {ADV_NORMS}; {_UNSET} "
+        "('batch' instead of 'prompt' with advantage 'gae')",
+    )
     adv_eps: float = knob(1e-6, help="added to the std before dividing advantages by it")
     group_baseline: bool = knob(
         True, help="reinforce_pp advantages: subtract the group mean first (REINFORCE++-baseline)"
     )
-    eps_low: float = knob(0.2, help="PPO/DAPO lower clip: ratio >= 1 - eps_low")
-    eps_high: float = knob(0.28, help="PPO/DAPO upper clip: ratio <= 1 + eps_high")
-    dual_clip: float = knob(0.0, help="PPO dual clip c (> 1) for negative advantages (0 = off)")
-    eps_max: float = knob(5.0, help="CISPO: upper truncation of the IS weight")
-    eps_min: float = knob(0.0, help="CISPO: lower truncation of the IS weight (0 = none)")
-    gspo_eps_low: float = knob(3e-4, help="GSPO lower clip of the sequence ratio")
-    gspo_eps_high: float = knob(4e-4, help="GSPO upper clip of the sequence ratio")
-    seq_sum_constant: float = knob(0.0, help="Dr. GRPO seq_sum normalizer (0 = max_new_tokens)")
+    eps_low: float | None = knob(None, help=f"PPO/DAPO lower clip: ratio >= 1 - eps_low; {_UNSET}")
+    eps_high: float | None = knob(
+        None, help=f"PPO/DAPO upper clip: ratio <= 1 + eps_high; {_UNSET}"
+    )
+    dual_clip: float | None = knob(
+        None, help=f"PPO dual clip c (> 1) for negative advantages (0 = off); {_UNSET}"
+    )
+    eps_max: float | None = knob(None, help=f"CISPO: upper truncation of the IS weight; {_UNSET}")
+    eps_min: float | None = knob(
+        None, help=f"CISPO: lower truncation of the IS weight (0 = none); {_UNSET}"
+    )
+    gspo_eps_low: float | None = knob(None, help=f"GSPO lower clip of the sequence ratio; {_UNSET}")
+    gspo_eps_high: float | None = knob(
+        None, help=f"GSPO upper clip of the sequence ratio; {_UNSET}"
+    )
+    seq_sum_constant: float | None = knob(
+        None, help=f"seq_sum aggregation's divisor (0 = sampling.max_new_tokens); {_UNSET}"
+    )
     tis: bool = knob(False, help="truncated importance sampling vs the sampler's log-probs")
     tis_cap: float = knob(2.0, help="truncated IS cap C: weight = min(exp(old - sampler), C)")
     kl_coef: float = knob(0.0, help="KL-to-reference coefficient (0 = off)")
@@ -51,9 +155,14 @@ class LossConfig:
     def __post_init__(self):
         check_numbers("loss", self)
         check_choice("loss", "name", self.name, LOSSES)
-        check_choice("loss", "aggregation", self.aggregation, AGGREGATIONS)
-        check_choice("loss", "advantage", self.advantage, ADV_ESTIMATORS)
-        check_choice("loss", "adv_norm", self.adv_norm, ADV_NORMS)
+        # Knobs left unset (None) are this loss's defaults; set ones are checked as given.
+        for k, choices in (
+            ("aggregation", AGGREGATIONS),
+            ("advantage", ADV_ESTIMATORS),
+            ("adv_norm", ADV_NORMS),
+        ):
+            if getattr(self, k) is not None:
+                check_choice("loss", k, getattr(self, k), choices)
         check_choice("loss", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for k in (
             "eps_low",
@@ -68,14 +177,41 @@ class LossConfig:
             "value_clip",
             "adv_eps",
         ):
-            check_range("loss", k, getattr(self, k), lo=0.0)
-        check_range("loss", "eps_max", self.eps_max, lo=0.0, lo_open=True)
+            if getattr(self, k) is not None:
+                check_range("loss", k, getattr(self, k), lo=0.0)
+        if self.eps_max is not None:
+            check_range("loss", "eps_max", self.eps_max, lo=0.0, lo_open=True)
         check_range("loss", "tis_cap", self.tis_cap, lo=0.0, lo_open=True)
         check_range("loss", "gamma", self.gamma, lo=0.0, hi=1.0)
         check_range("loss", "lam", self.lam, lo=0.0, hi=1.0)
-        if self.eps_min >= self.eps_max:
-            raise ConfigError(
-                f"loss.eps_min={self.eps_min!r} must be below loss.eps_max={self.eps_max!r}"
-            )
-        if self.dual_clip != 0.0 and self.dual_clip <= 1.0:
+        if self.dual_clip is not None and self.dual_clip != 0.0 and self.dual_clip <= 1.0:
             raise ConfigError(f"loss.dual_clip={self.dual_clip!r} must be 0 (off) or > 1")
+        # Constraints between knobs hold for the values the loss will use.
+        r = {**self._unset_values(), **self._set_values()}
+        if r["eps_min"] >= r["eps_max"]:
+            raise ConfigError(
+                f"loss.eps_min={r['eps_min']!r} must be below loss.eps_max={r['eps_max']!r}"
+                + ("" if self.eps_max is not None else f" (loss {self.name!r}'s default)")
+            )
+        if r["advantage"] == "gae" and r["adv_norm"] == "prompt":
+            raise ConfigError(
+                "loss.adv_norm='prompt' normalizes group advantages; loss.advantage='gae' "
+                "takes one of ['batch', 'none']"
+            )
+
+    def _set_values(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in PER_LOSS_KNOBS if getattr(self, k) is not None}
+
+    def _unset_values(self) -> dict[str, Any]:
+        """Values of the unset per-loss knobs: the loss's own, else the shared ones."""
+        own = {**SHARED_DEFAULTS, **LOSS_DEFAULTS[self.name]}
+        advantage = own["advantage"] if self.advantage is None else self.advantage
+        if advantage == "gae" and own["adv_norm"] == "prompt":
+            # GAE's advantages are per token, not per group: whiten over the batch.
+            own["adv_norm"] = "batch"
+        return {k: own[k] for k in PER_LOSS_KNOBS if getattr(self, k) is None}
+
+    def resolved(self) -> LossConfig:
+        """This config with every unset knob at loss.name's default; idempotent."""
+        unset = self._unset_values()
+        return dataclasses.replace(self, **unset) if unset else self

@@ -5,7 +5,7 @@ cur = Curriculum(cfg.data)
 pipe = PromptPipeline(task.train, batch_size=cfg.data.prompts_per_batch,
                       seed=cfg.data.seed, curriculum=cur)
 problems = next(pipe)                              # list[Problem]
-... cur.update([p.id for p in problems], rewards_pg); cur.zero_variance_mask(rewards_pg)
+... cur.update([p.id for p in problems], rewards_pg)  # pass rates, No-Positive-Resampling
 checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
 """
 
@@ -13,7 +13,7 @@ from rl_jax.data._build import build_task, raw_problems
 from rl_jax.data._files import detect_layout, problems_from_records, read_records
 from rl_jax.data._problem import Problem, Task, apply_template, problem_id
 from rl_jax.data._synthetic import arith_answer
-from rl_jax.data.curriculum import Curriculum, DynamicSampler, has_variance, pass_rates
+from rl_jax.data.curriculum import Curriculum, pass_rates
 from rl_jax.data.pipeline import DataExhausted, PromptPipeline, shard_problems
 from rl_jax.data.splits import (
     DEFAULT_BANDS,
@@ -40,7 +40,6 @@ __all__ = [
     "CharTokenizer",
     "Curriculum",
     "DataExhausted",
-    "DynamicSampler",
     "Problem",
     "PromptPipeline",
     "Task",
@@ -50,7 +49,6 @@ __all__ = [
     "build_task",
     "detect_layout",
     "estimate_avg_at_k",
-    "has_variance",
     "pass_rates",
     "prepare_tfds",
     "problem_id",

@@ -1,8 +1,11 @@
-"""Curriculum filters: zero-variance filtering, No-Positive-Resampling, DAPO dynamic sampling,
-and the per-problem pass-rate record behind IsoCompute's interference diagnostic.
+"""The per-problem pass-rate record: No-Positive-Resampling and IsoCompute's
+interference diagnostic.
 
 Pass rates come from verifier rewards (before format/overlong shaping): a sample
 passes when its reward is > 0, which is "correct" on both scales (+1/-1 and 1/0).
+Every group the trainer scores is recorded, trained or not (groups that DAPO's
+dynamic sampling discards too). Zero-variance filtering decides on the shaped
+rewards the advantages read: `rl_jax.losses.zero_variance_groups`.
 """
 
 from __future__ import annotations
@@ -25,22 +28,13 @@ def pass_rates(rewards_pg: np.ndarray) -> np.ndarray:
     return (r > 0).mean(axis=1)
 
 
-def has_variance(rewards_pg: np.ndarray) -> np.ndarray:
-    """[P] True where a group's rewards are not all equal (it carries a learning signal)."""
-    r = np.asarray(rewards_pg)
-    if r.ndim != 2:
-        raise ValueError(f"rewards must be [P, G], got shape {r.shape}")
-    return r.max(axis=1) > r.min(axis=1)
-
-
 class Curriculum:
-    """Per-problem pass-rate history, retirement and group filters for one run.
+    """Per-problem pass-rate history and retirement for one run.
 
     update(ids, rewards_pg) after scoring each batch; `is_retired(id)` for the
     pipeline (No-Positive-Resampling: a problem whose latest pass rate is >=
     `data.npr_threshold` is excluded from later epochs, for good);
-    `zero_variance_mask` for the loss; `state_dict` / `load_state_dict` for
-    checkpoints (JSON-serializable).
+    `state_dict` / `load_state_dict` for checkpoints (JSON-serializable).
     """
 
     def __init__(self, cfg: DataConfig):
@@ -74,12 +68,6 @@ class Curriculum:
 
     def pass_rate(self, problem_id: int) -> float | None:
         return self._last.get(int(problem_id))
-
-    def zero_variance_mask(self, rewards_pg: np.ndarray) -> np.ndarray:
-        """[P] bool, True = keep the group in the loss. With data.zero_variance_filter,
-        groups whose rewards are all equal are dropped (not resampled: ScaleRL)."""
-        keep = has_variance(rewards_pg)
-        return keep if self.cfg.zero_variance_filter else np.ones_like(keep)
 
     # -- interference diagnostics (IsoCompute) ----------------------------------
     def pass_rate_histogram(
@@ -125,38 +113,3 @@ class Curriculum:
         self._seen = {int(k): int(v) for k, v in state["seen"].items()}
         self._retired = {int(k) for k in state["retired"]}
         self.updates = int(state["updates"])
-
-
-class DynamicSampler:
-    """DAPO dynamic sampling for one training batch: keep sampling batches until `target`
-    groups with reward variance are collected, at most `max_rounds` rounds.
-
-        ds = DynamicSampler(target=cfg.prompts_per_batch, max_rounds=cfg.max_resample_rounds)
-        while not ds.done:
-            problems = next(pipeline)
-            rewards_pg = rollout_and_score(problems)          # [P, G]
-            curriculum.update([p.id for p in problems], rewards_pg)
-            keep = ds.offer(rewards_pg)                       # indices into this round
-            collect(problems[i] for i in keep)
-        # ds.kept may be < target when rounds ran out: train on what was collected.
-    """
-
-    def __init__(self, *, target: int, max_rounds: int):
-        if target < 1 or max_rounds < 1:
-            raise ValueError(f"need target >= 1 and max_rounds >= 1, got {target}, {max_rounds}")
-        self.target, self.max_rounds = target, max_rounds
-        self.kept, self.rounds = 0, 0
-
-    @property
-    def done(self) -> bool:
-        return self.kept >= self.target or self.rounds >= self.max_rounds
-
-    def offer(self, rewards_pg: np.ndarray) -> np.ndarray:
-        """Indices of this round's groups to keep: those with variance, in order, up to the
-        number still needed."""
-        if self.done:
-            raise RuntimeError("DynamicSampler is done; start a new one for the next batch")
-        self.rounds += 1
-        idx = np.flatnonzero(has_variance(rewards_pg))[: self.target - self.kept]
-        self.kept += int(idx.size)
-        return idx

@@ -21,6 +21,7 @@ from rl_jax.config import (
     apply_overrides,
     flatten,
     load_recipe,
+    resolved,
     run_id,
 )
 from rl_jax.grid.spec import Budget, GridSpec
@@ -368,7 +369,7 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
                 derived.append(("eval.every", max(1, steps // spec.evals_per_run)))
             if spec.checkpoints_per_run:
                 derived.append(("checkpoint.every", max(1, steps // spec.checkpoints_per_run)))
-            env = dict(flatten(cfg))
+            env = dict(flatten(resolved(cfg)))  # constraints see the loss's own defaults
             env.update({k: f(cfg) for k, f in ALIASES.items()})
             env["M"] = steps
             for p in combo:

@@ -55,6 +55,16 @@ def zero_variance_groups(
 ) -> tuple[Array, Array]:
     """Which groups have all their valid rewards equal (no learning signal).
 
+    The one definition of a zero-variance group in rl_jax: the trainer's
+    zero-variance filter (ScaleRL), DAPO's dynamic sampling and the
+    `train/zero_variance_frac` metric all call this. Pass the rewards the
+    advantages are computed from (the trainer passes the shaped rewards: verifier
+    reward plus format reward and overlong penalty), so that a zero-variance group
+    is exactly one whose group-baseline advantages ('grpo', 'rloo') are all zero.
+    (A KL penalty in the reward is not part of it: it differs between any two
+    samples, so it would leave no group zero-variance, and dynamic sampling has to
+    decide before any log-prob is computed.)
+
     Returns (zero_var_g [P] bool, present_g [P] bool): present_g marks groups with
     at least one valid row; zero_var_g is only true for present groups. Row-level
     filter for ScaleRL's zero-variance filtering: `zero_var_g[group_ids_b]`.
@@ -110,9 +120,10 @@ def compute_advantages(
       num_groups: static number of prompts P.
       valid_b: [B] rows that exist (default: all).
     Returns:
-      (adv_b [B] float32, info) with scalar info: 'zero_var_frac' (fraction of
-      present groups whose valid rewards are all equal), 'zero_var_groups',
-      'groups' (present groups), 'reward_mean', 'reward_std', 'adv_mean', 'adv_std'.
+      (adv_b [B] float32, info) with scalar info: 'groups' (present groups),
+      'reward_mean', 'reward_std', 'adv_mean', 'adv_std', all over valid rows.
+      Which groups are zero-variance is `zero_variance_groups`' to say (callers
+      that filter them pass the survivors as `valid_b`).
     """
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(
@@ -170,15 +181,10 @@ def _compute_advantages(
         adv = c
     adv = masked(adv, valid)
 
-    zero_var_g, present_g = _zero_variance_groups(r, group_ids_b, valid, num_groups)
-    n_present = present_g.sum().astype(jnp.float32)
-    n_zero = zero_var_g.sum().astype(jnp.float32)
     r_mean, r_std = _batch_mean_std(r, valid, ddof)
     a_mean, a_std = _batch_mean_std(adv, valid, ddof)
     info = {
-        "zero_var_frac": n_zero / jnp.maximum(n_present, 1.0),
-        "zero_var_groups": n_zero,
-        "groups": n_present,
+        "groups": (n_g > 0).sum().astype(jnp.float32),
         "reward_mean": r_mean,
         "reward_std": r_std,
         "adv_mean": a_mean,

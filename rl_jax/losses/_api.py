@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -74,8 +76,8 @@ def policy_loss(
       with dual clip), 'masked_frac' (tokens of the [B, T] grid not trained),
       'tokens', 'adv_mean'; with tis: 'tis_weight_mean', 'tis_clip_frac'; with
       ref_logp: 'kl'; with entropy: 'entropy'; with values: 'value_loss',
-      'value_clip_frac'. The zero-variance group fraction comes from
-      `compute_advantages`, where rewards are known.
+      'value_clip_frac'. Zero-variance groups are found from the rewards, by
+      `zero_variance_groups`.
     """
     spec = get(name)
     unknown = sorted(set(params) - set(spec.params))
@@ -182,9 +184,11 @@ def loss_from_config(
     """`policy_loss` with every knob from a `LossConfig`.
 
     max_tokens: the generation budget, Dr. GRPO's seq_sum divisor when
-    cfg.seq_sum_constant is 0. With cfg.kl_in_reward the KL is left out of the
+    cfg.seq_sum_constant is 0. Knobs cfg leaves unset take cfg.name's defaults
+    (`LossConfig.resolved`). With cfg.kl_in_reward the KL is left out of the
     loss (it belongs in the rewards: `advantages_from_config` applies it).
     """
+    cfg = cfg.resolved()
     spec = get(cfg.name)
     return policy_loss(
         cfg.name,
@@ -234,8 +238,10 @@ def advantages_from_config(
     mask_bt: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Group advantages [B] per cfg.advantage / cfg.adv_norm (not 'gae': see
-    `gae_from_config`). With cfg.kl_in_reward, rewards first lose
-    kl_coef * sum_t KL_t, computed from the behaviour policy's log-probs."""
+    `gae_from_config`); unset knobs take cfg.name's defaults. With
+    cfg.kl_in_reward, rewards first lose kl_coef * sum_t KL_t, computed from the
+    behaviour policy's log-probs."""
+    cfg = cfg.resolved()
     if cfg.advantage == "gae":
         raise ValueError("loss.advantage='gae' needs critic values: use gae_from_config")
     rewards_b = _kl_rewards(cfg, rewards_b, behaviour_logp_bt, ref_logp_bt, mask_bt)
@@ -265,9 +271,10 @@ def gae_from_config(
     """PPO advantages: sequence rewards on the last trained token (minus a
     per-token KL with cfg.kl_in_reward), GAE with cfg.gamma / cfg.lam; then
     cfg.adv_norm 'batch' whitens over trained tokens (mean 0, std 1), 'none'
-    leaves them. Returns (adv_bt, returns_bt)."""
-    if cfg.adv_norm == "prompt":
-        raise ValueError("loss.adv_norm='prompt' is for group advantages; GAE takes 'batch'|'none'")
+    leaves them (unset: cfg.name's default, 'batch' where that is 'prompt').
+    Returns (adv_bt, returns_bt)."""
+    # (LossConfig refuses adv_norm='prompt' with GAE: it normalizes group advantages.)
+    cfg = dataclasses.replace(cfg, advantage="gae").resolved()
     r_bt = terminal_rewards(rewards_b, mask_bt, seq_ids=seq_ids, num_seqs=num_seqs)
     r_bt = _kl_rewards(cfg, r_bt, behaviour_logp_bt, ref_logp_bt, mask_bt)
     adv, ret = gae_advantages(

@@ -1,6 +1,10 @@
 """Policy losses by name: each entry is a per-token surrogate plus the
 hyperparameters it reads (with its paper's defaults) and its paper's
-aggregation, used when the caller does not choose one."""
+aggregation, used when the caller does not choose one.
+
+The defaults are those of `rl_jax.config.loss.LOSS_DEFAULTS` (a JAX-free table
+the config reads as well): one table, so an unset `LossConfig` knob and
+`policy_loss` without that keyword mean the same value."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from rl_jax.config.loss import LOSS_DEFAULTS
 from rl_jax.losses._policy import (
     cispo_surrogate,
     clipped_surrogate,
@@ -22,7 +27,8 @@ class LossSpec:
 
     fn(logp_bt, old_logp_bt, adv_bt, layout, **params) -> (loss_bt, stats).
     params: the hyperparameters fn reads, named like `LossConfig` fields, with
-    defaults from the paper. aggregation / seq_sum_constant: the paper's.
+    defaults from the paper. aggregation / seq_sum_constant (None = the caller's
+    budget) and the advantage estimator / normalization it pairs with: the paper's.
     """
 
     name: str
@@ -30,6 +36,8 @@ class LossSpec:
     params: dict[str, float]
     aggregation: str
     paper: str
+    advantage: str = "grpo"
+    adv_norm: str = "prompt"
     seq_sum_constant: float | None = None
 
 
@@ -63,55 +71,40 @@ def names() -> list[str]:
 
 _CLIP = _token(clipped_surrogate)
 _REINFORCE = _token(reinforce_surrogate)
-_SYM = {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 0.0}
-for _name, _params, _agg, _paper in (
-    ("ppo", _SYM, "token", "PPO clipped surrogate, Schulman et al. 2017 (arXiv 1707.06347)"),
-    ("grpo", _SYM, "sample", "GRPO, Shao et al. 2024 (arXiv 2402.03300)"),
-    ("dr_grpo", _SYM, "seq_sum", "Dr. GRPO, Liu et al. 2025 (arXiv 2503.20783)"),
+_PPO_PARAMS = ("eps_low", "eps_high", "dual_clip")
+for _name, _fn, _keys, _paper in (
+    ("ppo", _CLIP, _PPO_PARAMS, "PPO clipped surrogate, Schulman et al. 2017 (arXiv 1707.06347)"),
+    ("grpo", _CLIP, _PPO_PARAMS, "GRPO, Shao et al. 2024 (arXiv 2402.03300)"),
+    ("dr_grpo", _CLIP, _PPO_PARAMS, "Dr. GRPO, Liu et al. 2025 (arXiv 2503.20783)"),
+    ("dapo", _CLIP, _PPO_PARAMS, "DAPO clip-higher, Yu et al. 2025 (arXiv 2503.14476)"),
+    ("reinforce_pp", _CLIP, _PPO_PARAMS, "REINFORCE++, Hu 2025 (arXiv 2501.03262)"),
     (
-        "dapo",
-        {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 0.0},
-        "token",
-        "DAPO clip-higher, Yu et al. 2025 (arXiv 2503.14476)",
+        "cispo",
+        _token(cispo_surrogate),
+        ("eps_max", "eps_min"),
+        "CISPO, MiniMax-M1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13786)",
     ),
-    ("reinforce_pp", _SYM, "token", "REINFORCE++, Hu 2025 (arXiv 2501.03262)"),
+    (
+        "gspo",
+        gspo_layout,
+        ("gspo_eps_low", "gspo_eps_high"),
+        "GSPO, Zheng et al. 2025 (arXiv 2507.18071)",
+    ),
+    ("reinforce", _REINFORCE, (), "REINFORCE, Williams 1992"),
+    # RLOO's seq_sum constant 1: grad of sum_t log pi(y_t), the whole completion is one action.
+    ("rloo", _REINFORCE, (), "RLOO, Ahmadian et al. 2024 (arXiv 2402.14740)"),
 ):
-    register(LossSpec(name=_name, fn=_CLIP, params=_params, aggregation=_agg, paper=_paper))
-
-register(
-    LossSpec(
-        name="cispo",
-        fn=_token(cispo_surrogate),
-        params={"eps_max": 5.0, "eps_min": 0.0},
-        aggregation="token",
-        paper="CISPO, MiniMax-M1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13786)",
+    _d = LOSS_DEFAULTS[_name]
+    register(
+        LossSpec(
+            name=_name,
+            fn=_fn,
+            params={k: _d[k] for k in _keys},
+            aggregation=_d["aggregation"],
+            advantage=_d["advantage"],
+            adv_norm=_d["adv_norm"],
+            paper=_paper,
+            # 0 in the table is "the generation budget", which only the trainer knows.
+            seq_sum_constant=_d.get("seq_sum_constant") or None,
+        )
     )
-)
-register(
-    LossSpec(
-        name="gspo",
-        fn=gspo_layout,
-        params={"gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4},
-        aggregation="sample",
-        paper="GSPO, Zheng et al. 2025 (arXiv 2507.18071)",
-    )
-)
-register(
-    LossSpec(
-        name="reinforce",
-        fn=_REINFORCE,
-        params={},
-        aggregation="token",
-        paper="REINFORCE, Williams 1992",
-    )
-)
-register(
-    LossSpec(
-        name="rloo",
-        fn=_REINFORCE,
-        params={},
-        aggregation="seq_sum",
-        seq_sum_constant=1.0,  # grad of sum_t log pi(y_t): the whole completion is one action
-        paper="RLOO, Ahmadian et al. 2024 (arXiv 2402.14740)",
-    )
-)

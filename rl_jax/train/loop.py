@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rl_jax.config import RunConfig, flatten, run_id
-from rl_jax.data import Curriculum, PromptPipeline, build_task, has_variance
+from rl_jax.config import RunConfig, flatten, resolved, run_id
+from rl_jax.data import Curriculum, PromptPipeline, build_task
 from rl_jax.executables import AotFunction, PendingLoad
 from rl_jax.knobs import ConfigError
-from rl_jax.losses import advantages_from_config, gae_from_config
+from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import score_batch, shape_rewards
@@ -99,6 +99,7 @@ class RLTrainer:
     """Builds everything a RunConfig names and runs it into its run directory."""
 
     def __init__(self, cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False):
+        cfg = resolved(cfg)  # knobs left to the loss's defaults, filled in once for every part
         start_jax(cfg.mesh)
         self.cfg = cfg
         self.quiet = quiet
@@ -451,6 +452,17 @@ class RLTrainer:
             sampler_flops=float(prefill) + decode,
         )
 
+    def _zero_variance(self, shaped: np.ndarray, group_ids: np.ndarray, n_prompts: int):
+        """[P] bool: groups whose shaped rewards are all equal (`zero_variance_groups`, the
+        one definition: the rewards the advantages read, so exactly the groups whose
+        advantages are all zero)."""
+        zv, _ = zero_variance_groups(
+            jnp.asarray(shaped, jnp.float32),
+            jnp.asarray(group_ids, jnp.int32),
+            num_groups=n_prompts,
+        )
+        return np.asarray(zv)
+
     def _train_on(self, ro: Rollouts, problems) -> dict[str, float]:
         """M updates on one batch of P prompts x G samples; returns step metrics."""
         t0 = time.perf_counter()
@@ -458,28 +470,14 @@ class RLTrainer:
         raw, shaped, texts = self._score(ro, problems)
         score_s = time.perf_counter() - t0
         ids = [p.id for p in problems]
-        rewards_pg = raw.reshape(P, G)
-        with self.data_lock:
-            self.curriculum.update(ids, rewards_pg)
-            keep_p = (
-                self.curriculum.zero_variance_mask(rewards_pg)
-                if self.cfg.data.zero_variance_filter
-                else np.ones(P, bool)
-            )
-        keep_b = np.repeat(keep_p, G)
         group_b = ro.group_ids.astype(np.int32)
+        zero_var_p = self._zero_variance(shaped, group_b, P)
+        with self.data_lock:
+            self.curriculum.update(ids, raw.reshape(P, G))
+        keep_p = ~zero_var_p if self.cfg.data.zero_variance_filter else np.ones(P, bool)
+        keep_b = np.repeat(keep_p, G)
         loss_mask = ro.completion_mask & keep_b[:, None]
-        if self.critic:  # GAE below, from the critic's values
-            adv, adv_info = np.zeros(P * G, np.float32), {}
-        else:
-            adv, adv_info = advantages_from_config(
-                self.cfg.loss,
-                jnp.asarray(shaped),
-                jnp.asarray(group_b),
-                num_groups=P,
-                valid_b=jnp.asarray(keep_b),
-            )
-            adv = np.asarray(adv, np.float32) * keep_b
+        adv_info: dict = {}
         versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
         oldest = int(versions.min()) if ro.completion_mask.any() else self.version
 
@@ -494,15 +492,25 @@ class RLTrainer:
                 ro.lengths,
                 loss_mask,
                 ro.logprobs,
-                adv,
+                np.zeros(P * G, np.float32),  # the advantages, set below
                 group_b,
             )
             need_old = self._needs_old_logp
-            # The whole batch on device once: the critic's values and the old policy's
-            # log-probs are both taken before this batch's first update.
-            full = put_batch(host, self.mesh) if self.critic or need_old else None
-            if need_old:
+            kl_reward = self.cfg.loss.kl_in_reward and self.ref_params is not None
+            # The whole batch on device once: the old policy's and the reference's
+            # log-probs and the critic's values are all taken before this batch's first
+            # update (with the KL in the reward, the advantages need the first two).
+            on_device = self.critic or need_old or self.ref_params is not None
+            full = put_batch(host, self.mesh) if on_device else None
+            old_all = ref_all = None
+            if need_old or kl_reward:
                 old_all = np.asarray(self.logprob_fn(self.params, full))
+            if self.ref_params is not None:
+                ref_all = np.asarray(self.logprob_fn(self.ref_params, full))
+            # KL in the reward: behaviour = the policy before this batch's updates, as
+            # the trainer computes it (the same forward as the reference's).
+            kl = dict(behaviour_logp_bt=old_all, ref_logp_bt=ref_all) if kl_reward else {}
+            mask_f = loss_mask.astype(np.float32)
             if self.critic:
                 # GAE from the critic's values before this batch's updates (PPO).
                 values = np.asarray(self.value_fn(self.params, full))
@@ -510,11 +518,23 @@ class RLTrainer:
                     self.cfg.loss,
                     jnp.asarray(shaped),
                     jnp.asarray(values),
-                    jnp.asarray(loss_mask.astype(np.float32)),
+                    jnp.asarray(mask_f),
+                    **kl,
                 )
                 host["advantages"] = np.asarray(adv_bt, np.float32) * loss_mask
                 host["old_values"] = values.astype(np.float32)
                 host["returns"] = np.asarray(ret_bt, np.float32)
+            else:
+                adv, adv_info = advantages_from_config(
+                    self.cfg.loss,
+                    jnp.asarray(shaped),
+                    jnp.asarray(group_b),
+                    num_groups=P,
+                    valid_b=jnp.asarray(keep_b),
+                    mask_bt=jnp.asarray(mask_f) if kl_reward else None,
+                    **kl,
+                )
+                host["advantages"] = np.asarray(adv, np.float32) * keep_b
             per_mb = P // M
             for j in range(M):
                 # Minibatch j: prompts [j*P/M, (j+1)*P/M), group ids renumbered from 0.
@@ -526,9 +546,10 @@ class RLTrainer:
                     batch = dataclasses.replace(
                         batch, old_logp=_put_like(old_all[rows], batch.mask)
                     )
-                if self.ref_params is not None:
-                    ref = self.logprob_fn(self.ref_params, batch)
-                    batch = dataclasses.replace(batch, ref_logp=ref)
+                if ref_all is not None:
+                    batch = dataclasses.replace(
+                        batch, ref_logp=_put_like(ref_all[rows], batch.mask)
+                    )
                 stale = self.version - oldest
                 if self.cfg.train.off_policy == "pipeline" and stale > self.cfg.train.off_policy_k:
                     raise AssertionError(
@@ -545,10 +566,12 @@ class RLTrainer:
                 metrics[f"train/{k}"] = float(np.mean([float(m[k]) for m in host_m]))
             nonfinite = sum(float(m["nonfinite"]) for m in host_m)
             tokens = float(host["valid"].sum())
-            passes = M + (1 if need_old else 0) + (M if self.ref_params is not None else 0)
+            # Forward passes over the whole batch besides the M updates' (which together
+            # see every token once): the old policy's and the reference's log-probs.
+            forwards = (old_all is not None) + (ref_all is not None)
             self.counters.add(
                 trainer_flops=self.spec.train_flops_per_token(host["valid"].shape[1] / 2) * tokens
-                + (passes - M) * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
+                + forwards * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
             )
         else:
             nonfinite = 0.0
@@ -559,7 +582,8 @@ class RLTrainer:
             {
                 "train/reward": float(shaped.mean()),
                 "train/pass@1": float((raw > 0).mean()),
-                "train/zero_variance_frac": float(1.0 - keep_p.mean()),
+                # Zero-variance groups (dropped from the loss with data.zero_variance_filter).
+                "train/zero_variance_frac": float(zero_var_p.mean()),
                 "train/response_len": float(ro.lengths.mean()),
                 "train/truncation_rate": float(ro.truncated.mean()),
                 "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
@@ -775,25 +799,40 @@ class RLTrainer:
     def _dynamic_batch(self) -> tuple[Rollouts, list]:
         """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
         differ, until B_p are kept or data.max_resample_rounds; short batches are filled
-        with zero-variance groups (which the zero-variance filter then drops)."""
+        with zero-variance groups (which the zero-variance filter then drops).
+
+        Zero variance is decided as in `_train_on` (`_zero_variance`, shaped rewards).
+        Groups scored but not kept still enter the pass-rate history here (the kept
+        ones do in `_train_on`), so No-Positive-Resampling and the interference
+        histogram see every scored group once."""
         kept: list[tuple[Rollouts, int]] = []
         spare: list[tuple[Rollouts, int]] = []
         problems: list = []
         spare_problems: list = []
+        kept_raw: list[np.ndarray] = []  # [G] verifier rewards of each group
+        spare_raw: list[np.ndarray] = []
+        G = self.G
         for r in range(self.cfg.data.max_resample_rounds):
             batch = next(self.pipeline)
             ro = self._generate(self.step * 64 + r, batch)
             self._account_sampling(ro)
-            raw, _, _ = self._score(ro, batch)
-            var = has_variance(raw.reshape(len(batch), self.G))
-            for g, ok in enumerate(var):
-                (kept if ok else spare).append((ro, g))
-                (problems if ok else spare_problems).append(batch[g])
+            raw, shaped, _ = self._score(ro, batch)
+            zero_var = self._zero_variance(shaped, ro.group_ids, len(batch))
+            for g, zv in enumerate(zero_var):
+                (spare if zv else kept).append((ro, g))
+                (spare_problems if zv else problems).append(batch[g])
+                (spare_raw if zv else kept_raw).append(raw[g * G : (g + 1) * G])
             if len(kept) >= self.P:
                 break
         fill = max(0, self.P - len(kept))
         groups = (kept + spare[:fill])[: self.P]
         probs = (problems + spare_problems[:fill])[: self.P]
+        dropped = problems[self.P :] + spare_problems[fill:]
+        if dropped:
+            with self.data_lock:
+                self.curriculum.update(
+                    [p.id for p in dropped], np.stack(kept_raw[self.P :] + spare_raw[fill:])
+                )
         generated = (r + 1) * self.P * self.G
         self.counters.add(rollouts=generated - self.P * self.G)
         return _concat_groups(groups, self.G), probs

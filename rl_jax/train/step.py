@@ -305,6 +305,7 @@ def make_train_step(
     state pass through unchanged) and reports `nonfinite = 1`.
     """
 
+    loss_cfg = loss_cfg.resolved()
     critic = loss_cfg.advantage == "gae"
 
     def loss_fn(params: Params, batch: TrainBatch):
