@@ -26,10 +26,9 @@ load from other processes on the machine hits both alike.
 Keys: median_step_s (wall time of a warm step: sample + score + train + the
 loop's bookkeeping), sample_s / score_s / train_s (medians of the trainer's
 timers), first_step_s (first step in a fresh process with an empty compilation
-cache, compilation included), first_step_warm_cache_s (a second process on that
-cache: compiled executables loaded from disk, rl_jax.executables) and
-first_step_warm_jax_cache_only_s (a third with RL_JAX_EXECUTABLE_CACHE=0: JAX's
-cache alone, every function traced and lowered again), init_s / startup_s
+cache, compilation included), first_step_warm_cache_s (a second process on
+JAX's persistent compilation cache: every function traced and lowered, XLA's
+compile read back), init_s / startup_s
 (trainer construction; process start to the end of the first step),
 peak_rss_mb (of the cold process; peak_rss_warm_cache_mb of the second one),
 sampler_tokens_per_s, flops_fraction (model FLOPs per second of a warm step over this
@@ -450,12 +449,6 @@ def main(a) -> int:
             result["peak_rss_warm_cache_mb"] = f2["peak_rss_mb"]
             result["startup_warm_cache_s"] = r2["startup_s"]
             result["init_warm_cache_s"] = r2["init_s"]
-            # The baseline: JAX's cache alone (every function traced and lowered).
-            env3 = dict(env, RL_JAX_EXECUTABLE_CACHE="0")
-            rl3 = Worker("rl_jax_warm_jax", _rl_argv(a, cache, os.path.join(tmp, "runs3")), env3)
-            workers.append(rl3)
-            result["first_step_warm_jax_cache_only_s"] = rl3.read()["step_s"]
-            rl3.stop()
         result.update(
             {
                 "model": a.model or ("preset:tiny (smoke)" if a.smoke else "preset:bench"),

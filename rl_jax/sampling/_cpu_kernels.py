@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -74,9 +75,19 @@ def _compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
 
 
-def _library_path(cxx: str) -> Path:
-    from rl_jax.executables import host_cpu
+def host_cpu() -> str:
+    """The host CPU's architecture and feature flags: the library is compiled with
+    -march=native, so a cache shared between machines (a network home) must not mix them."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:  # not Linux: the architecture alone
+        pass
+    return f"{platform.machine()}|{hashlib.sha256(flags.encode()).hexdigest()}"
 
+
+def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):

@@ -26,7 +26,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.executables import AotFunction
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
@@ -150,32 +149,11 @@ class Sampler:
         self.attention_kernel = self._use_attention_kernel()
         self.matmul_kernel = self._use_matmul_kernel()
         opts = xla_options(mesh)
-        # What the compiled bodies close over, for their on-disk executables
-        # (rl_jax.executables); the devices are in the arguments' shardings.
-        closure = repr(
-            (
-                self.spec,
-                cfg,
-                self.rules,
-                self.stop_ids,
-                self.interrupt_ids,
-                self.pad_id,
-                self.shards,
-                self._local_loops,
-                self.attention_kernel,
-                self.matmul_kernel,
-                None if mesh is None else (mesh.axis_names, mesh.devices.shape),
-            )
+        self._start = jax.jit(
+            self._start_impl, static_argnames=("gen_len",), compiler_options=opts
         )
-        self._start = AotFunction(
-            jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts),
-            name="sampler_start",
-            static_key=closure,
-        )
-        self._decode = AotFunction(
-            jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts),
-            name="sampler_decode",
-            static_key=closure,
+        self._decode = jax.jit(
+            self._decode_impl, donate_argnames=("state",), compiler_options=opts
         )
 
     def _cpu_kernels_apply(self) -> bool:

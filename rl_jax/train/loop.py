@@ -38,14 +38,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, resolved, run_id
 from rl_jax.data import Curriculum, PromptPipeline, build_task
-from rl_jax.executables import AotFunction, PendingLoad
 from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import score_batch, shape_rewards
 from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
-from rl_jax.sampling import Rollouts, Sampler, round_up
+from rl_jax.sampling import Rollouts, Sampler
 from rl_jax.sharding import (
     MeshConfig,
     get_rules,
@@ -162,18 +161,7 @@ class RLTrainer:
             temperature=self._train_temperature(),
             state_shardings=(_shardings(self.params), _shardings(self.opt_state)),
         )
-        # What the step closes over, for its on-disk executable (rl_jax.executables;
-        # the mesh and state shardings are in the arguments' signature). The optimizer
-        # is all of cfg.train but the seed (make_optimizer's inputs), so a seed sweep
-        # shares one executable.
-        closure = (
-            self.spec,
-            self.train_rules,
-            cfg.loss,
-            dataclasses.replace(cfg.train, seed=0),
-            (P, G, mb_groups, self.max_tokens, self._train_temperature()),
-        )
-        self.train_step = AotFunction(step_fn, name="train_step", static_key=repr(closure))
+        self.train_step = step_fn
         self.logprob_fn = make_logprob_fn(
             self.spec, self.train_rules, self.mesh, temperature=self._train_temperature()
         )
@@ -219,8 +207,6 @@ class RLTrainer:
         self.data_lock = threading.Lock()
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
         self.split_sampler: SplitSampler | None = None
-        self._step_compiled_early = False
-        self._step_loading: PendingLoad | None = None  # the train step's, from disk
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
         self._closed = False
         self._resumed: bool | None = None  # try_resume's answer, once asked
@@ -323,65 +309,6 @@ class RLTrainer:
         """Batches carry the old policy's log-probs: several updates per batch, or TIS."""
         return self.M > 1 or self.cfg.loss.tis
 
-    def _train_prompt_ids(self, problems) -> list[list[int]]:
-        """Prompt ids of a training batch; the first one also compiles the train step."""
-        ids = self._prompt_ids(problems)
-        if not self._step_compiled_early and ids:
-            self._step_compiled_early = True
-            self._compile_train_step(max(len(i) for i in ids))
-        return ids
-
-    def _compile_train_step(self, longest_prompt: int) -> None:
-        """Compile the train step before anything is sampled (ahead of time, for the
-        widths the sampler's buckets give the first batch).
-
-        Compiling the step takes the compiler ~500 MB on the bench workload, the
-        process's peak; done first, it happens while the least else is alive (no
-        sampler executables, caches or rollouts yet): cold peak RSS 944-949 -> 911
-        MB in benchmarks/rl_step.py. The step keeps the executable (and, with a
-        compilation cache, writes it: a warm process loads it without tracing), so
-        the first update only looks it up; a batch of other widths gets its own.
-
-        An executable on disk is loaded in a background thread instead, while the
-        first batch is sampled: loading is ~0.4 s of C++ on the bench workload and
-        takes no compiler memory. `_await_train_step` joins it before the update.
-        """
-        if self.critic or jax.process_count() > 1:
-            return  # (GAE batches carry more fields; multi-process keeps compiles in step)
-        sc = self.cfg.sampling
-        # The sampler's buckets (Sampler.start): prompts left-padded, generations right.
-        tp = round_up(longest_prompt, sc.length_bucket)
-        tg = round_up(sc.max_new_tokens, sc.length_bucket)
-        per_mb, G = self.P // self.M, self.G
-        rows = per_mb * G
-        zeros_bt = np.zeros((rows, tg), np.float32)
-        host = assemble_batch(
-            np.zeros((rows, tp), np.int32),
-            np.ones((rows, tp), bool),
-            np.zeros((rows, tg), np.int32),
-            np.full((rows,), tg, np.int32),
-            zeros_bt,
-            zeros_bt,
-            np.zeros((rows,), np.float32),
-            np.repeat(np.arange(per_mb, dtype=np.int32), G),
-        )
-        batch = put_batch(host, self.mesh)
-        if self._needs_old_logp:
-            batch = dataclasses.replace(batch, old_logp=_put_like(zeros_bt, batch.mask))
-        if self.ref_params is not None:
-            batch = dataclasses.replace(batch, ref_logp=_put_like(zeros_bt, batch.mask))
-        args = (self.params, self.opt_state, batch)
-        self._step_loading = self.train_step.start_load(*args)
-        if self._step_loading is None:
-            self.train_step.prepare(*args)
-
-    def _await_train_step(self) -> None:
-        """Wait for a background load of the train step: its errors surface here, and
-        a file that did not load is compiled here (not beside the sampler)."""
-        loading, self._step_loading = self._step_loading, None
-        if loading is not None:
-            loading.finish()
-
     def _row_ids(self, step: int, n_prompts: int) -> np.ndarray:
         # Distinct per (step, row) so every draw of the run is its own stream.
         return (step * 1_000_003 + np.arange(n_prompts * self.G)) % (2**31 - 1)
@@ -402,7 +329,7 @@ class RLTrainer:
         params, version = weights or self.sampler_weights()
         state = self.sampler.start(
             params,
-            self._train_prompt_ids(problems),
+            self._prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
             version=version,
@@ -413,7 +340,7 @@ class RLTrainer:
     def _generate(self, step: int, problems) -> Rollouts:
         return self.sampler.generate(
             self.sampler_weights()[0],
-            self._train_prompt_ids(problems),
+            self._prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
             version=self.version,
@@ -556,7 +483,6 @@ class RLTrainer:
                         f"PipelineRL staleness {stale} exceeds k={self.cfg.train.off_policy_k}"
                     )
                 self.staleness_hist[stale] = self.staleness_hist.get(stale, 0) + 1
-                self._await_train_step()
                 self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
                 per_update.append(m)
                 self.version += 1
@@ -957,9 +883,6 @@ class RLTrainer:
 
     def close(self) -> None:
         """Finish pending saves and release the run directory (idempotent)."""
-        if self._step_loading is not None:  # no thread left loading past the trainer
-            self._step_loading.future.exception()
-            self._step_loading = None
         if self.logger is not None:
             self.logger.close()
             self.logger = None
