@@ -94,13 +94,7 @@ from rl_jax.sharding import make_mesh  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import jax_matmul_rate  # noqa: E402
 
-
-def sampler_flops(spec, rows: int, prompts: int, prompt_len: int, new_tokens: int) -> float:
-    """Model FLOPs of one run: prefill each prompt once, then rows x new_tokens decode steps
-    (token t attends to prompt_len + t + 1 keys)."""
-    prefill = prompts * spec.sequence_flops(prompt_len)
-    decode = rows * sum(spec.flops_per_token(prompt_len + t + 1) for t in range(new_tokens))
-    return prefill + decode
+from rl_jax.train.accounting import forward_flops  # noqa: E402
 
 
 def hf_generate_fn(model_dir: str, prompts: np.ndarray, samples: int, new_tokens: int):
@@ -194,7 +188,8 @@ def main() -> int:
 
     tokens = rows * a.new_tokens
     ours_s = statistics.median(ours_t)
-    flops = sampler_flops(spec, rows, a.prompts, a.prompt_len, a.new_tokens)
+    # Model FLOPs of one run, as runs count them (each prompt once, every new token).
+    flops = forward_flops(spec, [a.prompt_len] * a.prompts, [a.new_tokens] * rows, a.samples)
     # This machine's matmul rate on the sampler's devices, in the sampler's dtype.
     peak = jax_matmul_rate(repeats=5, mesh=mesh, dtype=a.dtype)
     result = {

@@ -77,16 +77,22 @@ def test_flops_budget_uses_model_flops_per_token():
     from rl_jax.models.spec import resolve_spec
 
     cfg = load_recipe("scalerl")
+    from rl_jax.config import apply_overrides
+    from rl_jax.train.accounting import step_flops
+
     ms = resolve_spec(cfg.model)
-    T = cfg.sampling.max_prompt_len + cfg.sampling.max_new_tokens
-    per_rollout = ms.sequence_flops(T) + ms.sequence_flops(T, train=True)
+    P, tp, tg = cfg.data.prompts_per_batch, cfg.sampling.max_prompt_len, cfg.sampling.max_new_tokens
+    # The count a run makes of its own steps, on the lengths the grid expects.
+    f = step_flops(ms, apply_overrides(cfg, ["sampling.n=2"]), [tp] * P, [tg] * (P * 2))
+    per_step = f["sampler_flops"] + f["trainer_flops"]
     plans = expand(
         _spec(
             axes=(Axis.of("sampling.n", [2], short="n"),),
-            budget=Budget(amount=per_rollout * cfg.data.prompts_per_batch * 2 * 10.5, unit="flops"),
+            budget=Budget(amount=per_step * 10.5, unit="flops"),
         )
     )
     assert plans[0].steps == 10  # B_p from the recipe, n = 2; floor(10.5)
+    assert plans[0].step_compute["flops"] == pytest.approx(per_step, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -80,3 +80,43 @@ def test_checkpoint_fallback_on_damaged_newest(tmp_path, capsys):
     ck.close()
     assert math.isfinite(float(restored["w"].sum()))
     assert os.path.isdir(tmp_path / "ck")
+
+
+class _LinearFlops:
+    """flops_per_token(c) = 10 + 2 c: 10 through the weights, 2 per attended key."""
+
+    def flops_per_token(self, context_len):
+        return 10.0 + 2.0 * context_len
+
+
+def test_forward_flops_by_hand():
+    from rl_jax.train.accounting import forward_flops
+
+    # One prompt of 3 tokens (attending to 1, 2, 3 keys) shared by completions of 2 and
+    # 1 tokens (attending to 4, 5 and to 4 keys).
+    prompt = 3 * 10 + 2 * (1 + 2 + 3)
+    rows = (2 * 10 + 2 * (4 + 5)) + (10 + 2 * 4)
+    assert forward_flops(_LinearFlops(), [3], [2, 1], 2) == prompt + rows
+    with pytest.raises(ValueError, match="3 completion lengths for 1 prompts x 2"):
+        forward_flops(_LinearFlops(), [3], [2, 1, 1], 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, extra",
+    [
+        ([], 0),
+        (["train.updates_per_batch=2"], 1),
+        (["loss.tis=true"], 1),
+        (["loss.kl_coef=0.1"], 1),
+        (["loss.kl_coef=0.1", "loss.kl_in_reward=true"], 2),
+        (["loss.advantage=gae", "model.value_head=true"], 1),
+    ],
+)
+def test_step_flops_counts_the_trainers_extra_forwards(overrides, extra):
+    from rl_jax.config import load_recipe
+    from rl_jax.train.accounting import forward_flops, step_flops
+
+    cfg = load_recipe("scalerl", ["sampling.n=2", "data.prompts_per_batch=2", *overrides])
+    fwd = forward_flops(_LinearFlops(), [3, 4], [2, 1, 5, 5], 2)
+    got = step_flops(_LinearFlops(), cfg, [3, 4], [2, 1, 5, 5])
+    assert got == {"sampler_flops": fwd, "trainer_flops": (3 + extra) * fwd}

@@ -188,34 +188,28 @@ class Constraint:
 # ---- compute --------------------------------------------------------------------------
 
 
-def rollout_flops(cfg: RunConfig, prompt_tokens: float, generated_tokens: float) -> float:
-    """Estimated FLOPs of one rollout: sampling it, training on it, a reference pass if KL.
-
-    Uses the model's FLOPs per token (rl_jax.models.spec); nan if that module is
-    not available in this build.
-    """
-    try:
-        from rl_jax.models.spec import resolve_spec
-    except ImportError:
-        return math.nan
-    spec = resolve_spec(cfg.model)
-    T = int(math.ceil(prompt_tokens + generated_tokens))
-    fwd = spec.sequence_flops(T)
-    total = fwd + spec.sequence_flops(T, train=True)
-    if cfg.loss.kl_coef > 0:
-        total += fwd
-    return float(total)
-
-
 def step_compute(cfg: RunConfig, budget: Budget | None = None) -> dict[str, float]:
-    """Compute of one RL step in each unit (rollouts exact; tokens and FLOPs estimated)."""
+    """Compute of one RL step in each unit: rollouts exact; tokens and FLOPs from the
+    budget's expected lengths (else the config's caps), by the count runs use
+    (`rl_jax.train.accounting.step_flops`); FLOPs nan if the model code is not in
+    this build."""
     rollouts = cfg.data.prompts_per_batch * cfg.sampling.n
     p = (budget.prompt_tokens if budget else 0) or cfg.sampling.max_prompt_len
     g = (budget.generated_tokens if budget else 0) or cfg.sampling.max_new_tokens
+    try:
+        from rl_jax.models.spec import resolve_spec
+    except ImportError:
+        flops = math.nan
+    else:
+        from rl_jax.train.accounting import step_flops
+
+        P = cfg.data.prompts_per_batch
+        f = step_flops(resolve_spec(cfg.model), cfg, [p] * P, [g] * rollouts)
+        flops = f["sampler_flops"] + f["trainer_flops"]
     return {
         "rollouts": float(rollouts),
         "generated_tokens": float(rollouts * g),
-        "flops": rollouts * rollout_flops(cfg, p, g),
+        "flops": flops,
     }
 
 

@@ -149,12 +149,8 @@ class Sampler:
         self.attention_kernel = self._use_attention_kernel()
         self.matmul_kernel = self._use_matmul_kernel()
         opts = xla_options(mesh)
-        self._start = jax.jit(
-            self._start_impl, static_argnames=("gen_len",), compiler_options=opts
-        )
-        self._decode = jax.jit(
-            self._decode_impl, donate_argnames=("state",), compiler_options=opts
-        )
+        self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
+        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
 
     def _cpu_kernels_apply(self) -> bool:
         """Whether the CPU decode kernels (`_cpu_kernels`) can run this sampler's decode:

@@ -1,9 +1,34 @@
-"""Compute accounting: every counter a curve can be fitted against (DESIGN.md)."""
+"""Compute accounting: every counter a curve can be fitted against (DESIGN.md), and the
+one count of an RL step's FLOPs that runs, grids and plans share.
+
+FLOPs are model FLOPs (`ModelSpec.flops_per_token`: 2 per multiply-add through the
+weights, 4 * H * hd per attended key and layer; causal attention counted once,
+rematerialization not counted). A batch of P prompt groups of G samples:
+
+* a forward pass over it runs each prompt once (the sampler prefills a prompt once
+  for its G samples; the trainer runs it once per group) and each completion token
+  j (0-based) attending to its prompt's tp tokens and j + 1 of its own;
+* sampling costs one forward pass; training costs a forward and a backward
+  (backward = 2 forwards) over the batch, whatever the number of minibatches, plus
+  one forward for each of the old policy's log-probs, the reference's log-probs
+  and the critic's values that the recipe needs (`extra_forwards`).
+
+This module imports neither JAX nor the model code: the grid driver plans with it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rl_jax.config import RunConfig
+
+TRAIN_PASSES = 3.0  # forward + backward, in forward passes
 
 
 @dataclass
@@ -41,3 +66,48 @@ class ComputeCounters:
     def from_dict(cls, d: dict) -> ComputeCounters:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def forward_flops(
+    spec: Any,
+    prompt_lens_p: Sequence[float],
+    completion_lens_b: Sequence[float],
+    samples_per_prompt: int,
+) -> float:
+    """Model FLOPs of one forward pass over P prompt groups of G completions.
+
+    prompt_lens_p: [P] prompt tokens; completion_lens_b: [P * G] completion tokens,
+    group by group; spec: a ModelSpec (anything with `flops_per_token`)."""
+    tp = np.asarray(prompt_lens_p, np.float64)
+    g = np.asarray(completion_lens_b, np.float64)
+    G = int(samples_per_prompt)
+    if g.size != tp.size * G:
+        raise ValueError(f"{g.size} completion lengths for {tp.size} prompts x {G} samples")
+    dense = spec.flops_per_token(0)
+    per_key = spec.flops_per_token(1) - dense  # attention FLOPs per attended key
+    prompts = np.sum(tp * dense + per_key * tp * (tp + 1) / 2)
+    tp_b = np.repeat(tp, G)
+    completions = np.sum(g * dense + per_key * g * (tp_b + (g + 1) / 2))
+    return float(prompts + completions)
+
+
+def extra_forwards(cfg: RunConfig) -> int:
+    """Forward passes over a whole batch that training takes besides its updates: the
+    old policy's log-probs (several updates per batch, truncated IS, or the KL in the
+    reward), the reference's (a KL term) and the critic's values (GAE)."""
+    loss, M = cfg.loss.resolved(), cfg.train.updates_per_batch
+    kl = loss.kl_coef > 0
+    old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
+    return int(old) + int(kl) + int(loss.advantage == "gae")
+
+
+def step_flops(
+    spec: Any,
+    cfg: RunConfig,
+    prompt_lens_p: Sequence[float],
+    completion_lens_b: Sequence[float],
+) -> dict[str, float]:
+    """{"sampler_flops", "trainer_flops"} of one RL step on these rollouts (a run counts
+    its real lengths; a grid or a plan, the lengths it expects)."""
+    fwd = forward_flops(spec, prompt_lens_p, completion_lens_b, cfg.sampling.n)
+    return {"sampler_flops": fwd, "trainer_flops": (TRAIN_PASSES + extra_forwards(cfg)) * fwd}

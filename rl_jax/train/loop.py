@@ -52,7 +52,7 @@ from rl_jax.sharding import (
     num_batch_shards,
     start_jax,
 )
-from rl_jax.train.accounting import ComputeCounters
+from rl_jax.train.accounting import ComputeCounters, forward_flops, step_flops
 from rl_jax.train.checkpoint import Checkpointer
 from rl_jax.train.evaluation import (
     correctness_fn,
@@ -363,20 +363,11 @@ class RLTrainer:
         return raw, shaped, texts
 
     def _account_sampling(self, ro: Rollouts) -> None:
-        tp = ro.prompt_mask.sum(axis=1)
-        gen = ro.lengths
-        # Prompt prefill is shared by a prompt's G samples; decode attends to prompt + prefix.
-        prefill = sum(self.spec.sequence_flops(int(t)) for t in tp[:: self.G])
-        decode = float(
-            sum(
-                self.spec.flops_per_token(float(t) + 0.5 * float(g) + 1) * float(g)
-                for t, g in zip(tp, gen, strict=True)
-            )
-        )
+        tp = ro.prompt_mask.sum(axis=1)[:: self.G]  # [P] (a group's rows share the prompt)
         self.counters.add(
-            prompt_tokens=int(tp[:: self.G].sum()),
-            generated_tokens=int(gen.sum()),
-            sampler_flops=float(prefill) + decode,
+            prompt_tokens=int(tp.sum()),
+            generated_tokens=int(ro.lengths.sum()),
+            sampler_flops=forward_flops(self.spec, tp, ro.lengths, self.G),
         )
 
     def _zero_variance(self, shaped: np.ndarray, group_ids: np.ndarray, n_prompts: int):
@@ -491,13 +482,9 @@ class RLTrainer:
             for k in host_m[0]:
                 metrics[f"train/{k}"] = float(np.mean([float(m[k]) for m in host_m]))
             nonfinite = sum(float(m["nonfinite"]) for m in host_m)
-            tokens = float(host["valid"].sum())
-            # Forward passes over the whole batch besides the M updates' (which together
-            # see every token once): the old policy's and the reference's log-probs.
-            forwards = (old_all is not None) + (ref_all is not None)
+            tp = ro.prompt_mask.sum(axis=1)[::G]
             self.counters.add(
-                trainer_flops=self.spec.train_flops_per_token(host["valid"].shape[1] / 2) * tokens
-                + forwards * self.spec.flops_per_token(host["valid"].shape[1] / 2) * tokens
+                trainer_flops=step_flops(self.spec, self.cfg, tp, ro.lengths)["trainer_flops"]
             )
         else:
             nonfinite = 0.0
@@ -540,9 +527,9 @@ class RLTrainer:
             key=eval_key(self.cfg.train.seed),
             version=self.version,
         )
-        ev_tokens = float(ro.lengths.sum())
+        k = self.cfg.eval.k
         self.counters.add(
-            eval_flops=self.spec.flops_per_token(ro.prompt_tokens.shape[1]) * ev_tokens,
+            eval_flops=forward_flops(self.spec, ro.prompt_mask.sum(axis=1)[::k], ro.lengths, k),
             eval_device_seconds=(time.perf_counter() - t0) * jax.device_count(),
         )
         m["time/eval_s"] = time.perf_counter() - t0
