@@ -396,3 +396,27 @@ def test_model_from_replicated_weights_without_a_mesh(model):
     np.testing.assert_allclose(
         np.asarray(_logprobs(copy, TOKS)[0]), np.asarray(_logprobs(model, TOKS)[0]), atol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    "preset, published",
+    [
+        # Parameter counts of the released checkpoints (Hugging Face model pages).
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen2.5-1.5b", 1_543_714_304),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen3-4b", 4_022_468_096),
+        ("qwen3-8b", 8_190_735_360),
+        ("qwen3-14b", 14_768_307_200),
+        ("qwen3-32b", 32_762_123_264),
+        ("llama3.2-1b", 1_235_814_400),
+        ("llama3.2-3b", 3_212_749_824),
+        ("llama3.1-8b", 8_030_261_248),
+    ],
+)
+def test_real_family_presets_have_the_released_sizes(preset, published):
+    from rl_jax.config import load_recipe
+    from rl_jax.models.spec import resolve_spec
+
+    spec = resolve_spec(load_recipe("scalerl", [f"model.preset={preset}"]).model)
+    assert spec.num_params() == published
