@@ -32,8 +32,9 @@ class RewardConfig:
         if not self.name:
             raise ConfigError("rewards.name is empty; use a verifier name or 'auto'")
         if self.name != "auto":
-            # Imported here: rl_jax.rewards imports this module. Checked now, not when the
-            # trainer builds the verifier after JAX has started and the model has loaded.
+            # Checked now, not when the trainer builds the verifier after JAX has started
+            # and the model has loaded. Imported here: the registry (numpy, the sandbox)
+            # stays out of what `rl-jax --help` loads.
             from rl_jax.rewards import names
 
             check_choice("rewards", "name", self.name, ["auto", *names()])

@@ -9,9 +9,10 @@ problems = next(pipe)                              # list[Problem]
 checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
 """
 
-from rl_jax.data._build import build_task, raw_problems
+from rl_jax.data._build import build_task
 from rl_jax.data._files import detect_layout, problems_from_records, read_records
 from rl_jax.data._problem import Problem, Task, apply_template, problem_id
+from rl_jax.data._sources import raw_problems
 from rl_jax.data._synthetic import arith_answer
 from rl_jax.data.curriculum import Curriculum, pass_rates
 from rl_jax.data.pipeline import DataExhausted, PromptPipeline, shard_problems

@@ -195,7 +195,7 @@ def rollout_flops(cfg: RunConfig, prompt_tokens: float, generated_tokens: float)
     not available in this build.
     """
     try:
-        from rl_jax.models.spec import resolve_spec
+        from rl_jax.models.load import resolve_spec
     except ImportError:
         return math.nan
     spec = resolve_spec(cfg.model)

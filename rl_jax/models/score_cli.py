@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     if args.temperature <= 0:
         raise ConfigError(f"--temperature={args.temperature} must be > 0")
     from rl_jax.config.model import ModelConfig
-    from rl_jax.models.hf import load_model
+    from rl_jax.models.load import load_model
 
     if args.token_ids is not None:
         ids = parse_ids(args.token_ids)
