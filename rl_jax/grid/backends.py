@@ -30,7 +30,7 @@ DEFAULT_TRAIN_CMD = (sys.executable, "-m", "rl_jax.cli", "train")
 def train_cmd_for(warm_start: float, python: str = sys.executable) -> list[str]:
     """`rl-jax train`, or the warm-started trainer for specs with warm_start > 0."""
     if warm_start > 0:
-        return [python, "-m", "rl_jax.grid.warm_train", "--target", repr(warm_start)]
+        return [python, "-m", "rl_jax.cli.warm_train", "--target", repr(warm_start)]
     return [python, "-m", "rl_jax.cli", "train"]
 
 

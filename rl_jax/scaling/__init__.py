@@ -36,7 +36,14 @@ from rl_jax.scaling._early import EarlyDecision, EarlyRow, early_decision, p_gre
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
 from rl_jax.scaling._isocompute import Frontier, FrontierError, fit_frontier, record_breaking
 from rl_jax.scaling._power import PowerLawFit, fit_power_law
-from rl_jax.scaling._report import FitEntry, FitReport, fit_runs, parse_fit_start, write_report
+from rl_jax.scaling._report import (
+    FRONTIER_MODES,
+    FitEntry,
+    FitReport,
+    fit_runs,
+    parse_fit_start,
+    write_report,
+)
 from rl_jax.scaling._sigmoid import (
     PAPER_A_GRID,
     PAPER_C_MID_GRID,
@@ -72,6 +79,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BOOTSTRAP_KINDS",
+    "FRONTIER_MODES",
     "PAPER_A_GRID",
     "PAPER_A_TOL",
     "PAPER_C_MID_GRID",
