@@ -89,7 +89,6 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
         spot=a.tpu_spot,
         version=a.tpu_version,
         remote_out=a.tpu_remote_out,
-        teardown=a.tpu_teardown,
     )
     return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run, warm_start=spec.warm_start)
 
