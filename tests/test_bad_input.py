@@ -402,7 +402,7 @@ def test_checkpoint_restore_failure_is_one_short_line_naming_the_tensor():
 
 
 def test_multiline_config_error_prints_one_line(capsys, monkeypatch):
-    import rl_jax.config.cli as config_cli
+    import rl_jax.cli.config as config_cli
 
     def boom(argv):
         raise ConfigError("first\nsecond\n  third")

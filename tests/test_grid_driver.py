@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from rl_jax.cli.grid import main as grid_main
 from rl_jax.grid import load_spec
 from rl_jax.grid._guard import BUSY
 from rl_jax.grid._guard import main as guard_main
-from rl_jax.grid.cli import main as grid_main
 from rl_jax.grid.state import GridState
 from rl_jax.runs import read_jsonl
 
@@ -313,16 +313,16 @@ def test_tpu_dry_run_prints_the_gcloud_commands(tmp_path, capsys):
 
 
 def test_warm_start_specs_train_through_warm_train():
-    from rl_jax.grid.cli import build_parser, make_backend
+    from rl_jax.cli.grid import build_parser, make_backend
 
     spec = load_spec("isocompute_cpu")
     local = make_backend(build_parser().parse_args(["isocompute_cpu"]), spec)
     target = repr(spec.warm_start)
-    assert local.train_cmd[1:] == ["-m", "rl_jax.grid.warm_train", "--target", target]
+    assert local.train_cmd[1:] == ["-m", "rl_jax.cli.warm_train", "--target", target]
     tpu = make_backend(
         build_parser().parse_args(["isocompute_cpu", "--backend", "tpu", "--tpu-zone", "z"]), spec
     )
-    assert tpu.remote_train_cmd == ["python", "-m", "rl_jax.grid.warm_train", "--target", target]
+    assert tpu.remote_train_cmd == ["python", "-m", "rl_jax.cli.warm_train", "--target", target]
     plain = make_backend(build_parser().parse_args(["isocompute"]), load_spec("isocompute"))
     assert plain.train_cmd[1:] == ["-m", "rl_jax.cli", "train"]
 

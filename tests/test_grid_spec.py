@@ -74,7 +74,7 @@ def test_zipped_variants_vars_and_derived_cadence():
 
 def test_flops_budget_uses_model_flops_per_token():
     pytest.importorskip("rl_jax.models.spec")
-    from rl_jax.models.spec import resolve_spec
+    from rl_jax.models.load import resolve_spec
 
     cfg = load_recipe("scalerl")
     from rl_jax.config import apply_overrides

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from rl_jax.grid.cli import main as grid_main
+from rl_jax.cli.grid import main as grid_main
 from rl_jax.grid.state import GridState
 from rl_jax.runs import read_jsonl
 

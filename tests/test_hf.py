@@ -14,9 +14,9 @@ from rl_jax.models.hf import (
     CheckpointError,
     export_hf,
     load_hf,
-    load_model,
     spec_fields_from_hf_config,
 )
+from rl_jax.models.load import load_model
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.tokenizer import HFTokenizer
 from rl_jax.sharding import make_mesh

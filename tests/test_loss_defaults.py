@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_jax.cli import config as config_cli
 from rl_jax.config import (
     ConfigError,
     LossConfig,
@@ -17,7 +18,6 @@ from rl_jax.config import (
     resolved,
     run_id,
 )
-from rl_jax.config import cli as config_cli
 from rl_jax.config.loss import LOSS_DEFAULTS, LOSSES, PER_LOSS_KNOBS, SHARED_DEFAULTS
 from rl_jax.losses import LossInputs, advantages_from_config, get, loss_from_config
 

@@ -416,7 +416,7 @@ def test_model_from_replicated_weights_without_a_mesh(model):
 )
 def test_real_family_presets_have_the_released_sizes(preset, published):
     from rl_jax.config import load_recipe
-    from rl_jax.models.spec import resolve_spec
+    from rl_jax.models.load import resolve_spec
 
     spec = resolve_spec(load_recipe("scalerl", [f"model.preset={preset}"]).model)
     assert spec.num_params() == published

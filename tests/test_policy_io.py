@@ -42,7 +42,7 @@ def run(tmp_path_factory):
 
 
 def _eval(capsys, *argv):
-    from rl_jax.train import eval_cli
+    from rl_jax.cli import eval as eval_cli
 
     assert eval_cli.main([*map(str, argv), "--json"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -66,7 +66,7 @@ def test_eval_reproduces_the_runs_own_curve_rows(run, capsys):
 
 
 def test_bad_runs_and_overrides_name_the_problem(run, tmp_path):
-    from rl_jax.train import eval_cli
+    from rl_jax.cli import eval as eval_cli
 
     path, _ = run
     with pytest.raises(ConfigError, match=r"no checkpoint at step 3; saved steps: \[2, 4\]"):
@@ -105,10 +105,10 @@ def test_a_damaged_checkpoint_names_the_tensor(run, tmp_path):
 
 
 def test_load_sample_and_convert_a_runs_policy(run, tmp_path, capsys):
+    from rl_jax.cli import convert as convert_cli
+    from rl_jax.cli import sample as sample_cli
     from rl_jax.data.tokenizer import CharTokenizer
-    from rl_jax.models import convert_cli
     from rl_jax.models.tokenizer import load_tokenizer
-    from rl_jax.sampling import cli as sample_cli
 
     path, final = run
     model, ck = load_run_model(path)

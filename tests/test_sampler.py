@@ -267,7 +267,7 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
     np.testing.assert_allclose(on_eight.logprobs, got.logprobs, atol=1e-5)
 
     def swapped(sampler):  # 5 tokens from A, the rest from B on A's cache
-        state = sampler.start(params_a, prompts, n=2, key=key, version=1)
+        state = sampler.start(params_a, prompts, n=2, key=key)
         state = sampler.decode(params_a, state, max_steps=5, version=1)
         return sampler.result(sampler.decode(params_b, state, version=2))
 
@@ -326,7 +326,7 @@ def test_cpu_kernels_decode_as_the_whole_cache(mild_params, monkeypatch):
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):
     k = 4
-    state = greedy.start(params_a, PROMPTS, n=1, version=1)
+    state = greedy.start(params_a, PROMPTS, n=1)
     state = greedy.decode(params_a, state, max_steps=k, version=1)
     assert not greedy.done(state)
     state = greedy.decode(params_b, state, max_steps=3, version=2)
@@ -359,7 +359,7 @@ def test_no_recompilation_for_new_weights_chunks_and_bucketed_lengths(greedy, pa
     greedy.generate(params_a, PROMPTS, n=2)
     before = greedy.compile_counts()
     shifted = [[t + 1 for t in p] for p in PROMPTS]  # other tokens, same bucket
-    state = greedy.start(params_b, [p[:-1] for p in shifted], n=2, version=3)
+    state = greedy.start(params_b, [p[:-1] for p in shifted], n=2)
     for steps in (1, 2, 5):
         state = greedy.decode(params_b if steps % 2 else params_a, state, max_steps=steps)
     greedy.generate(params_b, shifted, n=2, max_new_tokens=9)  # same generation bucket

@@ -68,7 +68,7 @@ def test_sample_prompts_file_text_output(model_dir, tmp_path, capsys):
 
 
 def test_sample_errors(model_dir, tmp_path):
-    from rl_jax.sampling.cli import main
+    from rl_jax.cli.sample import main
 
     with pytest.raises(ConfigError, match="comma-separated"):
         main(["--model", str(model_dir), "--prompt-token-ids", "1,x"])

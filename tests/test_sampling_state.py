@@ -42,7 +42,6 @@ def _state(B, Tg, *, limit, interrupt_at=None):
         group_ids=z,
         row_ids=jnp.arange(B, dtype=jnp.int32),
         real=jnp.ones((B,), bool),
-        prompt_version=jnp.int32(0),
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rl_jax.cli.fit import main
 from rl_jax.scaling import (
     CurveError,
     FitError,
@@ -19,7 +20,6 @@ from rl_jax.scaling import (
     load_rows,
     write_report,
 )
-from rl_jax.scaling.cli import main
 from rl_jax.scaling.synthetic import curve_rows, synthetic_curve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def test_cli_runs_without_jax(tmp_path):
         "import sys\n"
         "import rl_jax.scaling\n"
         "assert 'jax' not in sys.modules\n"
-        "from rl_jax.scaling.cli import main\n"
+        "from rl_jax.cli.fit import main\n"
         f"rc = main([{str(tmp_path / 'c.jsonl')!r}, '--out', {str(tmp_path / 'o')!r}, "
         "'--n-boot', '30', '--method', 'lsq', '--extrapolate', '0.5'])\n"
         "assert rc == 0, rc\n"

@@ -22,11 +22,10 @@ from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
 from rl_jax.config.rewards import RewardConfig
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
+from rl_jax.config.train import EvalConfig, TrainConfig
 from rl_jax.knobs import ConfigError, check_choice, check_range, knob, sub
 
 __all__ = [
-    "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
+from rl_jax.rewards import names as reward_names
 
 SCALES = ("pm1", "01")
 
@@ -32,11 +33,9 @@ class RewardConfig:
         if not self.name:
             raise ConfigError("rewards.name is empty; use a verifier name or 'auto'")
         if self.name != "auto":
-            # Imported here: rl_jax.rewards imports this module. Checked now, not when the
-            # trainer builds the verifier after JAX has started and the model has loaded.
-            from rl_jax.rewards import names
-
-            check_choice("rewards", "name", self.name, ["auto", *names()])
+            # Checked now, not when the trainer builds the verifier after JAX has started
+            # and the model has loaded.
+            check_choice("rewards", "name", self.name, ["auto", *reward_names()])
         check_choice("rewards", "scale", self.scale, SCALES)
         check_range("rewards", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
         check_range("rewards", "workers", self.workers, lo=1)

@@ -9,20 +9,12 @@ problems = next(pipe)                              # list[Problem]
 checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
 """
 
-from rl_jax.data._build import build_task, raw_problems
-from rl_jax.data._files import detect_layout, problems_from_records, read_records
-from rl_jax.data._problem import Problem, Task, apply_template, problem_id
+from rl_jax.data._build import build_task
+from rl_jax.data._problem import Problem, Task
 from rl_jax.data._synthetic import arith_answer
 from rl_jax.data.curriculum import Curriculum, pass_rates
 from rl_jax.data.pipeline import DataExhausted, PromptPipeline, shard_problems
-from rl_jax.data.splits import (
-    DEFAULT_BANDS,
-    Band,
-    assign_splits,
-    estimate_avg_at_k,
-    read_splits,
-    write_splits,
-)
+from rl_jax.data.splits import estimate_avg_at_k, read_splits, write_splits
 from rl_jax.data.tokenizer import CharTokenizer
 
 
@@ -35,26 +27,17 @@ def prepare_tfds(cfg, data_dir):
 
 
 __all__ = [
-    "DEFAULT_BANDS",
-    "Band",
     "CharTokenizer",
     "Curriculum",
     "DataExhausted",
     "Problem",
     "PromptPipeline",
     "Task",
-    "apply_template",
     "arith_answer",
-    "assign_splits",
     "build_task",
-    "detect_layout",
     "estimate_avg_at_k",
     "pass_rates",
     "prepare_tfds",
-    "problem_id",
-    "problems_from_records",
-    "raw_problems",
-    "read_records",
     "read_splits",
     "shard_problems",
     "write_splits",

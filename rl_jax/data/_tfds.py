@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from rl_jax.config.data import DataConfig
+from rl_jax.data._sources import raw_problems
 from rl_jax.knobs import ConfigError
 
 try:
@@ -78,8 +79,6 @@ if tfds is not None:
             )
 
         def _split_generators(self, dl_manager):
-            from rl_jax.data._build import raw_problems
-
             cfg = DataConfig(**self.builder_config.data)
             train, val, _ = raw_problems(cfg)
             splits = {"train": self._generate_examples(train)}

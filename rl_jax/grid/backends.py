@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ DEFAULT_TRAIN_CMD = (sys.executable, "-m", "rl_jax.cli", "train")
 def train_cmd_for(warm_start: float, python: str = sys.executable) -> list[str]:
     """`rl-jax train`, or the warm-started trainer for specs with warm_start > 0."""
     if warm_start > 0:
-        return [python, "-m", "rl_jax.grid.warm_train", "--target", repr(warm_start)]
+        return [python, "-m", "rl_jax.cli.warm_train", "--target", repr(warm_start)]
     return [python, "-m", "rl_jax.cli", "train"]
 
 
@@ -266,7 +266,6 @@ class TpuOptions:
     spot: bool = False
     version: str = ""  # runtime image ('' = per generation, TPU_RUNTIMES)
     remote_out: str = "rl_jax_runs"  # out_dir on the hosts (relative to $HOME, or absolute)
-    teardown: bool = False  # delete the slices when the grid is done
 
     def __post_init__(self):
         gen = self.accelerator.split("-")[0]
@@ -400,10 +399,3 @@ def run_script_dry(argv: list[str]) -> list[str]:
             f"dry run of {shlex.join(argv[:2])} failed ({res.returncode}): {res.stderr.strip()}"
         )
     return res.stdout.splitlines()
-
-
-BACKENDS: dict[str, Callable[..., Backend]] = {
-    "local": LocalBackend,
-    "ray": RayBackend,
-    "tpu": TpuBackend,
-}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,45 @@ def plan_rows(plans: Sequence[RunPlan]) -> list[dict[str, Any]]:
         }
         for p in plans
     ]
+
+
+def _fmt(x: float) -> str:
+    if x != x:  # nan
+        return "n/a"
+    return f"{x:.3g}" if x < 1e5 else f"{x:.2e}"
+
+
+def print_plan(spec: GridSpec, plans: list[RunPlan], root: Path, out=sys.stdout) -> None:
+    """The plan as a table with each run's compute and status (`rl-jax grid --dry-run`)."""
+    st = GridState.load(root, spec.name)
+    unit = spec.budget.unit if spec.budget else "rollouts"
+    print(f"grid {spec.name}: {len(plans)} runs of recipe {spec.recipe!r} -> {root}", file=out)
+    if spec.budget:
+        print(
+            f"budget: {spec.budget.amount:g} {unit} per run (train.steps = budget / one step)",
+            file=out,
+        )
+    hdr = f"{'#':>3}  {'run':<44} {'B_p':>5} {'n':>5} {'M':>6} {'rollouts':>9}"
+    hdr += f" {'gen_tokens':>10} {'flops':>9}  status"
+    print(hdr, file=out)
+    tot = {"rollouts": 0.0, "generated_tokens": 0.0, "flops": 0.0}
+    for p in plans:
+        c = p.compute
+        for k in tot:
+            tot[k] += c[k]
+        rec = st.runs.get(p.run_id)
+        status = "done" if is_done(root, p) else (rec.status if rec else "new")
+        print(
+            f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
+            f" {p.config.sampling.n:>5} {p.steps:>6} {_fmt(c['rollouts']):>9}"
+            f" {_fmt(c['generated_tokens']):>10} {_fmt(c['flops']):>9}  {status}",
+            file=out,
+        )
+    print(
+        f"total: {_fmt(tot['rollouts'])} rollouts, {_fmt(tot['generated_tokens'])} generated"
+        f" tokens (upper bound unless the budget gives mean lengths), {_fmt(tot['flops'])} FLOPs",
+        file=out,
+    )
 
 
 @dataclass

@@ -197,7 +197,7 @@ def step_compute(cfg: RunConfig, budget: Budget | None = None) -> dict[str, floa
     p = (budget.prompt_tokens if budget else 0) or cfg.sampling.max_prompt_len
     g = (budget.generated_tokens if budget else 0) or cfg.sampling.max_new_tokens
     try:
-        from rl_jax.models.spec import resolve_spec
+        from rl_jax.models.load import resolve_spec
     except ImportError:
         flops = math.nan
     else:

@@ -239,7 +239,7 @@ class GridSpec:
     checkpoints_per_run: int = 0  # > 0: checkpoint.every = M // this, so resumes lose little
     max_attempts: int = 3  # failed launches of one run before the grid gives up on it
     # > 0: each run starts from the CPU demo's supervised warm-up, stopped at this greedy
-    # pass rate (rl_jax.grid.warm_train): the tiny model's random init cannot learn by RL.
+    # pass rate (rl_jax.cli.warm_train): the tiny model's random init cannot learn by RL.
     warm_start: float = 0.0
     resources: Resources = field(default_factory=Resources)
     report: ReportSpec = field(default_factory=ReportSpec)

@@ -32,14 +32,12 @@ from rl_jax.losses._kl import (
     kl_shaped_rewards,
 )
 from rl_jax.losses._policy import (
-    MAX_LOG_RATIO,
     cispo_surrogate,
     clipped_surrogate,
     clipped_value_loss,
     gspo_surrogate,
-    reinforce_surrogate,
 )
-from rl_jax.losses._registry import LossSpec, get, names, register
+from rl_jax.losses._registry import get, names, register
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -47,9 +45,7 @@ __all__ = [
     "AGGREGATIONS",
     "K3_MAX_LOG_RATIO",
     "KL_ESTIMATORS",
-    "MAX_LOG_RATIO",
     "LossInputs",
-    "LossSpec",
     "advantages_from_config",
     "aggregate",
     "cispo_surrogate",
@@ -67,7 +63,6 @@ __all__ = [
     "names",
     "policy_loss",
     "register",
-    "reinforce_surrogate",
     "terminal_rewards",
     "zero_variance_groups",
 ]

@@ -7,11 +7,12 @@ logits = model.logits(hidden)                        # float32 [B, T, V]
 logp, ent = token_logprobs(model, tokens_bt, positions_bt, chunk=64)
 """
 
-from rl_jax.models.hf import CheckpointError, export_hf, load_hf, load_model
-from rl_jax.models.layers import attention_mask, logprobs_from_logits, rope_inv_freq
-from rl_jax.models.logprobs import logprobs_from_hidden, next_token_targets, token_logprobs
-from rl_jax.models.native import load_native, save_model
-from rl_jax.models.spec import PRESETS, ModelSpec, RopeScaling, get_preset, resolve_spec
+from rl_jax.models.hf import CheckpointError, export_hf, load_hf
+from rl_jax.models.layers import attention_mask, logprobs_from_logits
+from rl_jax.models.load import load_model, resolve_spec
+from rl_jax.models.logprobs import logprobs_from_hidden, token_logprobs
+from rl_jax.models.native import save_model
+from rl_jax.models.spec import PRESETS, ModelSpec, RopeScaling
 from rl_jax.models.tokenizer import HFTokenizer, load_tokenizer
 from rl_jax.models.transformer import (
     KVCache,
@@ -34,7 +35,6 @@ __all__ = [
     "load_hf",
     "load_model",
     "load_tokenizer",
-    "load_native",
     "save_model",
     "PRESETS",
     "KVCache",
@@ -43,7 +43,6 @@ __all__ = [
     "Transformer",
     "attention_mask",
     "build_model",
-    "get_preset",
     "host_params",
     "init_cache",
     "init_params",
@@ -51,11 +50,9 @@ __all__ = [
     "logprobs_from_hidden",
     "logprobs_from_logits",
     "model_params",
-    "next_token_targets",
     "param_layout",
     "param_shardings",
     "positions_from_valid",
     "resolve_spec",
-    "rope_inv_freq",
     "token_logprobs",
 ]

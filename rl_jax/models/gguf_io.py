@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from rl_jax.config.model import ModelConfig
 from rl_jax.models.hf import CheckpointError, params_from_tensors
-from rl_jax.models.spec import ModelSpec
+from rl_jax.models.spec import ModelSpec, spec_from_fields
 from rl_jax.models.transformer import Transformer, build_model
 from rl_jax.sharding.rules import get_rules
 
@@ -258,10 +259,8 @@ def load_gguf(
 ) -> Transformer:
     """A GGUF file's weights, dequantized, in a (sharded) model (`spec` default: the file's)."""
     if spec is None:
-        from rl_jax.config.model import ModelConfig
-        from rl_jax.models.spec import resolve_spec
-
-        spec = resolve_spec(ModelConfig(path=str(path)))
+        fields = spec_fields_from_gguf(path)
+        spec = spec_from_fields(ModelConfig(path=str(path)), fields, f"GGUF file {Path(path)}")
     rules = get_rules(rules_preset, purpose=purpose)
     tensors = gguf_hf_tensors(path, spec)
     params = params_from_tensors(spec, tensors, mesh=mesh, rules=rules, where=str(path))

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from rl_jax.config.model import ModelConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
-from rl_jax.models.spec import ModelSpec, RopeScaling, resolve_spec
+from rl_jax.models.spec import ModelSpec, RopeScaling, spec_from_fields
 from rl_jax.models.transformer import (
     LAYER_PARAMS,
     Transformer,
@@ -401,38 +401,14 @@ def load_hf(
     purpose: str = "train",
 ) -> Transformer:
     """An HF directory's weights in a (sharded) model; `spec` defaults to its config.json."""
-    spec = resolve_spec(ModelConfig(path=str(path))) if spec is None else spec
+    if spec is None:
+        fields = spec_fields_from_hf_dir(path)
+        spec = spec_from_fields(ModelConfig(path=str(path)), fields, f"HF directory {Path(path)}")
     rules = get_rules(rules_preset, purpose=purpose)
     params = params_from_tensors(
         spec, open_hf_tensors(path), mesh=mesh, rules=rules, where=str(path)
     )
     return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
-
-
-def load_model(
-    source: str | Path | ModelConfig,
-    *,
-    mesh: Mesh | None = None,
-    rules_preset: str = "fsdp_tp",
-    purpose: str = "train",
-    seed: int = 0,
-) -> Transformer:
-    """A model from a ModelConfig (random init unless `path`) or a path: an HF directory,
-    a GGUF file or an rl_jax model directory (`save_model`)."""
-    cfg = source if isinstance(source, ModelConfig) else ModelConfig(path=str(source))
-    spec = resolve_spec(cfg)
-    kw = dict(mesh=mesh, rules_preset=rules_preset, purpose=purpose)
-    if not cfg.path:
-        return build_model(spec, seed=seed, **kw)
-    if Path(cfg.path).suffix == ".gguf":
-        from rl_jax.models.gguf_io import load_gguf
-
-        return load_gguf(cfg.path, spec, **kw)
-    from rl_jax.models.native import is_native_dir, load_native
-
-    if is_native_dir(cfg.path):
-        return load_native(cfg.path, spec, **kw)
-    return load_hf(cfg.path, spec, **kw)
 
 
 # ---- export ------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from rl_jax.knobs import ConfigError
 from rl_jax.models.layers import logprobs_from_logits
 from rl_jax.models.transformer import Transformer, lm_logits
 
@@ -85,3 +87,18 @@ def token_logprobs(
     )
     has_next = jnp.arange(tokens_bt.shape[1]) < tokens_bt.shape[1] - 1
     return jnp.where(has_next, logp, 0.0), jnp.where(has_next, ent, 0.0)
+
+
+def score_tokens(
+    model: Transformer, ids: list[int], *, chunk: int = 0, temperature: float = 1.0
+) -> list[float]:
+    """logprobs[i] = log p(ids[i+1] | ids[:i+1]) under `model`."""
+    if len(ids) < 2:
+        return []
+    V = model.spec.vocab_size
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+    fn = nnx.jit(lambda m, t: token_logprobs(m, t, chunk=chunk, temperature=temperature)[0])
+    logp = fn(model, jnp.asarray([ids], jnp.int32))
+    return [float(x) for x in logp[0, :-1]]

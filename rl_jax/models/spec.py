@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rl_jax.config.model import ARCHITECTURES, DTYPES, ModelConfig
@@ -364,29 +363,10 @@ _REQUIRED = (
 )
 
 
-def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
-    """Architecture fields before overrides, and where they came from."""
-    if cfg.path:
-        p = Path(cfg.path)
-        if p.suffix == ".gguf":
-            from rl_jax.models.gguf_io import spec_fields_from_gguf
-
-            return spec_fields_from_gguf(p), f"GGUF file {p}"
-        from rl_jax.models.native import is_native_dir, spec_fields_from_native
-
-        if is_native_dir(p):
-            return spec_fields_from_native(p), f"rl_jax model directory {p}"
-        from rl_jax.models.hf import spec_fields_from_hf_dir
-
-        return spec_fields_from_hf_dir(p), f"HF directory {p}"
-    if cfg.preset:
-        return get_preset(cfg.preset), f"preset {cfg.preset!r}"
-    return {}, "explicit fields (model.preset='')"
-
-
-def resolve_spec(cfg: ModelConfig) -> ModelSpec:
-    """Every dimension resolved: `cfg.path` else `cfg.preset`, then explicit fields override."""
-    fields, source = base_fields(cfg)
+def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> ModelSpec:
+    """Every dimension resolved: the base `fields` (from `source`: a checkpoint, a preset),
+    then `cfg`'s explicit fields override (rl_jax.models.load.resolve_spec picks the base)."""
+    fields = dict(fields)
     explicit_head_dim = "head_dim" in fields
     for name in _OVERRIDABLE:
         value = getattr(cfg, name)

@@ -15,10 +15,9 @@ from rl_jax.rewards._countdown import (
     parse_countdown_answer,
 )
 from rl_jax.rewards._gym import encode_gym_answer
-from rl_jax.rewards._numeric import extract_numeric, last_boxed, parse_number
+from rl_jax.rewards._numeric import last_boxed, parse_number
 from rl_jax.rewards._registry import (
     SCALES,
-    RewardFn,
     from_config,
     get,
     names,
@@ -31,11 +30,9 @@ from rl_jax.rewards._sandbox import SandboxPool
 
 __all__ = [
     "SCALES",
-    "RewardFn",
     "SandboxPool",
     "encode_gym_answer",
     "evaluate_expression",
-    "extract_numeric",
     "format_countdown_answer",
     "from_config",
     "get",

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rl_jax.config.rewards import RewardConfig
 from rl_jax.rewards import _gym, _math
 from rl_jax.rewards._arith import arith_score, arith_well_formed
 from rl_jax.rewards._countdown import countdown_score, countdown_well_formed
 from rl_jax.rewards._numeric import last_boxed, numeric_score, numeric_well_formed
 from rl_jax.rewards._sandbox import shared_pool
 from rl_jax.rewards._text import bounded_text
+
+if TYPE_CHECKING:  # rl_jax.config.rewards checks names against this registry
+    from rl_jax.config.rewards import RewardConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,13 @@ from rl_jax.runs.atomic import (
 )
 from rl_jax.runs.metrics import MetricsLogger
 from rl_jax.runs.progress import progress_bar
-from rl_jax.runs.run_dir import RunDir, RunDirError, RunLock, create_run_dir
+from rl_jax.runs.run_dir import RunDir, RunDirError, create_run_dir
 
 __all__ = [
     "LoggingConfig",
     "MetricsLogger",
     "RunDir",
     "RunDirError",
-    "RunLock",
     "append_jsonl",
     "atomic_write_bytes",
     "atomic_write_json",

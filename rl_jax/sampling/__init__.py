@@ -9,18 +9,16 @@ them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))
 """
 
 from rl_jax.sampling._dist import logprob_temperature, sample_logits
-from rl_jax.sampling._rollouts import FINISH_NAMES, FinishReason, Rollouts
-from rl_jax.sampling._sampler import Sampler, pack_prompts, round_up
+from rl_jax.sampling._rollouts import FinishReason, Rollouts
+from rl_jax.sampling._sampler import Sampler, pack_prompts
 from rl_jax.sampling._state import SamplerState
 
 __all__ = [
-    "FINISH_NAMES",
     "FinishReason",
     "Rollouts",
     "Sampler",
     "SamplerState",
     "logprob_temperature",
     "pack_prompts",
-    "round_up",
     "sample_logits",
 ]

@@ -1,7 +1,7 @@
 """The compiled sampler: prefill once per prompt, then a `lax.while_loop` decode.
 
     sampler = Sampler(spec, cfg, mesh=mesh, eos_id=eos, pad_id=pad)
-    state = sampler.start(params, prompts, n=G, seed=0, version=v)   # prefill P prompts
+    state = sampler.start(params, prompts, n=G, seed=0)              # prefill P prompts
     while not sampler.done(state):
         state = sampler.decode(params, state, max_steps=64, version=v)  # swap params freely
     out = sampler.result(state)                                       # Rollouts, B = P * G
@@ -220,7 +220,7 @@ class Sampler:
     # ---- compiled bodies ------------------------------------------------------------------
 
     def _start_impl(
-        self, params, prompt_pt, lens_p, group_b, row_ids_b, real_b, key, limit, version, *, gen_len
+        self, params, prompt_pt, lens_p, group_b, row_ids_b, real_b, key, limit, *, gen_len
     ) -> SamplerState:
         cfg = self.cfg
         model = self._model(params)
@@ -275,7 +275,6 @@ class Sampler:
             group_ids=self._rows(group_b),
             row_ids=self._rows(row_ids_b),
             real=self._rows(real_b),
-            prompt_version=jnp.asarray(version, jnp.int32),
         )
 
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
@@ -368,7 +367,6 @@ class Sampler:
         n: int | None = None,
         key: jax.Array | None = None,
         seed: int = 0,
-        version: int = 0,
         row_ids: Sequence[int] | None = None,
         max_new_tokens: int | None = None,
     ) -> SamplerState:
@@ -419,7 +417,6 @@ class Sampler:
             *self._put_rows(prompt_pt, lens_p, group, row_ids_b, real),
             key,
             np.int32(limit),
-            np.int32(version),
             gen_len=gen_len,
         )
 
@@ -498,7 +495,6 @@ class Sampler:
             n=n,
             key=key,
             seed=seed,
-            version=version,
             row_ids=row_ids,
             max_new_tokens=max_new_tokens,
         )

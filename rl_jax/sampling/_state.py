@@ -55,7 +55,6 @@ class SamplerState:
     group_ids: jax.Array  # [B] int32 prompt index
     row_ids: jax.Array  # [B] int32
     real: jax.Array  # [B] bool, False for rows padding B to the device count
-    prompt_version: jax.Array  # [] int32 policy version that prefilled the prompts
 
     @property
     def num_rows(self) -> int:

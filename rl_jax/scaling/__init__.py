@@ -17,32 +17,23 @@ matplotlib alone, so an analyst can use it on a laptop.
 from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, bootstrap_runs
 from rl_jax.scaling._compare import (
     PAPER_A_TOL,
-    Comparison,
-    Ranked,
     compare_fits,
     rank_fits,
     recipe_table_rows,
     table_csv,
     table_markdown,
 )
-from rl_jax.scaling._curves import (
-    Curve,
-    CurveError,
-    curves_from_rows,
-    group_curves,
-    load_rows,
-)
-from rl_jax.scaling._early import EarlyDecision, EarlyRow, early_decision, p_greater
+from rl_jax.scaling._curves import Curve, CurveError, curves_from_rows, load_rows
+from rl_jax.scaling._early import early_decision, p_greater
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
-from rl_jax.scaling._isocompute import Frontier, FrontierError, fit_frontier, record_breaking
-from rl_jax.scaling._power import PowerLawFit, fit_power_law
-from rl_jax.scaling._report import FitEntry, FitReport, fit_runs, parse_fit_start, write_report
+from rl_jax.scaling._isocompute import FrontierError, fit_frontier, record_breaking
+from rl_jax.scaling._power import fit_power_law
+from rl_jax.scaling._report import FRONTIER_MODES, FitReport, fit_runs, write_report
 from rl_jax.scaling._sigmoid import (
     PAPER_A_GRID,
     PAPER_C_MID_GRID,
     SIGMOID_METHODS,
     FitError,
-    SigmoidFit,
     SigmoidOptions,
     fit_sigmoid,
     fit_sigmoid_runs,
@@ -51,15 +42,7 @@ from rl_jax.scaling._sigmoid import (
 )
 
 # Plotting pulls in matplotlib; load it on first use so fitting alone stays quick to import.
-_PLOTS = (
-    "CurvePlot",
-    "plot_curve",
-    "plot_curves",
-    "plot_extrapolation",
-    "plot_frontier",
-    "plot_heatmaps",
-    "plot_n_star",
-)
+_PLOTS = ("plot_curve",)
 
 
 def __getattr__(name: str):
@@ -72,26 +55,18 @@ def __getattr__(name: str):
 
 __all__ = [
     "BOOTSTRAP_KINDS",
+    "FRONTIER_MODES",
     "PAPER_A_GRID",
     "PAPER_A_TOL",
     "PAPER_C_MID_GRID",
     "SIGMOID_METHODS",
     "Bootstrap",
-    "Comparison",
     "Curve",
     "CurveError",
-    "CurvePlot",
-    "EarlyDecision",
-    "EarlyRow",
     "Extrapolation",
-    "FitEntry",
     "FitError",
     "FitReport",
-    "Frontier",
     "FrontierError",
-    "PowerLawFit",
-    "Ranked",
-    "SigmoidFit",
     "SigmoidOptions",
     "bootstrap",
     "bootstrap_runs",
@@ -104,16 +79,9 @@ __all__ = [
     "fit_runs",
     "fit_sigmoid",
     "fit_sigmoid_runs",
-    "group_curves",
     "load_rows",
     "p_greater",
-    "parse_fit_start",
     "plot_curve",
-    "plot_curves",
-    "plot_extrapolation",
-    "plot_frontier",
-    "plot_heatmaps",
-    "plot_n_star",
     "rank_fits",
     "recipe_table_rows",
     "record_breaking",

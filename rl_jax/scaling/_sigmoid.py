@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import optimize, special, stats
 
-PARAMS = ("R0", "A", "B", "C_mid")
-
 # The paper's grids (C_mid in GPU-hours): A in {0.450, 0.455, ..., 0.800}, and
 # 100 linearly spaced C_mid in [100, 40000].
 PAPER_A_GRID = tuple(np.round(np.arange(0.450, 0.8000001, 0.005), 6).tolist())
@@ -821,8 +819,3 @@ def batch_lsq(
         if done.all():
             break
     return theta, cost
-
-
-def fast_refit_params(prob: _Problem, start: np.ndarray) -> np.ndarray:
-    """(A, log C_mid, B, R0) of one warm-started refit (batch_lsq with one replicate)."""
-    return batch_lsq(prob, prob.y[None, :], start)[0][0]

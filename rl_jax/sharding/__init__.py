@@ -11,13 +11,10 @@ from rl_jax.sharding.mesh import (
 )
 from rl_jax.sharding.rules import (
     BATCH_AXES,
-    MESH_AXES,
     SAMPLE_RULES,
-    TRAIN_RULES,
     batch_sharding,
     fit_spec,
     get_rules,
-    logical_sharding,
     logical_to_spec,
     num_batch_shards,
     replicated,
@@ -25,14 +22,11 @@ from rl_jax.sharding.rules import (
 
 __all__ = [
     "BATCH_AXES",
-    "MESH_AXES",
     "SAMPLE_RULES",
-    "TRAIN_RULES",
     "MeshConfig",
     "batch_sharding",
     "fit_spec",
     "get_rules",
-    "logical_sharding",
     "logical_to_spec",
     "make_mesh",
     "maybe_initialize_distributed",

@@ -79,10 +79,6 @@ def logical_to_spec(logical: Sequence[str | None], rules: Rules) -> PartitionSpe
     return PartitionSpec(*out)
 
 
-def logical_sharding(mesh: Mesh, logical: Sequence[str | None], rules: Rules) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical, rules))
-
-
 def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     """Drop mesh axes that do not divide their dimension (tiny models, odd vocab sizes)."""
     out = []
@@ -122,7 +118,6 @@ __all__ = [
     "batch_sharding",
     "fit_spec",
     "get_rules",
-    "logical_sharding",
     "logical_to_spec",
     "num_batch_shards",
     "replicated",

@@ -1,4 +1,4 @@
-"""`rl-jax demo`: the ScaleRL recipe on the tiny model and the arithmetic task, on CPU.
+"""The CPU demo (`rl-jax demo`): the ScaleRL recipe on the tiny model and the arithmetic task.
 
 1. A short supervised warm-up (cached under .cache/demo) stops at a modest
    greedy pass rate, so that RL has groups with both right and wrong samples.
@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -19,8 +18,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from rl_jax.config import SamplingConfig, load_recipe, run_id, to_dict
+from rl_jax.config import SamplingConfig, run_id, to_dict
 from rl_jax.runs.atomic import atomic_write_bytes
+from rl_jax.train.loop import RLTrainer
 
 CACHE = Path(".cache") / "demo"
 # Greedy pass rate checks during the warm-up: often enough to stop near the target
@@ -115,44 +115,25 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
     return info
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="rl-jax demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("overrides", nargs="*", help="key=value overrides of the scalerl recipe")
-    p.add_argument(
-        "--warmup-target",
-        type=float,
-        default=0.45,
-        help="greedy pass rate at which the supervised warm-up stops",
-    )
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    cfg = load_recipe("scalerl", ["name=demo", *a.overrides])
+def run_demo(cfg, *, warmup_target: float, quiet: bool):
+    """Train `cfg` from the cached supervised warm-up; returns its run.
 
-    from rl_jax.train.loop import RLTrainer
-
-    t0 = time.perf_counter()
-    # One directory per resolved config: rerunning the same demo reuses its finished run,
-    # changing a knob starts a new one instead of refusing the old directory.
+    One directory per resolved config: rerunning the same demo reuses its finished run,
+    changing a knob starts a new one instead of refusing the old directory.
+    """
     root = Path(cfg.out_dir) / f"{cfg.name}-{run_id(cfg)}"
-    trainer = RLTrainer(cfg, run_root=root, quiet=a.quiet)
+    trainer = RLTrainer(cfg, run_root=root, quiet=quiet)
     if trainer.run.read_done() is None:
         if not trainer.try_resume():
             print("supervised warm-up (stops early; RL does the rest) ...", flush=True)
-            info = warm_start(trainer, target=a.warmup_target, quiet=a.quiet)
+            info = warm_start(trainer, target=warmup_target, quiet=quiet)
             print(
                 f"warm-up: {info['sft_steps']} steps, greedy pass {info['sft_greedy_pass']:.2f}"
                 + (" (cached)" if info["cached"] else ""),
                 flush=True,
             )
         trainer.run_loop()
-    report = write_report(trainer.run, x="flops", metric="val/pass@1")
-    print(report)
-    print(f"total time {time.perf_counter() - t0:.0f} s; run directory {trainer.run.root}")
-    return 0
+    return trainer.run
 
 
 def write_report(run, *, x: str, metric: str) -> str:

@@ -326,13 +326,12 @@ class RLTrainer:
         return self._pushed
 
     def _start_wave(self, step: int, problems, weights: tuple[Any, int] | None = None) -> Wave:
-        params, version = weights or self.sampler_weights()
+        params, _ = weights or self.sampler_weights()
         state = self.sampler.start(
             params,
             self._prompt_ids(problems),
             n=self.G,
             key=self._sample_key(),
-            version=version,
             row_ids=self._row_ids(step, len(problems)),
         )
         return Wave(state=state, problems=list(problems), step=step)

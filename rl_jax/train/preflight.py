@@ -27,7 +27,7 @@ def check_model_files(cfg: ModelConfig, *, tokenizer: bool = True) -> None:
     tokenizer loads."""
     if not cfg.path:
         return
-    from rl_jax.models.spec import resolve_spec
+    from rl_jax.models.load import resolve_spec
 
     path = Path(cfg.path)
     if not path.exists():

@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
         if not prompts[-1]:
             raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
 
-    from rl_jax.models.hf import load_model
+    from rl_jax.models.load import load_model
     from rl_jax.sampling._sampler import Sampler
 
     if run_ck is not None:

@@ -42,30 +42,13 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def score(model, ids: list[int], *, chunk: int = 0, temperature: float = 1.0) -> list[float]:
-    """logprobs[i] = log p(ids[i+1] | ids[:i+1]) under `model`."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from rl_jax.models.logprobs import token_logprobs
-
-    if len(ids) < 2:
-        return []
-    V = model.spec.vocab_size
-    bad = [i for i in ids if not 0 <= i < V]
-    if bad:
-        raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
-    fn = nnx.jit(lambda m, t: token_logprobs(m, t, chunk=chunk, temperature=temperature)[0])
-    logp = fn(model, jnp.asarray([ids], jnp.int32))
-    return [float(x) for x in logp[0, :-1]]
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.temperature <= 0:
         raise ConfigError(f"--temperature={args.temperature} must be > 0")
     from rl_jax.config.model import ModelConfig
-    from rl_jax.models.hf import load_model
+    from rl_jax.models.load import load_model
+    from rl_jax.models.logprobs import score_tokens
 
     if args.token_ids is not None:
         ids = parse_ids(args.token_ids)
@@ -78,7 +61,7 @@ def main(argv: list[str]) -> int:
         if not ids:
             raise ConfigError("--text encodes to no tokens")
     model = load_model(ModelConfig(path=args.model, compute_dtype=args.compute_dtype))
-    logprobs = score(model, ids, chunk=args.chunk, temperature=args.temperature)
+    logprobs = score_tokens(model, ids, chunk=args.chunk, temperature=args.temperature)
     json.dump({"token_ids": ids, "logprobs": logprobs}, sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS
-from rl_jax.scaling._curves import load_rows
-from rl_jax.scaling._report import FRONTIER_MODES, fit_runs, write_report
-from rl_jax.scaling._sigmoid import SIGMOID_METHODS, FitError
+from rl_jax.scaling import (
+    BOOTSTRAP_KINDS,
+    FRONTIER_MODES,
+    SIGMOID_METHODS,
+    FitError,
+    fit_runs,
+    load_rows,
+    write_report,
+)
 
 
 def _r0(text: str) -> str | float:
@@ -137,7 +142,3 @@ def main(argv: list[str] | None = None) -> int:
         f"to {args.out} (report.md, fits.json)"
     )
     return 0 if fitted else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m rl_jax.grid.warm_train --target P RECIPE [key=value ...]`: `rl-jax train` after
+"""`python -m rl_jax.cli.warm_train --target P RECIPE [key=value ...]`: `rl-jax train` after
 the CPU demo's supervised warm-up.
 
 The tiny CPU model starts from random weights, whose pass rate on arithmetic is
@@ -21,7 +21,7 @@ from rl_jax.config import ConfigError, load_recipe
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl_jax.grid.warm_train", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m rl_jax.cli.warm_train", description=__doc__)
     p.add_argument("--target", type=float, required=True, help="greedy pass rate to stop at")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")

@@ -6,14 +6,12 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
-from rl_jax.config import ConfigError, resolve_recipe_path
+from rl_jax.config import resolve_recipe_path
 from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
-from rl_jax.grid.driver import Driver, grid_dir, is_done, plan_rows
-from rl_jax.grid.expand import RunPlan, expand
+from rl_jax.grid.driver import Driver, grid_dir, plan_rows, print_plan
+from rl_jax.grid.expand import expand
 from rl_jax.grid.spec import GridSpec, known_specs, load_spec
-from rl_jax.grid.state import GridState
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-cmd",
         default="",
         help="command that trains one run, given RECIPE key=value... (default: rl-jax train,"
-        " or rl_jax.grid.warm_train for specs with warm_start)",
+        " or rl_jax.cli.warm_train for specs with warm_start)",
     )
     p.add_argument("--retry-failed", action="store_true", help="retry runs that hit max_attempts")
     p.add_argument(
@@ -91,47 +89,8 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
         spot=a.tpu_spot,
         version=a.tpu_version,
         remote_out=a.tpu_remote_out,
-        teardown=a.tpu_teardown,
     )
     return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run, warm_start=spec.warm_start)
-
-
-def _fmt(x: float) -> str:
-    if x != x:  # nan
-        return "n/a"
-    return f"{x:.3g}" if x < 1e5 else f"{x:.2e}"
-
-
-def print_plan(spec: GridSpec, plans: list[RunPlan], root: Path, out=sys.stdout) -> None:
-    st = GridState.load(root, spec.name)
-    unit = spec.budget.unit if spec.budget else "rollouts"
-    print(f"grid {spec.name}: {len(plans)} runs of recipe {spec.recipe!r} -> {root}", file=out)
-    if spec.budget:
-        print(
-            f"budget: {spec.budget.amount:g} {unit} per run (train.steps = budget / one step)",
-            file=out,
-        )
-    hdr = f"{'#':>3}  {'run':<44} {'B_p':>5} {'n':>5} {'M':>6} {'rollouts':>9}"
-    hdr += f" {'gen_tokens':>10} {'flops':>9}  status"
-    print(hdr, file=out)
-    tot = {"rollouts": 0.0, "generated_tokens": 0.0, "flops": 0.0}
-    for p in plans:
-        c = p.compute
-        for k in tot:
-            tot[k] += c[k]
-        rec = st.runs.get(p.run_id)
-        status = "done" if is_done(root, p) else (rec.status if rec else "new")
-        print(
-            f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
-            f" {p.config.sampling.n:>5} {p.steps:>6} {_fmt(c['rollouts']):>9}"
-            f" {_fmt(c['generated_tokens']):>10} {_fmt(c['flops']):>9}  {status}",
-            file=out,
-        )
-    print(
-        f"total: {_fmt(tot['rollouts'])} rollouts, {_fmt(tot['generated_tokens'])} generated"
-        f" tokens (upper bound unless the budget gives mean lengths), {_fmt(tot['flops'])} FLOPs",
-        file=out,
-    )
 
 
 def main(argv: list[str]) -> int:
@@ -210,11 +169,3 @@ def main(argv: list[str]) -> int:
     if counts.get("failed"):
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ConfigError as e:
-        print(f"rl-jax grid: config error: {e}", file=sys.stderr)
-        sys.exit(2)

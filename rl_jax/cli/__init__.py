@@ -1,8 +1,9 @@
 """`rl-jax` command line: a thin shell that parses and calls.
 
-Each subcommand lives beside the code it drives, as a module exposing
-`main(argv: list[str]) -> int` with its own argparse parser. Modules are
-imported only when their subcommand runs, so `rl-jax --help` stays instant.
+One module per subcommand in this package (`rl_jax.cli.train`, `.grid`, `.fit`, ...),
+each exposing `main(argv: list[str]) -> int` with its own argparse parser. They are
+the only modules that wire subsystems together; the library does the work. Modules
+are imported only when their subcommand runs, so `rl-jax --help` stays instant.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from rl_jax.knobs import ConfigError
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("rl_jax.train.cli", "run an RL recipe: rl-jax train RECIPE [key=value ...]"),
-    "demo": ("rl_jax.train.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
-    "grid": ("rl_jax.grid.cli", "run an experiment grid spec (local, ray, tpu backends)"),
-    "fit": ("rl_jax.scaling.cli", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
-    "eval": ("rl_jax.train.eval_cli", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
-    "sample": ("rl_jax.sampling.cli", "sample completions from a model"),
-    "score": ("rl_jax.models.score_cli", "per-token log-probs of a text under a model (JSON)"),
-    "convert": ("rl_jax.models.convert_cli", "convert between HF checkpoints and rl_jax"),
-    "config": ("rl_jax.config.cli", "print the resolved config of a recipe with overrides"),
+    "train": ("rl_jax.cli.train", "run an RL recipe: rl-jax train RECIPE [key=value ...]"),
+    "demo": ("rl_jax.cli.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
+    "grid": ("rl_jax.cli.grid", "run an experiment grid spec (local, ray, tpu backends)"),
+    "fit": ("rl_jax.cli.fit", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
+    "eval": ("rl_jax.cli.eval", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
+    "sample": ("rl_jax.cli.sample", "sample completions from a model"),
+    "score": ("rl_jax.cli.score", "per-token log-probs of a text under a model (JSON)"),
+    "convert": ("rl_jax.cli.convert", "convert between HF checkpoints and rl_jax"),
+    "config": ("rl_jax.cli.config", "print the resolved config of a recipe with overrides"),
 }
 
 # Commands that compile JAX programs: they get the persistent compilation cache and the
@@ -75,7 +76,3 @@ def main(argv: list[str] | None = None) -> int:
         text = " ".join(line.strip() for line in str(e).strip().splitlines())
         print(f"rl-jax {argv[0]}: config error: {text}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

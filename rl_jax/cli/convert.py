@@ -72,7 +72,8 @@ def source_kind(src: Path) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from rl_jax.config.model import ModelConfig
-    from rl_jax.models.hf import export_hf, load_model
+    from rl_jax.models.hf import export_hf
+    from rl_jax.models.load import load_model
     from rl_jax.models.native import save_model
 
     src, out = Path(args.src), Path(args.out)
