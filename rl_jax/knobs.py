@@ -87,3 +87,18 @@ def check_numbers(owner: str, cfg: Any) -> None:
         for v in values:
             if isinstance(v, int | float):
                 check_finite(owner, f.name, v)
+
+
+def read_json_object(path, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """A user's JSON file holding one object; anything else raises `error` naming the file."""
+    import json
+    from pathlib import Path
+
+    f = Path(path)
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise error(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{f}: holds a JSON {type(data).__name__}, expected an object")
+    return data

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from rl_jax.config.model import ModelConfig
 from rl_jax.knobs import ConfigError
+from rl_jax.knobs import read_json_object as _read_json_object
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.spec import ModelSpec, RopeScaling, spec_from_fields
 from rl_jax.models.transformer import (
@@ -67,13 +68,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def read_json_object(f: Path) -> dict[str, Any]:
     """A JSON file holding one object; anything else is a CheckpointError naming the file."""
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f}: holds a JSON {type(data).__name__}, expected an object")
-    return data
+    return _read_json_object(f, CheckpointError)
 
 
 def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from rl_jax.knobs import ConfigError
+from rl_jax.knobs import ConfigError, read_json_object
 
 
 def _token_text(value: Any) -> str | None:
@@ -114,7 +114,7 @@ class HFTokenizer:
         cfg: dict[str, Any] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             if (path / name).is_file():
-                cfg.update(_json_object(path / name))
+                cfg.update(read_json_object(path / name))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             named = {t["name"]: t["template"] for t in template}
@@ -122,7 +122,7 @@ class HFTokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         elif (path / "chat_template.json").is_file():
-            template = _json_object(path / "chat_template.json").get("chat_template")
+            template = read_json_object(path / "chat_template.json").get("chat_template")
         eos = _token_text(cfg.get("eos_token"))
         if eos is None:
             eos = _eos_from_generation_config(path, tok)
@@ -199,21 +199,11 @@ def _eos_from_generation_config(path: Path, tok: Tokenizer) -> str | None:
     gc = path / "generation_config.json"
     if not gc.is_file():
         return None
-    eos = _json_object(gc).get("eos_token_id")
+    eos = read_json_object(gc).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
         raise ConfigError(f"{gc}: eos_token_id={eos!r} must be a token id")
     return None if eos is None else tok.id_to_token(eos)
-
-
-def _json_object(f: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{f}: holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 def _first_line(e: Exception) -> str:
