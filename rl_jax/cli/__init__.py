@@ -25,11 +25,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("rl_jax.cli.score", "per-token log-probs of a text under a model (JSON)"),
     "convert": ("rl_jax.cli.convert", "convert between HF checkpoints and rl_jax"),
     "config": ("rl_jax.cli.config", "print the resolved config of a recipe with overrides"),
+    "plan": ("rl_jax.cli.plan", "compile a run's programs for a TPU topology: HBM, FLOPs"),
 }
 
 # Commands that compile JAX programs: they get the persistent compilation cache and the
 # heap trim of rl_jax.runtime (the others stay free of a jax import).
-COMPILES = frozenset({"train", "demo", "eval", "sample", "score"})
+COMPILES = frozenset({"train", "demo", "eval", "sample", "score", "plan"})
 
 
 def build_parser() -> argparse.ArgumentParser:
