@@ -1,6 +1,6 @@
 """Prompt data: tasks, grain pipelines, curriculum filters, difficulty splits.
 
-task = build_task(cfg.data)                        # task.train, task.val, task.reward_name
+task = build_task(cfg.data, tokenizer=tok)         # task.train, task.val, task.reward_name
 cur = Curriculum(cfg.data)
 pipe = PromptPipeline(task.train, batch_size=cfg.data.prompts_per_batch,
                       seed=cfg.data.seed, curriculum=cur)
@@ -9,7 +9,14 @@ problems = next(pipe)                              # list[Problem]
 checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
 """
 
-from rl_jax.data._build import build_task, raw_problems
+from rl_jax.data._build import build_task, hold_out, raw_problems
+from rl_jax.data._chat import (
+    ANSWER_INSTRUCTIONS,
+    answer_instruction,
+    messages,
+    prompt_renderer,
+    uses_chat_template,
+)
 from rl_jax.data._files import detect_layout, problems_from_records, read_records
 from rl_jax.data._problem import Problem, Task, apply_template, problem_id
 from rl_jax.data._synthetic import arith_answer
@@ -35,6 +42,12 @@ def prepare_tfds(cfg, data_dir):
 
 
 __all__ = [
+    "ANSWER_INSTRUCTIONS",
+    "answer_instruction",
+    "hold_out",
+    "messages",
+    "prompt_renderer",
+    "uses_chat_template",
     "DEFAULT_BANDS",
     "Band",
     "CharTokenizer",

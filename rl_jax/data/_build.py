@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,28 +42,55 @@ def _file(cfg: DataConfig) -> RawSplits:
         val, _, _ = problems_from_records(
             read_records(cfg.val_path, "data.val_path"), layout=cfg.format, source=cfg.val_path
         )
-        held = {p.id for p in val}
-        # A validation problem that also sits in the training file is trained on: drop it there.
-        return [p for p in problems if p.id not in held], val, reward
-    if cfg.val_size >= len(problems):
+        return (*_without(problems, val), reward)
+    return (*hold_out(cfg, problems, where=cfg.path), reward)
+
+
+def _hf(cfg: DataConfig) -> RawSplits:
+    from rl_jax.data._hf import hf_records
+
+    train_rows, val_rows, where = hf_records(cfg)
+    problems, reward, _ = problems_from_records(train_rows, layout=cfg.format, source=where)
+    if val_rows is not None:
+        vwhere = f"{cfg.path} split {cfg.hf_val_split!r}"
+        val, _, _ = problems_from_records(val_rows, layout=cfg.format, source=vwhere)
+        return (*_without(problems, val), reward)
+    return (*hold_out(cfg, problems, where=where), reward)
+
+
+def _without(train: list[Problem], val: list[Problem]) -> tuple[list[Problem], list[Problem]]:
+    held = {p.id for p in val}
+    # A validation problem that also sits in the training data is trained on: drop it there.
+    return [p for p in train if p.id not in held], val
+
+
+def hold_out(
+    cfg: DataConfig, problems: list[Problem], *, where: str
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, val): `cfg.val_count` problems held out by a seeded permutation over
+    id-sorted problems (independent of row order); at least one of each."""
+    n_val = cfg.val_count(len(problems))
+    if n_val >= len(problems):
         raise ConfigError(
-            f"data.val_size={cfg.val_size} leaves no training problems of the "
-            f"{len(problems)} in {cfg.path}; lower it or set data.val_path"
+            f"data.val_size={cfg.val_size:g} holds out {n_val} validation problems of the "
+            f"{len(problems)} in {where}, leaving {len(problems) - n_val} to train on (at least "
+            f"1 of each is needed); set data.val_size to a count below {len(problems)} or a "
+            "fraction such as 0.1, or give data.val_path"
         )
-    # Held-out split by a seeded permutation over id-sorted problems: independent of row order.
     problems = sorted(problems, key=lambda p: p.id)
     perm = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED])).permutation(
         len(problems)
     )
-    val = [problems[i] for i in perm[: cfg.val_size]]
-    train = [problems[i] for i in sorted(perm[cfg.val_size :])]
-    return train, val, reward
+    val = [problems[i] for i in perm[:n_val]]
+    train = [problems[i] for i in sorted(perm[n_val:])]
+    return train, val
 
 
 _RAW_SOURCES: dict[str, Callable[[DataConfig], RawSplits]] = {
     "arith": _arith,
     "countdown": _countdown,
     "file": _file,
+    "hf": _hf,
     "reasoning_gym": _gym,
 }
 
@@ -112,17 +140,34 @@ def _select_split(problems: Sequence[Problem], ids: set[int]) -> Sequence[Proble
     return [p for p in problems if p.id in ids]
 
 
-def build_task(cfg: DataConfig, *, chat_template: Callable[[str], str] | None = None) -> Task:
-    """Train and validation problems of `cfg`, templated, filtered by its difficulty split.
+def build_task(
+    cfg: DataConfig,
+    *,
+    tokenizer: Any = None,
+    verifier: str = "auto",
+    chat_template: Callable[[str], str] | None = None,
+) -> Task:
+    """Train and validation problems of `cfg`, rendered, filtered by its difficulty split.
 
-    chat_template: the tokenizer's chat template as `fn(user_text) -> prompt`, applied after
-    `data.prompt_template` (pass None for the character tokenizer / plain prompts).
+    tokenizer: the model's; prompts are rendered with its chat template when it ships one
+        and data.chat_template is on (`rl_jax.data.prompt_renderer`). None: plain text.
+    verifier: rewards.name ('auto': the data's own), for data.answer_instruction=auto.
+    chat_template: instead of a tokenizer, `fn(user_text) -> prompt` applied after
+        data.prompt_template.
     """
-    make = lambda p: templated(p, cfg.prompt_template, chat_template)
+    render: list[Callable[[str], str] | None] = [chat_template]
+    make = lambda p: templated(p, cfg.prompt_template, render[0])
     if cfg.source == "tfds":
+        # Rendered lazily, as records are read: the renderer is set once the verifier is known.
         train, val, reward = _tfds_splits(cfg, make)
     else:
         train, val, reward = raw_problems(cfg)
+    if chat_template is None:
+        from rl_jax.data._chat import prompt_renderer
+
+        chosen = reward if verifier in ("", "auto") else verifier
+        render[0] = prompt_renderer(cfg, tokenizer, verifier=chosen)
+    if cfg.source != "tfds":
         train, val = [make(p) for p in train], [make(p) for p in val]
     info = {"source": cfg.source, "task": cfg.task, "difficulty": cfg.difficulty}
     if cfg.split_file:
@@ -145,5 +190,5 @@ def build_task(cfg: DataConfig, *, chat_template: Callable[[str], str] | None = 
             )
         info.update(split=cfg.split_name, split_file=str(Path(cfg.split_file)))
     info.update(train_size=len(train), val_size=len(val))
-    name = cfg.source if cfg.source in ("countdown", "file") else f"{cfg.source}:{cfg.task}"
+    name = cfg.source if cfg.source in ("countdown", "file", "hf") else f"{cfg.source}:{cfg.task}"
     return Task(name=name, train=train, val=val, reward_name=reward, info=info)
