@@ -61,7 +61,9 @@ def no_trainer(monkeypatch):
         ("train.pipeline_waves=2", "train.pipeline_waves"),
         # tracebacks on main
         ("eval.num_prompts=0", "eval.num_prompts"),
-        ("data.val_size=0", "data.val_size"),
+        ("data.val_size=-0.5", "data.val_size"),
+        ("data.val_size=12.5", "data.val_size"),
+        ("train.warmup_steps=2.5", "train.warmup_steps"),
         ("sampling.n=1000000000", "sampling.n"),
         ("rewards.name=nope", "rewards.name"),
         # misleading on main (named sampling.temperature)

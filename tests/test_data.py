@@ -214,7 +214,7 @@ def test_tfds_builder_round_trips_a_file_into_grain(tmp_path):
     assert sorted(by_id) == sorted(p.id for p in got.train)
     assert {p.id for p in ref.val} == {p.id for p in got.val}
     for p in got.train:
-        assert p.answer == by_id[p.id].answer and p.prompt == "> " + by_id[p.id].prompt
+        assert p.answer == by_id[p.id].answer and p.prompt == "> " + by_id[p.id].meta["question"]
     # grain reads the ArrayRecord source lazily; every problem once per epoch
     pipe = PromptPipeline(got.train, batch_size=4, seed=0, process_index=0, process_count=1)
     seen = [p.id for _ in range(pipe.batches_per_epoch) for p in next(pipe)]

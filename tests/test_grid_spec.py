@@ -81,7 +81,8 @@ def test_flops_budget_uses_model_flops_per_token():
     from rl_jax.train.accounting import step_flops
 
     ms = resolve_spec(cfg.model)
-    P, tp, tg = cfg.data.prompts_per_batch, cfg.sampling.max_prompt_len, cfg.sampling.max_new_tokens
+    # sampling.max_prompt_len=0 (auto): the grid assumes the former default cap, 64.
+    P, tp, tg = cfg.data.prompts_per_batch, 64, cfg.sampling.max_new_tokens
     # The count a run makes of its own steps, on the lengths the grid expects.
     f = step_flops(ms, apply_overrides(cfg, ["sampling.n=2"]), [tp] * P, [tg] * (P * 2))
     per_step = f["sampler_flops"] + f["trainer_flops"]

@@ -81,7 +81,6 @@ def main(argv: list[str]) -> int:
     start_jax(dataclasses.replace(cfg.mesh, distributed=False))
     import jax
 
-    from rl_jax.data import build_task
     from rl_jax.train.evaluation import (
         correctness_fn,
         eval_key,
@@ -89,6 +88,7 @@ def main(argv: list[str]) -> int:
         make_eval_sampler,
     )
     from rl_jax.train.policy_io import load_run_params, run_spec, run_tokenizer
+    from rl_jax.train.preflight import run_task
 
     t0 = time.perf_counter()
     mesh = _eval_mesh(cfg.mesh)
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     params = load_run_params(ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample")
     meta = ck.meta()
     tok = run_tokenizer(ck)
-    task = build_task(cfg.data)
+    task = run_task(cfg, tok)  # rendered as in training: chat template, answer instruction
     problems = list(task.val)[: cfg.eval.num_prompts]
     if not problems:
         raise ConfigError(

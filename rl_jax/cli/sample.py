@@ -8,8 +8,10 @@
 files beside the weights are used for text), or a training run: RUN (its newest
 checkpoint, or --step N) or RUN/checkpoints/STEP, sampled with the run's tokenizer.
 --prompts FILE: one prompt per line, or JSON lines with "prompt" (text) or
-"token_ids". Text prompts are encoded without special tokens unless --chat wraps
-them in the tokenizer's chat template; token ids are used as given. With --json each row prints
+"token_ids". Text prompts are rendered as a user message with the tokenizer's chat
+template when it ships one (data.chat_template=false: plain text; data.system_prompt:
+a system message; --chat: insist on a template) and encoded without special tokens;
+token ids are used as given. With --json each row prints
 {"prompt_index", "sample_index", "token_ids" (completion only), "logprobs",
 "finish_reason", "truncated", "length", "text"}. Log-probs are of the
 temperature-scaled distribution sampled from (temperature 1 for greedy).
@@ -44,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", help="file: a prompt per line, or JSON lines")
     src.add_argument("--prompt-token-ids", help="one prompt as comma-separated token ids")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="require the chat template (text prompts use it by default when the tokenizer "
+        "has one; data.chat_template=false turns it off)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides (sampling.*, model.*)"
@@ -138,14 +145,16 @@ def main(argv: list[str]) -> int:
             f"--model {args.model} has no tokenizer files; pass --prompt-token-ids "
             "(and no sampling.length_control=interrupt)"
         )
+    if args.chat and tok is not None and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"--chat: the tokenizer of {args.model} has no chat template")
+    from rl_jax.data import prompt_renderer
+
+    render = prompt_renderer(
+        dataclasses.replace(cfg.data, chat_template=cfg.data.chat_template or args.chat), tok
+    )
     prompts = []
     for r in raw:
-        if isinstance(r, list):
-            prompts.append(r)
-        elif args.chat:
-            prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": r}])))
-        else:
-            prompts.append(tok.encode(r))
+        prompts.append(r if isinstance(r, list) else tok.encode(render(r)))
         if not prompts[-1]:
             raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
 

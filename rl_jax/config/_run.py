@@ -227,7 +227,22 @@ _NON_SEMANTIC = (
 
 # Knobs added after run ids were first handed out: left out of the hash while at
 # their default, so runs made before they existed keep their ids (and resume).
-_LATER_KNOB_DEFAULTS = {"mesh.sampler_devices": 0, "mesh.cpu_devices": 0}
+_LATER_KNOB_DEFAULTS = {
+    "mesh.sampler_devices": 0,
+    "mesh.cpu_devices": 0,
+    "data.chat_template": True,
+    "data.system_prompt": "",
+    "data.answer_instruction": "auto",
+    "data.hf_split": "train",
+    "data.hf_val_split": "",
+}
+# Knobs that were ints and now also take a fraction (so are floats): a whole number is
+# hashed as the int it was, so `train.warmup_steps=50` keeps its run id.
+_COUNT_OR_FRACTION = ("data.val_size", "train.warmup_steps")
+# Knobs whose default changed to 'auto' (0) without changing any number a run computes:
+# hashed as the old default. sampling.max_prompt_len only refuses longer prompts (prompts
+# are padded per batch), and auto is never below the data's longest prompt.
+_HASHED_AS_OLD_DEFAULT = {"sampling.max_prompt_len": (0, 64)}
 # Knobs that differ between the processes of one multi-process run (or between
 # launches of it): hashed at their defaults, so that every process computes the
 # same id for the run directory they share (and older ids stay as they were).
@@ -236,9 +251,24 @@ _PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""
 
 def resolved(cfg: RunConfig) -> RunConfig:
     """cfg with every knob left to a default that depends on other knobs filled in
-    (the loss's own defaults: `LossConfig.resolved`); idempotent."""
+    (the loss's own defaults: `LossConfig.resolved`; a generated task's verifier and
+    validation count; warm-up as a count of steps); idempotent.
+
+    What only the data can tell (a file's verifier, its validation count, the longest
+    prompt) stays as set ('auto', a fraction, 0): `rl_jax.train.preflight` reports it."""
+    from rl_jax.config.data import GENERATED
+
+    changes: dict[str, Any] = {}
     loss = cfg.loss.resolved()
-    return cfg if loss is cfg.loss else dataclasses.replace(cfg, loss=loss)
+    if loss is not cfg.loss:
+        changes["loss"] = loss
+    if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown"):
+        changes["rewards"] = dataclasses.replace(cfg.rewards, name=cfg.data.source)
+    if cfg.data.source in GENERATED and cfg.data.val_size < 1:
+        changes["data"] = dataclasses.replace(cfg.data, val_size=cfg.data.generated_val_size)
+    if 0 < cfg.train.warmup_steps < 1:
+        changes["train"] = dataclasses.replace(cfg.train, warmup_steps=cfg.train.warmup_count)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def run_id(cfg: RunConfig) -> str:
@@ -248,13 +278,21 @@ def run_id(cfg: RunConfig) -> str:
     value it resolves to give one id (and one run directory).
     """
     flat = {
-        k: _PROCESS_LOCAL_DEFAULTS.get(k, v)
+        k: _hashed_value(k, _PROCESS_LOCAL_DEFAULTS.get(k, v))
         for k, v in flatten(resolved(cfg)).items()
         if not any(k.startswith(p) for p in _NON_SEMANTIC)
         and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
     }
     blob = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _hashed_value(key: str, v: Any) -> Any:
+    if key in _COUNT_OR_FRACTION and isinstance(v, float) and v.is_integer():
+        return int(v)
+    if key in _HASHED_AS_OLD_DEFAULT and v == _HASHED_AS_OLD_DEFAULT[key][0]:
+        return _HASHED_AS_OLD_DEFAULT[key][1]
+    return v
 
 
 def resolve_recipe_path(recipe: str) -> Path:

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
 
-SOURCES = ("arith", "countdown", "file", "tfds", "reasoning_gym")
+SOURCES = ("arith", "countdown", "file", "hf", "tfds", "reasoning_gym")
+# Sources whose problems are generated here (val_size counts extra problems generated).
+GENERATED = ("arith", "countdown", "reasoning_gym")
+# Sources of datasets read from disk (val_size problems are held out of them).
+DATASETS = ("file", "hf")
+# data.val_size=0 (auto): this many generated validation problems; of a dataset, 10% of its
+# problems up to this many.
+AUTO_VAL_SIZE = 128
+AUTO_VAL_FRAC = 0.1
 FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl")
 ARITH_TASKS = ("add", "sub", "mul", "chain")
 # Generated sources build every problem in memory up front: a typo'd size must not hang.
@@ -24,7 +32,15 @@ class DataConfig:
     difficulty: int = knob(2, help="arith: digits per operand; countdown: how many numbers (2..8)")
     num_terms: int = knob(3, help="arith task=chain: number of terms summed")
     path: str = knob(
-        "", help="source=file: JSONL/parquet training file; source=tfds: data_dir ('' = default)"
+        "",
+        help="source=file: JSONL/parquet training file; source=hf: a `save_to_disk` directory "
+        "or a hub dataset name; source=tfds: data_dir ('' = default)",
+    )
+    hf_split: str = knob(
+        "train", help="source=hf: split of a DatasetDict / hub dataset to train on"
+    )
+    hf_val_split: str = knob(
+        "", help="source=hf: split to validate on ('' = hold out val_size problems of hf_split)"
     )
     val_path: str = knob(
         "", help="source=file: validation file ('' = hold out val_size problems of data.path)"
@@ -36,8 +52,11 @@ class DataConfig:
     train_size: int = knob(
         4096, help="generated sources: training problems (file/tfds use every problem)"
     )
-    val_size: int = knob(
-        128, help="validation problems (file: held out of data.path unless data.val_path)"
+    val_size: float = knob(
+        0,
+        help="validation problems: a count (>= 1) or a fraction (< 1) of the problems "
+        "(generated sources: of train_size); 0 = auto: 128 generated, or 10% of a file / HF "
+        "dataset up to 128 (held out of it unless data.val_path / data.hf_val_split)",
     )
     prompts_per_batch: int = knob(8, help="prompts per batch (B_p, IsoCompute)")
     seed: int = knob(0, help="data seed (generation, held-out split, shuffling)")
@@ -46,6 +65,20 @@ class DataConfig:
     )
     prompt_template: str = knob(
         "{question}", help="template of each prompt; '{question}' is replaced by the question"
+    )
+    chat_template: bool = knob(
+        True,
+        help="render each prompt as a user message with the model's chat template (when its "
+        "tokenizer ships one; false = plain text)",
+    )
+    system_prompt: str = knob(
+        "", help="system message before each prompt ('' = none; plain text without a template)"
+    )
+    answer_instruction: str = knob(
+        "auto",
+        help="appended to each question after a blank line; 'auto' = how the verifier reads "
+        "answers (numeric: '#### <number>', math: \\boxed{}) for file/hf/tfds data with the "
+        "plain '{question}' prompt_template, else nothing; '' = none",
     )
     zero_variance_filter: bool = knob(
         True,
@@ -72,12 +105,24 @@ class DataConfig:
             check_range("data", "difficulty", self.difficulty, lo=1)
         if self.source == "file" and not self.path:
             raise ConfigError("data.source='file' needs data.path (a JSONL or parquet file)")
+        if self.source == "hf" and not self.path:
+            raise ConfigError(
+                "data.source='hf' needs data.path (a datasets `save_to_disk` directory or a "
+                "hub dataset name)"
+            )
+        if self.source == "hf" and not self.hf_split:
+            raise ConfigError("data.hf_split is empty; name the split to train on (e.g. train)")
         if self.source in ("tfds", "reasoning_gym") and not self.task:
             raise ConfigError(f"data.source={self.source!r} needs data.task (the dataset name)")
         check_range("data", "num_terms", self.num_terms, lo=2, hi=1000)
         check_range("data", "train_size", self.train_size, lo=1, hi=MAX_PROBLEMS)
         # Every run evaluates (at least at the end): it needs validation problems.
-        check_range("data", "val_size", self.val_size, lo=1, hi=MAX_PROBLEMS)
+        check_range("data", "val_size", self.val_size, lo=0, hi=MAX_PROBLEMS)
+        if self.val_size >= 1 and self.val_size != int(self.val_size):
+            raise ConfigError(
+                f"data.val_size={self.val_size!r}: a count must be a whole number (or a "
+                "fraction below 1, or 0 for auto)"
+            )
         check_range("data", "prompts_per_batch", self.prompts_per_batch, lo=1, hi=MAX_PROBLEMS)
         # numpy's SeedSequence refuses negative entropy.
         check_range("data", "seed", self.seed, lo=0)
@@ -92,3 +137,20 @@ class DataConfig:
                 "data.split_file and data.split_name go together; got "
                 f"split_file={self.split_file!r}, split_name={self.split_name!r}"
             )
+
+    def val_count(self, num_problems: int) -> int:
+        """Validation problems held out of a dataset of `num_problems` (a generated source:
+        generated beside train_size of them); at least 1."""
+        v = self.val_size
+        if v >= 1:
+            return int(v)
+        if self.source in GENERATED:
+            return AUTO_VAL_SIZE if v == 0 else max(1, round(v * self.train_size))
+        if v == 0:
+            return min(AUTO_VAL_SIZE, max(1, round(AUTO_VAL_FRAC * num_problems)))
+        return max(1, round(v * num_problems))
+
+    @property
+    def generated_val_size(self) -> int:
+        """Validation problems a generated source makes (`val_count` of train_size)."""
+        return self.val_count(self.train_size)

@@ -13,8 +13,9 @@ SCALES = ("pm1", "01")
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     name: str = knob(
-        "arith",
-        help="verifier by name (rl_jax.rewards.names()); 'auto' = the task's default verifier",
+        "auto",
+        help="verifier by name (rl_jax.rewards.names()); 'auto' = the data's own verifier "
+        "(arith, countdown; numeric or math by a file's layout and answers)",
     )
     scale: str = knob("pm1", help=f"reward scale: 'pm1' (+1/-1) or '01' (1/0); one of {SCALES}")
     timeout_s: float = knob(2.0, help="per-call time limit of a sandboxed verifier (math, gym)")

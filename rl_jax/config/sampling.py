@@ -21,7 +21,11 @@ class SamplingConfig:
     top_p: float = knob(1.0, help="nucleus sampling mass (1 = off)")
     top_k: int = knob(0, help="top-k sampling (0 = off)")
     max_new_tokens: int = knob(32, help="generation budget per row")
-    max_prompt_len: int = knob(64, help="longest prompt in tokens; longer prompts are an error")
+    max_prompt_len: int = knob(
+        0,
+        help="longest prompt in tokens, checked against the data at start (0 = auto: the "
+        "longest rendered prompt of the data, rounded up to length_bucket)",
+    )
     length_bucket: int = knob(
         16, help="prompt/generation lengths are rounded up to a multiple of this"
     )
@@ -48,7 +52,7 @@ class SamplingConfig:
         check_range("sampling", "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         check_range("sampling", "top_k", self.top_k, lo=0)
         check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1, hi=MAX_TOKENS)
-        check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=1, hi=MAX_TOKENS)
+        check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=0, hi=MAX_TOKENS)
         check_range("sampling", "length_bucket", self.length_bucket, lo=1, hi=MAX_TOKENS)
         for k in ("decode_chunk", "interrupt_lo", "interrupt_hi", "answer_budget"):
             check_range("sampling", k, getattr(self, k), lo=0, hi=MAX_TOKENS)

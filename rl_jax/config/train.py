@@ -24,7 +24,11 @@ class TrainConfig:
     lr: float = knob(1e-6, help="peak learning rate")
     lr_sqrt_batch_ref: int = knob(0, help="if > 0: lr *= sqrt(B_p * n / this) (IsoCompute)")
     schedule: str = knob("constant", help=f"after warm-up, one of {SCHEDULES}")
-    warmup_steps: int = knob(0, help="linear warm-up steps")
+    warmup_steps: float = knob(
+        0,
+        help="linear warm-up: a count of steps (>= 1) or a fraction (< 1) of train.steps "
+        "(0.05 of 1000 steps = 50)",
+    )
     adam_b1: float = knob(0.9, help="AdamW beta1")
     adam_b2: float = knob(0.999, help="AdamW beta2")
     adam_eps: float = knob(1e-8, help="AdamW epsilon (ScaleRL: 1e-15)")
@@ -32,6 +36,12 @@ class TrainConfig:
     grad_clip: float = knob(1.0, help="global-norm gradient clipping (0 = off)")
     max_nonfinite: int = knob(5, help="stop after this many consecutive NaN/Inf updates")
     seed: int = knob(0, help="RNG seed of sampling and initialization")
+
+    @property
+    def warmup_count(self) -> int:
+        """Warm-up steps: warmup_steps itself, or that fraction of train.steps."""
+        w = self.warmup_steps
+        return int(w) if w >= 1 or w == 0 else round(w * self.steps)
 
     def __post_init__(self):
         check_numbers("train", self)
@@ -41,6 +51,11 @@ class TrainConfig:
             check_range("train", k, getattr(self, k), lo=1)
         for k in ("pipeline_waves", "lr_sqrt_batch_ref", "warmup_steps", "seed"):
             check_range("train", k, getattr(self, k), lo=0)
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps!r}: a count must be a whole number "
+                "(or a fraction of train.steps below 1)"
+            )
         for k in ("lr", "weight_decay", "grad_clip"):
             check_range("train", k, getattr(self, k), lo=0.0)
         # Adam's moment decay rates: 1 would never forget, above 1 diverges.

@@ -1,6 +1,6 @@
 """Prompt data: tasks, grain pipelines, curriculum filters, difficulty splits.
 
-task = build_task(cfg.data)                        # task.train, task.val, task.reward_name
+task = build_task(cfg.data, tokenizer=tok)         # task.train, task.val, task.reward_name
 cur = Curriculum(cfg.data)
 pipe = PromptPipeline(task.train, batch_size=cfg.data.prompts_per_batch,
                       seed=cfg.data.seed, curriculum=cur)
@@ -10,7 +10,15 @@ checkpoint: pipe.get_state(), cur.state_dict()     # JSON-serializable
 """
 
 from rl_jax.data._build import build_task
+from rl_jax.data._chat import (
+    ANSWER_INSTRUCTIONS,
+    answer_instruction,
+    messages,
+    prompt_renderer,
+    uses_chat_template,
+)
 from rl_jax.data._problem import Problem, Task
+from rl_jax.data._sources import hold_out
 from rl_jax.data._synthetic import arith_answer
 from rl_jax.data.curriculum import Curriculum, pass_rates
 from rl_jax.data.pipeline import DataExhausted, PromptPipeline, shard_problems
@@ -27,6 +35,12 @@ def prepare_tfds(cfg, data_dir):
 
 
 __all__ = [
+    "ANSWER_INSTRUCTIONS",
+    "answer_instruction",
+    "hold_out",
+    "messages",
+    "prompt_renderer",
+    "uses_chat_template",
     "CharTokenizer",
     "Curriculum",
     "DataExhausted",

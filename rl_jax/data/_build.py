@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rl_jax.config.data import DataConfig
 from rl_jax.data._files import LAYOUTS
@@ -48,17 +49,34 @@ def _select_split(problems: Sequence[Problem], ids: set[int]) -> Sequence[Proble
     return [p for p in problems if p.id in ids]
 
 
-def build_task(cfg: DataConfig, *, chat_template: Callable[[str], str] | None = None) -> Task:
-    """Train and validation problems of `cfg`, templated, filtered by its difficulty split.
+def build_task(
+    cfg: DataConfig,
+    *,
+    tokenizer: Any = None,
+    verifier: str = "auto",
+    chat_template: Callable[[str], str] | None = None,
+) -> Task:
+    """Train and validation problems of `cfg`, rendered, filtered by its difficulty split.
 
-    chat_template: the tokenizer's chat template as `fn(user_text) -> prompt`, applied after
-    `data.prompt_template` (pass None for the character tokenizer / plain prompts).
+    tokenizer: the model's; prompts are rendered with its chat template when it ships one
+        and data.chat_template is on (`rl_jax.data.prompt_renderer`). None: plain text.
+    verifier: rewards.name ('auto': the data's own), for data.answer_instruction=auto.
+    chat_template: instead of a tokenizer, `fn(user_text) -> prompt` applied after
+        data.prompt_template.
     """
-    make = lambda p: templated(p, cfg.prompt_template, chat_template)
+    render: list[Callable[[str], str] | None] = [chat_template]
+    make = lambda p: templated(p, cfg.prompt_template, render[0])
     if cfg.source == "tfds":
+        # Rendered lazily, as records are read: the renderer is set once the verifier is known.
         train, val, reward = _tfds_splits(cfg, make)
     else:
         train, val, reward = raw_problems(cfg)
+    if chat_template is None:
+        from rl_jax.data._chat import prompt_renderer
+
+        chosen = reward if verifier in ("", "auto") else verifier
+        render[0] = prompt_renderer(cfg, tokenizer, verifier=chosen)
+    if cfg.source != "tfds":
         train, val = [make(p) for p in train], [make(p) for p in val]
     info = {"source": cfg.source, "task": cfg.task, "difficulty": cfg.difficulty}
     if cfg.split_file:
@@ -81,5 +99,5 @@ def build_task(cfg: DataConfig, *, chat_template: Callable[[str], str] | None = 
             )
         info.update(split=cfg.split_name, split_file=str(Path(cfg.split_file)))
     info.update(train_size=len(train), val_size=len(val))
-    name = cfg.source if cfg.source in ("countdown", "file") else f"{cfg.source}:{cfg.task}"
+    name = cfg.source if cfg.source in ("countdown", "file", "hf") else f"{cfg.source}:{cfg.task}"
     return Task(name=name, train=train, val=val, reward_name=reward, info=info)

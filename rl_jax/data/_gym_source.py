@@ -29,7 +29,7 @@ def gym_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
         raise ConfigError(f"data.gym_kwargs={cfg.gym_kwargs!r} is not JSON ({e})") from e
     if not isinstance(kwargs, dict):
         raise ConfigError(f"data.gym_kwargs={cfg.gym_kwargs!r} must be a JSON object")
-    need = cfg.val_size + cfg.train_size
+    need = cfg.generated_val_size + cfg.train_size
     try:
         # Over-generate a little: duplicates are dropped so the splits stay disjoint.
         ds = reasoning_gym.create_dataset(
@@ -53,4 +53,4 @@ def gym_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
             f"reasoning-gym {cfg.task!r} gave only {len(out)} distinct questions, fewer than "
             f"data.val_size + data.train_size = {need}"
         )
-    return out[cfg.val_size :], out[: cfg.val_size]
+    return out[cfg.generated_val_size :], out[: cfg.generated_val_size]

@@ -69,7 +69,7 @@ def arith_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     lo, hi = _operand_range(k)
     width = hi - lo
     space = width**terms
-    need = cfg.val_size + cfg.train_size
+    need = cfg.generated_val_size + cfg.train_size
     rng = _rng(cfg, "arith:" + cfg.task)
 
     def decode(index: int) -> tuple:
@@ -115,7 +115,7 @@ def arith_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
                 meta=meta,
             )
         )
-    return out[cfg.val_size :], out[: cfg.val_size]
+    return out[cfg.generated_val_size :], out[: cfg.generated_val_size]
 
 
 def _countdown_one(rng: np.random.Generator, n: int) -> tuple[tuple[int, ...], int, str] | None:
@@ -147,7 +147,7 @@ def countdown_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
         raise ConfigError(
             f"countdown data.difficulty (how many numbers) must be in [2, 8], got {n}"
         )
-    need = cfg.val_size + cfg.train_size
+    need = cfg.generated_val_size + cfg.train_size
     rng = _rng(cfg, "countdown")
     found: dict[tuple, str] = {}
     attempts, budget = 0, 50 * need + 1000
@@ -182,7 +182,7 @@ def countdown_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
                 meta=meta,
             )
         )
-    return out[cfg.val_size :], out[: cfg.val_size]
+    return out[cfg.generated_val_size :], out[: cfg.generated_val_size]
 
 
 def arith_space(cfg: DataConfig) -> int:

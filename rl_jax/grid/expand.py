@@ -194,7 +194,8 @@ def step_compute(cfg: RunConfig, budget: Budget | None = None) -> dict[str, floa
     (`rl_jax.train.accounting.step_flops`); FLOPs nan if the model code is not in
     this build."""
     rollouts = cfg.data.prompts_per_batch * cfg.sampling.n
-    p = (budget.prompt_tokens if budget else 0) or cfg.sampling.max_prompt_len
+    # sampling.max_prompt_len=0 (auto, known only from the data): the former default cap.
+    p = (budget.prompt_tokens if budget else 0) or cfg.sampling.max_prompt_len or 64
     g = (budget.generated_tokens if budget else 0) or cfg.sampling.max_new_tokens
     try:
         from rl_jax.models.load import resolve_spec

@@ -141,7 +141,9 @@ class Budget:
 
     amount: float
     unit: str = "rollouts"
-    prompt_tokens: float = 0.0  # mean prompt tokens per rollout (0: sampling.max_prompt_len)
+    prompt_tokens: float = (
+        0.0  # mean prompt tokens per rollout (0: sampling.max_prompt_len, or 64 if auto)
+    )
     generated_tokens: float = 0.0  # mean generated tokens per rollout (0: max_new_tokens)
 
     def __post_init__(self):

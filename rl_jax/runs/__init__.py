@@ -11,7 +11,8 @@ from rl_jax.runs.atomic import (
 )
 from rl_jax.runs.metrics import MetricsLogger
 from rl_jax.runs.progress import progress_bar
-from rl_jax.runs.run_dir import RunDir, RunDirError, create_run_dir
+from rl_jax.runs.run_dir import RunDir, RunDirError, RunLock, create_run_dir
+from rl_jax.runs.samples import format_samples, sample_rows
 
 __all__ = [
     "LoggingConfig",
@@ -23,7 +24,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "create_run_dir",
+    "format_samples",
     "progress_bar",
     "read_jsonl",
+    "sample_rows",
     "truncate_jsonl_after",
 ]

@@ -65,6 +65,13 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(sc, step=step)
 
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text entry (TensorBoard's text tab, W&B as a string)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log({tag: text}, step=step)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.flush()

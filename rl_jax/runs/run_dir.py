@@ -83,6 +83,10 @@ class RunDir:
         return self.root / "curve.jsonl"
 
     @property
+    def samples_path(self) -> Path:
+        return self.root / "samples.jsonl"
+
+    @property
     def events_dir(self) -> Path:
         return self.root / "events"
 

@@ -72,7 +72,7 @@ def pack_prompts(
     for i, n in enumerate(lens):
         if n == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if n > max_len:
+        if max_len and n > max_len:  # 0: no limit of its own (auto, checked at start)
             raise ConfigError(
                 f"prompt {i} has {n} tokens, more than sampling.max_prompt_len={max_len}; "
                 "raise sampling.max_prompt_len or shorten the prompt"

@@ -37,13 +37,22 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, flatten, resolved, run_id
-from rl_jax.data import Curriculum, PromptPipeline, build_task
+from rl_jax.data import Curriculum, PromptPipeline
 from rl_jax.knobs import ConfigError
 from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import score_batch, shape_rewards
-from rl_jax.runs import MetricsLogger, RunDir, create_run_dir, progress_bar, truncate_jsonl_after
+from rl_jax.runs import (
+    MetricsLogger,
+    RunDir,
+    append_jsonl,
+    create_run_dir,
+    progress_bar,
+    sample_rows,
+    truncate_jsonl_after,
+)
+from rl_jax.runs.samples import format_row, samples_due
 from rl_jax.sampling import Rollouts, Sampler
 from rl_jax.sharding import (
     MeshConfig,
@@ -61,6 +70,7 @@ from rl_jax.train.evaluation import (
     make_eval_sampler,
 )
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.preflight import run_task
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.step import (
     assemble_batch,
@@ -172,7 +182,9 @@ class RLTrainer:
             make_value_fn(self.spec, self.train_rules, self.mesh) if self.critic else None
         )
 
-        self.task = build_task(cfg.data)
+        # Rendered for the tokenizer (chat template, answer instruction); prompts checked
+        # against sampling.max_prompt_len.
+        self.task = run_task(cfg, self.tokenizer)
         self.reward_fn = reward_from_config(cfg.rewards, task_reward=self.task.reward_name)
         self.correct_fn = correctness_fn(cfg.rewards, self.task, self.reward_fn)
         self.curriculum = Curriculum(cfg.data)
@@ -385,6 +397,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         P, G, M = len(problems), self.G, self.M
         raw, shaped, texts = self._score(ro, problems)
+        self._log_samples(problems, texts, raw, shaped)
         score_s = time.perf_counter() - t0
         ids = [p.id for p in problems]
         group_b = ro.group_ids.astype(np.int32)
@@ -512,6 +525,33 @@ class RLTrainer:
         )
         return metrics
 
+    def _log_samples(self, problems, texts, raw, shaped) -> None:
+        """A few readable rows to samples.jsonl and TensorBoard (logging.samples_every)."""
+        step = self.step + 1  # the step this batch is logged under, as in metrics.jsonl
+        cfg = self.cfg
+        due = samples_due(
+            cfg.logging.samples_every,
+            step=step,
+            eval_every=cfg.eval.every,
+            last_step=cfg.train.steps,
+        )
+        if not self.is_main or not due:
+            return
+        rows = sample_rows(
+            step=step,
+            problems=problems,
+            completions=texts,
+            raw=raw,
+            shaped=shaped,
+            group_size=self.G,
+            rows=cfg.logging.samples_rows,
+            well_formed=self.reward_fn.well_formed,
+        )
+        append_jsonl(self.run.samples_path, rows)
+        if self.logger is not None:
+            text = "\n".join("```\n" + format_row(r) + "```" for r in rows)
+            self.logger.log_text(step, "samples", text)
+
     # ---- evaluation -----------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
@@ -599,7 +639,7 @@ class RLTrainer:
             )
         last = -1 if got is None else int(got[2]["step"])
         if self.is_main:
-            for path in (self.run.metrics_path, self.run.curve_path):
+            for path in (self.run.metrics_path, self.run.curve_path, self.run.samples_path):
                 truncate_jsonl_after(path, "step", last)
         if got is None:
             return False

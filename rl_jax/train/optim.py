@@ -18,7 +18,7 @@ def peak_lr(cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int
 
 def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Schedule:
     """Linear warm-up (update s < W gets peak * (s + 1) / W), then constant or cosine."""
-    warm = max(0, cfg.warmup_steps)
+    warm = cfg.warmup_count
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
     else:  # cosine, validated in TrainConfig

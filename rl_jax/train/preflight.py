@@ -8,17 +8,115 @@ the CLI runs them first and a bad input is one ConfigError line (exit 2).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rl_jax.config import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rl_jax.knobs import ConfigError
 
+if TYPE_CHECKING:
+    from rl_jax.data import Task
 
-def check_run_inputs(cfg: RunConfig) -> None:
-    """Model files, data files and the verifier of `cfg`, as the trainer will read them."""
+
+def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
+    """Data files, model files, the verifier, the prompt lengths and the schedule of `cfg`,
+    as the trainer will read them. Prints (to `out`, default stderr) the verifier chosen
+    and any warning, one line each."""
+    out = sys.stderr if out is None else out
+    task_reward = check_data_files(cfg.data)  # first: it needs no model
     check_model_files(cfg.model)
-    task_reward = check_data_files(cfg.data)
     check_reward(cfg.rewards, task_reward=task_reward)
+    if cfg.data.source in ("file", "hf") or cfg.data.split_file:
+        run_task(cfg, run_tokenizer(cfg))
+    # Printed once every check has passed (a bad input stays one line). A generated task's
+    # verifier is its own name: said only when rewards.name picks another.
+    if task_reward and (
+        cfg.data.source in ("file", "hf") or cfg.rewards.name not in ("auto", task_reward)
+    ):
+        print(verifier_line(cfg, task_reward), file=out, flush=True)
+    for line in schedule_warnings(cfg):
+        print(line, file=out, flush=True)
+
+
+def run_tokenizer(cfg: RunConfig) -> Any:
+    """The tokenizer a run of `cfg` uses: the model's, or the character tokenizer."""
+    if cfg.model.path:
+        from rl_jax.models.tokenizer import load_tokenizer
+
+        return load_tokenizer(cfg.model.path)
+    from rl_jax.data.tokenizer import CharTokenizer
+
+    return CharTokenizer()
+
+
+def verifier_line(cfg: RunConfig, task_reward: str) -> str:
+    """One line: the verifier a run scores with, and why."""
+    name = cfg.rewards.name
+    if name == "auto":
+        return f"verifier: {task_reward} (rewards.name=auto, the data's own)"
+    if name != task_reward:
+        return (
+            f"verifier: {name} (rewards.name); warning: the data's own verifier is "
+            f"{task_reward} (rewards.name=auto)"
+        )
+    return f"verifier: {name} (rewards.name)"
+
+
+def run_task(cfg: RunConfig, tokenizer: Any) -> Task:
+    """The task a run trains on, rendered for `tokenizer` (its chat template, the answer
+    instruction of the chosen verifier), with every prompt within the prompt-length limit:
+    an explicit sampling.max_prompt_len below the longest prompt is an error naming it."""
+    from rl_jax.data import build_task
+
+    task = build_task(cfg.data, tokenizer=tokenizer, verifier=cfg.rewards.name)
+    prompt_len_limit(cfg, task, tokenizer)
+    return task
+
+
+def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
+    """sampling.max_prompt_len, or for 0 (auto) the longest prompt of the task in tokens
+    rounded up to sampling.length_bucket. Lazily read datasets (tfds) are measured only for
+    auto; an explicit limit is then checked as prompts are sampled."""
+    limit, bucket = cfg.sampling.max_prompt_len, cfg.sampling.length_bucket
+    lazy = not isinstance(task.train, list)
+    if limit and lazy:
+        return limit
+    longest, where = 0, ""
+    for split, problems in (("training", task.train), ("validation", task.val)):
+        for i in range(len(problems)):
+            n = len(tokenizer.encode(problems[i].prompt))
+            if n > longest:
+                longest, where = n, f"{split} problem {problems[i].id}"
+    if limit and longest > limit:
+        raise ConfigError(
+            f"sampling.max_prompt_len={limit} is below the longest prompt, {longest} tokens "
+            f"({where}, as rendered for the model); set sampling.max_prompt_len="
+            f"{-(-longest // bucket) * bucket} or 0 (auto)"
+        )
+    return limit or max(bucket, -(-longest // bucket) * bucket)
+
+
+def schedule_warnings(cfg: RunConfig) -> list[str]:
+    """Warnings about a learning-rate schedule that does not do what its knobs suggest."""
+    t = cfg.train
+    warm, updates = t.warmup_count, t.steps * t.updates_per_batch
+    if warm and warm >= updates:
+        # Plain arithmetic, not the optax schedule: no JAX computation before the trainer
+        # starts JAX (update s < W gets peak * (s + 1) / W).
+        from rl_jax.train.optim import peak_lr
+
+        peak = peak_lr(
+            t, prompts_per_batch=cfg.data.prompts_per_batch, samples_per_prompt=cfg.sampling.n
+        )
+        last = peak * updates / warm
+        return [
+            f"warning: train.warmup_steps={t.warmup_steps:g} is {warm} updates, at least the "
+            f"run's {updates} (train.steps={t.steps}): the learning rate never leaves warm-up "
+            f"(it reaches {last:.3g} of {peak:.3g}); set train.warmup_steps to a fraction of "
+            "the steps, e.g. 0.05"
+        ]
+    return []
 
 
 def check_model_files(cfg: ModelConfig, *, tokenizer: bool = True) -> None:
@@ -62,7 +160,7 @@ def check_data_files(data: DataConfig) -> str:
     """Reads the data files a DataConfig names (data.path, data.val_path, data.split_file),
     every row checked; returns the task's verifier name ('' when not known without
     opening a dataset)."""
-    if data.source != "file" and not data.split_file:
+    if data.source not in ("file", "hf") and not data.split_file:
         return data.source if data.source in ("arith", "countdown") else ""
     from rl_jax.data import build_task
 

@@ -1,0 +1,89 @@
+"""Completions one can read: a few (prompt, completion, reward, verdict) rows per logged
+step in `<run>/samples.jsonl` (rewound with metrics.jsonl on resume), and their
+pretty-printer `format_samples(run_dir, last=N)` (`rl-jax samples RUN`).
+
+A row: {"step", "problem_id", "sample", "prompt", "completion", "answer", "reward"
+(shaped), "raw_reward" (the verifier's), "verdict"}. verdict is "correct", "wrong" (an
+answer was read and differs) or "no answer" (the verifier found none to read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_jax.runs.atomic import read_jsonl
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def verdict(raw_reward: float, well_formed: bool) -> str:
+    if raw_reward > 0:
+        return "correct"
+    return "wrong" if well_formed else "no answer"
+
+
+def sample_rows(
+    *,
+    step: int,
+    problems: Sequence[Any],
+    completions: Sequence[str],
+    raw: Sequence[float],
+    shaped: Sequence[float],
+    group_size: int,
+    rows: int,
+    well_formed=None,
+) -> list[dict[str, Any]]:
+    """One row for each of the first `rows` prompts: its first completion (rows are
+    grouped by prompt, `group_size` each). well_formed: `fn(text) -> bool` of the verifier."""
+    out = []
+    for g in range(min(rows, len(problems))):
+        b = g * group_size
+        text = completions[b]
+        ok = bool(well_formed(text)) if well_formed is not None else False
+        p = problems[g]
+        out.append(
+            {
+                "step": int(step),
+                "problem_id": int(p.id),
+                "sample": 0,
+                "prompt": p.prompt,
+                "completion": text,
+                "answer": p.answer,
+                "reward": float(shaped[b]),
+                "raw_reward": float(raw[b]),
+                "verdict": verdict(float(raw[b]), ok),
+            }
+        )
+    return out
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One sample as text (also the TensorBoard text of a row)."""
+    return (
+        f"--- step {r.get('step')}  problem {r.get('problem_id')}  reward "
+        f"{float(r.get('reward', 0.0)):+.3f}  {r.get('verdict', '?')} (answer: "
+        f"{r.get('answer', '')})\n"
+        f"[prompt]\n{r.get('prompt', '')}\n[completion]\n{r.get('completion', '')}\n"
+    )
+
+
+def format_samples(run_dir: str | Path, last: int = 8) -> str:
+    """The newest `last` rows of `<run_dir>/samples.jsonl` (oldest first), as text."""
+    path = Path(run_dir) / SAMPLES_FILE
+    rows = read_jsonl(path) if path.exists() else []
+    if not rows:
+        return f"no samples in {path} (logging.samples_every=0, or no step logged yet)\n"
+    shown = rows[-last:] if last > 0 else rows
+    return "\n".join(format_row(r) for r in shown)
+
+
+def samples_due(every: int, *, step: int, eval_every: int, last_step: int) -> bool:
+    """Whether step `step` logs samples: every `every` steps (logging.samples_every; -1 =
+    at each evaluation, eval.every, and the last step; 0 = never)."""
+    if every == 0:
+        return False
+    if every < 0:
+        every = eval_every
+    return step == last_step or (every > 0 and step % every == 0)
