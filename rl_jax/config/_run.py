@@ -29,7 +29,19 @@ from rl_jax.config.sampling import SamplingConfig
 from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
 from rl_jax.knobs import ConfigError, knob, sub
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+
+def experiments_dir(package_dir: Path | None = None) -> Path:
+    """The folder of shipped recipes and grid specs: `experiments/` beside the package in a
+    source checkout (the repository, an editable install), else the copy an installed
+    package holds as `rl_jax/recipes` (pyproject.toml maps experiments/ there)."""
+    package_dir = Path(__file__).resolve().parents[1] if package_dir is None else package_dir
+    checkout = package_dir.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "experiments").is_dir():
+        return checkout / "experiments"
+    return package_dir / "recipes"
+
+
+EXPERIMENTS_DIR = experiments_dir()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,20 +307,26 @@ def _hashed_value(key: str, v: Any) -> Any:
     return v
 
 
-def resolve_recipe_path(recipe: str) -> Path:
+def resolve_recipe_path(recipe: str, *, experiments: Path | None = None) -> Path:
+    """A recipe file's path, or a shipped recipe's name (a file in `experiments`, default
+    EXPERIMENTS_DIR) without the `.py`."""
+    experiments = EXPERIMENTS_DIR if experiments is None else experiments
     p = Path(recipe)
     if p.suffix == ".py" and p.exists():
         return p
-    cand = EXPERIMENTS_DIR / f"{recipe}.py"
+    cand = experiments / f"{recipe}.py"
     if not p.suffix and cand.exists():
         return cand
-    names = sorted(q.stem for q in EXPERIMENTS_DIR.glob("*.py") if not q.stem.startswith("_"))
-    raise ConfigError(f"recipe {recipe!r} not found; known recipes in experiments/: {names}")
+    names = sorted(q.stem for q in experiments.glob("*.py") if not q.stem.startswith("_"))
+    raise ConfigError(f"recipe {recipe!r} not found; known recipes in {experiments}: {names}")
 
 
-def load_recipe(recipe: str, overrides: list[str] | None = None) -> RunConfig:
-    """Load a recipe file (a Python file with `recipe() -> RunConfig`) and apply overrides."""
-    path = resolve_recipe_path(recipe)
+def load_recipe(
+    recipe: str, overrides: list[str] | None = None, *, experiments: Path | None = None
+) -> RunConfig:
+    """Load a recipe file (a Python file with `recipe() -> RunConfig`) or a shipped recipe
+    by name (`resolve_recipe_path`) and apply overrides."""
+    path = resolve_recipe_path(recipe, experiments=experiments)
     spec = importlib.util.spec_from_file_location(f"rl_jax_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
