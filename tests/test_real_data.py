@@ -64,6 +64,7 @@ def token_ids(out) -> list[int]:
 # ---- prompts as transformers renders them --------------------------------------------------
 
 
+@pytest.mark.slow  # transformers reads the GGUF's tokenizer in about 40 s
 @needs_smollm2
 @pytest.mark.parity
 def test_prompt_ids_equal_transformers_on_smollm2():
