@@ -264,7 +264,8 @@ _PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""
 def resolved(cfg: RunConfig) -> RunConfig:
     """cfg with every knob left to a default that depends on other knobs filled in
     (the loss's own defaults: `LossConfig.resolved`; a generated task's verifier and
-    validation count; warm-up as a count of steps); idempotent.
+    validation count, at least eval.num_prompts when auto; warm-up as a count of steps);
+    idempotent.
 
     What only the data can tell (a file's verifier, its validation count, the longest
     prompt) stays as set ('auto', a fraction, 0): `rl_jax.train.preflight` reports it."""
@@ -277,7 +278,10 @@ def resolved(cfg: RunConfig) -> RunConfig:
     if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown"):
         changes["rewards"] = dataclasses.replace(cfg.rewards, name=cfg.data.source)
     if cfg.data.source in GENERATED and cfg.data.val_size < 1:
-        changes["data"] = dataclasses.replace(cfg.data, val_size=cfg.data.generated_val_size)
+        val = cfg.data.generated_val_size
+        if cfg.data.val_size == 0:  # auto: enough problems for every evaluation prompt
+            val = max(val, cfg.eval.num_prompts)
+        changes["data"] = dataclasses.replace(cfg.data, val_size=val)
     if 0 < cfg.train.warmup_steps < 1:
         changes["train"] = dataclasses.replace(cfg.train, warmup_steps=cfg.train.warmup_count)
     return dataclasses.replace(cfg, **changes) if changes else cfg
