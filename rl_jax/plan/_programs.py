@@ -408,6 +408,7 @@ def _report(
     analytic = analytic_total / chips  # an SPMD program's costs are per chip
     expected = analytic if expected is None else expected / chips
     roofline = chip.roofline_s(flops, moved)
+    nan = float("nan")
     out = {
         "name": name,
         "hbm_total_gb": total / 1e9,
@@ -425,8 +426,15 @@ def _report(
         "compile_s": compile_s,
     }
     if bytes_analytic is not None:
+        # XLA's bytes of a decode call count the loop body once plus what runs once per
+        # call (the weights' re-layout, the draws of every column), which for a large
+        # model is twice the weights again: per token, the bytes the step must read
+        # (weights and the whole cache) are the bound.
         out["bytes_analytic"] = float(bytes_analytic)
         out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
+        out["roofline_compiled_s"] = roofline
+        out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)
+        out["mfu_estimate"] = analytic / chip.bf16_flops / roofline if roofline > 0 else nan
     return out
 
 
