@@ -94,7 +94,7 @@ def format_plan(plan: dict) -> str:
         lines.append(
             f"{r['name']:<11} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
             f"{g['temporaries']:>7.2f} {g['resident']:>7.2f} {'yes' if r['fits'] else 'NO':>4} "
-            f"{r['flops'] / 1e9:>9.1f} {1 / r['flops_ratio']:>6.2f} {r['roofline_s']:>10.4g} "
+            f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['roofline_s']:>10.4g} "
             f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
     lines += [
@@ -105,6 +105,11 @@ def format_plan(plan: dict) -> str:
         f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
     ]
     return "\n".join(lines)
+
+
+def _useful(r: dict) -> float:
+    """Model FLOPs / compiled FLOPs (NaN where XLA counted none)."""
+    return r["flops_analytic"] / r["flops"] if r["flops"] else float("nan")
 
 
 def format_search(res: dict) -> str:
