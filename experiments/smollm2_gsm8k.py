@@ -48,7 +48,9 @@ def smollm2_gguf() -> str:
 def recipe() -> RunConfig:
     return RunConfig(
         name="smollm2_gsm8k",
-        model=ModelConfig(path=smollm2_gguf(), scan_layers=True),
+        # Log-probs 16 positions at a time: [B, T, V] float32 logits of a 49152-token
+        # vocabulary are the largest buffers of a step (benchmarks/memory.py).
+        model=ModelConfig(path=smollm2_gguf(), scan_layers=True, logprob_chunk=16),
         # A one-number answer takes a few tokens; 16 leave room for a short sentence around
         # it (the verifier reads the last number) and keep a step within a CPU's reach.
         sampling=SamplingConfig(n=8, temperature=1.0, max_new_tokens=16),
