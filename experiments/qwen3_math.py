@@ -7,10 +7,10 @@ file. The paths are relative to the launch directory (the home directory of ever
 tpu_setup/README.md "Inputs"): the HF checkpoint in models/Qwen3-1.7B, the problems in
 data/math/train.jsonl.
 
-    rl-jax plan qwen3_math model.path= --topology v5p:2x2x1     # HBM per chip, from any host
+    rl-jax plan qwen3_math model.path="''" --topology v5p:2x2x1   # HBM per chip, any host
     tpu_setup/launch.sh ... -- rl-jax train qwen3_math mesh.distributed=true
 
-(`model.path=` plans with the preset's shapes, which equal the released config.json's, when
+(`model.path=''` plans with the preset's shapes, which equal the released config.json's, when
 the checkpoint is not on the planning machine.) The mesh is FSDP over the 4 chips; params,
 Adam moments and gradients of 1.7B parameters in float32 are 27 GB, sharded to 7 GB a chip.
 """

@@ -68,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).with_name("easy_gsm.jsonl")))
     p.add_argument("--count", type=int, default=1000)
-    p.add_argument("--max-number", type=int, default=20)
+    p.add_argument("--max-number", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     rng = random.Random(a.seed)
