@@ -210,7 +210,7 @@ def main() -> int:
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "devices": DEVICES,
-        # Decode attention / projections in the CPU kernels (rl_jax/sampling/_cpu_kernels.py).
+        # Decode attention / projections in the CPU kernels (rl_jax/kernels/cpu.py).
         "attention_kernel": sampler.attention_kernel,
         "matmul_kernel": sampler.matmul_kernel,
         "hf_threads": _torch_threads() if hf_t else None,
