@@ -321,7 +321,7 @@ def decode_attention_qkv(
     k and v in XLA. Returns (attention [B, H hd], keys, values). Same conditions as
     `decode_attention`.
     """
-    B, K, hd = qkv.shape[0], keys.shape[-5], keys.shape[-2]
+    B, K, hd = qkv.shape[0], keys.shape[-4], keys.shape[-2]
     H = qkv.shape[1] // hd - 2 * K
     return _attention_call(
         "rl_jax_decode_attention_qkv",

@@ -288,6 +288,9 @@ class Sampler:
         # Rows only split over devices: every device runs its own loop on its own
         # rows, with no collective per token (it stops when its rows are done).
         specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
+        # The cache is stacked over layers: its rows are its second axis.
+        cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
+        specs = dataclasses.replace(specs, cache=cache_specs)
         loop = jax.shard_map(
             functools.partial(self._loop, manual=True),
             mesh=self.mesh,
