@@ -17,6 +17,10 @@ Performance); --hf-only gives the undisturbed baseline.
 slots of its cache: in the attention kernel, or without it in blocks past 128
 slots; rl_jax/sampling/_decode.py).
 
+--vs-xla times a second sampler on the same weights with the CPU decode kernels off
+(rl_jax.kernels.cpu: attention and matmuls in XLA instead), alternating with ours
+in the same process; keys xla_tokens_per_s and kernel_speedup.
+
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
 --dtype sets both models' parameter and compute dtype.
@@ -54,6 +58,12 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
+    p.add_argument(
+        "--vs-xla",
+        action="store_true",
+        help="also time the same sampler with the CPU decode kernels off (XLA's attention "
+        "and matmuls), alternating with ours: what the kernels buy",
+    )
     p.add_argument(
         "--hf-only",
         action="store_true",
@@ -169,6 +179,18 @@ def main() -> int:
     ours(0)
     first_call = time.perf_counter() - t
 
+    xla_run = None
+    if a.vs_xla:
+        plain = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
+        # Read when its functions are first traced: set before the first call.
+        plain.attention_kernel = plain.matmul_kernel = False
+
+        def xla_run(seed: int):
+            out = plain.generate(params, prompt_list, seed=seed)
+            assert (out.lengths == a.new_tokens).all()
+
+        xla_run(0)
+
     hf_run = None
     if not a.no_hf:
         with tempfile.TemporaryDirectory() as tmp:
@@ -176,11 +198,15 @@ def main() -> int:
             hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
             hf_run(0)  # warm-up
 
-    ours_t, hf_t = [], []
+    ours_t, hf_t, xla_t = [], [], []
     for r in range(a.repeats):
         t = time.perf_counter()
         ours(r + 1)
         ours_t.append(time.perf_counter() - t)
+        if xla_run is not None:
+            t = time.perf_counter()
+            xla_run(r + 1)
+            xla_t.append(time.perf_counter() - t)
         if hf_run is not None:
             t = time.perf_counter()
             hf_run(r + 1)
@@ -197,6 +223,8 @@ def main() -> int:
         "first_call_s": round(first_call, 3),
         "hf_tokens_per_s": round(tokens / statistics.median(hf_t), 1) if hf_t else None,
         "speedup": round(statistics.median(hf_t) / ours_s, 3) if hf_t else None,
+        "xla_tokens_per_s": round(tokens / statistics.median(xla_t), 1) if xla_t else None,
+        "kernel_speedup": round(statistics.median(xla_t) / ours_s, 3) if xla_t else None,
         "flops_fraction": round(flops / ours_s / peak, 4),
         "seconds": round(ours_s, 4),
         "hf_seconds": round(statistics.median(hf_t), 4) if hf_t else None,
@@ -210,7 +238,7 @@ def main() -> int:
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "devices": DEVICES,
-        # Decode attention / projections in the CPU kernels (rl_jax/sampling/_cpu_kernels.py).
+        # Decode attention / projections in the CPU kernels (rl_jax/kernels/cpu.py).
         "attention_kernel": sampler.attention_kernel,
         "matmul_kernel": sampler.matmul_kernel,
         "hf_threads": _torch_threads() if hf_t else None,

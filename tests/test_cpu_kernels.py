@@ -1,4 +1,4 @@
-"""The CPU decode kernels (rl_jax/sampling/_cpu_attention.cc, _cpu_matmul.cc) against
+"""The CPU decode kernels (rl_jax/kernels/_cpu_attention.cc, _cpu_matmul.cc) against
 XLA's attention on the same cache and float64 matmuls, and their build's failure
 modes."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.models.layers import MASK_VALUE, einsum_f32
-from rl_jax.sampling import _cpu_kernels
+from rl_jax.kernels import cpu as _cpu_kernels
+from rl_jax.kernels.xla import MASK_VALUE, einsum_f32
 from rl_jax.sampling._decode import KEY_TILE
 
 needs_kernel = pytest.mark.skipif(
@@ -121,12 +121,49 @@ def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, S, slot):
 
 
 @needs_kernel
+def test_stacked_layers_are_read_and_written_in_place():
+    """With a cache and weights stacked over layers and a layer index (the decode
+    step's scan over layers), the kernels use that layer's part alone: the same
+    results as on the layer's own arrays, the other layers' cache untouched."""
+    rng = np.random.default_rng(5)
+    L, B, K, R, hd, S, slot, layer = 3, 2, 2, 2, 32, 32, 9, 1
+    q = jnp.asarray(rng.standard_normal((B, K, R, hd)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, hd)), jnp.float32) for _ in range(2))
+    keys = jnp.asarray(rng.standard_normal((L, B, K, S // KEY_TILE, hd, KEY_TILE)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal((L, B, K, S, hd)), jnp.float32)
+    kv_start = jnp.zeros((B,), jnp.int32)
+    one = jax.jit(
+        lambda kk, vv: _cpu_kernels.decode_attention(q, k, v, kk, vv, kv_start, slot, 0.2)
+    )
+    stacked = jax.jit(
+        lambda kk, vv, i: _cpu_kernels.decode_attention(
+            q, k, v, kk, vv, kv_start, slot, 0.2, layer=i
+        )
+    )
+    want = one(jnp.array(keys[layer]), jnp.array(values[layer]))
+    got = stacked(jnp.array(keys), jnp.array(values), jnp.int32(layer))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for g, w, before in zip(got[1:], want[1:], (keys, values), strict=True):
+        np.testing.assert_array_equal(np.asarray(g[layer]), np.asarray(w))
+        others = [i for i in range(L) if i != layer]
+        np.testing.assert_array_equal(np.asarray(g)[others], np.asarray(before)[others])
+
+    w = rng.standard_normal((L, 40, 24)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((5, 40)), jnp.float32)
+    panels = jax.vmap(_cpu_kernels.pack_panels)(jnp.asarray(w))
+    got = jax.jit(lambda x, p, i: _cpu_kernels.matmul(x, p, 24, layer=i))(x, panels, 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ w[2], rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="layer"):
+        jax.jit(lambda x, p: _cpu_kernels.matmul(x, p, 24, layer=3))(x, panels).block_until_ready()
+
+
+@needs_kernel
 def test_kernel_rejects_wrong_shapes():
     q = jnp.zeros((2, 2, 2, 64), jnp.float32)
     kv = jnp.zeros((2, 2, 64), jnp.float32)
     keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
     values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
-    with pytest.raises(Exception, match=r"keys \[B,K,S/16,hd,16\]"):
+    with pytest.raises(Exception, match=r"keys \[L,B,K,S/16,hd,16\]"):
         _cpu_kernels.decode_attention(q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125)
 
 
@@ -232,7 +269,7 @@ def test_folded_norm_residual_and_rows_equal_float64(M, K, N):
 @needs_kernel
 def test_matmul_rejects_unpacked_weights():
     x = jnp.zeros((4, 32), jnp.float32)
-    with pytest.raises(Exception, match=r"panels \[ceil\(N / \d+\), K, \d+\]"):
+    with pytest.raises(Exception, match=r"panels \[L, ceil\(N / \d+\), K, \d+\]"):
         bad = jnp.zeros((1, 32, _cpu_kernels.panel_width() + 1), jnp.float32)
         jax.jit(lambda x, w: _cpu_kernels.matmul(x, w, 8))(x, bad)
 

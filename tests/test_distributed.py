@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl_jax.sampling import _cpu_kernels
+from rl_jax.kernels import cpu as _cpu_kernels
 
 WORKER = Path(__file__).parent / "_workers" / "distributed_mesh.py"
 

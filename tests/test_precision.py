@@ -5,7 +5,7 @@ of the other tests cannot see this; GPUs and TPUs do not: with JAX's default
 precision an H200 multiplied float32 in tf32 and the sampler's and the trainer's
 log-probs differed by up to 1.3e-3. These tests read the lowered programs of the
 model, the sampler and the train step instead, so a new matmul that bypasses
-`rl_jax.models.layers.precision` fails here, on any machine.
+`rl_jax.kernels.xla.precision` fails here, on any machine.
 """
 
 import re

@@ -241,7 +241,7 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
     )
     sampler = Sampler(SPEC, greedy_cfg, pad_id=0)
     state = sampler.start(params_a, prompts, n=2)
-    check_cache(*state.cache[0])
+    check_cache(*state.cache)
     out = sampler.result(sampler.decode(params_a, state))
     assert (out.lengths == 40).all()
     tokens, valid, positions = _sequences(out)
@@ -261,7 +261,7 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
     np.testing.assert_allclose(got.logprobs, ref, atol=1e-5)
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
     eight = Sampler(SPEC, cfg, pad_id=0, mesh=mesh)
-    check_cache(*eight.start(eight.reshard(params_a), prompts, n=2).cache[0])
+    check_cache(*eight.start(eight.reshard(params_a), prompts, n=2).cache)
     on_eight = eight.generate(eight.reshard(params_a), prompts, n=3, key=key)
     np.testing.assert_array_equal(on_eight.completion_tokens, got.completion_tokens)
     np.testing.assert_allclose(on_eight.logprobs, got.logprobs, atol=1e-5)
@@ -278,8 +278,8 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
     monkeypatch.setattr(Sampler, "_use_matmul_kernel", lambda self: False)
     whole_sampler = Sampler(SPEC, cfg, pad_id=0)
     assert not whole_sampler.matmul_kernel
-    keys, values = whole_sampler.start(params_a, prompts, n=1).cache[0]
-    assert keys.ndim == values.ndim == 4
+    keys, values = whole_sampler.start(params_a, prompts, n=1).cache
+    assert keys.ndim == values.ndim == 5  # [L, B, K, hd, S], [L, B, K, S, hd]
     whole = whole_sampler.generate(params_a, prompts, n=3, key=key)
     np.testing.assert_array_equal(whole.completion_tokens, got.completion_tokens)
     np.testing.assert_allclose(whole.logprobs, got.logprobs, atol=1e-5)
@@ -298,9 +298,10 @@ def test_blocked_cache_decodes_as_the_whole_cache(
     assert small_blocks.decode_cache_blocks(24 + 40, jax.devices()[0].platform) == (64, 16)
     assert small_blocks.decode_cache_blocks(24 + 40, "other") == (64, 64)
 
-    def check(keys, values):  # [B, N, K, hd, blk], [B, N, K, blk, hd]
-        assert keys.shape[1:] == (4, SPEC.num_kv_heads, SPEC.head_dim, 16)
-        assert values.shape[1:] == (4, SPEC.num_kv_heads, 16, SPEC.head_dim)
+    def check(keys, values):  # [L, B, N, K, hd, blk], [L, B, N, K, blk, hd]
+        assert keys.shape[0] == values.shape[0] == SPEC.num_layers
+        assert keys.shape[2:] == (4, SPEC.num_kv_heads, SPEC.head_dim, 16)
+        assert values.shape[2:] == (4, SPEC.num_kv_heads, 16, SPEC.head_dim)
 
     _assert_decodes_as_the_whole_cache(small_blocks, *mild_params, check, monkeypatch)
 
@@ -310,16 +311,18 @@ def test_cpu_kernels_decode_as_the_whole_cache(mild_params, monkeypatch):
     """The CPU kernels' decode (keys in tiles of 16 slots, only filled slots read;
     projections and LM head on packed weights) equals XLA's one-pass decode
     (_assert_decodes_as_the_whole_cache)."""
-    from rl_jax.sampling import _cpu_kernels, _decode
+    from rl_jax.kernels import cpu as _cpu_kernels
+    from rl_jax.sampling import _decode
 
     if jax.devices()[0].platform != "cpu" or not _cpu_kernels.available():
         pytest.skip("the CPU decode kernels cannot be built here (no C++ compiler)")
     sampler = Sampler(SPEC, SamplingConfig(), pad_id=0)
     assert sampler.attention_kernel and sampler.matmul_kernel
 
-    def check(keys, values):  # [B, K, S / 16, hd, 16] tiles, [B, K, S, hd]
-        assert keys.shape[1:] == (SPEC.num_kv_heads, 4, SPEC.head_dim, 16)
-        assert values.shape[1:] == (SPEC.num_kv_heads, 64, SPEC.head_dim)
+    def check(keys, values):  # [L, B, K, S / 16, hd, 16] tiles, [L, B, K, S, hd]
+        assert keys.shape[0] == values.shape[0] == SPEC.num_layers
+        assert keys.shape[2:] == (SPEC.num_kv_heads, 4, SPEC.head_dim, 16)
+        assert values.shape[2:] == (SPEC.num_kv_heads, 64, SPEC.head_dim)
 
     _assert_decodes_as_the_whole_cache(_decode, *mild_params, check, monkeypatch)
 

@@ -42,7 +42,8 @@ def logprobs_from_hidden(
     norm_w, head_vd = model.final_norm[...], model.head_weight()
 
     def one(h_btd, tgt_bt):
-        logits = model.constrain(lm_logits(spec, norm_w, head_vd, h_btd), ("batch", "seq", "vocab"))
+        logits = lm_logits(spec, norm_w, head_vd, h_btd, kernels=model.kernels)
+        logits = model.constrain(logits, ("batch", "seq", "vocab"))
         return logprobs_from_logits(logits, tgt_bt, temperature)
 
     B, T, D = hidden_btd.shape

@@ -2,18 +2,23 @@
 
 Parameters are laid out by `param_layout` with per-layer weights stacked,
 [L, ...], under the logical axis `layers`: loaders, exporters and `init_params`
-speak that layout. The module stores them stacked when it scans over layers
-(`spec.scan_layers`, fast compiles) and as one array per layer otherwise: XLA
-on CPU copies a slice of a stacked weight every time it is read, which in a
-decode loop means copying every weight once per token. (An NNX state, hence an
-orbax checkpoint of it, therefore depends on `scan_layers`; `model_params`
-always gives the stacked layout.)
+speak that layout. Every forward scans over the stacked layers (`lax.scan`), so
+compile time does not grow with depth. `spec.scan_layers` only chooses how the
+module stores them: stacked, or as one array per layer (a forward then stacks
+them, a copy); an NNX state, hence an orbax checkpoint of it, depends on it, and
+`model_params` always gives the stacked layout.
 
-Forward contract (shared by trainer and sampler):
-    hidden_btd, cache = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
-                              kv_valid_bs=None, cache=None, cache_index=None)
+The one forward, with its entry points (trainer and sampler call these; neither
+re-implements a layer):
+    hidden_btd, _ = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
+                          kv_valid_bs=None)                         # full sequence
+    hidden_btd, cache = model(tokens_bt, positions_bt, kv_valid_bs=valid_bs,
+                              cache=cache, cache_index=i)           # prefill / decode
+    hp, hc = model.shared_prefix(prompt..., completion..., group_size=G)
+                                  # each prompt once for its G completions (training)
 `hidden_btd` is the residual stream before the final norm; `model.logits(h)` and
-`model.values(h)` apply the final norm and the heads.
+`model.values(h)` apply the final norm and the heads. The hot ops under a layer
+(attention, projections) are `rl_jax.kernels` ops, picked by the mesh's platform.
 """
 
 from __future__ import annotations
@@ -29,18 +34,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
+from rl_jax import kernels as kernel_ops
+from rl_jax.kernels import Kernels
+from rl_jax.kernels.xla import matmul
 from rl_jax.models.layers import (
-    add_bias,
     apply_rope,
-    attention,
-    attention_cached,
     attention_mask,
-    cache_block_size,
-    einsum_f32,
-    matmul,
-    precision,
     rms_norm,
     rope_angles,
+    rope_table,
+    swiglu,
 )
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
@@ -149,43 +152,31 @@ def param_shardings(
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, time on the second-to-last axis.
+    """Keys and values of every layer, stacked: k, v [L, B, K, S, hd] (time on the
+    second-to-last axis, the layout the attention matmuls read without a transpose).
+    The forward carries it through its scan over layers and writes each layer's
+    slots in place."""
 
-    Unrolled layers: k, v are tuples of L arrays [B, K, S, hd] (each layer's
-    cache is its own buffer, updated in place, read without a copy).
-    Scanned layers: k, v are arrays [L, B, K, S, hd].
-    Use `take` / `repeat` / `batch_size` / `max_len` rather than indexing, and
-    the code works with both.
-    """
+    k: jax.Array
+    v: jax.Array
 
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
-
-    LAYER_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
-
-    @property
-    def stacked(self) -> bool:
-        return not isinstance(self.k, tuple | list)
-
-    def _map(self, fn) -> KVCache:
-        axis = 1 if self.stacked else 0
-        return KVCache(*jax.tree.map(lambda a: fn(a, axis), (self.k, self.v)))
+    LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
     def take(self, rows_b: jax.Array) -> KVCache:
         """Rows re-ordered or repeated, e.g. by `jnp.repeat(jnp.arange(P), G)`."""
-        return self._map(lambda a, axis: jnp.take(a, rows_b, axis=axis))
+        return KVCache(*(jnp.take(a, rows_b, axis=1) for a in self))
 
     def repeat(self, n: int) -> KVCache:
         """Each row repeated n times in place (row i -> rows i*n .. i*n + n - 1)."""
-        return self._map(lambda a, axis: jnp.repeat(a, n, axis=axis))
+        return KVCache(*(jnp.repeat(a, n, axis=1) for a in self))
 
     @property
     def max_len(self) -> int:
-        return int(jax.tree.leaves(self.k)[0].shape[-2])
+        return int(self.k.shape[-2])
 
     @property
     def batch_size(self) -> int:
-        return int(jax.tree.leaves(self.k)[0].shape[-4])
+        return int(self.k.shape[1])
 
 
 def init_cache(
@@ -197,25 +188,17 @@ def init_cache(
     mesh: Mesh | None = None,
     rules: Rules | None = None,
 ) -> KVCache:
-    """Zeros in the compute dtype (or `dtype`); with a mesh, sharded over batch and kv_heads.
-
-    Its form follows `spec.scan_layers` (see KVCache)."""
+    """Zeros in the compute dtype (or `dtype`); with a mesh, sharded over batch and kv_heads."""
     dtype = dtype_of(spec.compute_dtype) if dtype is None else jnp.dtype(dtype)
-    L = spec.num_layers
-    shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
-    logical: tuple[str | None, ...] = KVCache.LAYER_AXES
-    if spec.scan_layers:
-        shape, logical = (L, *shape), ("layers", *logical)
+    shape = (spec.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim)
     if mesh is None:
         sh = SingleDeviceSharding(jax.devices()[0])
     else:
         rules = get_rules("fsdp_tp", purpose="sample") if rules is None else rules
-        sh = NamedSharding(mesh, fit_spec(logical_to_spec(logical, rules), shape, mesh))
-    n = 1 if spec.scan_layers else L
-    arrays = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(2 * n)], out_shardings=sh)()
-    if spec.scan_layers:
-        return KVCache(k=arrays[0], v=arrays[1])
-    return KVCache(k=tuple(arrays[:L]), v=tuple(arrays[L:]))
+        spec_ = logical_to_spec(KVCache.LOGICAL_AXES, rules)
+        sh = NamedSharding(mesh, fit_spec(spec_, shape, mesh))
+    k, v = jax.jit(lambda: [jnp.zeros(shape, dtype) for _ in range(2)], out_shardings=sh)()
+    return KVCache(k=k, v=v)
 
 
 def positions_from_valid(valid_bt: jax.Array) -> jax.Array:
@@ -305,6 +288,11 @@ class Transformer(nnx.Module):
             for lay in self.layers
         ]
 
+    @property
+    def kernels(self) -> Kernels:
+        """The hot ops for this model's mesh (its devices' platform; `rl_jax.kernels`)."""
+        return kernel_ops.for_mesh(self.mesh)
+
     def __call__(
         self,
         tokens_bt: jax.Array,
@@ -324,19 +312,16 @@ class Transformer(nnx.Module):
           without a cache, [B, S] over the whole cache with one.
         cache, cache_index: write this call's keys/values into slots
           cache_index .. cache_index + T - 1 (dynamic scalar) and attend over
-          the cache; the returned cache holds the new entries.
+          the cache (prefill, decode); the returned cache holds the new entries.
         """
         spec = self.spec
         B, T = tokens_bt.shape
-        cdt = dtype_of(spec.compute_dtype)
         if positions_bt is None:
             start = 0 if cache_index is None else cache_index
             positions_bt = jnp.broadcast_to(start + jnp.arange(T), (B, T))
         if (cache is None) != (cache_index is None):
             raise ValueError("pass cache and cache_index together")
-        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(cdt)
-        x = self.constrain(x, ("batch", "seq", "embed"))
-        cos, sin = rope_angles(positions_bt, spec)
+        x = self.embed_tokens(tokens_bt)
         S = T if cache is None else cache.max_len
         mask = attention_mask(
             T,
@@ -345,42 +330,90 @@ class Transformer(nnx.Module):
             segment_ids_bt=segment_ids_bt,
             kv_valid_bs=kv_valid_bs,
         )
-        body = functools.partial(
-            _layer,
-            spec=spec,
-            cos=cos,
-            sin=sin,
-            mask=mask,
-            cache_index=cache_index,
-            constrain=self.constrain,
-        )
-        if spec.remat:
-            body = jax.checkpoint(body)
-        if cache is not None and cache.stacked != spec.scan_layers:
-            raise ValueError(
-                f"the cache is {'stacked' if cache.stacked else 'per layer'} but "
-                f"scan_layers={spec.scan_layers}; make it with model.init_cache"
+        rope = rope_angles(positions_bt, spec)
+        ctx = self._layer_context()
+        if cache is None:
+
+            def body(x, p):
+                q, k, v = _block_qkv(p, x, rope, **ctx)
+                a = self.kernels.attention(q, k, v, mask, scale=spec.head_dim**-0.5)
+                return _block_out(p, x, a, **ctx), None
+
+            x, _ = jax.lax.scan(_maybe_remat(spec, body), x, self.layer_params())
+            return x, None
+        filled = cache_index + T
+
+        def body_cached(carry, xs):
+            x, ck, cv = carry
+            p, i = xs
+            q, k, v = _block_qkv(p, x, rope, **ctx)
+            at = (i, 0, 0, cache_index, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            k_all = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False).astype(x.dtype)
+            v_all = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False).astype(x.dtype)
+            a = self.kernels.attention_cached(
+                q, k_all, v_all, mask, scale=spec.head_dim**-0.5, filled=filled
             )
-        if spec.scan_layers:
+            return (_block_out(p, x, a, **ctx), ck, cv), None
 
-            def step(carry, xs):
-                h, kv_ = carry
-                p, i = xs
-                h, kv_ = body(p, h, kv_, i)
-                return (h, kv_), None
+        xs = (self.layer_params(), jnp.arange(spec.num_layers))
+        (x, ck, cv), _ = jax.lax.scan(_maybe_remat(spec, body_cached), (x, *cache), xs)
+        return x, KVCache(ck, cv)
 
-            kv = None if cache is None else (cache.k, cache.v)
-            params = self.layer_params()
-            (x, kv), _ = jax.lax.scan(step, (x, kv), (params, jnp.arange(spec.num_layers)))
-            return x, (None if kv is None else KVCache(*kv))
-        ks, vs = [], []
-        for i, p in enumerate(self.layer_list()):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = body(p, x, kv, None)
-            if kv is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
-        return x, (None if cache is None else KVCache(k=tuple(ks), v=tuple(vs)))
+    def shared_prefix(
+        self,
+        prompt_tokens_pt: jax.Array,
+        prompt_positions_pt: jax.Array,
+        prompt_valid_pt: jax.Array,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        valid_bt: jax.Array,
+        *,
+        group_size: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The forward over P prompts [P, Tp] and their B = P x G continuations [B, Tc]
+        (rows [g * G, (g + 1) * G) continue prompt g): each prompt runs through the
+        layers once, and its keys and values are shared by its group's rows.
+
+        Returns the residual streams (prompts [P, Tp, D], continuations [B, Tc, D]),
+        equal to one forward over each whole row [prompt | continuation] up to float32
+        rounding. Continuation query j sits at slot Tp + j of the keys
+        [prompt | continuation]; positions are the rows' own (RoPE)."""
+        spec, G = self.spec, group_size
+        tp, tc = prompt_tokens_pt.shape[1], tokens_bt.shape[1]
+        xp, xc = self.embed_tokens(prompt_tokens_pt), self.embed_tokens(tokens_bt)
+        # Positions count a row's real tokens, so none reaches its column (< Tp + Tc + 1).
+        table = rope_table(spec, tp + tc + 1)
+        rope_p = rope_angles(prompt_positions_pt, spec, table=table)
+        rope_c = rope_angles(positions_bt, spec, table=table)
+        mask_p = attention_mask(tp, tp, kv_valid_bs=prompt_valid_pt)  # [P, Tp, Tp]
+        kv_valid = jnp.concatenate([jnp.repeat(prompt_valid_pt, G, axis=0), valid_bt], axis=1)
+        mask_c = attention_mask(tc, tp + tc, cache_index=tp, kv_valid_bs=kv_valid)
+        scale = spec.head_dim**-0.5
+        ctx = self._layer_context()
+        attention = self.kernels.attention
+
+        def body(carry, p):
+            xp, xc = carry
+            qp, kp, vp = _block_qkv(p, xp, rope_p, **ctx)
+            qc, kc, vc = _block_qkv(p, xc, rope_c, **ctx)
+            ap = attention(qp, kp, vp, mask_p, scale=scale)
+            k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
+            v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
+            ac = attention(qc, k_all, v_all, mask_c, scale=scale)
+            return (_block_out(p, xp, ap, **ctx), _block_out(p, xc, ac, **ctx)), None
+
+        (xp, xc), _ = jax.lax.scan(_maybe_remat(spec, body), (xp, xc), self.layer_params())
+        return xp, xc
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype."""
+        x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype_of(self.spec.compute_dtype))
+        return self.constrain(x, ("batch", "seq", "embed"))
+
+    def _layer_context(self) -> dict:
+        return dict(spec=self.spec, constrain=self.constrain, kernels=self.kernels)
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -397,7 +430,9 @@ class Transformer(nnx.Module):
         With `fp32_lm_head` the final norm and the head matmul run in float32;
         otherwise in the compute dtype, the result cast to float32.
         """
-        out = lm_logits(self.spec, self.final_norm[...], self.head_weight(), hidden_btd)
+        out = lm_logits(
+            self.spec, self.final_norm[...], self.head_weight(), hidden_btd, kernels=self.kernels
+        )
         return self.constrain(out, ("batch", "seq", "vocab"))
 
     def values(self, hidden_btd: jax.Array) -> jax.Array:
@@ -415,130 +450,75 @@ def final_norm(spec: ModelSpec, norm_w: jax.Array, hidden_btd: jax.Array) -> jax
 
 
 def lm_logits(
-    spec: ModelSpec, norm_w: jax.Array, head_vd: jax.Array, hidden_btd: jax.Array
+    spec: ModelSpec,
+    norm_w: jax.Array,
+    head_vd: jax.Array,
+    hidden_btd: jax.Array,
+    *,
+    kernels: Kernels,
 ) -> jax.Array:
     """Pure LM head: final RMSNorm then [B, T, D] x [V, D] -> float32 [B, T, V]."""
     h = final_norm(spec, norm_w, hidden_btd)
-    logits = einsum_f32("btd,vd->btv", h, head_vd.astype(h.dtype))
+    logits = kernels.einsum_f32("btd,vd->btv", h, head_vd.astype(h.dtype))
     return logits.astype(jnp.float32)
 
 
-def einsum_dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, T, D] times w [D, ...] -> [N, T, ...] (the model's projection)."""
-    w = w.astype(x.dtype)
-    return jnp.einsum("btd,d...->bt...", x, w, precision=precision(x, w))
+def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:
+    return jax.checkpoint(body) if spec.remat else body
 
 
-def block_qkv(
+def _block_qkv(
     p: dict[str, jax.Array],
     x: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
     *,
     spec: ModelSpec,
-    cos: jax.Array,
-    sin: jax.Array,
     constrain: Callable,
-    dense: Callable = einsum_dense,
+    kernels: Kernels,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a pre-norm block up to attention, for x [N, T, D]:
-    queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE applied.
+    queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE (cos, sin) applied.
 
     Keys/values come batch dims first, the layout the attention matmuls want, so
-    reading a cache needs no transpose. Shared by the model's layer and the
-    trainer's prompt-sharing layer (`rl_jax.train.step`), which passes its own
-    `dense` (a 2-D matmul whose weight gradient reads activations in place).
-    """
+    reading a cache needs no transpose."""
     eps = spec.rms_norm_eps
     h = rms_norm(x, p["attn_norm"], eps)
+    dense = kernels.dense
     q, k, v = dense(h, p["q"]), dense(h, p["k"]), dense(h, p["v"])
     if spec.qkv_bias:
-        q, k, v = add_bias(q, p["q_bias"]), add_bias(k, p["k_bias"]), add_bias(v, p["v_bias"])
+        q = q + p["q_bias"].astype(q.dtype)
+        k = k + p["k_bias"].astype(k.dtype)
+        v = v + p["v_bias"].astype(v.dtype)
     if spec.qk_norm:
         q = rms_norm(q, p["q_norm"], eps)
         k = rms_norm(k, p["k_norm"], eps)
+    cos, sin = rope
     q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     return q, k.swapaxes(1, 2), v.swapaxes(1, 2)
 
 
-def swiglu(
-    h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *, constrain: Callable
-) -> jax.Array:
-    """(silu(h gate) * (h up)) down for h [N, T, D] (the model's MLP)."""
-    g = constrain(einsum_dense(h, gate), ("batch", "seq", "mlp"))
-    u = constrain(einsum_dense(h, up), ("batch", "seq", "mlp"))
-    return einsum_dense(jax.nn.silu(g) * u, down)
-
-
-def block_out(
+def _block_out(
     p: dict[str, jax.Array],
     x: jax.Array,
     a: jax.Array,
     *,
     spec: ModelSpec,
     constrain: Callable,
-    dense: Callable = einsum_dense,
-    mlp: Callable | None = None,
+    kernels: Kernels,
 ) -> jax.Array:
-    """The second half of a pre-norm block: x + o(a), then + mlp(norm(.)).
-
-    a: attention output [N, T, H, hd]. `dense` and `mlp` as in `block_qkv`
-    (the trainer's MLP has a memory-saving backward); the default MLP is `swiglu`.
-    """
+    """The second half of a pre-norm block: x + o(a), then + swiglu(norm(.)).
+    a: attention output [N, T, H, hd]."""
     N, T = a.shape[:2]
     dt = x.dtype
-    o = dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
+    o = kernels.dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
     if spec.o_bias:
-        o = add_bias(o, p["o_bias"])
+        o = o + p["o_bias"].astype(o.dtype)
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
-    weights = (p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
-    m = mlp(h, *weights) if mlp is not None else swiglu(h, *weights, constrain=constrain)
+    m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
     return constrain(x + m, ("batch", "seq", "embed"))
-
-
-def _layer(
-    p: dict[str, jax.Array],
-    x: jax.Array,
-    kv: tuple[jax.Array, jax.Array] | None,
-    layer: jax.Array | None,
-    *,
-    spec: ModelSpec,
-    cos: jax.Array,
-    sin: jax.Array,
-    mask: jax.Array,
-    cache_index,
-    constrain: Callable,
-):
-    """One pre-norm block: x + attn(norm(x)), then + swiglu(norm(.)). x [B, T, D]."""
-    cdt = x.dtype
-    q, k, v = block_qkv(p, x, spec=spec, cos=cos, sin=sin, constrain=constrain)
-    if kv is None:
-        k_all, v_all = k, v
-    elif layer is None:  # this layer's own cache buffers
-        ck, cv = kv
-        at = (0, 0, cache_index, 0)
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), at)
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), at)
-        kv = (ck, cv)
-        k_all, v_all = ck.astype(cdt), cv.astype(cdt)
-    else:  # stacked [L, ...] cache carried through lax.scan
-        ck, cv = kv
-        at = (layer, 0, 0, cache_index, 0)
-        ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-        cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
-        kv = (ck, cv)
-        k_all = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(cdt)
-        v_all = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(cdt)
-    scale = spec.head_dim**-0.5
-    B, K, S, hd = k_all.shape
-    block = cache_block_size(B, K, S, hd, k_all.dtype.itemsize) if kv is not None else S
-    if block < S:
-        filled = cache_index + q.shape[1]
-        a = attention_cached(q, k_all, v_all, mask, scale=scale, filled=filled, block=block)
-    else:
-        a = attention(q, k_all, v_all, mask, scale=scale)
-    return block_out(p, x, a, spec=spec, constrain=constrain), kv
 
 
 def init_sharded_params(

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rl_jax.models.layers import matmul
+from rl_jax.kernels.xla import matmul
 
 # Randomness of a row never depends on which other rows share its batch, nor on
 # the device count: every draw comes from fold_in(fold_in(seed, row_id), step).

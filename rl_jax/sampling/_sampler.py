@@ -25,12 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rl_jax import kernels
 from rl_jax.config.sampling import SamplingConfig
+from rl_jax.kernels import cpu as _cpu_kernels
 from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
-from rl_jax.runtime import mesh_platform, xla_options
-from rl_jax.sampling import _cpu_kernels
+from rl_jax.runtime import xla_options
 from rl_jax.sampling._decode import (
     KEY_TILE,
     DecodeCache,
@@ -145,7 +146,8 @@ class Sampler:
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         # (decode_cache_blocks: whether long caches are read in blocks)
-        self.platform = mesh_platform(mesh)
+        self.kernels = kernels.for_mesh(mesh)
+        self.platform = self.kernels.platform
         self.attention_kernel = self._use_attention_kernel()
         self.matmul_kernel = self._use_matmul_kernel()
         opts = xla_options(mesh)
@@ -211,11 +213,9 @@ class Sampler:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        out = []
-        for k, v in cache:
-            k_axes, v_axes = cache_axes(k, v)
-            out.append((self._constrain(k, k_axes), self._constrain(v, v_axes)))
-        return tuple(out)
+        k, v = cache
+        k_axes, v_axes = cache_axes(k, v)
+        return self._constrain(k, k_axes), self._constrain(v, v_axes)
 
     # ---- compiled bodies ------------------------------------------------------------------
 
@@ -288,6 +288,9 @@ class Sampler:
         # Rows only split over devices: every device runs its own loop on its own
         # rows, with no collective per token (it stops when its rows are done).
         specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
+        # The cache is stacked over layers: its rows are its second axis.
+        cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
+        specs = dataclasses.replace(specs, cache=cache_specs)
         loop = jax.shard_map(
             functools.partial(self._loop, manual=True),
             mesh=self.mesh,
@@ -335,6 +338,7 @@ class Sampler:
                 slot - s.kv_start,
                 slot,
                 s.kv_start,
+                kernels=self.kernels,
                 constrain=constrain,
                 # One device per core: each keeps to its own thread.
                 kernel_threads=self.mesh is None or self.mesh.devices.size == 1,

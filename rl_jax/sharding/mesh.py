@@ -11,6 +11,7 @@ from jax.sharding import AxisType, Mesh
 
 from rl_jax.config.mesh import MeshConfig
 from rl_jax.knobs import ConfigError
+from rl_jax.runtime import mesh_platform
 from rl_jax.sharding.rules import MESH_AXES
 
 
@@ -52,7 +53,7 @@ def set_cpu_devices(cfg: MeshConfig) -> None:
         return
     except RuntimeError:  # the backends have started (jax's validator)
         pass
-    if jax.default_backend() != "cpu":
+    if mesh_platform() != "cpu":
         return  # the knob is about the CPU backend; an accelerator run does not use it
     have = len(jax.devices("cpu"))
     if have != n:

@@ -9,7 +9,6 @@ at column Tp - 1 + j of the model's next-token log-probs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
-from rl_jax.models import ModelSpec, Transformer, attention_mask, logprobs_from_hidden
-from rl_jax.models.layers import attention, matmul, rope_angles, rope_table
-from rl_jax.models.transformer import block_out, block_qkv, dtype_of
+from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden
 from rl_jax.runtime import xla_options
 from rl_jax.sharding import batch_sharding
 
@@ -155,7 +152,9 @@ def completion_forward(
     forward sees P x Tp + B x (Tg - 1) tokens instead of B x (Tp + Tg). Equal
     to one forward over each whole row up to float32 rounding.
     """
-    model = Transformer(spec, params, mesh=mesh, rules=rules)
+    # A view of the stacked parameters as they are (stored stacked: no per-layer split).
+    view = dataclasses.replace(spec, scan_layers=True)
+    model = Transformer(view, params, mesh=mesh, rules=rules)
     tp, tg = batch.prompt_len, batch.mask.shape[1]
     B = batch.num_rows
     G = batch.group_size if group_size is None else group_size
@@ -168,108 +167,14 @@ def completion_forward(
 
 def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, G: int):
     """Residual stream [B, Tg, D] at the columns that predict the completion tokens."""
-    spec = model.spec
-    cdt = dtype_of(spec.compute_dtype)
-    embed = model.embed[...]
     # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1
     # (at least 1: zero-length arrays do not reshape; an unused column is cheap).
     tc = max(tg - 1, 1)
-    p_tok, p_pos, p_val = (a[::G, :tp] for a in (batch.tokens, batch.positions, batch.valid))
-    c_tok, c_pos, c_val = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
-    xp = model.constrain(jnp.take(embed, p_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
-    xc = model.constrain(jnp.take(embed, c_tok, axis=0).astype(cdt), ("batch", "seq", "embed"))
-    # Positions count a row's real tokens, so none reaches its column (< Tp + Tg).
-    table = rope_table(spec, tp + tg)
-    rope_p, rope_c = (rope_angles(x, spec, table=table) for x in (p_pos, c_pos))
-    mask_p = attention_mask(tp, tp, kv_valid_bs=p_val)  # [P, Tp, Tp]
-    # Completion query j sits at slot Tp + j of [prompt | completion] keys.
-    kv_val = jnp.concatenate([jnp.repeat(p_val, G, axis=0), c_val], axis=1)
-    mask_c = attention_mask(tc, tp + tc, cache_index=tp, kv_valid_bs=kv_val)
-    body = functools.partial(
-        _prefix_layer,
-        spec=spec,
-        G=G,
-        rope_p=rope_p,
-        rope_c=rope_c,
-        mask_p=mask_p,
-        mask_c=mask_c,
-        constrain=model.constrain,
-    )
-    if spec.remat:
-        body = jax.checkpoint(body)
-    for p in model.layer_list():
-        xp, xc = body(p, xp, xc)
+    prompt = (a[::G, :tp] for a in (batch.tokens, batch.positions, batch.valid))
+    completion = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
+    xp, xc = model.shared_prefix(*prompt, *completion, group_size=G)
     last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
     return jnp.concatenate([last, xc[:, : tg - 1]], axis=1)
-
-
-def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, T, D] times w [D, ...] as one 2-D matmul over all N x T tokens.
-
-    (A 3-D einsum makes XLA on CPU transpose activations for the weight gradient;
-    the 2-D form lets the matmul read them in place.)"""
-    N, T, D = x.shape
-    out = matmul(x.reshape(N * T, D), w.reshape(D, -1).astype(x.dtype))
-    return out.reshape(N, T, *w.shape[1:])
-
-
-@jax.custom_vjp
-def _swiglu(h: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
-    """(silu(h wg) * (h wu)) wd for h [N, T, D], as 2-D matmuls.
-
-    Its backward keeps only h and the two [N x T, F] projections and recomputes
-    the gate's elementwise terms (autodiff of the plain form keeps five
-    [N x T, F] arrays per layer, most of a train step's memory)."""
-    return _swiglu_fwd(h, wg, wu, wd)[0]
-
-
-def _swiglu_fwd(h, wg, wu, wd):
-    N, T, D = h.shape
-    x = h.reshape(N * T, D)
-    g, u = matmul(x, wg), matmul(x, wu)
-    out = matmul(jax.nn.silu(g) * u, wd).reshape(N, T, -1)
-    return out, (x, g, u, wg, wu, wd)
-
-
-def _swiglu_bwd(res, dy):
-    x, g, u, wg, wu, wd = res
-    N, T, D = dy.shape
-    dy = dy.reshape(N * T, D)
-    # Tie the recomputation below to the cotangent (a data dependency: XLA on CPU
-    # drops optimization barriers before scheduling), so that it can neither merge
-    # with the forward's nor run early; either would keep [N x T, F] temporaries
-    # of every layer alive across the whole backward pass. 0 * dy is 0 or NaN,
-    # and a NaN there is a NaN gradient anyway.
-    g = g + 0 * dy[:1, :1]
-    s = jax.nn.sigmoid(g)
-    act = g * s
-    dprod = matmul(dy, wd.T)
-    dwd = matmul((act * u).T, dy)
-    du = dprod * act
-    dg = dprod * u * s * (1 + g * (1 - s))
-    dx = matmul(dg, wg.T) + matmul(du, wu.T)
-    return dx.reshape(N, T, -1), matmul(x.T, dg), matmul(x.T, du), dwd
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-def _prefix_layer(p, xp, xc, *, spec, G, rope_p, rope_c, mask_p, mask_c, constrain):
-    """One pre-norm block (the model's halves, `block_qkv` / `block_out`) on the prompt
-    stream xp [P, Tp, D] and the completion stream xc [B, Tc, D]; completions attend
-    to their group's prompt keys, then their own."""
-    parts = dict(spec=spec, constrain=constrain, dense=_dense)
-    scale = spec.head_dim**-0.5
-    qp, kp, vp = block_qkv(p, xp, cos=rope_p[0], sin=rope_p[1], **parts)
-    qc, kc, vc = block_qkv(p, xc, cos=rope_c[0], sin=rope_c[1], **parts)
-    ap = attention(qp, kp, vp, mask_p, scale=scale)
-    k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
-    v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
-    ac = attention(qc, k_all, v_all, mask_c, scale=scale)
-    return (
-        block_out(p, xp, ap, mlp=_swiglu, **parts),
-        block_out(p, xc, ac, mlp=_swiglu, **parts),
-    )
 
 
 def completion_logprobs(spec, rules, mesh, params, batch, temperature):

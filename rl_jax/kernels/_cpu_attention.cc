@@ -8,15 +8,18 @@
 //
 //   q        [B, K, R, hd]          float32  queries (RoPE applied)
 //   k, v     [B, K, hd]             float32  this step's key and value
-//   keys     [B, K, S/16, hd, 16]   float32  tiles of 16 slots, each one
-//                                            contiguous [hd, 16] block
-//   values   [B, K, S, hd]          float32
+//   keys     [L, B, K, S/16, hd, 16] float32 tiles of 16 slots, each one
+//                                            contiguous [hd, 16] block, per layer
+//   values   [L, B, K, S, hd]       float32
 //   kv_start [B]                    int32    first visible slot of each row
 //   slot     []                     int32    this step's slot, the last visible
+//   layer    []                     int32    the layer whose cache this step uses
 // results:
 //   out      [B, K, R, hd]          float32  softmax(scale * q k^T) v
 //   keys, values                             the cache with k, v written at
-//                                            `slot`: aliased to the inputs
+//                                            `slot` of `layer`: aliased to the
+//                                            inputs (the decode step's scan over
+//                                            layers carries the whole stack)
 //
 // Writing the new key here rather than in XLA: a key is one float in each of hd
 // cache lines of its tile, which the score loop reads right after anyway.
@@ -33,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -264,27 +268,36 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
   });
 }
 
-// Whether the cache (keys [B,K,S/16,hd,16], values [B,K,S,hd], hd a multiple of 16,
-// updated in place: the results aliased to them), kv_start [B] and slot [] fit B rows
-// of K KV heads of width hd; else the error that says so.
+// Whether the stacked cache (keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd], hd a
+// multiple of 16, updated in place: the results aliased to them), kv_start [B], slot []
+// and layer [] (0 <= layer < L: the layer this call reads and writes) fit B rows of K
+// KV heads of width hd; else the error that says so. Sets *offset to the layer's first
+// float in keys and in values (both hold B K S hd floats per layer).
 ffi::Error CheckCache(ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::F32>& values,
                       ffi::ResultBuffer<ffi::F32>& keys_out,
                       ffi::ResultBuffer<ffi::F32>& values_out, ffi::Buffer<ffi::S32>& kv_start,
-                      ffi::Buffer<ffi::S32>& slot, int64_t B, int64_t K, int64_t hd) {
+                      ffi::Buffer<ffi::S32>& slot, ffi::Buffer<ffi::S32>& layer, int64_t B,
+                      int64_t K, int64_t hd, int64_t* offset) {
   auto kd = keys.dimensions();
   auto vd = values.dimensions();
-  if (kd.size() != 5 || vd.size() != 4 || kd[0] != B || kd[1] != K || kd[2] * kLanes != vd[2] ||
-      kd[3] != hd || kd[4] != kLanes || vd[0] != B || vd[1] != K || vd[3] != hd ||
-      hd % kLanes != 0 || kv_start.element_count() != static_cast<size_t>(B) ||
-      slot.element_count() != 1) {
+  if (kd.size() != 6 || vd.size() != 5 || kd[0] != vd[0] || kd[1] != B || kd[2] != K ||
+      kd[3] * kLanes != vd[3] || kd[4] != hd || kd[5] != kLanes || vd[1] != B || vd[2] != K ||
+      vd[4] != hd || hd % kLanes != 0 || kv_start.element_count() != static_cast<size_t>(B) ||
+      slot.element_count() != 1 || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "decode attention: expected keys [B,K,S/16,hd,16], values [B,K,S,hd] (hd a multiple "
-        "of 16), kv_start [B], slot []");
+        "decode attention: expected keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a "
+        "multiple of 16), kv_start [B], slot [], layer []");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) {
+    return ffi::Error::InvalidArgument("decode attention: layer " + std::to_string(l) +
+                                       " is outside the cache's " + std::to_string(kd[0]));
   }
   if (keys_out->typed_data() != keys.typed_data() ||
       values_out->typed_data() != values.typed_data()) {
     return ffi::Error::Internal("decode attention: the cache results are not aliased");
   }
+  *offset = l * B * K * vd[3] * hd;
   return ffi::Error::Success();
 }
 
@@ -292,27 +305,31 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                            ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                            ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
-                           float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::Buffer<ffi::S32> layer, float scale, bool parallel,
+                           ffi::ResultBuffer<ffi::F32> out,
                            ffi::ResultBuffer<ffi::F32> keys_out,
                            ffi::ResultBuffer<ffi::F32> values_out) {
   auto qd = q.dimensions();
   if (qd.size() != 4 || k_new.element_count() != static_cast<size_t>(qd[0] * qd[1] * qd[3]) ||
       v_new.element_count() != k_new.element_count()) {
     return ffi::Error::InvalidArgument(
-        "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys [B,K,S/16,hd,16], "
-        "values [B,K,S,hd] (hd a multiple of 16), kv_start [B], slot []");
+        "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys "
+        "[L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a multiple of 16), kv_start [B], "
+        "slot [], layer []");
   }
   const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3];
-  if (auto e = CheckCache(keys, values, keys_out, values_out, kv_start, slot, B, K, hd);
+  int64_t offset = 0;
+  if (auto e =
+          CheckCache(keys, values, keys_out, values_out, kv_start, slot, layer, B, K, hd, &offset);
       e.failure()) {
     return e;
   }
-  const int64_t S = values.dimensions()[2];
+  const int64_t S = values.dimensions()[3];
   const Problem problem{q.typed_data(),
                         k_new.typed_data(),
                         v_new.typed_data(),
-                        keys_out->typed_data(),
-                        values_out->typed_data(),
+                        keys_out->typed_data() + offset,
+                        values_out->typed_data() + offset,
                         kv_start.typed_data(),
                         static_cast<int64_t>(slot.typed_data()[0]),
                         scale,
@@ -331,15 +348,18 @@ ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                               ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                               ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                               ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
-                              float scale, bool parallel, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::Buffer<ffi::S32> layer, float scale, bool parallel,
+                              ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::F32> keys_out,
                               ffi::ResultBuffer<ffi::F32> values_out) {
   auto xd = qkv.dimensions();
   auto kd = keys.dimensions();
   // K and hd from the keys (CheckCache holds them to the rest); H from qkv's width.
-  const int64_t K = kd.size() == 5 ? kd[1] : 0, hd = kd.size() == 5 ? kd[3] : 0;
+  const int64_t K = kd.size() == 6 ? kd[2] : 0, hd = kd.size() == 6 ? kd[4] : 0;
   const int64_t B = xd.size() == 2 ? xd[0] : 0;
-  if (auto e = CheckCache(keys, values, keys_out, values_out, kv_start, slot, B, K, hd);
+  int64_t offset = 0;
+  if (auto e =
+          CheckCache(keys, values, keys_out, values_out, kv_start, slot, layer, B, K, hd, &offset);
       e.failure()) {
     return e;
   }
@@ -352,12 +372,12 @@ ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         "decode attention (qkv): expected qkv [B,(H+2K)hd] (H a multiple of K), cos and "
         "sin [B,hd/2], result [B,H hd]");
   }
-  const int64_t S = values.dimensions()[2];
+  const int64_t S = values.dimensions()[3];
   Problem problem{qkv.typed_data(),
                   nullptr,
                   nullptr,
-                  keys_out->typed_data(),
-                  values_out->typed_data(),
+                  keys_out->typed_data() + offset,
+                  values_out->typed_data() + offset,
                   kv_start.typed_data(),
                   static_cast<int64_t>(slot.typed_data()[0]),
                   scale,
@@ -381,6 +401,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<float>("scale")
                                   .Attr<bool>("parallel")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
@@ -398,6 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttentionQKV, DecodeAttentionQKV,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<float>("scale")
                                   .Attr<bool>("parallel")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

@@ -1,9 +1,11 @@
 // y = x @ w for the projections of a decode step, on CPU (XLA FFI).
 //
 //   x       [M, K]        float32  activations: M rows of the step (one token each)
-//   panels  [P, K, NR]    float32  w [K, N] cut into P = ceil(N / NR) panels of NR
-//                                  columns, each one contiguous block, the last
-//                                  zero-padded (_cpu_kernels.pack_panels)
+//   panels  [L, P, K, NR] float32  per layer, w [K, N] cut into P = ceil(N / NR)
+//                                  panels of NR columns, each one contiguous block,
+//                                  the last zero-padded (cpu.pack_panels)
+//   layer   []            int32    which of the L stacked weights to multiply by
+//                                  (read in place: the decode step scans over layers)
 // result:
 //   y       [M, N]        float32
 //
@@ -20,7 +22,7 @@
 // intra-op threads. Summation runs over k in order, in float32, with fused
 // multiply-adds: results agree with XLA's to float32 rounding, not bit for bit.
 //
-// SwiGLU panels (_cpu_kernels.pack_swiglu_panels) hold one vector of gate columns
+// SwiGLU panels (cpu.pack_swiglu_panels) hold one vector of gate columns
 // and the same up columns side by side; their tile computes silu(gate) * up from
 // the accumulators and writes only the activation [M, F] (matmul_swiglu).
 
@@ -262,39 +264,55 @@ void Multiply(ffi::ThreadPool& pool, Problem pr, int64_t panels, bool parallel,
   });
 }
 
-// Whether x [M, K], panels [ceil(N / NR), K, NR] and y [M, N] fit; else the error
-// that says what was expected (`name`, and `extra` words about other buffers).
+// The panels of `layer` in a stack [L, P, K, W]: its first float, or nullptr when
+// layer is not a scalar in [0, L).
+const float* LayerPanels(ffi::Buffer<ffi::F32>& panels, ffi::Buffer<ffi::S32>& layer) {
+  auto pd = panels.dimensions();
+  if (pd.size() != 4 || layer.element_count() != 1) return nullptr;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= pd[0]) return nullptr;
+  return panels.typed_data() + l * pd[1] * pd[2] * pd[3];
+}
+
+// Whether x [M, K], panels [L, ceil(N / NR), K, NR], layer [] (in [0, L)) and y [M, N]
+// fit; else the error that says what was expected (`name`, and `extra` words about
+// other buffers).
 ffi::Error CheckPanels(const char* name, const char* extra, ffi::Buffer<ffi::F32>& x,
-                       ffi::Buffer<ffi::F32>& panels, ffi::ResultBuffer<ffi::F32>& y) {
+                       ffi::Buffer<ffi::F32>& panels, ffi::Buffer<ffi::S32>& layer,
+                       ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] ||
-      pd[2] != kNR || yd[0] != xd[0] || pd[0] != (yd[1] + kNR - 1) / kNR) {
+  if (xd.size() != 2 || pd.size() != 4 || yd.size() != 2 || pd[2] != xd[1] ||
+      pd[3] != kNR || yd[0] != xd[0] || pd[1] != (yd[1] + kNR - 1) / kNR ||
+      LayerPanels(panels, layer) == nullptr) {
     return ffi::Error::InvalidArgument(
-        std::string(name) + ": expected x [M, K], panels [ceil(N / " + std::to_string(kNR) +
-        "), K, " + std::to_string(kNR) + "]" + extra + " and result [M, N]");
+        std::string(name) + ": expected x [M, K], panels [L, ceil(N / " + std::to_string(kNR) +
+        "), K, " + std::to_string(kNR) + "], layer [] in [0, L)" + extra + " and result [M, N]");
   }
   return ffi::Error::Success();
 }
 
-// x @ w; with norm_eps >= 0, RMSNorm(x) @ w (Multiply).
+// x @ w; with norm_eps >= 0, RMSNorm(x) @ w (Multiply). w: the panels of `layer`.
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                  bool parallel, float norm_eps, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckPanels("matmul", "", x, panels, y); e.failure()) return e;
+                  ffi::Buffer<ffi::S32> layer, bool parallel, float norm_eps,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckPanels("matmul", "", x, panels, layer, y); e.failure()) return e;
   auto xd = x.dimensions();
-  const Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(),
+  const Problem pr{x.typed_data(), LayerPanels(panels, layer), y->typed_data(),
                    xd[0], xd[1], y->dimensions()[1]};
-  Multiply(pool, pr, panels.dimensions()[0], parallel, norm_eps);
+  Multiply(pool, pr, panels.dimensions()[1], parallel, norm_eps);
   return ffi::Error::Success();
 }
 
 // residual + x @ w, summed in place in the residual's buffer (the result is aliased
 // to it): a decoder layer's o and down projections with their residual connection.
 ffi::Error MatmulAdd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                     ffi::Buffer<ffi::F32> residual, bool parallel,
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> residual, bool parallel,
                      ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckPanels("matmul_add", ", residual", x, panels, y); e.failure()) return e;
+  if (auto e = CheckPanels("matmul_add", ", residual", x, panels, layer, y); e.failure()) {
+    return e;
+  }
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (residual.element_count() != static_cast<size_t>(yd[0] * yd[1])) {
@@ -303,9 +321,9 @@ ffi::Error MatmulAdd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (y->typed_data() != residual.typed_data()) {
     return ffi::Error::Internal("matmul_add: the result is not aliased to the residual");
   }
-  Problem pr{x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  Problem pr{x.typed_data(), LayerPanels(panels, layer), y->typed_data(), xd[0], xd[1], yd[1]};
   pr.add = true;
-  Multiply(pool, pr, panels.dimensions()[0], parallel);
+  Multiply(pool, pr, panels.dimensions()[1], parallel);
   return ffi::Error::Success();
 }
 
@@ -335,24 +353,26 @@ ffi::Error TakeRows(ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> ids,
 // (pack_swiglu_panels), computed from the accumulators of each tile's last k block:
 // `scratch` [M, P * 2W] holds the earlier blocks' sums, the activation goes to `act`.
 ffi::Error MatmulSwiGLU(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> panels, bool parallel, float norm_eps,
-                        ffi::ResultBuffer<ffi::F32> scratch, ffi::ResultBuffer<ffi::F32> act) {
+                        ffi::Buffer<ffi::F32> panels, ffi::Buffer<ffi::S32> layer, bool parallel,
+                        float norm_eps, ffi::ResultBuffer<ffi::F32> scratch,
+                        ffi::ResultBuffer<ffi::F32> act) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   auto sd = scratch->dimensions();
   auto ad = act->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || sd.size() != 2 || ad.size() != 2 || pd[1] != xd[1] ||
-      pd[2] != kSwNR || ad[0] != xd[0] || pd[0] != (ad[1] + kWidth - 1) / kWidth ||
-      sd[0] != xd[0] || sd[1] != pd[0] * kSwNR) {
+  if (xd.size() != 2 || pd.size() != 4 || sd.size() != 2 || ad.size() != 2 || pd[2] != xd[1] ||
+      pd[3] != kSwNR || ad[0] != xd[0] || pd[1] != (ad[1] + kWidth - 1) / kWidth ||
+      sd[0] != xd[0] || sd[1] != pd[1] * kSwNR || LayerPanels(panels, layer) == nullptr) {
     return ffi::Error::InvalidArgument(
-        "matmul_swiglu: expected x [M, K], panels [ceil(F / " + std::to_string(kWidth) +
-        "), K, " + std::to_string(kSwNR) + "], scratch [M, P * " + std::to_string(kSwNR) +
-        "] and result [M, F]");
+        "matmul_swiglu: expected x [M, K], panels [L, ceil(F / " + std::to_string(kWidth) +
+        "), K, " + std::to_string(kSwNR) + "], layer [] in [0, L), scratch [M, P * " +
+        std::to_string(kSwNR) + "] and result [M, F]");
   }
-  Problem pr{x.typed_data(), panels.typed_data(), scratch->typed_data(), xd[0], xd[1], sd[1]};
+  Problem pr{x.typed_data(), LayerPanels(panels, layer), scratch->typed_data(), xd[0], xd[1],
+             sd[1]};
   pr.act = act->typed_data();
   pr.F = ad[1];
-  Multiply(pool, pr, pd[0], parallel, norm_eps);
+  Multiply(pool, pr, pd[1], parallel, norm_eps);
   return ffi::Error::Success();
 }
 
@@ -368,7 +388,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [L, ...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<bool>("parallel")
                                   .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
@@ -378,7 +399,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulAdd, MatmulAdd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [L, ...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual
                                   .Attr<bool>("parallel")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (aliased)
@@ -395,7 +417,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxMatmulSwiGLU, MatmulSwiGLU,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels [L, ...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<bool>("parallel")
                                   .Attr<float>("norm_eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // scratch

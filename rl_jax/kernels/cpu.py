@@ -1,5 +1,13 @@
-"""The CPU decode kernels: built once per machine, called through XLA's FFI from inside
-the compiled decode loop.
+"""The `cpu` kernels: XLA's ops with CPU-safe contractions, and the C++ decode kernels.
+
+* `einsum_f32`: XLA:CPU's generic dot kernel has no bf16 x bf16 -> f32 (jax 0.10:
+  "Unsupported element type for DotThunk::Execute"), which some attention layouts
+  reach; a CPU has no bf16 matrix units to lose, so half-precision operands are
+  upcast first. The registry builds `attention` and `attention_cached` from the
+  reference (`xla.py`) with this contraction.
+
+The C++ decode kernels, built once per machine and called through XLA's FFI from
+inside the compiled decode loop (the sampler's decode step, `rl_jax.sampling._decode`):
 
 * Decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading the
   KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode
@@ -12,8 +20,7 @@ the compiled decode loop.
   once per decode call), and gate and up side by side (`pack_swiglu_panels`),
   whose SwiGLU activation it computes from its sums (`matmul_swiglu`).
 
-Bench model, 64 rows: see `benchmarks/sampler.py` and the README's performance
-section for the numbers.
+What each buys on a real model: docs/performance.md, "CPU kernels".
 
 The shared library is compiled with the host's C++ compiler (`CXX`, default
 `c++`) for the host CPU (`-march=native`) and kept in `kernel_cache_dir()`, keyed
@@ -40,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.kernels import xla
 from rl_jax.runtime import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,13 @@ TARGETS = {
 # -fno-math-errno lets floor/max vectorise; no -ffast-math: in a shared library it
 # would also set flush-to-zero for the whole process when loaded.
 CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+
+
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`xla.einsum_f32` with half-precision operands upcast to float32 first."""
+    if a.dtype != jnp.float32 or b.dtype != jnp.float32:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return xla.einsum_f32(spec, a, b)
 
 
 def kernel_cache_dir() -> Path:
@@ -202,6 +217,7 @@ def matmul_swiglu(
     cols: int,
     parallel: bool = True,
     norm_eps: float | None = None,
+    layer=None,
 ) -> jax.Array:
     """SwiGLU's activation silu(x @ gate) * (x @ up), [M, cols] float32, from
     `pack_swiglu_panels(gate, up)`: computed from the kernel's accumulators, with no
@@ -210,14 +226,26 @@ def matmul_swiglu(
     as `matmul`."""
     M = x.shape[0]
     f32 = jnp.float32
+    panels, layer = _stack(panels, layer)
     call = jax.ffi.ffi_call(
         "rl_jax_matmul_swiglu",
         (
-            jax.ShapeDtypeStruct((M, panels.shape[0] * panels.shape[2]), f32),
+            jax.ShapeDtypeStruct((M, panels.shape[1] * panels.shape[3]), f32),
             jax.ShapeDtypeStruct((M, cols), f32),
         ),
     )
-    return call(x.astype(f32), panels, parallel=bool(parallel), norm_eps=_eps(norm_eps))[1]
+    out = call(x.astype(f32), panels, layer, parallel=bool(parallel), norm_eps=_eps(norm_eps))
+    return out[1]
+
+
+def _stack(panels: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    """Panels stacked over layers [L, P, K, W] and the layer to use: a single matrix's
+    panels [P, K, W] become a stack of one (layer 0)."""
+    if panels.ndim == 3:
+        return panels[None], jnp.int32(0)
+    if layer is None:
+        raise ValueError(f"panels stacked over layers {panels.shape} need a layer")
+    return panels, jnp.asarray(layer, jnp.int32)
 
 
 def _eps(norm_eps: float | None) -> np.float32:
@@ -230,8 +258,12 @@ def matmul(
     cols: int,
     parallel: bool = True,
     norm_eps: float | None = None,
+    layer=None,
 ) -> jax.Array:
     """x [M, K] @ w [K, cols] in float32, w given as `pack_panels(w)`.
+
+    layer: with panels stacked over layers [L, P, K, NR], the (traced) layer whose
+    weights to use, read in place (a decode step's scan over layers slices nothing).
 
     norm_eps: x is an RMSNorm's input and the panels hold `norm_weight[:, None] * w`;
     the result is RMSNorm(x) @ w, the rows' 1 / rms computed in the kernel and
@@ -241,21 +273,24 @@ def matmul(
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
     use XLA's intra-op threads (as for `decode_attention`).
     """
+    panels, layer = _stack(panels, layer)
     call = jax.ffi.ffi_call("rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
-    return call(x.astype(jnp.float32), panels, parallel=bool(parallel), norm_eps=_eps(norm_eps))
+    x = x.astype(jnp.float32)
+    return call(x, panels, layer, parallel=bool(parallel), norm_eps=_eps(norm_eps))
 
 
 def matmul_add(
-    x: jax.Array, panels: jax.Array, residual: jax.Array, parallel: bool = True
+    x: jax.Array, panels: jax.Array, residual: jax.Array, parallel: bool = True, layer=None
 ) -> jax.Array:
     """residual + x @ w in float32 (w as `pack_panels(w)`, residual [M, N]), summed in
     place in the residual's buffer: a decoder layer's o and down projections with
     their residual connection. Same conditions as `matmul`."""
     f32 = jnp.float32
+    panels, layer = _stack(panels, layer)
     call = jax.ffi.ffi_call(
-        "rl_jax_matmul_add", jax.ShapeDtypeStruct(residual.shape, f32), input_output_aliases={2: 0}
+        "rl_jax_matmul_add", jax.ShapeDtypeStruct(residual.shape, f32), input_output_aliases={3: 0}
     )
-    return call(x.astype(f32), panels, residual.astype(f32), parallel=bool(parallel))
+    return call(x.astype(f32), panels, layer, residual.astype(f32), parallel=bool(parallel))
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -278,6 +313,7 @@ def decode_attention_qkv(
     slot,
     scale: float,
     parallel: bool = True,
+    layer=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_attention` from the q/k/v projection's rows, qkv [B, (H + 2K) hd] (query
     heads, then key heads, then value heads), with RoPE applied in the kernel
@@ -285,21 +321,28 @@ def decode_attention_qkv(
     k and v in XLA. Returns (attention [B, H hd], keys, values). Same conditions as
     `decode_attention`.
     """
-    B, K, hd = qkv.shape[0], keys.shape[1], keys.shape[3]
+    B, K, hd = qkv.shape[0], keys.shape[-4], keys.shape[-2]
     H = qkv.shape[1] // hd - 2 * K
     return _attention_call(
         "rl_jax_decode_attention_qkv",
         (B, H * hd),
         (qkv, cos, sin),
-        (keys, values, kv_start, slot, scale, parallel),
+        (keys, values, kv_start, slot, layer, scale, parallel),
     )
 
 
 def _attention_call(target, out_shape, inputs, cache_args):
     """An attention kernel's call: three float32 inputs, then the cache (keys and
-    values, updated in place: the results alias them), kv_start, slot, and the
-    scale and parallel attributes. Returns (attention, keys, values)."""
-    keys, values, kv_start, slot, scale, parallel = cache_args
+    values, updated in place: the results alias them), kv_start, slot, layer, and the
+    scale and parallel attributes. Returns (attention, keys, values).
+
+    A cache of one layer (keys [B, K, S / 16, hd, 16]) goes in as a stack of one."""
+    keys, values, kv_start, slot, layer, scale, parallel = cache_args
+    one = keys.ndim == 5
+    if one:
+        keys, values, layer = keys[None], values[None], 0
+    elif layer is None:
+        raise ValueError(f"a cache stacked over layers {keys.shape} needs a layer")
     f32 = jnp.float32
     call = jax.ffi.ffi_call(
         target,
@@ -310,15 +353,17 @@ def _attention_call(target, out_shape, inputs, cache_args):
         ),
         input_output_aliases={3: 1, 4: 2},
     )
-    return call(
+    out, keys, values = call(
         *(x.astype(f32) for x in inputs),
         keys,
         values,
         kv_start.astype(jnp.int32),
         jnp.asarray(slot, jnp.int32),
+        jnp.asarray(layer, jnp.int32),
         scale=np.float32(scale),
         parallel=bool(parallel),
     )
+    return (out, keys[0], values[0]) if one else (out, keys, values)
 
 
 def decode_attention(
@@ -331,6 +376,7 @@ def decode_attention(
     slot,
     scale: float,
     parallel: bool = True,
+    layer=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's k, v ([B, K, hd]) at `slot`, then attend: softmax(scale * q k^T) v
     over slots kv_start[b] .. slot of each row. Returns (attention [B, K, R, hd],
@@ -348,5 +394,5 @@ def decode_attention(
         "rl_jax_decode_attention",
         q.shape,
         (q, k, v),
-        (keys, values, kv_start, slot, scale, parallel),
+        (keys, values, kv_start, slot, layer, scale, parallel),
     )

@@ -1,0 +1,101 @@
+"""Hot ops under the forward, one interface, an implementation per platform.
+
+The model names an operation, never a platform:
+
+    k = kernels.for_mesh(mesh)           # the mesh's devices pick the platform
+    out = k.attention(q, k_, v, mask, scale=s)
+
+Ops (signatures of the reference, `rl_jax.kernels.xla`):
+
+* `attention(q, k, v, mask, *, scale)`: grouped-query attention for prefill and
+  training; q [B, T, H, hd], keys/values [B, K, S, hd], mask [B or 1, T, S].
+* `attention_cached(q, k, v, mask, *, scale, filled)`: the same over a KV cache
+  of which the first `filled` slots are written (decode, chunked prefill).
+* `dense(x, w)`: x [..., D] times w [D, ...], a projection.
+* `einsum_f32(spec, a, b)`: a two-operand contraction accumulated in float32 (the
+  LM head, attention's products).
+
+Implementations:
+
+* `xla` (`xla.py`): plain JAX, used on every platform for every op a platform
+  does not register; the reference the tests compare every other one against.
+* `cpu` (`cpu.py`): XLA:CPU's contractions with half-precision operands upcast
+  (its dot kernel has no bf16 x bf16 -> f32); the C++ decode kernels (XLA FFI)
+  of the sampler's decode step live there too (`cpu.available()`).
+* `tpu`, `gpu`: not registered yet; they get `xla`. A Pallas kernel (e.g.
+  splash attention for `attention`, ragged paged attention for
+  `attention_cached`) registers here with `register("tpu", attention=fn)`, and
+  a test compares it with `xla` on the platform.
+
+The platform comes from the mesh's devices (`rl_jax.runtime.mesh_platform`), not
+from the process's default backend: a CPU host compiling for a TPU topology
+(`rl-jax plan`) gets the TPU program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+from rl_jax.kernels import cpu, xla
+from rl_jax.runtime import mesh_platform
+
+OPS = ("attention", "attention_cached", "dense", "einsum_f32")
+# Platforms a kernel may be registered for ("xla" is the portable reference).
+PLATFORMS = ("xla", "cpu", "gpu", "tpu")
+
+_REGISTRY: dict[str, dict[str, Callable]] = {p: {} for p in PLATFORMS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The ops of one platform (each the platform's own, or `xla`'s)."""
+
+    platform: str
+    attention: Callable
+    attention_cached: Callable
+    dense: Callable
+    einsum_f32: Callable
+
+
+def register(platform: str, **ops: Callable) -> None:
+    """Make `ops` (names of OPS) the implementations on `platform`."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; known: {', '.join(PLATFORMS)}")
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        raise ValueError(f"unknown kernel ops {unknown}; known: {', '.join(OPS)}")
+    _REGISTRY[platform].update(ops)
+    for_platform.cache_clear()
+
+
+@functools.cache
+def for_platform(platform: str) -> Kernels:
+    """The ops on `platform` ("cpu", "gpu", "tpu", or "xla" for the reference alone)."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; known: {', '.join(PLATFORMS)}")
+    ops = {**_REGISTRY["xla"], **_REGISTRY[platform]}
+    return Kernels(platform=platform, **ops)
+
+
+def for_mesh(mesh=None) -> Kernels:
+    """The ops for `mesh`'s devices (the default device's without a mesh)."""
+    return for_platform(mesh_platform(mesh))
+
+
+register(
+    "xla",
+    attention=xla.attention,
+    attention_cached=xla.attention_cached,
+    dense=xla.dense,
+    einsum_f32=xla.einsum_f32,
+)
+register(
+    "cpu",
+    attention=functools.partial(xla.attention, einsum=cpu.einsum_f32),
+    attention_cached=functools.partial(xla.attention_cached, einsum=cpu.einsum_f32),
+    einsum_f32=cpu.einsum_f32,
+)
+
+__all__ = ["OPS", "PLATFORMS", "Kernels", "for_mesh", "for_platform", "register"]

@@ -1,0 +1,153 @@
+"""The kernel registry (rl_jax.kernels): platform from the mesh's devices, every op of
+a platform against the portable reference (`xla`), and the forward scanned over layers."""
+
+import dataclasses
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rl_jax import kernels
+from rl_jax.config import LossConfig, ModelConfig
+from rl_jax.kernels import cpu, xla
+from rl_jax.models import init_params, resolve_spec
+from rl_jax.sharding import get_rules
+from rl_jax.train.step import assemble_batch, make_train_step, put_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_mesh(platform: str):
+    """Anything with `.devices.flat[0].platform`, as a Mesh of that platform's devices."""
+    device = types.SimpleNamespace(platform=platform)
+    return types.SimpleNamespace(devices=np.array([device], dtype=object))
+
+
+def test_platform_comes_from_the_mesh_devices():
+    assert kernels.for_mesh(_fake_mesh("tpu")).platform == "tpu"
+    assert kernels.for_mesh(_fake_mesh("cpu")).platform == "cpu"
+    # Nothing registered for tpu/gpu yet: the reference everywhere.
+    tpu = kernels.for_mesh(_fake_mesh("tpu"))
+    assert tpu.einsum_f32 is xla.einsum_f32 and tpu.attention is xla.attention
+    assert kernels.for_platform("cpu").einsum_f32 is cpu.einsum_f32
+    assert kernels.for_mesh(None).platform == jax.devices()[0].platform
+
+
+def test_unknown_platform_or_op_names_the_known_ones():
+    with pytest.raises(ValueError, match="known: xla, cpu, gpu, tpu"):
+        kernels.for_platform("npu")
+    with pytest.raises(ValueError, match="known: attention, attention_cached, dense"):
+        kernels.register("cpu", flash=xla.attention)
+
+
+def test_registered_op_replaces_the_reference_on_its_platform_only(monkeypatch):
+    monkeypatch.setattr(kernels, "_REGISTRY", {p: dict(o) for p, o in kernels._REGISTRY.items()})
+    kernels.for_platform.cache_clear()
+    try:
+        marker = lambda *a, **k: None  # noqa: E731
+        kernels.register("tpu", dense=marker)
+        assert kernels.for_platform("tpu").dense is marker
+        assert kernels.for_platform("gpu").dense is xla.dense
+    finally:
+        monkeypatch.undo()
+        kernels.for_platform.cache_clear()
+    assert kernels.for_platform("tpu").dense is xla.dense
+
+
+def test_no_default_backend_outside_the_registry():
+    """Platform choices come from the mesh (a CPU host compiling for TPU gets TPU ops)."""
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "rl_jax").rglob("*.py"))
+        if "kernels" not in p.parts
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "default_backend" in line
+    ]
+    assert not hits, hits
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_attention_equals_the_reference(dtype):
+    """The cpu ops upcast half precision (XLA:CPU has no bf16 x bf16 -> f32 dot); the
+    results match the reference computed in float32."""
+    k = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k[0], (2, 5, 4, 8))
+    keys = jax.random.normal(k[1], (2, 2, 7, 8))
+    values = jax.random.normal(k[2], (2, 2, 7, 8))
+    mask = jnp.tril(jnp.ones((5, 7), bool), 2)[None]
+    want = xla.attention(q, keys, values, mask, scale=0.3)
+    ops = kernels.for_platform("cpu")
+    args = (q.astype(dtype), keys.astype(dtype), values.astype(dtype), mask)
+    got = jax.jit(lambda *a: ops.attention(*a, scale=0.3))(*args)
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol)
+    cached = jax.jit(lambda *a: ops.attention_cached(*a, scale=0.3, filled=7))(*args)
+    np.testing.assert_allclose(np.asarray(cached, np.float32), want, atol=tol, rtol=tol)
+
+
+def _train_step_text(num_layers: int) -> str:
+    spec = resolve_spec(
+        ModelConfig(
+            preset="tiny",
+            num_layers=num_layers,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=4,
+            num_kv_heads=2,
+        )
+    )
+    params = init_params(spec, jax.random.key(0))
+    rows, tp, tg = 4, 8, 8
+    zeros = np.zeros((rows, tg), np.float32)
+    host = assemble_batch(
+        np.ones((rows, tp), np.int32),
+        np.ones((rows, tp), bool),
+        np.ones((rows, tg), np.int32),
+        np.full((rows,), tg, np.int32),
+        zeros + 1,
+        zeros,
+        np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+        np.repeat(np.arange(2, dtype=np.int32), 2),
+    )
+    batch = put_batch(host, None)
+    assert batch.group_size == 2  # the shared-prefix forward
+    tx = optax.sgd(1e-3)
+    step = make_train_step(
+        spec,
+        get_rules("fsdp_tp"),
+        None,
+        tx,
+        LossConfig(name="grpo"),
+        num_groups=2,
+        max_tokens=tg,
+        temperature=1.0,
+    )
+    return step.lower(params, tx.init(params), batch).as_text()
+
+
+def test_train_step_scans_over_layers():
+    """The train step's program does not grow with depth: 2 and 4 layers lower to the
+    same matmuls (one layer body inside a while loop, forward and backward)."""
+    two, four = _train_step_text(2), _train_step_text(4)
+    assert four.count("stablehlo.while") >= 2
+    dots = [t.count("stablehlo.dot_general") for t in (two, four)]
+    assert dots[0] == dots[1], dots
+
+
+def test_scanned_forward_has_no_copy_per_layer():
+    """The model's forward traces one layer: its jaxpr holds one scan of length L."""
+    from rl_jax.models import Transformer
+
+    spec = resolve_spec(ModelConfig(preset="tiny", num_layers=4))
+    for s in (spec, dataclasses.replace(spec, scan_layers=True)):
+        params = init_params(s, jax.random.key(0))
+        jaxpr = jax.make_jaxpr(lambda p, t, s=s: Transformer(s, p)(t)[0])(
+            params, jnp.ones((1, 4), jnp.int32)
+        )
+        scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert len(scans) == 1 and scans[0].params["length"] == 4
