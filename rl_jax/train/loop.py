@@ -24,6 +24,7 @@ so a resumed run repeats the numbers of one that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -70,6 +71,7 @@ from rl_jax.train.evaluation import (
     make_eval_sampler,
 )
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.preflight import run_task
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.step import (
@@ -129,8 +131,14 @@ class RLTrainer:
         self.shards = num_batch_shards(self.mesh)
         self.train_rules = get_rules(cfg.mesh.rules, purpose="train")
         self.tokenizer = load_tokenizer(cfg)
-        self.spec, params = self._build_params()
+        self.spec, weights = self._build_params()
         self._check_sizes()
+        # [params view] What the trainer holds (float32 masters, LoRA adapters) and the
+        # weights the model runs (`self.plan.view`): rl_jax.train.params.
+        self.plan = ParamPlan.from_config(cfg, self.spec)
+        params = self.plan.init_state(weights, key=self._adapter_key(), mesh=self.mesh)
+        self._view = jax.jit(self.plan.view)
+        self._viewed: tuple[Any, int] | None = None  # (the view of self.params, version)
 
         P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
         self.P, self.G, self.M = P, G, M
@@ -170,16 +178,23 @@ class RLTrainer:
             max_tokens=self.max_tokens,
             temperature=self._train_temperature(),
             state_shardings=(_shardings(self.params), _shardings(self.opt_state)),
+            plan=self.plan,
         )
         self.train_step = step_fn
         self.logprob_fn = make_logprob_fn(
-            self.spec, self.train_rules, self.mesh, temperature=self._train_temperature()
+            self.spec,
+            self.train_rules,
+            self.mesh,
+            temperature=self._train_temperature(),
+            plan=self.plan,
         )
         self.critic = cfg.loss.advantage == "gae"
         if self.critic and not self.spec.value_head:
             raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
         self.value_fn = (
-            make_value_fn(self.spec, self.train_rules, self.mesh) if self.critic else None
+            make_value_fn(self.spec, self.train_rules, self.mesh, plan=self.plan)
+            if self.critic
+            else None
         )
 
         # Rendered for the tokenizer (chat template, answer instruction); prompts checked
@@ -226,20 +241,23 @@ class RLTrainer:
 
     def set_initial_params(self, host_params: dict) -> None:
         """Start from these weights (e.g. a supervised warm-up) instead of the random init."""
-        shardings = jax.tree.map(lambda a: a.sharding, self.params)
-        missing = sorted(set(self.params) - set(host_params))
+        # [params view] The model's weights in the state (all but the adapters).
+        weights = {k: v for k, v in self.params.items() if k != LORA_KEY}
+        missing = sorted(set(weights) - set(host_params))
         if missing:
             raise ValueError(f"initial params lack tensors {missing}")
-        for k, v in self.params.items():
+        for k, v in weights.items():
             if tuple(np.shape(host_params[k])) != tuple(v.shape):
                 raise ValueError(
                     f"initial param {k!r} has shape {np.shape(host_params[k])}, "
                     f"model needs {v.shape}"
                 )
-        self.params = {
-            k: jax.device_put(np.asarray(host_params[k], v.dtype), shardings[k])
-            for k, v in self.params.items()
+        weights = {
+            k: jax.device_put(np.asarray(host_params[k], v.dtype), v.sharding)
+            for k, v in weights.items()
         }
+        self.params = self.plan.init_state(weights, key=self._adapter_key(), mesh=self.mesh)
+        self._viewed = None
         self.opt_state = self._init_opt_state(self.params)
         if self.ref_params is not None:
             self.ref_params = jax.tree.map(jnp.copy, self.params)
@@ -257,7 +275,21 @@ class RLTrainer:
                 return x
             return jax.device_put(x, rep)
 
-        return jax.tree.map(on_mesh, jax.jit(self.tx.init)(params))
+        init = functools.partial(self.plan.init_optimizer, self.tx)  # [params view]
+        return jax.tree.map(on_mesh, jax.jit(init)(params))
+
+    def _adapter_key(self) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 0x10A)
+
+    def policy_weights(self) -> dict[str, jax.Array]:
+        """The policy's weights as the model runs them (`plan.view` of the trainer's
+        state: model.param_dtype, adapters merged), made once per version."""
+        if self.plan.identity:
+            return self.params
+        if self._viewed is None or self._viewed[1] != self.version:
+            self._viewed = None  # the old copy goes before the new one is made
+            self._viewed = (self._view(self.params), self.version)
+        return self._viewed[0]
 
     def _train_temperature(self) -> float:
         # The trainer scores tokens under the distribution the sampler drew them from.
@@ -332,9 +364,9 @@ class RLTrainer:
         """(params, version) for the sampler: the trainer's own arrays when colocated; in
         split mode a copy resharded onto the sampler's devices, made once per version."""
         if not self.split:
-            return self.params, self.version
+            return self.policy_weights(), self.version
         if self._pushed is None or self._pushed[1] != self.version:
-            self._pushed = (self.sampler.reshard(self.params), self.version)
+            self._pushed = (self.sampler.reshard(self.policy_weights()), self.version)
         return self._pushed
 
     def _start_wave(self, step: int, problems, weights: tuple[Any, int] | None = None) -> Wave:
@@ -838,7 +870,10 @@ class RLTrainer:
                 for w in self.waves:
                     if not self.sampler.done(w.state):
                         w.state = self.sampler.decode(
-                            self.params, w.state, max_steps=chunk, version=self.version
+                            self.sampler_weights()[0],
+                            w.state,
+                            max_steps=chunk,
+                            version=self.version,
                         )
             self.waves.pop(0)
             ro = self.sampler.result(oldest.state)

@@ -26,6 +26,7 @@ from rl_jax.models.layers import attention, matmul, rope_angles, rope_table
 from rl_jax.models.transformer import block_out, block_qkv, dtype_of
 from rl_jax.runtime import xla_options
 from rl_jax.sharding import batch_sharding
+from rl_jax.train.params import ParamPlan
 
 Params = dict[str, jax.Array]
 
@@ -295,8 +296,13 @@ def make_train_step(
     max_tokens: int,
     temperature: float,
     state_shardings: tuple[Any, Any] | None = None,
+    plan: ParamPlan | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics); state donated.
+
+    `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
+    weights, all trained, as they are): the loss sees `plan.view(params)`, the optimizer
+    updates the trained part (`opt_state` is `plan.init_optimizer`'s).
 
     `state_shardings` pins the outputs to the inputs' layout, so the next call sees
     the same shardings and does not recompile.
@@ -307,6 +313,7 @@ def make_train_step(
 
     loss_cfg = loss_cfg.resolved()
     critic = loss_cfg.advantage == "gae"
+    plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def loss_fn(params: Params, batch: TrainBatch):
         logp, ent, values = completion_forward(
@@ -328,7 +335,12 @@ def make_train_step(
         return loss_from_config(loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens)
 
     def step(params: Params, opt_state, batch: TrainBatch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        trained, frozen = plan.split(params)  # [params view]
+
+        def trained_loss(t):  # [params view]
+            return loss_fn(plan.view(plan.join(t, frozen)), batch)
+
+        (loss, metrics), grads = jax.value_and_grad(trained_loss, has_aux=True)(trained)
         finite = jnp.isfinite(loss) & _all_finite(grads)
         grad_norm = optax.global_norm(grads)
 
@@ -336,11 +348,10 @@ def make_train_step(
         # new params and moments are then never alive beside the old ones (bench
         # workload: peak RSS 874-895 -> 857-860 MB).
         def update(state):
-            p, o = state
-            updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), o
+            return plan.apply(tx, grads, state[1], state[0])  # [params view]
 
-        params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
+        trained, opt_state = jax.lax.cond(finite, update, lambda state: state, (trained, opt_state))
+        params = plan.join(trained, frozen)  # [params view]
         metrics = dict(metrics)
         metrics["grad_norm"] = jnp.where(finite, grad_norm, jnp.nan)
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
@@ -357,19 +368,29 @@ def make_train_step(
     )
 
 
-def make_logprob_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, temperature: float):
-    """jit(fn)(params, batch) -> logp [B, Tg] (old or reference policy; no gradient)."""
+def make_logprob_fn(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    *,
+    temperature: float,
+    plan: ParamPlan | None = None,
+):
+    """jit(fn)(params, batch) -> logp [B, Tg] (old or reference policy; no gradient);
+    params as make_train_step's."""
+    view = plan.view if plan is not None else (lambda p: p)  # [params view]
 
     def fn(params: Params, batch: TrainBatch) -> jax.Array:
-        return completion_logprobs(spec, rules, mesh, params, batch, temperature)[0]
+        return completion_logprobs(spec, rules, mesh, view(params), batch, temperature)[0]
 
     return jax.jit(fn, compiler_options=compiler_options(mesh))
 
 
-def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None):
+def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamPlan | None = None):
     """jit(fn)(params, batch) -> critic values [B, Tg] before the updates (PPO's GAE)."""
+    view = plan.view if plan is not None else (lambda p: p)  # [params view]
 
     def fn(params: Params, batch: TrainBatch):
-        return completion_forward(spec, rules, mesh, params, batch, 1.0, values=True)[2]
+        return completion_forward(spec, rules, mesh, view(params), batch, 1.0, values=True)[2]
 
     return jax.jit(fn, compiler_options=compiler_options(mesh))

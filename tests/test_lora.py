@@ -1,0 +1,184 @@
+"""LoRA: adapters on a frozen base (rl_jax.train.params), trained, sampled, saved, exported."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rl_jax.config import LoraConfig, LossConfig, ModelConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models import init_params, resolve_spec
+from rl_jax.sharding import get_rules
+from rl_jax.train.params import LORA_KEY, ParamPlan, check_lora, tree_bytes
+from rl_jax.train.step import assemble_batch, make_train_step, put_batch
+
+sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+
+ALL = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+def _spec(**kw):
+    base = dict(
+        preset="tiny",
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_embeddings="false",
+    )
+    return resolve_spec(ModelConfig(**{**base, **kw}))
+
+
+def _plan(rank=4, alpha=8.0, targets=ALL, **kw):
+    return ParamPlan(lora_rank=rank, lora_scale=alpha / rank, lora_targets=targets, **kw)
+
+
+def _state(spec, plan, seed=0):
+    weights = init_params(spec, jax.random.key(seed))
+    return weights, plan.init_state(weights, key=jax.random.key(seed + 1), mesh=None)
+
+
+def test_b_starts_at_zero_so_the_view_is_the_base():
+    spec = _spec()
+    weights, state = _state(spec, _plan())
+    assert set(state[LORA_KEY]) == set(ALL)
+    for t, ab in state[LORA_KEY].items():
+        assert not np.any(np.asarray(ab["b"])), t
+        assert np.std(np.asarray(ab["a"])) > 0, t
+    view = _plan().view(state)
+    assert set(view) == set(weights)
+    for k, w in weights.items():
+        np.testing.assert_array_equal(np.asarray(view[k]), np.asarray(w), err_msg=k)
+
+
+def test_the_view_is_w_plus_alpha_over_r_times_ab():
+    spec = _spec()
+    plan = _plan(rank=3, alpha=6.0)
+    weights, state = _state(spec, plan)
+    rng = np.random.default_rng(0)
+    state[LORA_KEY] = jax.tree.map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), state[LORA_KEY]
+    )
+    view = plan.view(state)
+    L, D, H, hd = spec.num_layers, spec.hidden_size, spec.num_heads, spec.head_dim
+    for t in ALL:
+        a = np.asarray(state[LORA_KEY][t]["a"], np.float64)
+        b = np.asarray(state[LORA_KEY][t]["b"], np.float64)
+        w = np.asarray(weights[t], np.float64)
+        delta = 2.0 * (a @ b)  # alpha / r = 6 / 3
+        want = w + delta.reshape(w.shape)
+        np.testing.assert_allclose(np.asarray(view[t]), want, rtol=1e-5, atol=1e-5, err_msg=t)
+    # The output projection reads its H x hd inputs as rows of A.
+    assert state[LORA_KEY]["o"]["a"].shape == (L, H * hd, 3)
+    assert state[LORA_KEY]["o"]["b"].shape == (L, 3, D)
+    # Weights without adapters are the base.
+    np.testing.assert_array_equal(np.asarray(view["embed"]), np.asarray(weights["embed"]))
+
+
+def _batch(rows=8, tp=6, tg=6, seed=0):
+    rng = np.random.default_rng(seed)
+    host = assemble_batch(
+        rng.integers(1, 60, (rows, tp)).astype(np.int32),
+        np.ones((rows, tp), bool),
+        rng.integers(1, 60, (rows, tg)).astype(np.int32),
+        np.full((rows,), tg, np.int32),
+        np.ones((rows, tg), np.float32),
+        np.full((rows, tg), -3.0, np.float32),
+        rng.standard_normal(rows).astype(np.float32),
+        np.repeat(np.arange(2, dtype=np.int32), rows // 2),
+    )
+    return put_batch(host, None)
+
+
+def _step(spec, plan, tx):
+    return make_train_step(
+        spec,
+        get_rules("fsdp", purpose="train"),
+        None,
+        tx,
+        LossConfig(name="grpo", advantage="grpo", kl_coef=0.0),
+        num_groups=2,
+        max_tokens=6,
+        temperature=1.0,
+        plan=plan,
+    )
+
+
+def test_updates_reach_only_the_adapters_and_their_optimizer_state_is_small():
+    spec = _spec()
+    plan = _plan(rank=2, targets=("q", "v"))
+    tx = optax.adamw(1e-2)
+    weights, state = _state(spec, plan)
+    before = jax.tree.map(np.asarray, state)
+    opt = plan.init_optimizer(tx, state)
+    full = ParamPlan()
+    full_opt = full.init_optimizer(tx, full.init_state(weights, key=None, mesh=None))
+    # Adam's two moments per trained weight: of q and v's adapters only.
+    lora_bytes, full_bytes = tree_bytes(opt), tree_bytes(full_opt)
+    adapter_bytes = tree_bytes(state[LORA_KEY])
+    assert lora_bytes <= 2 * adapter_bytes + 64, (lora_bytes, adapter_bytes)
+    assert lora_bytes <= full_bytes / 2, (lora_bytes, full_bytes)
+
+    step = _step(spec, plan, tx)
+    state, opt, m = step(state, opt, _batch())
+    assert float(m["nonfinite"]) == 0
+    for k in weights:
+        np.testing.assert_array_equal(np.asarray(state[k]), before[k], err_msg=k)
+    for t in ("q", "v"):
+        for part in ("a", "b"):
+            after = np.asarray(state[LORA_KEY][t][part])
+            assert not np.array_equal(after, before[LORA_KEY][t][part]), (t, part)
+
+
+def test_rank_and_targets_are_checked_against_the_model():
+    with pytest.raises(ConfigError, match="lora.rank"):
+        LoraConfig(enabled=True, rank=0)
+    with pytest.raises(ConfigError, match=r"lora.targets.*'qq'"):
+        LoraConfig(enabled=True, targets="q,qq")
+    with pytest.raises(ConfigError, match="lora.rank=16 needs lora.enabled=true"):
+        LoraConfig(rank=16)
+    tied = _spec(tie_embeddings="true")
+    with pytest.raises(ConfigError, match="lm_head.*tied"):
+        check_lora(tied, ("q", "lm_head"), 4)
+    with pytest.raises(ConfigError, match="lora.rank=40 exceeds 'q'"):
+        check_lora(_spec(), ("q",), 40)
+    check_lora(_spec(), ALL, 4)
+
+
+# ---- bad knobs: one line, exit 2, before any device work ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["lora.enabled=true", "lora.rank=0"], ["lora.rank"]),
+        (["lora.enabled=true", "lora.rank=-3"], ["lora.rank"]),
+        (["lora.enabled=true", "lora.targets=q,attn"], ["lora.targets", "'attn'"]),
+        (["lora.enabled=true", "lora.alpha=0"], ["lora.alpha"]),
+        (["lora.rank=4"], ["lora.rank", "lora.enabled=true"]),
+        (["train.precision=bf16"], ["train.precision"]),
+        # the model, not the knob: a tied head has no lm_head; the rank above a side
+        (["lora.enabled=true", "lora.targets=lm_head", "model.tie_embeddings=true"], ["lm_head"]),
+        (["lora.enabled=true", "lora.rank=100000", "model.preset=tiny"], ["lora.rank=100000"]),
+    ],
+)
+def test_bad_lora_knobs_exit_2_before_the_trainer(capsys, tmp_path, monkeypatch, overrides, names):
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+
+    def tripwire(*a, **k):
+        raise AssertionError("bad input reached the trainer")
+
+    monkeypatch.setattr(loop, "train", tripwire)
+    argv = ["train", "grpo", *overrides, "--run-dir", str(tmp_path / "run"), "--quiet"]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for n in names:
+        assert n in err, err
