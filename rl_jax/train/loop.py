@@ -677,6 +677,7 @@ class RLTrainer:
             return False
         _, state, meta = got
         self.params, self.opt_state = state["params"], state["opt_state"]
+        self._viewed = None  # [params view]
         if "ref_params" in state:
             self.ref_params = state["ref_params"]
         self.step, self.version = int(meta["step"]), int(meta["version"])
