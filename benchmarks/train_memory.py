@@ -15,38 +15,15 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
 
 from rl_jax.config import ModelConfig, TrainConfig
-from rl_jax.models import param_layout, resolve_spec
+from rl_jax.models import resolve_spec
 from rl_jax.train.optim import make_optimizer
-from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims, tree_bytes
-
-
-def abstract_state(plan: ParamPlan, spec) -> dict:
-    """The trainer's state of `plan` as shapes (ParamPlan.init_state's dtypes)."""
-    lay = param_layout(spec)
-    names = plan.split(dict.fromkeys([*lay, LORA_KEY] if plan.lora else lay))[0]
-    out = {
-        k: jax.ShapeDtypeStruct(
-            i.shape, plan.trained_dtype if k in names else jnp.dtype(plan.param_dtype)
-        )
-        for k, i in lay.items()
-    }
-    if plan.lora:
-        r = plan.lora_rank
-        out[LORA_KEY] = {}
-        for t in plan.lora_targets:
-            lead, d_in, d_out = lora_dims(t, lay[t].shape)
-            out[LORA_KEY][t] = {
-                "a": jax.ShapeDtypeStruct((*lead, d_in, r), plan.trained_dtype),
-                "b": jax.ShapeDtypeStruct((*lead, r, d_out), plan.trained_dtype),
-            }
-    return out
+from rl_jax.train.params import ParamPlan, tree_bytes
 
 
 def measure(plan: ParamPlan, spec, tx) -> dict:
-    state = abstract_state(plan, spec)
+    state = plan.abstract_state(spec)
     opt = jax.eval_shape(lambda s: plan.init_optimizer(tx, s), state)
     view = 0 if plan.identity else tree_bytes(jax.eval_shape(plan.view, state))
     trained, _ = plan.split(state)

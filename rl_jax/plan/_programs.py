@@ -24,11 +24,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rl_jax.config import RunConfig, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
-from rl_jax.models.transformer import init_params, param_shardings
+from rl_jax.models.transformer import param_shardings
 from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh
 from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.params import ParamPlan
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_train_step
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
@@ -70,10 +71,11 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
     )
 
     shardings = param_shardings(spec, mesh, rules)
-    shapes = jax.eval_shape(functools.partial(init_params, spec), jax.random.key(0))
-    params = {n: _abstract(s, shardings[n]) for n, s in shapes.items()}
+    # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params).
+    plan = ParamPlan.from_config(cfg, spec)
+    params = plan.abstract_state(spec, shardings, mesh)
     tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
-    opt = _compiled_outputs(jax.jit(tx.init), mesh, params)
+    opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
 
     loss = cfg.loss
     temperature = sc.temperature or 1.0
@@ -90,7 +92,11 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
         num_groups=P // M,
         max_tokens=sc.max_new_tokens,
         temperature=temperature,
-        state_shardings=(shardings, jax.tree.map(lambda a: a.sharding, opt)),
+        state_shardings=(
+            jax.tree.map(lambda a: a.sharding, params),
+            jax.tree.map(lambda a: a.sharding, opt),
+        ),
+        plan=plan,
     )
     mb = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=loss.kl_coef > 0, critic=critic)
     fwd_mb = forward_flops(spec, [tp] * (P // M), [tg] * (P // M * G), G)
@@ -106,7 +112,7 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
         )
     )
     if needs_old or loss.kl_coef > 0:
-        fn = make_logprob_fn(spec, rules, mesh, temperature=temperature)
+        fn = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
         full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
         fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
         programs.append(_report("logprob", fn, (params, full), fwd, chip, len(devices), headroom))

@@ -179,6 +179,35 @@ class ParamPlan:
         )
         return jax.jit(init, out_shardings=rep)(key)
 
+    def abstract_state(self, spec: ModelSpec, shardings=None, mesh: Mesh | None = None) -> State:
+        """The state `init_state` makes for `spec`, as shapes (dtypes by role; the model's
+        weights on `shardings` by name, adapters replicated over `mesh`)."""
+        lay = param_layout(spec)
+        trained = set(self._trained_names([*lay, LORA_KEY]))
+
+        def abstract(shape, dtype, sharding=None):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        out = {
+            k: abstract(
+                i.shape,
+                self.trained_dtype if k in trained else jnp.dtype(self.param_dtype),
+                None if shardings is None else shardings[k],
+            )
+            for k, i in lay.items()
+        }
+        if self.lora:
+            rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            r, dt = self.lora_rank, self.trained_dtype
+            out[LORA_KEY] = {}
+            for t in self.lora_targets:
+                lead, d_in, d_out = lora_dims(t, lay[t].shape)
+                out[LORA_KEY][t] = {
+                    "a": abstract((*lead, d_in, r), dt, rep),
+                    "b": abstract((*lead, r, d_out), dt, rep),
+                }
+        return out
+
     def view(self, state: State) -> dict[str, jax.Array]:
         """The model's weights (param_layout names, param_dtype), adapters merged."""
         if self.identity:
