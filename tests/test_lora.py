@@ -84,6 +84,23 @@ def test_the_view_is_w_plus_alpha_over_r_times_ab():
     np.testing.assert_array_equal(np.asarray(view["embed"]), np.asarray(weights["embed"]))
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        _plan(param_dtype="bfloat16", targets=("q", "o", "down")),
+        ParamPlan(param_dtype="bfloat16", precision="fp32_master"),
+        ParamPlan(param_dtype="bfloat16", precision="pure"),
+    ],
+    ids=["lora", "fp32_master", "pure"],
+)
+def test_the_abstract_state_is_the_state(plan):
+    """rl-jax plan and benchmarks/train_memory.py count `abstract_state`'s bytes."""
+    spec = _spec(param_dtype="bfloat16")
+    _, state = _state(spec, plan)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), plan.abstract_state(spec))
+    assert got == jax.tree.map(lambda x: (x.shape, x.dtype), state)
+
+
 def _batch(rows=8, tp=6, tg=6, seed=0):
     rng = np.random.default_rng(seed)
     host = assemble_batch(
