@@ -420,3 +420,31 @@ def test_sampling_n_cap_is_generous():
     # IsoCompute grids go to n=2048; the cap only catches typos.
     assert MAX_SAMPLES >= 2048
     assert apply_overrides(RunConfig(), ["sampling.n=2048"]).sampling.n == 2048
+
+
+# ---- evaluation size: a curve's noise is what the config says --------------------------------
+
+
+def test_explicit_val_size_below_eval_prompts_is_refused(capsys, tmp_path, no_trainer):
+    # A generated task made 100 validation problems while every evaluation asked for 512:
+    # the curve's evaluations would silently use 100.
+    rc, err = _train(capsys, tmp_path, "data.val_size=100", "eval.num_prompts=512")
+    assert_refused(rc, err, "eval.num_prompts=512", "data.val_size=100")
+
+
+def test_auto_val_size_covers_the_eval_prompts():
+    from rl_jax.config import load_recipe, resolved
+
+    assert resolved(load_recipe(RECIPE, ["eval.num_prompts=512"])).data.val_size == 512
+    # Below the automatic 128, the automatic count stays (run ids do not move).
+    assert resolved(load_recipe(RECIPE, ["eval.num_prompts=64"])).data.val_size == 128
+
+
+def test_small_validation_split_of_a_file_is_said(capsys, tmp_path, no_trainer):
+    rows = [json.dumps({"question": f"{i}+1", "answer": str(i + 1)}).encode() for i in range(20)]
+    f = _data(tmp_path, rows)
+    overrides = ("data.source=file", f"data.path={f}", "data.val_size=4", "eval.num_prompts=64")
+    with pytest.raises(AssertionError, match="reached the trainer"):
+        _train(capsys, tmp_path, *overrides)
+    err = capsys.readouterr().err
+    assert "eval.num_prompts=64 but the validation split holds 4 problems" in err

@@ -184,8 +184,11 @@ def test_runs_that_always_fail_stop_at_max_attempts(tmp_path, monkeypatch):
     assert run_grid(spec, out, "--jobs", "2", "--no-report", "--retry-failed") == 0
 
 
-def test_config_errors_are_not_retried(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_FAIL_ALWAYS", "2")  # rl-jax train's exit status for config errors
+# rl-jax train's exit statuses for a config error (2) and for a run that fails again where
+# it resumes (3: NaN/Inf updates, data retired by No-Positive-Resampling).
+@pytest.mark.parametrize("rc", ["2", "3"])
+def test_errors_a_rerun_repeats_are_not_retried(tmp_path, monkeypatch, rc):
+    monkeypatch.setenv("FAKE_FAIL_ALWAYS", rc)
     out = tmp_path / "out"
     assert run_grid(write_spec(tmp_path, max_attempts=3), out, "--jobs", "2", "--no-report") == 1
     st = GridState.load(out / "tiny", "tiny")
@@ -340,3 +343,18 @@ def test_tpu_scripts_are_shellcheck_clean():
 def test_shipped_isocompute_cpu_spec_shape():
     spec = load_spec("isocompute_cpu")
     assert spec.report.kind == "isocompute" and spec.report.split_by == "split"
+
+
+def test_rl_jax_train_exits_3_when_npr_retires_every_problem(monkeypatch, capsys):
+    # The grid's contract: a failure that a resume replays exits 3 with one line.
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+    from rl_jax.data import DataExhausted
+
+    def exhausted(*a, **k):
+        raise DataExhausted("all 16 problems are retired by No-Positive-Resampling")
+
+    monkeypatch.setattr(loop, "train", exhausted)
+    assert main(["train", "grpo", "--quiet"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "retired by No-Positive-Resampling" in err

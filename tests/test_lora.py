@@ -223,11 +223,11 @@ def test_a_lora_run_learns_with_a_frozen_base_and_a_small_optimizer_state(lora_r
     assert np.mean(mass[-3:]) > np.mean(mass[:3]), mass
     for k, v in base.items():
         np.testing.assert_array_equal(np.asarray(tr.params[k]), v, err_msg=k)
-    full = ParamPlan(param_dtype=tr.plan.param_dtype, precision=tr.plan.precision)
+    full = ParamPlan(param_dtype=tr.parts.plan.param_dtype, precision=tr.parts.plan.precision)
     weights = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in base.items()}
-    full_opt = jax.eval_shape(lambda w: full.init_optimizer(tr.tx, w), weights)
-    print("optimizer bytes: lora", tree_bytes(tr.opt_state), "full", tree_bytes(full_opt))
-    assert tree_bytes(tr.opt_state) <= tree_bytes(full_opt) / 2
+    full_opt = jax.eval_shape(lambda w: full.init_optimizer(tr.parts.tx, w), weights)
+    print("optimizer bytes: lora", tree_bytes(tr.state.opt_state), "full", tree_bytes(full_opt))
+    assert tree_bytes(tr.state.opt_state) <= tree_bytes(full_opt) / 2
     # On policy, the sampler ran the weights the loss saw: importance ratios are 1.
     ratios = [r[k] for r in rows for k in ("train/ratio_max", "train/ratio_min") if k in r]
     assert ratios and np.allclose(ratios, 1.0, atol=1e-4), ratios
@@ -235,7 +235,7 @@ def test_a_lora_run_learns_with_a_frozen_base_and_a_small_optimizer_state(lora_r
 
 def test_the_sampler_runs_the_merged_weights(lora_run):
     _, tr, base, sampled = lora_run
-    merged = tr.plan.view(tr.params)
+    merged = tr.parts.plan.view(tr.params)
     last = sampled[-1]
     assert set(last) == set(base)
     for k in base:  # the sampler's copy is merged by a compiled view: float32 rounding apart
@@ -286,7 +286,7 @@ def test_convert_exports_the_merged_weights(lora_run, tmp_path, capsys):
     from rl_jax.models import model_params
 
     got = model_params(model)
-    merged = tr.plan.view(tr.params)
+    merged = tr.parts.plan.view(tr.params)
     for k in merged:
         np.testing.assert_allclose(
             np.asarray(got[k]), np.asarray(merged[k]), rtol=1e-6, atol=1e-6, err_msg=k

@@ -142,14 +142,14 @@ BF16_RUN = [
 def test_a_bf16_run_on_float32_masters_learns_on_policy(tmp_path):
     cfg = load_recipe("scalerl", [*BF16_RUN, f"out_dir={tmp_path}", "name=bf16"])
     tr = RLTrainer(cfg, quiet=True)
-    assert tr.plan.precision == "fp32_master"
+    assert tr.parts.plan.precision == "fp32_master"
     assert all(v.dtype == jnp.float32 for v in tr.params.values())
     sampled = [tr.sampler_weights()[0]]
     tr.step_hooks.append(lambda t: sampled.append(t.sampler_weights()[0]))
     tr.run_loop()
     # The sampler runs the bfloat16 copy of the masters, the loss the same copy.
     assert all(v.dtype == jnp.bfloat16 for v in sampled[-1].values())
-    view = tr.plan.view(tr.params)
+    view = tr.parts.plan.view(tr.params)
     for k in view:
         np.testing.assert_array_equal(np.asarray(sampled[-1][k]), np.asarray(view[k]), err_msg=k)
     # P(even first digit), what the verifier rewards (measured: 0.0781, then 0.0883 ..

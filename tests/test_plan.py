@@ -43,38 +43,144 @@ def test_topology_names_are_checked():
             parse_topology(bad)
 
 
-def test_train_step_compiles_for_v5e_and_reports_per_chip_costs(tmp_path):
-    _libtpu()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rl_jax.cli",
-            "plan",
-            "scalerl",
-            *TINY,
-            "--topology",
-            "v5e:2x2",
-            "--json",
-            "--out",
-            str(tmp_path),
-        ],
+def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl_jax.cli", "plan", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=900,
+        timeout=timeout,
     )
+
+
+def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
+    _libtpu()
+    r = _plan_cli("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout.strip().splitlines()[-1])
     assert plan == json.loads((tmp_path / "plan.json").read_text())
     assert plan["chips"] == 4 and plan["chip"] == "v5e"
     assert plan["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
-    (step,) = [p for p in plan["programs"] if p["name"] == "train_step"]
+    progs = {p["name"]: p for p in plan["programs"]}
+    # scalerl: one update per batch, truncated IS against the sampler, no KL: no
+    # log-prob pass; the sampler's two programs beside the train step.
+    assert set(progs) == {"train_step", "prefill", "decode"}
+    step = progs["train_step"]
     assert step["fits"] and 0 < step["hbm_total_gb"] < 1
     # XLA's count of the compiled program against the model's: the tiny model's step has
     # no remat, so the compiled FLOPs are the model's and little else.
     assert 0.9 < step["flops_ratio"] < 1.5, step
     assert step["roofline_s"] > 0 and 0 < step["mfu_estimate"] <= 1
+    for p in progs.values():
+        assert p["fits"] and p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_s"] > 0
+        assert 0 <= p["hbm_total_gb"] < plan["hbm_capacity_gb"] and p["calls"] > 0
+
+    # KV cache per chip: K and V, every layer, the wave's 4 x 2 rows over 4 batch
+    # shards, 16 + 16 slots, float32 (the tiny preset's compute dtype).
+    b = plan["batch"]
+    assert b["wave_prompts"] == 4 and b["waves"] == 9  # PipelineRL-8, one update per batch
+    spec_kv_heads, head_dim = _tiny_attention()
+    kv = 2 * 2 * (4 * 2 // 4) * spec_kv_heads * (16 + 16) * head_dim * 4
+    assert plan["kv_cache_gb"] * 1e9 == pytest.approx(kv)
+    # The other waves wait beside the one being decoded, with the optimizer state.
+    dec = progs["decode"]
+    beside = plan["optimizer_gb"] + 8 * plan["sampler_state_gb"]
+    assert dec["hbm_gb"]["resident"] == pytest.approx(beside)
+    # One decode iteration: one token for each of the wave's 8 rows, attending on
+    # average to the prompt and half the generation; it runs gen_len times per step.
+    assert dec["calls"] == b["gen_len"]
+    assert 0.9 < dec["flops_ratio"] < 3, dec
+    # Bandwidth-bound: per token, the sampler's weights and the whole cache are read.
+    assert dec["bytes_analytic"] > plan["kv_cache_gb"] * 1e9
+    v5e = CHIPS["v5e"]
+    bound = max(dec["flops"] / v5e.bf16_flops, dec["bytes_analytic"] / v5e.hbm_bandwidth)
+    assert dec["roofline_s"] == pytest.approx(bound)
+    st = plan["step"]
+    assert st["roofline_s"] == pytest.approx(
+        sum(p["roofline_s"] * p["calls"] for p in plan["programs"])
+    )
+    assert st["rollouts_per_hour"] == pytest.approx(4 * 2 * 3600 / st["roofline_s"])
+    bud = plan["budget"]
+    assert bud["rollouts"] == 7400 * 48 * 16
+    assert bud["hours"] == pytest.approx(bud["rollouts"] / st["rollouts_per_hour"])
+    assert bud["chip_hours"] == pytest.approx(4 * bud["hours"])
+
+
+def _tiny_attention() -> tuple[int, int]:
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+
+    spec = resolve_spec(resolved(load_recipe("scalerl", TINY)).model)
+    return spec.num_kv_heads, spec.head_dim
+
+
+# Wide enough that parameters, gradients and AdamW replicated on every chip (data=4)
+# overflow a v5e's 16 GiB, while FSDP or tensor splits fit: 3 layers of 4096 x 32768.
+WIDE = [
+    *(o for o in TINY if not o.startswith(("model.hidden_size", "model.intermediate", "mesh."))),
+    "model.num_layers=3",
+    "model.hidden_size=4096",
+    "model.intermediate_size=32768",
+    "model.num_heads=4",
+    "model.num_kv_heads=4",
+]
+
+
+def test_search_compiles_the_best_candidate_of_a_tiny_run():
+    _libtpu()
+    r = _plan_cli("scalerl", *TINY, "--topology", "v5e:2x2", "--search", "--top", "1", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["compiled"] == 1 and res["dimensions"] == ["mesh", "remat", "micro", "waves"]
+    (best,) = res["ranked"]
+    plan = best["plan"]
+    assert plan["fits"] and plan["mesh"] == best["mesh"]
+    assert plan["model"]["remat"] == best["remat"]
+    assert best["rollouts_per_hour"] == plan["step"]["rollouts_per_hour"] > 0
+    # Every other candidate was only estimated: a search costs --top plans.
+    assert res["candidates"] > 1 and not res["excluded"]
+
+
+def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
+    """The search's bookkeeping alone: a stand-in plan for each compiled candidate
+    (fits only with remat; faster the more tensor-parallel), no compiler."""
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import search
+
+    seen = []
+
+    def fake_plan(cfg, topology, *, headroom, budget_rollouts):
+        seen.append(cfg)
+        rate = 1000.0 * cfg.mesh.tensor
+        return {
+            "fits": cfg.model.remat,
+            "programs": [{"hbm_total_gb": 1.0 if cfg.model.remat else 99.0}],
+            "step": {"rollouts_per_hour": rate, "mfu_estimate": 0.5},
+            "budget": {"hours": budget_rollouts / rate},
+        }
+
+    cfg = load_recipe("scalerl", WIDE)
+    res = search(cfg, "v5e:2x2", top=6, plan_fn=fake_plan, budget_rollouts=1e6)
+    assert len(seen) == res["compiled"] == 6
+    ranked = res["ranked"]
+    assert ranked and all(r["remat"] for r in ranked)
+    rates = [r["rollouts_per_hour"] for r in ranked]
+    assert rates == sorted(rates, reverse=True)
+    assert ranked[0]["budget_hours"] == pytest.approx(1e6 / rates[0])
+    compiled_out = [e for e in res["excluded"] if e["reason"] == "compiled"]
+    assert len(compiled_out) + len(ranked) == 6 and not any(e["remat"] for e in compiled_out)
+    # Parameters, gradients and AdamW of 1.4B float32 parameters on every chip: over
+    # 16 GiB, dropped by the estimate before any compile.
+    replicated = {"data": 4, "fsdp": 1, "tensor": 1}
+    assert all(c.mesh.data * c.mesh.fsdp * c.mesh.tensor == 4 for c in seen)
+    assert replicated not in [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": 1} for c in seen]
+    assert any(e["mesh"] == replicated and e["reason"] == "estimate" for e in res["excluded"])
+
+
+def test_bad_keys_exit_2_before_compiling():
+    r = _plan_cli("scalerl", "model.no_such_knob=1", "--topology", "v5e:2x2", timeout=300)
+    assert r.returncode == 2 and "no_such_knob" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bad_topology_exits_2_before_compiling():
@@ -86,3 +192,26 @@ def test_bad_topology_exits_2_before_compiling():
         timeout=300,
     )
     assert r.returncode == 2 and "v9:2x2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_estimate_counts_the_trainers_state_as_train_precision_and_lora_hold_it():
+    """The search's first pass sizes float32 masters of a bfloat16 model, their float32
+    moments and gradients and the sampler's bfloat16 view (rl_jax.train.params): 8 bytes
+    per parameter more than pure bfloat16, whichever program is the larger; LoRA trains
+    and keeps moments for the adapters only."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._estimate import estimate
+
+    mesh, chip = {"data": 2, "fsdp": 2, "tensor": 1}, CHIPS["v5e"]
+
+    def hbm(*knobs):
+        cfg = resolved(load_recipe("scalerl", [*TINY, "model.param_dtype=bfloat16", *knobs]))
+        spec = resolve_spec(cfg.model)
+        return estimate(spec, cfg, mesh, chip)["hbm_bytes"], spec.num_params()
+
+    pure, n = hbm("train.precision=pure", "loss.kl_coef=0")
+    master, _ = hbm("train.precision=fp32_master", "loss.kl_coef=0")
+    lora, _ = hbm("train.precision=fp32_master", "loss.kl_coef=0", "lora.enabled=true")
+    assert master - pure == pytest.approx(8 * n / 2)
+    assert lora < pure < master

@@ -14,7 +14,7 @@ import pytest
 from rl_jax.config import load_recipe
 from rl_jax.rewards._registry import _REGISTRY, _LocalRewardFn, register
 from rl_jax.runs import read_jsonl
-from rl_jax.train import loop
+from rl_jax.train import phases
 from rl_jax.train.loop import RLTrainer
 
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
@@ -48,14 +48,14 @@ P, G = 4, 4  # TINY_RUN's data.prompts_per_batch and sampling.n
 def _run(tmp_path, monkeypatch, *extra):
     """Train on the tiny model; returns (trainer, metric rows, advantages of each step)."""
     calls = []
-    real = loop.advantages_from_config
+    real = phases.advantages_from_config
 
     def spy(cfg, rewards_b, group_ids_b, **kw):
         adv, info = real(cfg, rewards_b, group_ids_b, **kw)
         calls.append((np.asarray(rewards_b), np.asarray(kw["valid_b"]), np.asarray(adv)))
         return adv, info
 
-    monkeypatch.setattr(loop, "advantages_from_config", spy)
+    monkeypatch.setattr(phases, "advantages_from_config", spy)
     cfg = load_recipe("scalerl", [*BASE, f"out_dir={tmp_path}", *extra])
     tr = RLTrainer(cfg, quiet=True)
     tr.run_loop()

@@ -15,7 +15,7 @@ import pytest
 from rl_jax.config import load_recipe
 from rl_jax.losses import compute_advantages
 from rl_jax.runs import read_jsonl
-from rl_jax.train import loop
+from rl_jax.train import phases
 from rl_jax.train.loop import RLTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def _group_adv(rewards_b, c, groups_b, valid_b, num_groups):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_kl_in_reward_trains_every_recipe(recipe, tmp_path, monkeypatch):
     calls = []
-    real_adv, real_gae = loop.advantages_from_config, loop.gae_from_config
+    real_adv, real_gae = phases.advantages_from_config, phases.gae_from_config
 
     def spy_adv(cfg, rewards_b, group_ids_b, **kw):
         out = real_adv(cfg, rewards_b, group_ids_b, **kw)
@@ -70,8 +70,8 @@ def test_kl_in_reward_trains_every_recipe(recipe, tmp_path, monkeypatch):
         calls.append(("gae", cfg, rewards_b, None, {**kw, "mask_bt": mask_bt}, out[0]))
         return out
 
-    monkeypatch.setattr(loop, "advantages_from_config", spy_adv)
-    monkeypatch.setattr(loop, "gae_from_config", spy_gae)
+    monkeypatch.setattr(phases, "advantages_from_config", spy_adv)
+    monkeypatch.setattr(phases, "gae_from_config", spy_gae)
     cfg = load_recipe(
         recipe,
         [

@@ -14,6 +14,7 @@ import pytest
 
 from rl_jax.config import load_recipe
 from rl_jax.runs import read_jsonl
+from rl_jax.train import schedules
 from rl_jax.train.loop import NonFiniteError, RLTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
         ),
         quiet=True,
     )
-    assert tr._num_waves() == k + 1
+    assert schedules.num_waves(tr.cfg) == k + 1
     seen = []
     tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
     summary = tr.run_loop()

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("rl_jax.cli.fit", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
     "eval": ("rl_jax.cli.eval", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
     "sample": ("rl_jax.cli.sample", "sample completions from a model"),
+    "samples": ("rl_jax.cli.samples", "a run's logged completions: rl-jax samples RUN [--step N]"),
     "score": ("rl_jax.cli.score", "per-token log-probs of a text under a model (JSON)"),
     "convert": ("rl_jax.cli.convert", "convert between HF checkpoints and rl_jax"),
     "config": ("rl_jax.cli.config", "print the resolved config of a recipe with overrides"),

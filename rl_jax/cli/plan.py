@@ -1,5 +1,8 @@
-"""`rl-jax plan RECIPE [key=value ...] --topology NAME`: compile a run's programs for a
-TPU topology from this host and print per-chip HBM, FLOPs and a roofline time."""
+"""`rl-jax plan RECIPE [key=value ...] --topology NAME [--search]`: compile a run's
+programs (train step, log-prob pass, the sampler's prefill and decode) for a TPU
+topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
+step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
+mesh shapes, remat, micro-batches and PipelineRL waves by rollouts per hour."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import os
 from pathlib import Path
 
 from rl_jax.config import describe_knobs, load_recipe
+from rl_jax.knobs import ConfigError
 from rl_jax.plan.chips import parse_topology
 
 
@@ -24,37 +28,107 @@ def main(argv: list[str]) -> int:
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:4x4x4")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--out", default=None, help="also write DIR/plan.json")
+    p.add_argument(
+        "--search", action="store_true", help="rank the configurations that fit (see plan._search)"
+    )
+    p.add_argument("--top", type=int, default=3, help="--search: candidates to compile")
+    p.add_argument(
+        "--budget-rollouts",
+        type=float,
+        default=None,
+        help="rollouts of the budget to convert into hours (default: ScaleRL's 8B run)",
+    )
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
     parse_topology(a.topology)  # a bad name is refused before JAX starts
+    if a.top < 1:
+        raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
+    if a.budget_rollouts is not None and not a.budget_rollouts > 0:
+        raise ConfigError(f"--budget-rollouts={a.budget_rollouts}: must be > 0")
     # Compiling for TPU needs no TPU, but JAX must not claim one as its default backend.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see plan.topology_devices
 
-    from rl_jax.plan import plan_run
+    import jax
 
-    plan = plan_run(cfg, a.topology)
+    from rl_jax.plan import SCALERL_BUDGET_ROLLOUTS, plan_run, search
+
+    # An executable for a topology this host lacks cannot be loaded back from the
+    # persistent cache (it needs the TPU client), so a plan neither writes nor reads it.
+    jax.config.update("jax_enable_compilation_cache", False)
+
+    budget = a.budget_rollouts or SCALERL_BUDGET_ROLLOUTS
+    if a.search:
+        plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
+        text = format_search
+    else:
+        plan = plan_run(cfg, a.topology, budget_rollouts=budget)
+        text = format_plan
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
-    print(json.dumps(plan) if a.json else format_plan(plan))
+        name = "search.json" if a.search else "plan.json"
+        (Path(a.out) / name).write_text(json.dumps(plan, indent=2) + "\n")
+    print(json.dumps(plan) if a.json else text(plan))
     return 0
 
 
 def format_plan(plan: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+    b, st, bud = plan["batch"], plan["step"], plan["budget"]
     lines = [
         f"{plan['topology']}: {plan['chips']} chips, {plan['hbm_capacity_gb']:.1f} GB HBM each;"
-        f" mesh {mesh}; model {plan['model']['params'] / 1e9:.3g}B params",
-        f"{'program':<12} {'HBM GB':>8} {'args':>8} {'temp':>8} {'fits':>5} "
-        f"{'GFLOP':>10} {'useful':>7} {'roofline s':>11} {'MFU':>6}",
+        f" mesh {mesh}; model {plan['model']['params'] / 1e9:.3g}B params,"
+        f" {plan['model']['layers']} layers{', remat' if plan['model']['remat'] else ''}",
+        f"batch {b['prompts']} prompts x {b['samples']} samples, {b['updates']} minibatches"
+        f" (grad_accum {b['grad_accum']}), {b['prompt_len']}+{b['gen_len']} tokens;"
+        f" sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
+        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip per wave",
+        f"{'program':<11} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
+        f"{'GFLOP':>9} {'useful':>6} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
     ]
     for r in plan["programs"]:
+        g = r["hbm_gb"]
+        if "error" in r:  # XLA refused it: more HBM than the chip has
+            lines.append(f"{r['name']:<11} {r['hbm_total_gb']:>7.2f}  does not fit: {r['error']}")
+            continue
         lines.append(
-            f"{r['name']:<12} {r['hbm_total_gb']:>8.2f} {r['hbm_gb']['arguments']:>8.2f} "
-            f"{r['hbm_gb']['temporaries']:>8.2f} {'yes' if r['fits'] else 'NO':>5} "
-            f"{r['flops'] / 1e9:>10.1f} {1 / r['flops_ratio']:>7.2f} {r['roofline_s']:>11.4f} "
-            f"{r['mfu_estimate']:>6.2f}"
+            f"{r['name']:<11} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
+            f"{g['temporaries']:>7.2f} {g['resident']:>7.2f} {'yes' if r['fits'] else 'NO':>4} "
+            f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['roofline_s']:>10.4g} "
+            f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
-    lines.append("(per chip; useful = analytic model FLOPs / compiled FLOPs)")
+    lines += [
+        "(per chip; other = buffers live beside the program: optimizer state, other waves;"
+        " useful = model FLOPs / compiled FLOPs; decode's row is one token per row)",
+        f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
+        f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
+        f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
+    ]
+    return "\n".join(lines)
+
+
+def _useful(r: dict) -> float:
+    """Model FLOPs / compiled FLOPs (NaN where XLA counted none)."""
+    return r["flops_analytic"] / r["flops"] if r["flops"] else float("nan")
+
+
+def format_search(res: dict) -> str:
+    lines = [
+        f"{res['topology']}: {res['candidates']} candidates, {res['compiled']} compiled,"
+        f" {len(res['ranked'])} fit ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
+        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>5} {'micro':>5} {'waves':>5}"
+        f" {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
+    ]
+    for i, r in enumerate(res["ranked"], 1):
+        m = r["mesh"]
+        lines.append(
+            f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {str(r['remat']):>5}"
+            f" {r['micro']:>5} {r['waves'] or '-':>5} {r['hbm_gb']:>7.2f}"
+            f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
+            f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}"
+        )
+    lines.append(
+        f"excluded: {sum(e['reason'] == 'estimate' for e in res['excluded'])} by the memory"
+        f" estimate, {sum(e['reason'] == 'compiled' for e in res['excluded'])} after compiling"
+    )
     return "\n".join(lines)

@@ -27,11 +27,12 @@ def main(argv: list[str]) -> int:
 
     check_run_inputs(cfg)
 
+    from rl_jax.data import DataExhausted
     from rl_jax.train.loop import NonFiniteError, train
 
     try:
         summary = train(cfg, run_root=a.run_dir, quiet=a.quiet)
-    except NonFiniteError as e:
+    except (NonFiniteError, DataExhausted) as e:  # a rerun repeats these: exit 3
         print(f"rl-jax train: {e}", file=sys.stderr)
         return 3
     print(json.dumps(summary, default=str))

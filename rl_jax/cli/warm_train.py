@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
 
     setup()
 
+    from rl_jax.data import DataExhausted
     from rl_jax.train.demo import warm_start
     from rl_jax.train.loop import NonFiniteError, RLTrainer
 
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
         print(f"warm-up: {json.dumps(info, default=str)}", flush=True)
     try:
         summary = trainer.run_loop()
-    except NonFiniteError as e:
+    except (NonFiniteError, DataExhausted) as e:  # a rerun repeats these: exit 3
         print(f"warm_train: {e}", file=sys.stderr)
         return 3
     print(json.dumps(summary, default=str))

@@ -6,6 +6,7 @@ from rl_jax.config._run import (
     all_keys,
     apply_overrides,
     describe_knobs,
+    experiments_dir,
     flatten,
     from_dict,
     load_recipe,
@@ -23,10 +24,11 @@ from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
 from rl_jax.config.rewards import RewardConfig
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.config.train import EvalConfig, TrainConfig
+from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
 from rl_jax.knobs import ConfigError, check_choice, check_range, knob, sub
 
 __all__ = [
+    "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "check_choice",
     "check_range",
     "describe_knobs",
+    "experiments_dir",
     "flatten",
     "from_dict",
     "knob",

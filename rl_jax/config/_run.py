@@ -30,7 +30,19 @@ from rl_jax.config.sampling import SamplingConfig
 from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
 from rl_jax.knobs import ConfigError, knob, sub
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+
+def experiments_dir(package_dir: Path | None = None) -> Path:
+    """The folder of shipped recipes and grid specs: `experiments/` beside the package in a
+    source checkout (the repository, an editable install), else the copy an installed
+    package holds as `rl_jax/recipes` (pyproject.toml maps experiments/ there)."""
+    package_dir = Path(__file__).resolve().parents[1] if package_dir is None else package_dir
+    checkout = package_dir.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "experiments").is_dir():
+        return checkout / "experiments"
+    return package_dir / "recipes"
+
+
+EXPERIMENTS_DIR = experiments_dir()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,7 +273,8 @@ _PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""
 def resolved(cfg: RunConfig) -> RunConfig:
     """cfg with every knob left to a default that depends on other knobs filled in
     (the loss's own defaults: `LossConfig.resolved`; a generated task's verifier and
-    validation count; warm-up as a count of steps); idempotent.
+    validation count, at least eval.num_prompts when auto; warm-up as a count of steps);
+    idempotent.
 
     What only the data can tell (a file's verifier, its validation count, the longest
     prompt) stays as set ('auto', a fraction, 0): `rl_jax.train.preflight` reports it."""
@@ -274,7 +287,10 @@ def resolved(cfg: RunConfig) -> RunConfig:
     if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown"):
         changes["rewards"] = dataclasses.replace(cfg.rewards, name=cfg.data.source)
     if cfg.data.source in GENERATED and cfg.data.val_size < 1:
-        changes["data"] = dataclasses.replace(cfg.data, val_size=cfg.data.generated_val_size)
+        val = cfg.data.generated_val_size
+        if cfg.data.val_size == 0:  # auto: enough problems for every evaluation prompt
+            val = max(val, cfg.eval.num_prompts)
+        changes["data"] = dataclasses.replace(cfg.data, val_size=val)
     if 0 < cfg.train.warmup_steps < 1:
         changes["train"] = dataclasses.replace(cfg.train, warmup_steps=cfg.train.warmup_count)
     return dataclasses.replace(cfg, **changes) if changes else cfg
@@ -304,20 +320,26 @@ def _hashed_value(key: str, v: Any) -> Any:
     return v
 
 
-def resolve_recipe_path(recipe: str) -> Path:
+def resolve_recipe_path(recipe: str, *, experiments: Path | None = None) -> Path:
+    """A recipe file's path, or a shipped recipe's name (a file in `experiments`, default
+    EXPERIMENTS_DIR) without the `.py`."""
+    experiments = EXPERIMENTS_DIR if experiments is None else experiments
     p = Path(recipe)
     if p.suffix == ".py" and p.exists():
         return p
-    cand = EXPERIMENTS_DIR / f"{recipe}.py"
+    cand = experiments / f"{recipe}.py"
     if not p.suffix and cand.exists():
         return cand
-    names = sorted(q.stem for q in EXPERIMENTS_DIR.glob("*.py") if not q.stem.startswith("_"))
-    raise ConfigError(f"recipe {recipe!r} not found; known recipes in experiments/: {names}")
+    names = sorted(q.stem for q in experiments.glob("*.py") if not q.stem.startswith("_"))
+    raise ConfigError(f"recipe {recipe!r} not found; known recipes in {experiments}: {names}")
 
 
-def load_recipe(recipe: str, overrides: list[str] | None = None) -> RunConfig:
-    """Load a recipe file (a Python file with `recipe() -> RunConfig`) and apply overrides."""
-    path = resolve_recipe_path(recipe)
+def load_recipe(
+    recipe: str, overrides: list[str] | None = None, *, experiments: Path | None = None
+) -> RunConfig:
+    """Load a recipe file (a Python file with `recipe() -> RunConfig`) or a shipped recipe
+    by name (`resolve_recipe_path`) and apply overrides."""
+    path = resolve_recipe_path(recipe, experiments=experiments)
     spec = importlib.util.spec_from_file_location(f"rl_jax_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None

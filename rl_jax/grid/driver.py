@@ -29,7 +29,11 @@ from rl_jax.grid.state import DriverLock, GridState
 from rl_jax.runs.atomic import atomic_write_json
 
 PLAN_FILE = "plan.json"
-CONFIG_ERROR = 2  # `rl-jax train` exits 2 on a config error: the same command fails again
+# Exit statuses of `rl-jax train` that the same command repeats, so the driver does not
+# retry them: 2, a config error; 3, a run that failed where its resume replays it exactly
+# (NaN/Inf updates, every training problem retired by No-Positive-Resampling).
+CONFIG_ERROR = 2
+RUN_ERROR = 3
 
 
 def grid_dir(spec: GridSpec, out: str | Path) -> Path:
@@ -168,11 +172,12 @@ class Driver:
             self._say(f"stopped  {p.name} early: {a.info.get('reason', '')}")
         elif a.stopping == "interrupt":
             rec.status = "pending"
-        elif rc == CONFIG_ERROR:
+        elif rc in (CONFIG_ERROR, RUN_ERROR):
             rec.failures += 1
             rec.status = "failed"
+            what = "config error" if rc == CONFIG_ERROR else "the run fails where it resumes"
             self._say(
-                f"FAILED   {p.name}: config error (exit {rc}), retrying cannot help;"
+                f"FAILED   {p.name}: {what} (exit {rc}), retrying cannot help;"
                 f" log: {self._log_path(p, a.attempt)}"
             )
         else:

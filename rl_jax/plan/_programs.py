@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import time
 from typing import Any
 
@@ -26,10 +27,11 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.transformer import param_shardings
 from rl_jax.plan.chips import Chip, parse_topology
-from rl_jax.sharding import batch_sharding, get_rules, make_mesh
-from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
+from rl_jax.sampling import Sampler
+from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
+from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
 from rl_jax.train.optim import make_optimizer
-from rl_jax.train.params import ParamPlan
+from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_train_step
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
@@ -51,12 +53,32 @@ def topology_devices(topology: str) -> list:
     return list(desc.devices)
 
 
-def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> dict[str, Any]:
-    """Compile the run's training programs for `topology`; the plan as a JSON-able dict."""
+# ScaleRL's 8B run: 7,400 steps of 48 prompts x 16 samples for 100,000 GPU-hours
+# (arXiv 2510.13786, Figure 1); the budget a plan converts into hours on its topology.
+SCALERL_STEPS, SCALERL_ROLLOUTS_PER_STEP = 7400, 48 * 16
+SCALERL_BUDGET_ROLLOUTS = SCALERL_STEPS * SCALERL_ROLLOUTS_PER_STEP
+
+
+def plan_run(
+    cfg: RunConfig,
+    topology: str,
+    *,
+    headroom: float = HEADROOM,
+    budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
+) -> dict[str, Any]:
+    """Compile the run's programs for `topology`: the train step, the log-prob pass where
+    the recipe needs one, and the sampler's prefill and decode. The plan as a JSON-able
+    dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
+    roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
     chip, _ = parse_topology(topology)
     cfg = resolved(cfg)
     devices = topology_devices(topology)
     mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
+    if cfg.mesh.sampler_devices:
+        raise ConfigError(
+            f"mesh.sampler_devices={cfg.mesh.sampler_devices}: a plan covers colocated runs "
+            "(the sampler on the trainer's mesh); set mesh.sampler_devices=0"
+        )
     spec = resolve_spec(cfg.model)
     rules = get_rules(cfg.mesh.rules, purpose="train")
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
@@ -69,6 +91,10 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
         round_up(sc.max_prompt_len, sc.length_bucket),
         round_up(sc.max_new_tokens, sc.length_bucket),
     )
+    chips = len(devices)
+
+    def report(name, fn, args, analytic, **kw):
+        return _report(name, fn, args, analytic, chip, chips, headroom, **kw)
 
     shardings = param_shardings(spec, mesh, rules)
     # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params).
@@ -76,13 +102,55 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
     params = plan.abstract_state(spec, shardings, mesh)
     tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
     opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
+    param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
+    # The sampler runs the view (model.param_dtype, adapters merged; laid out as the
+    # weights); while it does, the state it is made from stays resident unless the view
+    # is the state itself.
+    weights = {
+        n: jax.ShapeDtypeStruct(a.shape, jnp.dtype(spec.param_dtype), sharding=a.sharding)
+        for n, a in params.items()
+        if n != LORA_KEY
+    }
+    state_resident = 0 if plan.identity else param_bytes
 
-    loss = cfg.loss
+    loss = cfg.loss.resolved()
     temperature = sc.temperature or 1.0
-    needs_old = M > 1 or loss.tis or (loss.kl_coef > 0 and loss.kl_in_reward)
+    kl = loss.kl_coef > 0
+    needs_old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
     critic = loss.advantage == "gae"
-    programs = []
+    ref_bytes = param_bytes if kl else 0  # the frozen reference policy stays resident
 
+    # The sampler: one wave is every prompt of a step (PPO-off-policy-k: of k steps);
+    # PipelineRL keeps several waves in flight, each holding its KV cache and rows.
+    off, k = cfg.train.off_policy, cfg.train.off_policy_k
+    wave_prompts = P * k if off == "ppo" else P
+    waves = _pipeline_waves(cfg) if off == "pipeline" else 1
+    sampler = Sampler(
+        spec,
+        sc,
+        mesh=mesh,
+        eos_id=0,
+        interrupt_ids=[0],  # its length changes no shape: one token stands in for the text
+        rules=cfg.mesh.rules,
+    )
+    start_fn, start_args, start_kw = sampler.start_program(
+        weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
+    )
+    start = _compile(start_fn, *start_args, **start_kw)
+    if isinstance(start, OutOfMemory):
+        # No layout from the compiler: every array of the state split over the batch
+        # shards, as the sampler lays out its rows and caches.
+        state = jax.eval_shape(functools.partial(start_fn, **start_kw), *start_args)
+        state_bytes = _chip_bytes(state) // num_batch_shards(mesh)
+        kv_bytes = _chip_bytes(state.cache) // num_batch_shards(mesh)
+    else:
+        state = _compiled_outputs(
+            functools.partial(start_fn, **start_kw), mesh, *start_args, compiled=start[0]
+        )
+        state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.cache)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    programs = []
     step = make_train_step(
         spec,
         rules,
@@ -98,34 +166,146 @@ def plan_run(cfg: RunConfig, topology: str, *, headroom: float = HEADROOM) -> di
         ),
         plan=plan,
     )
-    mb = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=loss.kl_coef > 0, critic=critic)
+    mb = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=kl, critic=critic)
     fwd_mb = forward_flops(spec, [tp] * (P // M), [tg] * (P // M * G), G)
+    # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
+    in_flight = state_bytes * waves if off == "pipeline" else 0
+    passes = TRAIN_PASSES + (1 if spec.remat else 0)  # remat reruns each layer's forward
     programs.append(
-        _report(
+        report(
             "train_step",
             step,
             (params, opt, mb),
             TRAIN_PASSES * fwd_mb,
-            chip,
-            len(devices),
-            headroom,
+            expected=passes * fwd_mb,
+            resident=in_flight + ref_bytes,
+            calls=M,
         )
     )
-    if needs_old or loss.kl_coef > 0:
+    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
+    if needs_old or kl:
         fn = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
         full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
-        fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-        programs.append(_report("logprob", fn, (params, full), fwd, chip, len(devices), headroom))
+        programs.append(
+            report(
+                "logprob",
+                fn,
+                (params, full),
+                fwd,
+                resident=opt_bytes + in_flight + ref_bytes,
+                calls=int(needs_old) + int(kl),
+            )
+        )
+    # Sampler programs run while the optimizer state (and the reference) stay resident,
+    # with the other waves' states beside the one being decoded.
+    beside = opt_bytes + ref_bytes + state_resident + state_bytes * (waves - 1)
+    per_wave = 1 / k if off == "ppo" else 1.0  # waves started per RL step
+    prefill_flops = wave_prompts * _prefill_flops(spec, tp - 1)
+    programs.append(
+        report(
+            "prefill",
+            start,
+            None,
+            prefill_flops,
+            resident=beside,
+            calls=per_wave,
+        )
+    )
+    # One decode iteration samples one token for every row of a wave and reads every
+    # weight and the whole cache: XLA's cost of the loop is the cost of its body.
+    rows = wave_prompts * G
+    decode_flops = rows * spec.flops_per_token(tp + (tg + 1) / 2)
+    weight_bytes = _chip_bytes(
+        {
+            n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
+            for n, a in _resharded(weights, sampler.param_shardings()).items()
+        }
+    )
+    programs.append(
+        report(
+            "decode",
+            start if isinstance(start, OutOfMemory) else sampler.decode_program,
+            (weights, state, scalar, scalar),
+            decode_flops,
+            resident=beside,
+            calls=tg * per_wave,
+            bytes_analytic=weight_bytes + kv_bytes,
+        )
+    )
+    step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
+    useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
+    rollouts = P * G
+    per_hour = rollouts * 3600 / step_s if step_s > 0 else float("nan")
+    hours = budget_rollouts / per_hour
     return {
         "topology": topology,
         "chip": chip.name,
-        "chips": len(devices),
+        "chips": chips,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "hbm_capacity_gb": chip.hbm_bytes / 1e9,
-        "model": {"params": spec.num_params(), "layers": spec.num_layers},
-        "batch": {"prompts": P, "samples": G, "updates": M, "prompt_len": tp, "gen_len": tg},
+        "headroom": headroom,
+        "model": {"params": spec.num_params(), "layers": spec.num_layers, "remat": spec.remat},
+        "batch": {
+            "prompts": P,
+            "samples": G,
+            "updates": M,
+            "grad_accum": cfg.train.grad_accum,
+            "prompt_len": tp,
+            "gen_len": tg,
+            "wave_prompts": wave_prompts,
+            "waves": waves,
+        },
+        "kv_cache_gb": kv_bytes / 1e9,
+        "sampler_state_gb": state_bytes / 1e9,
+        "optimizer_gb": opt_bytes / 1e9,
         "programs": programs,
+        "fits": all(p["fits"] for p in programs),
+        "step": {
+            "roofline_s": step_s,
+            "flops": useful,
+            "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s else float("nan"),
+            "rollouts": rollouts,
+            "rollouts_per_hour": per_hour,
+        },
+        "budget": {
+            "rollouts": budget_rollouts,
+            "hours": hours,
+            "chip_hours": hours * chips,
+        },
     }
+
+
+def _pipeline_waves(cfg: RunConfig) -> int:
+    """PipelineRL's batches in flight, as the trainer counts them (train.loop)."""
+    k, M, cap = cfg.train.off_policy_k, cfg.train.updates_per_batch, cfg.train.pipeline_waves
+    w = max(1, (k + 1) // M)
+    return min(w, cap) if cap > 0 else w
+
+
+def _prefill_flops(spec, T: int) -> float:
+    """Model FLOPs of filling a KV cache with T prompt tokens: every layer but the last
+    whole, the last one's K and V projections only, no LM head (nothing reads them)."""
+    D, K, hd, L = spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.num_layers
+    attn = _per_key(spec) / L * (L - 1) * T * (T + 1) / 2
+    return 2 * T * ((L - 1) * spec.layer_matmul_params() + 2 * D * K * hd) + attn
+
+
+def _per_key(spec) -> float:
+    """Attention FLOPs of one token per attended key (all layers)."""
+    return spec.flops_per_token(1) - spec.flops_per_token(0)
+
+
+def _chip_bytes(tree) -> int:
+    """Bytes one chip holds of a tree of sharded abstract arrays (its largest shard)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += int(np.prod(shape, dtype=np.int64)) * a.dtype.itemsize
+    return total
+
+
+def _resharded(params, shardings):
+    return {n: _abstract(a, shardings[n]) for n, a in params.items()}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -136,11 +316,39 @@ def _abstract(s, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
 
 
-def _compiled_outputs(fn, mesh, *args):
+@dataclasses.dataclass(frozen=True)
+class OutOfMemory:
+    """A program XLA refused to compile: its buffers exceed the chip's HBM."""
+
+    message: str
+    required_bytes: float  # what XLA said it needs, NaN when it did not say
+
+
+def _compile(fn, *args, **static):
+    """(the executable for the target, seconds it took), or OutOfMemory."""
+    t0 = time.perf_counter()
+    try:
+        compiled = fn.trace(*args, **static).lower().compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return OutOfMemory(_first(e), _required_bytes(str(e)))
+    return compiled, time.perf_counter() - t0
+
+
+def _required_bytes(message: str) -> float:
+    """'... HLO temporaries (21.59G) exceeds available HBM (15.75G)' -> 21.59 GiB in bytes."""
+    m = re.search(r"\(([0-9.]+)([KMGT])\) exceeds", message)
+    if not m:
+        return float("nan")
+    return float(m.group(1)) * 1024 ** (" KMGT".index(m.group(2)))
+
+
+def _compiled_outputs(fn, mesh, *args, compiled=None):
     """Abstract outputs of `fn(*args)` with the shardings XLA gives them on the target;
     outputs that depend on no input (a step count) are replicated over the mesh, as the
     trainer places them."""
-    compiled = fn.trace(*args).lower().compile()
+    compiled = compiled or _compile(fn, *args)[0]
     shapes = jax.eval_shape(fn, *args)
     rep = NamedSharding(mesh, PartitionSpec())
 
@@ -174,10 +382,29 @@ def _batch(mesh, groups: int, G: int, tp: int, tg: int, *, old: bool, ref: bool,
     )
 
 
-def _report(name, fn, args, analytic_total: float, chip: Chip, chips: int, headroom: float):
-    t0 = time.perf_counter()
-    compiled = fn.trace(*args).lower().compile()
-    compile_s = time.perf_counter() - t0
+def _report(
+    name,
+    fn,
+    args,
+    analytic_total: float,
+    chip: Chip,
+    chips: int,
+    headroom: float,
+    *,
+    expected: float | None = None,
+    resident: int = 0,
+    calls: float = 1,
+    bytes_analytic: float | None = None,
+):
+    """One compiled program's per-chip facts. `analytic_total`: its model FLOPs over all
+    chips; `expected`: what the compiled count should be (rematerialization included);
+    `resident`: bytes other live buffers hold on each chip while it runs; `calls`: times
+    it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline).
+    `fn` may be a (compiled, seconds) pair of `_compile` already made."""
+    done = fn if isinstance(fn, tuple | OutOfMemory) else _compile(fn, *args)
+    if isinstance(done, OutOfMemory):
+        return _out_of_memory(name, done, chip, calls)
+    compiled, compile_s = done
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
@@ -187,14 +414,17 @@ def _report(name, fn, args, analytic_total: float, chip: Chip, chips: int, headr
         "aliased": mem.alias_size_in_bytes,
         "temporaries": mem.temp_size_in_bytes,
         "code": mem.generated_code_size_in_bytes,
+        "resident": resident,
     }
     total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
-    total += parts["code"]
+    total += parts["code"] + resident
     flops = float(cost.get("flops", np.nan))
     moved = float(cost.get("bytes accessed", np.nan))
     analytic = analytic_total / chips  # an SPMD program's costs are per chip
+    expected = analytic if expected is None else expected / chips
     roofline = chip.roofline_s(flops, moved)
-    return {
+    nan = float("nan")
+    out = {
         "name": name,
         "hbm_total_gb": total / 1e9,
         "hbm_gb": {k: v / 1e9 for k, v in parts.items()},
@@ -203,10 +433,39 @@ def _report(name, fn, args, analytic_total: float, chip: Chip, chips: int, headr
         "flops": flops,
         "flops_analytic": analytic,
         "flops_ratio": flops / analytic if analytic else float("nan"),
+        "flops_expected_ratio": flops / expected if expected else float("nan"),
         "bytes_accessed": moved,
         "roofline_s": roofline,
         "mfu_estimate": analytic / chip.bf16_flops / roofline if roofline > 0 else float("nan"),
+        "calls": calls,
         "compile_s": compile_s,
+    }
+    if bytes_analytic is not None:
+        # XLA's bytes of a decode call count the loop body once plus what runs once per
+        # call (the weights' re-layout, the draws of every column), which for a large
+        # model is twice the weights again: per token, the bytes the step must read
+        # (weights and the whole cache) are the bound.
+        out["bytes_analytic"] = float(bytes_analytic)
+        out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
+        out["roofline_compiled_s"] = roofline
+        out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)
+        out["mfu_estimate"] = analytic / chip.bf16_flops / roofline if roofline > 0 else nan
+    return out
+
+
+def _out_of_memory(name: str, oom: OutOfMemory, chip: Chip, calls: float) -> dict[str, Any]:
+    nan = float("nan")
+    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected_ratio")}
+    out.update({k: nan for k in ("bytes_accessed", "roofline_s", "mfu_estimate", "compile_s")})
+    return {
+        **out,
+        "name": name,
+        "hbm_total_gb": oom.required_bytes / 1e9,
+        "hbm_gb": {},
+        "fits": False,
+        "headroom": 1 - oom.required_bytes / chip.hbm_bytes,
+        "calls": calls,
+        "error": oom.message,
     }
 
 

@@ -12,7 +12,7 @@ from rl_jax.runs.atomic import (
 from rl_jax.runs.metrics import MetricsLogger
 from rl_jax.runs.progress import progress_bar
 from rl_jax.runs.run_dir import RunDir, RunDirError, RunLock, create_run_dir
-from rl_jax.runs.samples import format_samples, sample_rows
+from rl_jax.runs.samples import format_samples, logged_rows, sample_rows
 
 __all__ = [
     "LoggingConfig",
@@ -25,6 +25,7 @@ __all__ = [
     "atomic_write_text",
     "create_run_dir",
     "format_samples",
+    "logged_rows",
     "progress_bar",
     "read_jsonl",
     "sample_rows",

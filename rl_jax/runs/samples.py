@@ -1,6 +1,6 @@
 """Completions one can read: a few (prompt, completion, reward, verdict) rows per logged
 step in `<run>/samples.jsonl` (rewound with metrics.jsonl on resume), and their
-pretty-printer `format_samples(run_dir, last=N)` (`rl-jax samples RUN`).
+readers `logged_rows(run_dir, step=..., rows=...)` and `format_samples` (`rl-jax samples RUN`).
 
 A row: {"step", "problem_id", "sample", "prompt", "completion", "answer", "reward"
 (shaped), "raw_reward" (the verifier's), "verdict"}. verdict is "correct", "wrong" (an
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rl_jax.knobs import ConfigError
 from rl_jax.runs.atomic import read_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
@@ -69,14 +70,31 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
-def format_samples(run_dir: str | Path, last: int = 8) -> str:
-    """The newest `last` rows of `<run_dir>/samples.jsonl` (oldest first), as text."""
+def logged_rows(run_dir: str | Path, *, step: int | None = None, rows: int = 0) -> list[dict]:
+    """The rows `<run_dir>/samples.jsonl` holds for `step` (None: the newest logged step),
+    the first `rows` of them (0: all). A step that logged none is a ConfigError naming the
+    steps that did."""
     path = Path(run_dir) / SAMPLES_FILE
-    rows = read_jsonl(path) if path.exists() else []
-    if not rows:
-        return f"no samples in {path} (logging.samples_every=0, or no step logged yet)\n"
-    shown = rows[-last:] if last > 0 else rows
-    return "\n".join(format_row(r) for r in shown)
+    logged = read_jsonl(path) if path.exists() else []
+    if not logged:
+        raise ConfigError(
+            f"no samples in {path} (logging.samples_every=0, or no step logged yet)"
+        )
+    steps = sorted({int(r["step"]) for r in logged})
+    want = steps[-1] if step is None else step
+    if want not in steps:
+        shown = steps if len(steps) <= 12 else [*steps[:6], "...", *steps[-5:]]
+        raise ConfigError(
+            f"--step {want}: {path} has no rows of that step; logged steps: "
+            + ", ".join(str(s) for s in shown)
+        )
+    out = [r for r in logged if int(r["step"]) == want]
+    return out[:rows] if rows > 0 else out
+
+
+def format_samples(run_dir: str | Path, *, step: int | None = None, rows: int = 0) -> str:
+    """`logged_rows(run_dir, step=step, rows=rows)` as text."""
+    return "\n".join(format_row(r) for r in logged_rows(run_dir, step=step, rows=rows))
 
 
 def samples_due(every: int, *, step: int, eval_every: int, last_step: int) -> bool:

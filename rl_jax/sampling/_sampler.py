@@ -420,6 +420,31 @@ class Sampler:
             gen_len=gen_len,
         )
 
+    def start_program(self, params, *, prompts: int, prompt_len: int, max_new_tokens: int):
+        """(jitted prefill, abstract args, kwargs) of `start` for `prompts` prompts of
+        `prompt_len` tokens and `cfg.n` samples each, laid out as `start` lays them
+        out; `decode_program` takes (params, state, max_steps, version) like `decode`.
+        `rl_jax.plan` compiles both ahead of time for hardware this host does not have."""
+        gen_len = round_up(max_new_tokens, self.cfg.length_bucket)
+        tp = round_up(prompt_len, self.cfg.length_bucket)
+        p_pad, b_pad = round_up(prompts, self.shards), round_up(prompts * self.cfg.n, self.shards)
+
+        def arr(shape, dtype=jnp.int32):
+            if self.mesh is None:
+                sh = None
+            else:  # rows over the batch axes; the key and the limit replicated
+                sh = NamedSharding(self.mesh, self._row_spec(len(shape)))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+        key = jax.eval_shape(jax.random.key, 0)
+        args = (params, arr((p_pad, tp)), arr((p_pad,)), arr((b_pad,)), arr((b_pad,)))
+        args += (arr((b_pad,), jnp.bool_), arr(key.shape, key.dtype), arr(()))
+        return self._start, args, {"gen_len": gen_len}
+
+    @property
+    def decode_program(self):
+        return self._decode
+
     def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array]:
         if self.mesh is None:
             return [jnp.asarray(a) for a in arrays]

@@ -236,7 +236,7 @@ def load_run_model(
 
 def run_tokenizer(ck: RunCheckpoint):
     """The tokenizer the run trained with."""
-    from rl_jax.train.loop import load_tokenizer
+    from rl_jax.train.parts import load_tokenizer
 
     return load_tokenizer(ck.cfg)
 

@@ -28,8 +28,17 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     check_model_files(cfg.model)
     check_lora_targets(cfg)
     check_reward(cfg.rewards, task_reward=task_reward)
+    check_eval_size(cfg)
     if cfg.data.source in ("file", "hf") or cfg.data.split_file:
-        run_task(cfg, run_tokenizer(cfg))
+        task = run_task(cfg, run_tokenizer(cfg))
+        if not cfg.data.split_file and len(task.val) < cfg.eval.num_prompts:
+            print(
+                f"warning: eval.num_prompts={cfg.eval.num_prompts} but the validation split "
+                f"holds {len(task.val)} problems (data.val_size={cfg.data.val_size:g}): each "
+                f"evaluation uses {len(task.val)}",
+                file=out,
+                flush=True,
+            )
     # Printed once every check has passed (a bad input stays one line). A generated task's
     # verifier is its own name: said only when rewards.name picks another.
     if task_reward and (
@@ -38,6 +47,24 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
         print(verifier_line(cfg, task_reward), file=out, flush=True)
     for line in schedule_warnings(cfg):
         print(line, file=out, flush=True)
+
+
+def check_eval_size(cfg: RunConfig) -> None:
+    """A generated task makes its validation problems: an explicit data.val_size below
+    eval.num_prompts would evaluate on fewer prompts than asked (a noisier curve than the
+    config says), so it is an error; data.val_size=0 (auto) makes enough."""
+    from rl_jax.config import resolved
+    from rl_jax.config.data import GENERATED
+
+    data = resolved(cfg).data
+    if data.source in GENERATED and not data.split_file:
+        have = data.generated_val_size
+        if have < cfg.eval.num_prompts:
+            raise ConfigError(
+                f"eval.num_prompts={cfg.eval.num_prompts} exceeds the {have} validation "
+                f"problems of data.val_size={cfg.data.val_size:g}; set data.val_size to at "
+                f"least {cfg.eval.num_prompts}, 0 (auto), or lower eval.num_prompts"
+            )
 
 
 def run_tokenizer(cfg: RunConfig) -> Any:

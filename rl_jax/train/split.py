@@ -13,7 +13,7 @@ starts after waves 0..j-W finished training, and the weights it samples with
 are at least version (j - W + 1) * M (the trainer pushes before it frees the
 slot). Its updates run at versions j * M .. j * M + M - 1, so no token is more
 than W * M - 1 <= k versions older than the update that trains on it. The
-trainer asserts this on every update (`RLTrainer._train_on`).
+trainer asserts this on every update (`rl_jax.train.phases.update`).
 
 Unlike the colocated modes, which weights a decode chunk sees depends on
 timing, so split runs are not bitwise reproducible; the bound always holds.

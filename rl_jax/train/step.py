@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
@@ -110,21 +110,25 @@ def shared_prompt_rows(arrays: dict[str, np.ndarray]) -> int:
 def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
     """Rows over the mesh's batch axes (every process holds the full batch); the
     batch's `group_size` is found on the host (see shared_prompt_rows)."""
+    _check_positions(arrays)
+    G = shared_prompt_rows(arrays)
+    if mesh is None:
+        return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, group_size=G)
+    out = {k: _place(v, batch_sharding(mesh, v.ndim)) for k, v in arrays.items()}
+    return TrainBatch(**out, group_size=G)
+
+
+def _check_positions(arrays: dict[str, np.ndarray]) -> None:
     pos, T = np.asarray(arrays["positions"]), arrays["tokens"].shape[1]
     if pos.size and not 0 <= pos.min() <= pos.max() < T:
         # The step's rotary table covers positions 0 .. T - 1 (completion_forward).
         raise ValueError(f"batch positions must lie in [0, {T}); got {pos.min()}..{pos.max()}")
-    G = shared_prompt_rows(arrays)
-    if mesh is None:
-        return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, group_size=G)
-    out = {}
-    for k, v in arrays.items():
-        sh = batch_sharding(mesh, v.ndim)
-        if jax.process_count() > 1:
-            out[k] = jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
-        else:
-            out[k] = jax.device_put(v, sh)
-    return TrainBatch(**out, group_size=G)
+
+
+def _place(v: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    if jax.process_count() > 1:
+        return jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])
+    return jax.device_put(v, sharding)
 
 
 def completion_forward(
@@ -285,35 +289,19 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_train_step(
+def _loss_fn(
     spec: ModelSpec,
     rules,
     mesh: Mesh | None,
-    tx: optax.GradientTransformation,
     loss_cfg: LossConfig,
     *,
     num_groups: int,
     max_tokens: int,
     temperature: float,
-    state_shardings: tuple[Any, Any] | None = None,
-    plan: ParamPlan | None = None,
-) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
-    """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics); state donated.
-
-    `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
-    weights, all trained, as they are): the loss sees `plan.view(params)`, the optimizer
-    updates the trained part (`opt_state` is `plan.init_optimizer`'s).
-
-    `state_shardings` pins the outputs to the inputs' layout, so the next call sees
-    the same shardings and does not recompile.
-
-    A NaN/Inf in the loss or any gradient skips the update (params and optimizer
-    state pass through unchanged) and reports `nonfinite = 1`.
-    """
-
+) -> Callable[[Params, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]:
+    """loss_fn(weights, batch) -> (loss, metrics) of the model's weights on one minibatch."""
     loss_cfg = loss_cfg.resolved()
     critic = loss_cfg.advantage == "gae"
-    plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def loss_fn(params: Params, batch: TrainBatch):
         logp, ent, values = completion_forward(
@@ -333,6 +321,42 @@ def make_train_step(
             returns=batch.returns,
         )
         return loss_from_config(loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens)
+
+    return loss_fn
+
+
+def _step_fn(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    tx: optax.GradientTransformation,
+    loss_cfg: LossConfig,
+    *,
+    num_groups: int,
+    max_tokens: int,
+    temperature: float,
+    plan: ParamPlan | None = None,
+) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
+    update on one minibatch, not jitted (make_train_step and make_update compile it).
+
+    `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
+    weights, all trained, as they are): the loss sees `plan.view(params)`, the optimizer
+    updates the trained part (`opt_state` is `plan.init_optimizer`'s).
+
+    A NaN/Inf in the loss or any gradient skips the update (params and optimizer
+    state pass through unchanged) and reports `nonfinite = 1`.
+    """
+    loss_fn = _loss_fn(
+        spec,
+        rules,
+        mesh,
+        loss_cfg,
+        num_groups=num_groups,
+        max_tokens=max_tokens,
+        temperature=temperature,
+    )
+    plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def step(params: Params, opt_state, batch: TrainBatch):
         trained, frozen = plan.split(params)  # [params view]
@@ -357,15 +381,117 @@ def make_train_step(
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
         return params, opt_state, metrics
 
+    return step
+
+
+def _jit_state_step(fn, mesh: Mesh | None, state_shardings: tuple[Any, Any] | None):
+    """jit with params and optimizer state donated; `state_shardings` pins the outputs
+    to the inputs' layout, so the next call sees the same shardings and does not
+    recompile."""
     opts = compiler_options(mesh)
     if state_shardings is None:
-        return jax.jit(step, donate_argnums=(0, 1), compiler_options=opts)
+        return jax.jit(fn, donate_argnums=(0, 1), compiler_options=opts)
     return jax.jit(
-        step,
-        donate_argnums=(0, 1),
-        out_shardings=(*state_shardings, None),
-        compiler_options=opts,
+        fn, donate_argnums=(0, 1), out_shardings=(*state_shardings, None), compiler_options=opts
     )
+
+
+def make_train_step(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    tx: optax.GradientTransformation,
+    loss_cfg: LossConfig,
+    *,
+    num_groups: int,
+    max_tokens: int,
+    temperature: float,
+    state_shardings: tuple[Any, Any] | None = None,
+    plan: ParamPlan | None = None,
+) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics): one update
+    on one minibatch (see _step_fn); state donated."""
+    step = _step_fn(
+        spec,
+        rules,
+        mesh,
+        tx,
+        loss_cfg,
+        num_groups=num_groups,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        plan=plan,
+    )
+    return _jit_state_step(step, mesh, state_shardings)
+
+
+def make_update(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    tx: optax.GradientTransformation,
+    loss_cfg: LossConfig,
+    *,
+    num_groups: int,
+    max_tokens: int,
+    temperature: float,
+    state_shardings: tuple[Any, Any] | None = None,
+    plan: ParamPlan | None = None,
+) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """jit(update)(params, opt_state, batches) -> (params, opt_state, metrics [M]).
+
+    `batches` holds M minibatches stacked on a leading axis (`put_minibatches`); the
+    M updates of one RL step run one after another under `lax.scan` in one program,
+    each as `_step_fn` (num_groups: prompts per minibatch; params and opt_state those of
+    `plan`, as make_train_step's). State donated.
+    """
+    step = _step_fn(
+        spec,
+        rules,
+        mesh,
+        tx,
+        loss_cfg,
+        num_groups=num_groups,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        plan=plan,
+    )
+
+    def update(params: Params, opt_state, batches: TrainBatch):
+        def body(state, batch):
+            params, opt_state, metrics = step(*state, batch)
+            return (params, opt_state), metrics
+
+        (params, opt_state), metrics = jax.lax.scan(body, (params, opt_state), batches)
+        return params, opt_state, metrics
+
+    return _jit_state_step(update, mesh, state_shardings)
+
+
+def put_minibatches(
+    arrays: dict[str, np.ndarray], mesh: Mesh | None, *, num_minibatches: int, groups: int
+) -> TrainBatch:
+    """A host batch of `groups` prompt groups as M = num_minibatches minibatches stacked
+    on a leading axis [M, B / M, ...]: minibatch j holds prompts [j P / M, (j + 1) P / M),
+    its group ids renumbered from 0, and its rows lie over the mesh's batch axes as
+    put_batch lays a batch out."""
+    M, B = num_minibatches, len(arrays["group_ids"])
+    parts = []
+    for j in range(M):
+        mb = {k: v[j * B // M : (j + 1) * B // M] for k, v in arrays.items()}
+        mb["group_ids"] = mb["group_ids"] - j * (groups // M)
+        _check_positions(mb)
+        parts.append(mb)
+    sizes = {shared_prompt_rows(mb) for mb in parts}
+    G = sizes.pop() if len(sizes) == 1 else 1
+    stacked = {k: np.stack([mb[k] for mb in parts]) for k in arrays}
+    if mesh is None:
+        return TrainBatch(**{k: jnp.asarray(v) for k, v in stacked.items()}, group_size=G)
+    out = {}
+    for k, v in stacked.items():
+        rows = batch_sharding(mesh, v.ndim - 1).spec
+        out[k] = _place(v, NamedSharding(mesh, PartitionSpec(None, *rows)))
+    return TrainBatch(**out, group_size=G)
 
 
 def make_logprob_fn(

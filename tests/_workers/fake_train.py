@@ -8,7 +8,7 @@ curve to it); exits 0 at once if DONE exists. Curve values depend only on the
 config and the step, so a resumed run writes the same rows as an uninterrupted
 one. Test hooks (environment):
   FAKE_SLEEP=s         seconds per step
-  FAKE_FAIL_ONCE_AT=k  exit 3 at step k the first time each run gets there
+  FAKE_FAIL_ONCE_AT=k  exit 1 (a crash) at step k the first time each run gets there
   FAKE_FAIL_ALWAYS=rc  exit rc before the first step
   FAKE_LEDGER=path     append "<run_id> start <step>" / "<run_id> done" lines
   FAKE_BAD_N=n         runs with sampling.n == n saturate far lower (early-stop tests)
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         if step == fail_at and not marker.exists():
             marker.write_text("x")
             print(f"fake trainer: failing at step {step}", file=sys.stderr)
-            return 3
+            return 1
         evaluate = (step == 0 and cfg.eval.at_start) or step == steps
         evaluate |= every > 0 and step > 0 and step % every == 0
         rollouts = step * per_step

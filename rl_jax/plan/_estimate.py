@@ -1,0 +1,102 @@
+"""A run's per-chip memory and roofline time from formulas alone: the cheap first pass of
+`rl-jax plan --search`, which compiles only the candidates this ranks best.
+
+Nothing here is traced or compiled; every number is a closed form of the model's
+shape, the batch and the mesh. The compiled plan (`plan_run`) is the truth; this
+only has to order candidates and throw out the ones that are far from fitting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.plan.chips import Chip
+from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
+from rl_jax.train.params import ParamPlan, tree_bytes
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+
+
+def _split(n: int, ways: int) -> float:
+    """Per-chip share of a dimension of size n split `ways` ways (replicated when the
+    split is uneven, as `fit_spec` lays it out)."""
+    return n / ways if n % ways == 0 else n
+
+
+def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str, float]:
+    """{"hbm_bytes": the largest program's per-chip bytes, "step_s": roofline seconds of an
+    RL step, "rollouts_per_hour"} for a resolved RunConfig on a data x fsdp x tensor mesh.
+
+    Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
+    rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
+    under train.grad_accum), their gradients, the sampler's view of the state when it
+    is not the state itself, the minibatch's activations (all layers, or one
+    layer's input each with remat, plus one layer live), fp32 logits of the completion,
+    and the sampler's KV caches (all of PipelineRL's waves). Time: train, log-prob and
+    prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of the sampler's
+    weights and the whole cache per token."""
+    data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    chips = data * fsdp * tensor
+    shards = data * fsdp
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+    sc = cfg.sampling
+    tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
+    tg = -(-sc.max_new_tokens // sc.length_bucket) * sc.length_bucket
+    T = tp + tg
+    D, F, V, L = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.num_layers
+    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    pdt, cdt = _itemsize(spec.param_dtype), _itemsize(spec.compute_dtype)
+
+    n_params = spec.num_params()
+    plan = ParamPlan.from_config(cfg, spec)
+    state = plan.abstract_state(spec)  # shapes only
+    trained = sum(x.size for x in jax.tree.leaves(plan.split(state)[0]))
+    params = tree_bytes(state) / (fsdp * tensor)
+    grads = trained * jnp.dtype(plan.trained_dtype).itemsize / (fsdp * tensor)
+    moments = 2 + (cfg.train.grad_accum > 1)
+    opt = moments * trained * jnp.dtype(plan.moment_dtype).itemsize / (fsdp * tensor)
+    view = 0.0 if plan.identity else n_params * pdt / (fsdp * tensor)
+    kl = cfg.loss.kl_coef > 0
+    ref = params if kl else 0.0
+
+    rows_mb = math.ceil(P // M * G / shards)
+    per_token_layer = cdt * (4 * D + 2 * _split(H + 2 * K, tensor) * hd + 3 * _split(F, tensor))
+    per_token_layer += 4 * _split(H, tensor) * T  # dense attention's fp32 probabilities
+    live_layers = 1 if spec.remat else L
+    acts = rows_mb * T * (per_token_layer * live_layers + (cdt * D * L if spec.remat else 0))
+    logits = rows_mb * tg * _split(V, tensor) * 4 * 3  # logits, softmax, their gradient
+
+    off, k = cfg.train.off_policy, cfg.train.off_policy_k
+    wave_rows = (P * k if off == "ppo" else P) * G
+    if off == "pipeline":
+        w = max(1, (k + 1) // M)
+        waves = min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
+    else:
+        waves = 1
+    kv = 2 * L * math.ceil(wave_rows / shards) * _split(K, tensor) * hd * T * cdt
+    in_flight = kv * waves if off == "pipeline" else 0.0
+    sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
+
+    # The view is made for sampling and dropped before the updates.
+    train = params + opt + grads + acts + logits + in_flight + ref
+    decode = params + view + sampler_weights + kv * waves + opt + ref
+    hbm = max(train, decode)
+
+    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
+    passes = TRAIN_PASSES + (1 if spec.remat else 0) + extra_forwards(cfg)
+    train_s = passes * fwd / chips / chip.bf16_flops
+    decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo" else 1)
+    sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
+    step_s = train_s + sample_s
+    return {
+        "hbm_bytes": float(hbm),
+        "step_s": float(step_s),
+        "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
+    }

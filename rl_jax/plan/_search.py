@@ -1,0 +1,149 @@
+"""`rl-jax plan --search`: the configurations of a run that change how it runs on a
+topology, never what it learns, ranked by the rollouts per hour of those that fit.
+
+Dimensions, each a knob the trainer has:
+  mesh          data x fsdp x tensor over the topology's chips (tensor divides the
+                heads and is at most 8, the chips one host's interconnect joins)
+  remat         model.remat: each layer's activations recomputed in the backward
+  micro-batches the recipe's minibatches each split in m (train.updates_per_batch
+                x m with train.grad_accum x m: the same optimizer updates from
+                smaller programs, plus the old policy's log-prob pass m > 1 needs)
+  waves         PipelineRL only (train.pipeline_waves): batches in flight, each
+                holding its KV cache; fewer waves bound staleness tighter
+
+Every candidate is first estimated from formulas (`_estimate`); those whose estimate
+exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
+rest by estimated rollouts per hour are compiled, so a search costs `top` plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from rl_jax.config import RunConfig, resolved
+from rl_jax.knobs import ConfigError
+from rl_jax.models.load import resolve_spec
+from rl_jax.plan._estimate import estimate
+from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
+from rl_jax.plan.chips import num_chips, parse_topology
+
+MAX_TENSOR = 8
+MAX_MICRO = 8
+
+
+def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any]]:
+    """Every combination of the dimensions above that the recipe's batch allows."""
+    P, M = cfg.data.prompts_per_batch, cfg.train.updates_per_batch
+    meshes = [
+        {"data": d, "fsdp": f, "tensor": t}
+        for t in _divisors(chips)
+        if t <= MAX_TENSOR and num_heads % t == 0
+        for d in _divisors(chips // t)
+        for f in [chips // t // d]
+    ]
+    micro = [m for m in (1, 2, 4, 8) if m <= MAX_MICRO and P % (M * m) == 0]
+    if cfg.train.off_policy == "pipeline":
+        k = cfg.train.off_policy_k
+        most = max(1, (k + 1) // M)
+        if cfg.train.pipeline_waves > 0:
+            most = min(most, cfg.train.pipeline_waves)
+        waves = sorted({max(1, most >> i) for i in range(4)}, reverse=True)
+    else:
+        waves = [0]
+    return [
+        {"mesh": mesh, "remat": remat, "micro": m, "waves": w}
+        for mesh, remat, m, w in itertools.product(meshes, (False, True), micro, waves)
+    ]
+
+
+def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
+    """The run's config with a candidate's knobs set."""
+    m = cand["micro"]
+    train = dataclasses.replace(
+        cfg.train,
+        updates_per_batch=cfg.train.updates_per_batch * m,
+        grad_accum=cfg.train.grad_accum * m,
+        **({"pipeline_waves": cand["waves"]} if cand["waves"] else {}),
+    )
+    return dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, **cand["mesh"]),
+        model=dataclasses.replace(cfg.model, remat=cand["remat"]),
+        train=train,
+    )
+
+
+def search(
+    cfg: RunConfig,
+    topology: str,
+    *,
+    top: int = 3,
+    headroom: float = HEADROOM,
+    budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
+    plan_fn: Callable[..., dict[str, Any]] = plan_run,
+) -> dict[str, Any]:
+    """Estimate every candidate, compile the `top` most promising that may fit (`plan_fn`
+    makes a candidate's plan), and rank the ones whose programs fit by rollouts per hour."""
+    if top < 1:
+        raise ConfigError(f"--top={top}: compile at least one candidate")
+    chip, dims = parse_topology(topology)
+    chips = num_chips(dims)
+    cfg = resolved(cfg)
+    spec = resolve_spec(cfg.model)
+    cands = candidates(cfg, chips, spec.num_heads)
+    for c in cands:
+        c_cfg = resolved(apply(cfg, c))
+        c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
+    ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= chip.hbm_bytes]
+    # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
+    # most PipelineRL waves, then the least memory.
+    ok.sort(
+        key=lambda c: (
+            -c["estimate"]["rollouts_per_hour"],
+            -c["waves"],
+            c["estimate"]["hbm_bytes"],
+        )
+    )
+    excluded = [
+        {**_name(c), "reason": "estimate", "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9}
+        for c in cands
+        if c["estimate"]["hbm_bytes"] > chip.hbm_bytes
+    ]
+    ranked = []
+    for c in ok[:top]:
+        plan = plan_fn(apply(cfg, c), topology, headroom=headroom, budget_rollouts=budget_rollouts)
+        row = {
+            **_name(c),
+            "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9,
+            "hbm_gb": max(p["hbm_total_gb"] for p in plan["programs"]),
+            "rollouts_per_hour": plan["step"]["rollouts_per_hour"],
+            "mfu_estimate": plan["step"]["mfu_estimate"],
+            "budget_hours": plan["budget"]["hours"],
+            "plan": plan,
+        }
+        if plan["fits"]:
+            ranked.append(row)
+        else:
+            excluded.append({**row, "reason": "compiled"})
+    ranked.sort(key=lambda r: (-r["rollouts_per_hour"], r["hbm_gb"]))
+    return {
+        "topology": topology,
+        "chips": chips,
+        "hbm_capacity_gb": chip.hbm_bytes / 1e9,
+        "dimensions": ["mesh", "remat", "micro", "waves"],
+        "candidates": len(cands),
+        "compiled": min(top, len(ok)),
+        "ranked": ranked,
+        "excluded": excluded,
+    }
+
+
+def _name(c: dict[str, Any]) -> dict[str, Any]:
+    return {k: c[k] for k in ("mesh", "remat", "micro", "waves")}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

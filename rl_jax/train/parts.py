@@ -1,0 +1,310 @@
+"""What a run is built from: meshes, model spec, optimizer, compiled programs, samplers,
+task and verifiers. Built once from a RunConfig (`build_parts`) and never changed;
+everything that changes lives in `TrainerState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rl_jax.config import RunConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
+from rl_jax.rewards import from_config as reward_from_config
+from rl_jax.sampling import Sampler
+from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
+from rl_jax.train.evaluation import correctness_fn, make_eval_sampler
+from rl_jax.train.optim import make_optimizer
+from rl_jax.train.params import ParamPlan
+from rl_jax.train.preflight import run_task
+from rl_jax.train.step import make_logprob_fn, make_update, make_value_fn
+
+
+def load_tokenizer(cfg: RunConfig):
+    if cfg.model.path:
+        from rl_jax.models import load_tokenizer as _hf
+
+        return _hf(cfg.model.path)
+    from rl_jax.data.tokenizer import CharTokenizer
+
+    return CharTokenizer()
+
+
+@dataclass(frozen=True)
+class Parts:
+    cfg: RunConfig
+    mesh: Mesh  # the trainer's
+    sample_mesh: Mesh  # the sampler's: the same mesh unless split
+    spec: ModelSpec
+    plan: ParamPlan  # what the state's params hold and the weights the model runs (`view`)
+    tokenizer: Any
+    tx: Any  # optax.GradientTransformation
+    lr_schedule: Any  # optax schedule: version -> learning rate
+    lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
+    sampler: Sampler
+    eval_sampler: Sampler
+    # The compiled programs take the plan's state and run the model on its view.
+    update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
+    logprob_fn: Any
+    value_fn: Any  # the critic's values (loss.advantage='gae'), else None
+    task: Any
+    reward_fn: Any
+    correct_fn: Any
+    val_problems: list
+
+    @property
+    def split(self) -> bool:
+        return self.sample_mesh is not self.mesh
+
+    @property
+    def P(self) -> int:
+        return self.cfg.data.prompts_per_batch
+
+    @property
+    def G(self) -> int:
+        return self.cfg.sampling.n
+
+    @property
+    def M(self) -> int:
+        return self.cfg.train.updates_per_batch
+
+    @property
+    def critic(self) -> bool:
+        return self.cfg.loss.advantage == "gae"
+
+    @property
+    def needs_old_logp(self) -> bool:
+        """Batches carry the old policy's log-probs: several updates per batch, or TIS."""
+        return self.M > 1 or self.cfg.loss.tis
+
+
+class SamplerWeights:
+    """The policy's weights as the sampler runs them, made once per policy version: the
+    trainer's state when the plan's view is the state itself; else `plan.view` of it
+    (model.param_dtype, adapters merged); in split mode that view resharded onto the
+    sampler's devices."""
+
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self._view = jax.jit(parts.plan.view)
+        self._viewed: tuple[Any, int] | None = None  # (view, version)
+        self._pushed: tuple[Any, int] | None = None  # split mode: (sampler copy, version)
+
+    def reset(self) -> None:
+        """Forget the copies (the state changed without a new version: restore, init)."""
+        self._viewed = self._pushed = None
+
+    def drop_view(self) -> None:
+        """Free the view before an update: it is of the old version, and the update's
+        state and moments need the memory."""
+        self._viewed = None
+
+    def policy(self, params, version: int):
+        if self.parts.plan.identity:
+            return params
+        if self._viewed is None or self._viewed[1] != version:
+            self._viewed = None  # the old copy goes before the new one is made
+            self._viewed = (self._view(params), version)
+        return self._viewed[0]
+
+    def sampler(self, params, version: int) -> tuple[Any, int]:
+        """(weights, version) for the sampler."""
+        if not self.parts.split:
+            return self.policy(params, version), version
+        if self._pushed is None or self._pushed[1] != version:
+            self._pushed = (self.parts.sampler.reshard(self.policy(params, version)), version)
+            self._viewed = None  # the trainer's devices keep no copy of the view
+        return self._pushed
+
+
+def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
+    """(parts, initial params, initial optimizer state) of a resolved config; ConfigError
+    on sizes that cannot work. The params are the plan's state (rl_jax.train.params)."""
+    mesh, sample_mesh = make_meshes(cfg)
+    rules = get_rules(cfg.mesh.rules, purpose="train")
+    tokenizer = load_tokenizer(cfg)
+    spec, weights = _build_params(cfg, mesh, rules, tokenizer)
+    check_sizes(cfg, num_batch_shards(mesh))
+    # What the trainer holds (float32 masters, LoRA adapters) and the weights the model
+    # runs (`plan.view`): rl_jax.train.params.
+    plan = ParamPlan.from_config(cfg, spec)
+    params = plan.init_state(weights, key=adapter_key(cfg), mesh=mesh)
+    del weights  # the weights cast into the state are not kept beside it
+    if cfg.loss.advantage == "gae" and not spec.value_head:
+        raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+    tx, lr_schedule = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
+    opt_state = init_opt_state(tx, mesh, params, plan)
+    # The trainer scores tokens under the distribution the sampler drew them from.
+    temperature = cfg.sampling.temperature or 1.0
+    update_fn = make_update(
+        spec,
+        rules,
+        mesh,
+        tx,
+        cfg.loss,
+        num_groups=P // M,
+        max_tokens=cfg.sampling.max_new_tokens,
+        temperature=temperature,
+        state_shardings=(_shardings(params), _shardings(opt_state)),
+        plan=plan,
+    )
+    # Rendered for the tokenizer (chat template, answer instruction); prompts checked
+    # against sampling.max_prompt_len.
+    task = run_task(cfg, tokenizer)
+    reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
+    critic = cfg.loss.advantage == "gae"
+    parts = Parts(
+        cfg=cfg,
+        mesh=mesh,
+        sample_mesh=sample_mesh,
+        spec=spec,
+        plan=plan,
+        tokenizer=tokenizer,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
+        lr_at=jax.jit(lr_schedule),
+        sampler=_sampler(cfg, spec, tokenizer, sample_mesh),
+        eval_sampler=make_eval_sampler(spec, cfg, tokenizer, mesh=sample_mesh),
+        update_fn=update_fn,
+        logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
+        value_fn=make_value_fn(spec, rules, mesh, plan=plan) if critic else None,
+        task=task,
+        reward_fn=reward_fn,
+        correct_fn=correctness_fn(cfg.rewards, task, reward_fn),
+        val_problems=list(task.val)[: cfg.eval.num_prompts],
+    )
+    return parts, params, opt_state
+
+
+def _sampler(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh) -> Sampler:
+    return Sampler(
+        spec,
+        cfg.sampling,
+        mesh=mesh,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
+        rules=cfg.mesh.rules,
+    )
+
+
+def adapter_key(cfg: RunConfig) -> jax.Array:
+    """The key LoRA's A matrices are drawn from (train.seed)."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), 0x10A)
+
+
+def init_opt_state(tx, mesh: Mesh, params, plan: ParamPlan):
+    """Optimizer state of the plan's trained part on the mesh: moments inherit their
+    params' shardings (zeros_like), scalars such as Adam's count are placed replicated
+    instead of on device 0."""
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def on_mesh(x):
+        sh = x.sharding
+        if isinstance(sh, NamedSharding) and sh.mesh == mesh:
+            return x
+        return jax.device_put(x, rep)
+
+    init = functools.partial(plan.init_optimizer, tx)
+    return jax.tree.map(on_mesh, jax.jit(init)(params))
+
+
+def copy_params(params):
+    return jax.tree.map(jnp.copy, params)
+
+
+def _build_params(cfg: RunConfig, mesh: Mesh, rules, tokenizer) -> tuple[ModelSpec, dict]:
+    if cfg.model.path:
+        from rl_jax.models import load_model
+
+        model = load_model(cfg.model, mesh=mesh, rules_preset=cfg.mesh.rules)
+        return model.spec, model_params(model)
+    spec = resolve_spec(cfg.model)
+    if spec.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model vocab_size={spec.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size}; set model.vocab_size"
+        )
+    # The stacked params directly: building a Transformer would split them per
+    # layer and model_params would stack them again (two compiles, ~1 s).
+    with jax.set_mesh(mesh):
+        params = init_sharded_params(spec, mesh=mesh, rules=rules, seed=cfg.train.seed)
+    return spec, params
+
+
+def check_sizes(cfg: RunConfig, shards: int) -> None:
+    P, M = cfg.data.prompts_per_batch, cfg.train.updates_per_batch
+    if P % M:
+        raise ConfigError(
+            f"data.prompts_per_batch={P} must be divisible by train.updates_per_batch={M} "
+            "(each update trains on P / M prompts' groups)"
+        )
+    rows = P // M * cfg.sampling.n
+    if rows % shards:
+        raise ConfigError(
+            f"a minibatch of {rows} rows (data.prompts_per_batch / train.updates_per_batch "
+            f"x sampling.n) does not split over {shards} batch shards (mesh.data x "
+            "mesh.fsdp)"
+        )
+    if cfg.data.dynamic_sampling and cfg.train.off_policy == "pipeline":
+        raise ConfigError(
+            "data.dynamic_sampling resamples whole batches before training: it needs "
+            "train.off_policy in ('on_policy', 'ppo_off_policy'), got 'pipeline'"
+        )
+    if cfg.train.off_policy == "pipeline" and (cfg.train.off_policy_k + 1) // M < 1:
+        raise ConfigError(
+            f"train.off_policy_k={cfg.train.off_policy_k} is below train.updates_per_batch={M}"
+            ": PipelineRL-k needs k + 1 >= M"
+        )
+
+
+def make_meshes(cfg: RunConfig) -> tuple[Mesh, Mesh]:
+    """(trainer mesh, sampler mesh): one mesh when colocated; in split mode the first
+    mesh.sampler_devices devices form a data-parallel sampler mesh (keeping the
+    trainer's tensor axis when it divides them) and the rest the trainer's mesh."""
+    m = cfg.mesh
+    if not m.sampler_devices:
+        mesh = make_mesh(m)
+        return mesh, mesh
+    if cfg.train.off_policy != "pipeline":
+        raise ConfigError(
+            f"mesh.sampler_devices={m.sampler_devices} (split mode) needs "
+            f"train.off_policy='pipeline', got {cfg.train.off_policy!r}: only PipelineRL-k "
+            "bounds how stale the weights of a sampler running alongside the trainer may be"
+        )
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "mesh.sampler_devices (split mode) runs in one process only; under "
+            "jax.distributed use mesh.sampler_devices=0"
+        )
+    devices = jax.devices()
+    if m.num_devices:
+        if m.num_devices > len(devices):
+            raise ConfigError(f"mesh.num_devices={m.num_devices} but only {len(devices)} exist")
+        devices = devices[: m.num_devices]
+    if not 0 < m.sampler_devices < len(devices):
+        raise ConfigError(
+            f"mesh.sampler_devices={m.sampler_devices} must leave the trainer at least one of "
+            f"the {len(devices)} devices"
+        )
+    sample_devs, train_devs = devices[: m.sampler_devices], devices[m.sampler_devices :]
+    train_mesh = make_mesh(dataclasses.replace(m, num_devices=0), devices=train_devs)
+    tensor = train_mesh.shape["tensor"]
+    tensor = tensor if len(sample_devs) % tensor == 0 else 1
+    sample_mesh = make_mesh(
+        MeshConfig(data=-1, fsdp=1, tensor=tensor, rules=m.rules), devices=sample_devs
+    )
+    return train_mesh, sample_mesh
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda a: a.sharding, tree)

@@ -1,0 +1,359 @@
+"""The phases of an RL step as functions: rollout -> score -> advantages -> update,
+and evaluate.
+
+Each takes the built, unchanging `Parts` of a run and a `TrainerState` and returns
+a new state with what it computed; the schedules (`rl_jax.train.schedules`) order
+them. Host work (decoding text, verifiers, advantages' bookkeeping) runs in numpy;
+every update of a step runs in one jitted program (`make_update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
+from rl_jax.rewards import score_batch, shape_rewards
+from rl_jax.sampling import Rollouts
+from rl_jax.train.accounting import forward_flops, step_flops
+from rl_jax.train.evaluation import eval_key, evaluate_policy
+from rl_jax.train.parts import Parts
+from rl_jax.train.state import TrainerState, Wave
+from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
+
+# ---- rollout ------------------------------------------------------------------------------
+
+
+def row_ids(parts: Parts, step: int, n_prompts: int) -> np.ndarray:
+    # Distinct per (step, row) so every draw of the run is its own stream.
+    return (step * 1_000_003 + np.arange(n_prompts * parts.G)) % (2**31 - 1)
+
+
+def sample_key(parts: Parts) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(parts.cfg.train.seed), 0x5A17)
+
+
+def prompt_ids(parts: Parts, problems) -> list[list[int]]:
+    return [parts.tokenizer.encode(p.prompt) for p in problems]
+
+
+def generate(parts: Parts, params, version: int, step: int, problems) -> Rollouts:
+    """All rows of `problems` sampled to the end with one policy (synchronous modes)."""
+    return parts.sampler.generate(
+        params,
+        prompt_ids(parts, problems),
+        n=parts.G,
+        key=sample_key(parts),
+        version=version,
+        row_ids=row_ids(parts, step, len(problems)),
+    )
+
+
+def start_wave(parts: Parts, step: int, problems, weights: tuple[Any, int]) -> Wave:
+    """A PipelineRL wave: the prompts of `step` prefilled with `weights` (params, version)."""
+    state = parts.sampler.start(
+        weights[0],
+        prompt_ids(parts, problems),
+        n=parts.G,
+        key=sample_key(parts),
+        row_ids=row_ids(parts, step, len(problems)),
+    )
+    return Wave(state=state, problems=list(problems), step=step)
+
+
+def decode_until_oldest_done(parts: Parts, state: TrainerState, chunk: int, weights) -> None:
+    """Decode the waves round robin, `chunk` tokens at a time with the current policy
+    (`weights`: the sampler's copy of `state`'s), until the oldest is done (the waves'
+    sampler states advance in place)."""
+    sampler, oldest = parts.sampler, state.waves[0]
+    while not sampler.done(oldest.state):
+        for w in state.waves:
+            if not sampler.done(w.state):
+                w.state = sampler.decode(weights, w.state, max_steps=chunk, version=state.version)
+
+
+def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> TrainerState:
+    tp = ro.prompt_mask.sum(axis=1)[:: parts.G]  # [P] (a group's rows share the prompt)
+    return state.count(
+        prompt_tokens=int(tp.sum()),
+        generated_tokens=int(ro.lengths.sum()),
+        sampler_flops=forward_flops(parts.spec, tp, ro.lengths, parts.G),
+    )
+
+
+def dynamic_rollout(
+    parts: Parts, state: TrainerState, weights
+) -> tuple[TrainerState, Rollouts, list]:
+    """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
+    differ, until B_p are kept or data.max_resample_rounds; short batches are filled
+    with zero-variance groups (which the zero-variance filter then drops).
+
+    Zero variance is decided as in training (`score`, shaped rewards). Groups scored
+    but not kept still enter the pass-rate history here (the kept ones do in
+    `train_on`), so No-Positive-Resampling and the interference histogram see every
+    scored group once. `weights`: the sampler's copy of `state`'s policy."""
+    P, G = parts.P, parts.G
+    kept: list[tuple[Rollouts, int, Any, np.ndarray]] = []  # (rollouts, group, problem, raw [G])
+    spare: list[tuple[Rollouts, int, Any, np.ndarray]] = []
+    for r in range(parts.cfg.data.max_resample_rounds):
+        batch = state.data.draw()
+        ro = generate(parts, weights, state.version, state.step * 64 + r, batch)
+        state = account_sampling(parts, state, ro)
+        sc = score(parts, ro, batch)
+        for g, zv in enumerate(sc.zero_var):
+            (spare if zv else kept).append((ro, g, batch[g], sc.raw[g * G : (g + 1) * G]))
+        if len(kept) >= P:
+            break
+    fill = max(0, P - len(kept))
+    chosen = (kept + spare[:fill])[:P]
+    dropped = kept[P:] + spare[fill:]
+    if dropped:
+        state.data.record([d[2].id for d in dropped], np.stack([d[3] for d in dropped]))
+    state = state.count(rollouts=(r + 1) * P * G - P * G)
+    ro = concat_groups([(c[0], c[1]) for c in chosen], G)
+    return state, ro, [c[2] for c in chosen]
+
+
+# ---- score --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scores:
+    texts: list[str]  # [B] decoded completions
+    raw: np.ndarray  # [B] verifier rewards
+    shaped: np.ndarray  # [B] rewards after shaping: what the advantages read
+    zero_var: np.ndarray  # [P] bool: groups whose shaped rewards are all equal
+
+
+def score(parts: Parts, ro: Rollouts, problems) -> Scores:
+    texts = [parts.tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
+    answers = [problems[g].answer for g in ro.group_ids]
+    raw = score_batch(parts.reward_fn, texts, answers)
+    shaped = shape_rewards(
+        raw,
+        cfg=parts.cfg.rewards,
+        reward_fn=parts.reward_fn,
+        completions=texts,
+        lengths=ro.lengths,
+    )
+    # `zero_variance_groups` is the one definition: on the rewards the advantages read,
+    # so exactly the groups whose advantages are all zero.
+    zv, _ = zero_variance_groups(
+        jnp.asarray(shaped, jnp.float32),
+        jnp.asarray(ro.group_ids.astype(np.int32), jnp.int32),
+        num_groups=len(problems),
+    )
+    return Scores(texts=texts, raw=raw, shaped=shaped, zero_var=np.asarray(zv))
+
+
+# ---- advantages ---------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """A scored batch ready for its updates (host arrays, numpy)."""
+
+    host: dict[str, np.ndarray]  # assemble_batch's arrays, advantages set
+    old_logp: np.ndarray | None  # [B, Tg] the policy before this batch's updates
+    ref_logp: np.ndarray | None  # [B, Tg] the reference policy
+    info: dict[str, Any]  # the advantage function's scalar diagnostics
+
+
+def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, keep_p) -> Batch:
+    """The old policy's and the reference's log-probs and the critic's values, all taken
+    before this batch's first update, then the advantages (with the KL in the reward,
+    they need the first two)."""
+    cfg, P, G = parts.cfg, len(keep_p), parts.G
+    keep_b = np.repeat(keep_p, G)
+    loss_mask = ro.completion_mask & keep_b[:, None]
+    group_b = ro.group_ids.astype(np.int32)
+    host = assemble_batch(
+        ro.prompt_tokens,
+        ro.prompt_mask,
+        ro.completion_tokens,
+        ro.lengths,
+        loss_mask,
+        ro.logprobs,
+        np.zeros(P * G, np.float32),  # the advantages, set below
+        group_b,
+    )
+    kl_reward = cfg.loss.kl_in_reward and state.ref_params is not None
+    on_device = parts.critic or parts.needs_old_logp or state.ref_params is not None
+    full = put_batch(host, parts.mesh) if on_device else None
+    old = ref = None
+    if parts.needs_old_logp or kl_reward:
+        old = np.asarray(parts.logprob_fn(state.params, full))
+    if state.ref_params is not None:
+        ref = np.asarray(parts.logprob_fn(state.ref_params, full))
+    # KL in the reward: behaviour = the policy before this batch's updates, as the
+    # trainer computes it (the same forward as the reference's).
+    kl = dict(behaviour_logp_bt=old, ref_logp_bt=ref) if kl_reward else {}
+    mask_f = loss_mask.astype(np.float32)
+    info: dict = {}
+    if parts.critic:
+        # GAE from the critic's values before this batch's updates (PPO).
+        values = np.asarray(parts.value_fn(state.params, full))
+        adv_bt, ret_bt = gae_from_config(
+            cfg.loss, jnp.asarray(scores.shaped), jnp.asarray(values), jnp.asarray(mask_f), **kl
+        )
+        host["advantages"] = np.asarray(adv_bt, np.float32) * loss_mask
+        host["old_values"] = values.astype(np.float32)
+        host["returns"] = np.asarray(ret_bt, np.float32)
+    else:
+        adv, info = advantages_from_config(
+            cfg.loss,
+            jnp.asarray(scores.shaped),
+            jnp.asarray(group_b),
+            num_groups=P,
+            valid_b=jnp.asarray(keep_b),
+            mask_bt=jnp.asarray(mask_f) if kl_reward else None,
+            **kl,
+        )
+        host["advantages"] = np.asarray(adv, np.float32) * keep_b
+    return Batch(host=host, old_logp=old if parts.needs_old_logp else None, ref_logp=ref, info=info)
+
+
+# ---- update -------------------------------------------------------------------------------
+
+
+def update(
+    parts: Parts, state: TrainerState, batch: Batch, oldest: int
+) -> tuple[TrainerState, dict[str, float]]:
+    """The step's M optimizer updates, one per minibatch of P / M prompts, in one jitted
+    program; `oldest` is the policy version of the batch's oldest token."""
+    cfg, M = parts.cfg, parts.M
+    host = dict(batch.host)
+    for k, v in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
+        if v is not None:
+            host[k] = v.astype(np.float32)
+    P = len(host["group_ids"]) // parts.G
+    stacked = put_minibatches(host, parts.mesh, num_minibatches=M, groups=P)
+    hist = dict(state.staleness_hist)
+    for j in range(M):
+        stale = state.version + j - oldest
+        if cfg.train.off_policy == "pipeline" and stale > cfg.train.off_policy_k:
+            raise AssertionError(f"PipelineRL staleness {stale} exceeds k={cfg.train.off_policy_k}")
+        hist[stale] = hist.get(stale, 0) + 1
+    params, opt_state, m = parts.update_fn(state.params, state.opt_state, stacked)
+    m = jax.device_get(m)  # {name: [M]}
+    metrics = {f"train/{k}": float(np.mean([float(x) for x in v])) for k, v in m.items()}
+    state = state.replace(
+        params=params, opt_state=opt_state, version=state.version + M, staleness_hist=hist
+    )
+    metrics["train/rows_trained"] = float(host["mask"].any(axis=1).sum())
+    nonfinite = sum(float(x) for x in m["nonfinite"])
+    return state.replace(nonfinite_streak=state.nonfinite_streak + 1 if nonfinite else 0), metrics
+
+
+def train_on(
+    parts: Parts, state: TrainerState, ro: Rollouts, problems, scores: Scores
+) -> tuple[TrainerState, dict[str, float]]:
+    """Advantages and M updates on one scored batch of P prompts x G samples; returns
+    the new state and the step's metrics."""
+    t0 = time.perf_counter()
+    P, G = len(problems), parts.G
+    state.data.record([p.id for p in problems], scores.raw.reshape(P, G))
+    keep_p = ~scores.zero_var if parts.cfg.data.zero_variance_filter else np.ones(P, bool)
+    versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
+    oldest = int(versions.min()) if ro.completion_mask.any() else state.version
+    if keep_p.any():
+        batch = advantages(parts, state, ro, scores, keep_p)
+        state, metrics = update(parts, state, batch, oldest)
+        tp = ro.prompt_mask.sum(axis=1)[::G]
+        state = state.count(
+            trainer_flops=step_flops(parts.spec, parts.cfg, tp, ro.lengths)["trainer_flops"]
+        )
+        info = batch.info
+    else:
+        state, info = state.replace(nonfinite_streak=0), {}
+        metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
+    state = state.count(rollouts=P * G, prompts=P)
+    staleness = float(state.version - 1 - oldest) if keep_p.any() else 0.0
+    metrics.update(_batch_metrics(parts, state, ro, scores, staleness))
+    metrics["time/train_s"] = time.perf_counter() - t0
+    metrics.update({f"adv/{k}": float(np.asarray(v)) for k, v in info.items() if np.ndim(v) == 0})
+    return state, metrics
+
+
+def _batch_metrics(parts, state, ro: Rollouts, scores: Scores, staleness: float) -> dict:
+    curriculum = state.data.curriculum
+    return {
+        "train/reward": float(scores.shaped.mean()),
+        "train/pass@1": float((scores.raw > 0).mean()),
+        # Zero-variance groups (dropped from the loss with data.zero_variance_filter).
+        "train/zero_variance_frac": float(scores.zero_var.mean()),
+        "train/response_len": float(ro.lengths.mean()),
+        "train/truncation_rate": float(ro.truncated.mean()),
+        "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
+        "train/staleness_max": staleness,
+        "train/lr": float(parts.lr_at(max(state.version - 1, 0))),
+        "train/retired_prompts": float(getattr(curriculum, "num_retired", 0)),
+    }
+
+
+# ---- evaluate -----------------------------------------------------------------------------
+
+
+def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, dict[str, float]]:
+    """pass@k on the validation prompts with `params` (the sampler's copy of the policy)."""
+    t0 = time.perf_counter()
+    k = parts.cfg.eval.k
+    m, ro = evaluate_policy(
+        parts.eval_sampler,
+        params,
+        parts.val_problems,
+        tokenizer=parts.tokenizer,
+        correct_fn=parts.correct_fn,
+        k=k,
+        key=eval_key(parts.cfg.train.seed),
+        version=state.version,
+    )
+    state = state.count(
+        eval_flops=forward_flops(parts.spec, ro.prompt_mask.sum(axis=1)[::k], ro.lengths, k),
+        eval_device_seconds=(time.perf_counter() - t0) * jax.device_count(),
+    )
+    m["time/eval_s"] = time.perf_counter() - t0
+    return state, m
+
+
+# ---- batches of rows ----------------------------------------------------------------------
+
+
+def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
+    """One Rollouts of the groups (rollouts, group index), renumbered 0..len-1.
+
+    Prompt arrays are left-padded and completion arrays right-padded to the widest."""
+    tp = max(ro.prompt_tokens.shape[1] for ro, _ in groups)
+    tg = max(ro.completion_tokens.shape[1] for ro, _ in groups)
+    parts: dict[str, list] = {}
+    for new_g, (ro, g) in enumerate(groups):
+        rows = slice(g * G, (g + 1) * G)
+        for f in dataclasses.fields(ro):
+            v = getattr(ro, f.name)[rows]
+            if f.name.startswith("prompt_"):
+                v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
+            elif v.ndim == 2:
+                fill = -1 if f.name == "versions" else 0
+                v = np.pad(v, ((0, 0), (0, tg - v.shape[1])), constant_values=fill)
+            if f.name == "group_ids":
+                v = np.full_like(v, new_g)
+            parts.setdefault(f.name, []).append(v)
+    return Rollouts(**{k: np.concatenate(v) for k, v in parts.items()})
+
+
+def rows_of(ro: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:
+    """Rows [lo, hi) of a Rollouts, group ids renumbered from 0."""
+    if lo == 0 and hi == ro.num_rows:
+        return ro
+    fields = {}
+    for f in dataclasses.fields(ro):
+        v = getattr(ro, f.name)
+        fields[f.name] = v[lo:hi] if isinstance(v, np.ndarray) and v.ndim >= 1 else v
+    fields["group_ids"] = fields["group_ids"] - group_offset
+    return dataclasses.replace(ro, **fields)

@@ -1,0 +1,166 @@
+"""The off-policy modes (ScaleRL section 3.1) as schedules over the phases.
+
+  on_policy       generate B_p x n rows with the current weights, take M updates.
+  ppo_off_policy  generate k batches with the current weights, then train on
+                  them one after another (k x M updates on increasingly stale data).
+  pipeline        PipelineRL-k: up to W "waves" (sampler states, each B_p x n
+                  rows) decode in chunks, round robin. Whenever the oldest wave
+                  finishes, the trainer takes its M updates and the new weights
+                  are used by every later chunk: sequences in flight continue
+                  with the new weights on a stale KV cache, every token records
+                  the policy version that sampled it. W = (k + 1) // M keeps
+                  every update within k versions of the oldest token it trains on.
+  split           pipeline with the sampler on its own devices, decoding in a
+                  background thread while the rest train (`rl_jax.train.split`).
+
+A schedule drives a trainer `tr` (`RLTrainer`): it reads `tr.state`, runs phases,
+sets `tr.state`, and hands every trained batch to `tr.finish_step` (logging,
+hooks, evaluation, checkpoints), which advances the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+
+from rl_jax.config import RunConfig
+from rl_jax.sampling import Rollouts
+from rl_jax.train import phases
+from rl_jax.train.split import SplitSampler
+from rl_jax.train.state import Pending
+
+
+def on_policy(tr, bar) -> None:
+    """PPO-off-policy with k = 1: every batch is sampled with the weights that train on it."""
+    ppo_off_policy(tr, bar, k=1)
+
+
+def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
+    cfg, parts = tr.cfg, tr.parts
+    k = cfg.train.off_policy_k if k is None else k
+    while tr.state.step < cfg.train.steps:
+        if not tr.state.pending:
+            # The whole group of k batches with the current weights, before any update.
+            t0 = time.perf_counter()
+            if cfg.data.dynamic_sampling:
+                tr.state, ro, problems = phases.dynamic_rollout(
+                    parts, tr.state, tr.sampler_weights()[0]
+                )
+                batches = [problems]
+            else:
+                n = min(k, cfg.train.steps - tr.state.step)
+                batches = [tr.state.data.draw() for _ in range(n)]
+                flat = [p for b in batches for p in b]
+                ro = phases.generate(parts, *tr.sampler_weights(), tr.state.step, flat)
+                tr.state = phases.account_sampling(parts, tr.state, ro)
+            rows, sample_s = parts.P * parts.G, time.perf_counter() - t0
+            pending = tuple(
+                Pending(
+                    phases.rows_of(ro, i * rows, (i + 1) * rows, i * parts.P),
+                    problems=b,
+                    sample_s=sample_s if i == 0 else 0.0,
+                )
+                for i, b in enumerate(batches)
+            )
+            tr.state = tr.state.replace(pending=pending)
+        head = tr.state.pending[0]
+        # The rest of the group stays pending: no checkpoint until it is trained.
+        tr.state = tr.state.replace(pending=tr.state.pending[1:])
+        t1 = time.perf_counter()
+        state, m = _train(tr, head.rollouts, head.problems)
+        _finish(tr, state, m, head.sample_s, t1, bar)
+
+
+def pipeline(tr, bar) -> None:
+    cfg, parts = tr.cfg, tr.parts
+    W, chunk = num_waves(cfg), decode_chunk(cfg)
+    while tr.state.step < cfg.train.steps:
+        t0 = time.perf_counter()
+        # Drain before a checkpoint: no wave may straddle a checkpointed step, so a
+        # checkpoint never needs an in-flight KV cache and resume is exact.
+        end = min(cfg.train.steps, tr.next_boundary())
+        state = tr.state
+        waves = list(state.waves)  # for steps state.step, state.step + 1, ...
+        while len(waves) < W and state.step + len(waves) < end:
+            step, problems = state.step + len(waves), state.data.draw()
+            waves.append(phases.start_wave(parts, step, problems, tr.sampler_weights()))
+        state = state.replace(waves=tuple(waves))
+        # Decode round robin until the oldest wave is done; new weights are used at once.
+        phases.decode_until_oldest_done(parts, state, chunk, tr.sampler_weights()[0])
+        oldest = state.waves[0]
+        ro = parts.sampler.result(oldest.state)
+        tr.state = phases.account_sampling(parts, state.replace(waves=state.waves[1:]), ro)
+        sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        state, m = _train(tr, ro, oldest.problems)
+        _finish(tr, state, m, sample_s, t1, bar)
+
+
+def split(tr, bar) -> None:
+    """PipelineRL-k with the sampler on its own devices (rl_jax.train.split)."""
+    cfg, parts = tr.cfg, tr.parts
+    worker = SplitSampler(
+        parts.sampler,
+        waves=num_waves(cfg),
+        chunk=decode_chunk(cfg),
+        first_step=tr.state.step,
+        weights=tr.sampler_weights(),
+        start_wave=functools.partial(phases.start_wave, parts),
+        draw=tr.state.data.draw,
+        lock=tr.state.data.lock,
+    )
+    tr.split_sampler = worker
+    try:
+        worker.allow(min(cfg.train.steps, tr.next_boundary()))
+        while tr.state.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            wave, ro = worker.take()
+            assert wave.step == tr.state.step, (wave.step, tr.state.step)
+            tr.state = phases.account_sampling(parts, tr.state, ro)
+            wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            state, m = _train(tr, ro, wave.problems)
+            tr.state = state
+            # Push before freeing the slot: the next wave starts on these weights
+            # (the staleness bound in rl_jax.train.split relies on that order).
+            worker.push(tr.sampler_weights())
+            worker.done()
+            worker.train_intervals.append((t1, time.perf_counter()))
+            _finish(tr, state, m, wait_s, t1, bar)  # sample_s: the wait for rollouts
+            worker.allow(min(cfg.train.steps, tr.next_boundary()))
+    finally:
+        worker.close()
+
+
+# train.off_policy -> its schedule (split mode, mesh.sampler_devices > 0, runs `split`).
+SCHEDULES = {"on_policy": on_policy, "ppo_off_policy": ppo_off_policy, "pipeline": pipeline}
+
+
+def num_waves(cfg: RunConfig) -> int:
+    """W = (k + 1) // M waves in flight (at most train.pipeline_waves when set)."""
+    w = max(1, (cfg.train.off_policy_k + 1) // cfg.train.updates_per_batch)
+    return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
+
+
+def decode_chunk(cfg: RunConfig) -> int:
+    return cfg.sampling.decode_chunk or max(1, math.ceil(cfg.sampling.max_new_tokens / 4))
+
+
+def _train(tr, ro: Rollouts, problems):
+    """score -> advantages -> update on one batch: (new state, step metrics)."""
+    t0 = time.perf_counter()
+    tr.weights.drop_view()  # the update makes a new version: its memory goes to the update
+    scores = phases.score(tr.parts, ro, problems)
+    tr.log_samples(problems, scores)
+    score_s = time.perf_counter() - t0
+    state, m = phases.train_on(tr.parts, tr.state, ro, problems, scores)
+    m["time/score_s"] = score_s
+    return state, m
+
+
+def _finish(tr, state, m: dict, sample_s: float, t1: float, bar) -> None:
+    m["time/sample_s"] = sample_s
+    m["time/step_s"] = time.perf_counter() - t1 + sample_s
+    state = state.count(device_seconds=m["time/step_s"] * jax.device_count())
+    tr.finish_step(state, m, bar)
