@@ -104,7 +104,7 @@ def worker(steps: int, overrides: list[str]) -> None:
             "peak_rss_mb": round(status_mb("VmHWM"), 1),
             "rss_mb": {k: round(v, 1) for k, v in rss.items()},
             "weights_mb": round(mb(trainer.params), 1),
-            "adam_mb": round(mb(trainer.opt_state), 1),
+            "adam_mb": round(mb(trainer.state.opt_state), 1),
             "step_s": [round(x, 2) for x in times],
         }
     )

@@ -192,3 +192,26 @@ def test_bad_topology_exits_2_before_compiling():
         timeout=300,
     )
     assert r.returncode == 2 and "v9:2x2" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_estimate_counts_the_trainers_state_as_train_precision_and_lora_hold_it():
+    """The search's first pass sizes float32 masters of a bfloat16 model, their float32
+    moments and gradients and the sampler's bfloat16 view (rl_jax.train.params): 8 bytes
+    per parameter more than pure bfloat16, whichever program is the larger; LoRA trains
+    and keeps moments for the adapters only."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._estimate import estimate
+
+    mesh, chip = {"data": 2, "fsdp": 2, "tensor": 1}, CHIPS["v5e"]
+
+    def hbm(*knobs):
+        cfg = resolved(load_recipe("scalerl", [*TINY, "model.param_dtype=bfloat16", *knobs]))
+        spec = resolve_spec(cfg.model)
+        return estimate(spec, cfg, mesh, chip)["hbm_bytes"], spec.num_params()
+
+    pure, n = hbm("train.precision=pure", "loss.kl_coef=0")
+    master, _ = hbm("train.precision=fp32_master", "loss.kl_coef=0")
+    lora, _ = hbm("train.precision=fp32_master", "loss.kl_coef=0", "lora.enabled=true")
+    assert master - pure == pytest.approx(8 * n / 2)
+    assert lora < pure < master

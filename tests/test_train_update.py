@@ -1,7 +1,11 @@
 """One step's M updates as one jitted `lax.scan` (make_update) equal M separate calls of
-the single-minibatch step (make_train_step) on the same minibatches."""
+the single-minibatch step (make_train_step) on the same minibatches, with or without a
+ParamPlan (float32 masters, LoRA)."""
+
+import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from rl_jax.config import LossConfig, ModelConfig
 from rl_jax.models import init_params, resolve_spec
 from rl_jax.sharding import get_rules
+from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.step import (
     assemble_batch,
     make_train_step,
@@ -87,3 +92,57 @@ def test_scanned_update_equals_one_call_per_minibatch(setup):
         np.testing.assert_allclose(np.asarray(p2[k]), np.asarray(p1[k]), rtol=1e-6, atol=1e-7)
     # The second update saw the first one's weights: the params moved twice.
     assert int(o2[0].count) == M
+
+
+def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
+    """With float32 masters of a bfloat16 model and LoRA adapters (rl_jax.train.params),
+    the scanned update differentiates through the plan's view and updates only the
+    trained part, exactly as M calls of make_train_step with the same plan."""
+    spec, _, _, _ = setup
+    spec = dataclasses.replace(spec, param_dtype="bfloat16")
+    plan = ParamPlan(
+        param_dtype="bfloat16",
+        precision="fp32_master",
+        lora_rank=2,
+        lora_scale=4.0,
+        lora_targets=("q", "v", "down"),
+    )
+    tx = optax.adamw(1e-2)
+    kw = dict(
+        spec=spec,
+        rules=get_rules("fsdp", purpose="train"),
+        mesh=None,
+        tx=tx,
+        loss_cfg=LossConfig(name="grpo", advantage="grpo", kl_coef=0.0),
+        num_groups=P // M,
+        max_tokens=TG,
+        temperature=1.0,
+        plan=plan,
+    )
+    step, update = make_train_step(**kw), make_update(**kw)
+
+    def fresh():
+        weights = init_params(spec, jax.random.key(1))
+        return plan.init_state(weights, key=jax.random.key(2), mesh=None)
+
+    host, rows = _host(), P * G // M
+    s1 = fresh()
+    o1 = plan.init_optimizer(tx, s1)
+    for j in range(M):
+        mb = {k: v[j * rows : (j + 1) * rows] for k, v in host.items()}
+        mb["group_ids"] = mb["group_ids"] - j * (P // M)
+        s1, o1, _ = step(jax.tree.map(jnp.copy, s1), o1, put_batch(mb, None))
+    start = fresh()
+    batches = put_minibatches(host, None, num_minibatches=M, groups=P)
+    s2, _, m = update(fresh(), plan.init_optimizer(tx, start), batches)
+    assert not np.any(np.asarray(m["nonfinite"]))
+    flat1, flat2 = jax.tree_util.tree_leaves_with_path(s1), jax.tree.leaves(s2)
+    for (path, a), b in zip(flat1, flat2, strict=True):
+        assert a.dtype == b.dtype, path
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    # The base stays as it was, the adapters (float32) moved: B starts at zero.
+    for k, v in start.items():
+        if k != LORA_KEY:
+            np.testing.assert_array_equal(np.asarray(s2[k]), np.asarray(v), err_msg=k)
+    assert s2[LORA_KEY]["q"]["b"].dtype == jnp.float32
+    assert float(jnp.abs(s2[LORA_KEY]["q"]["b"]).max()) > 0

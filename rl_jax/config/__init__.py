@@ -18,6 +18,7 @@ from rl_jax.config._run import (
 )
 from rl_jax.config.data import DataConfig
 from rl_jax.config.logging import LoggingConfig
+from rl_jax.config.lora import LoraConfig
 from rl_jax.config.loss import LossConfig
 from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
@@ -31,6 +32,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",
+    "LoraConfig",
     "LossConfig",
     "MeshConfig",
     "ModelConfig",

@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from rl_jax.config.data import DataConfig
 from rl_jax.config.logging import LoggingConfig
+from rl_jax.config.lora import DEFAULT_TARGETS, LoraConfig
 from rl_jax.config.loss import LossConfig
 from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
@@ -55,6 +56,7 @@ class RunConfig:
     data: DataConfig = sub(DataConfig, "prompt data and curriculum")
     rewards: RewardConfig = sub(RewardConfig, "verifiers")
     train: TrainConfig = sub(TrainConfig, "RL loop and optimizer")
+    lora: LoraConfig = sub(LoraConfig, "low-rank adapters on a frozen base")
     eval: EvalConfig = sub(EvalConfig, "validation")
     mesh: MeshConfig = sub(MeshConfig, "device mesh")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "checkpoints")
@@ -247,6 +249,13 @@ _LATER_KNOB_DEFAULTS = {
     "data.answer_instruction": "auto",
     "data.hf_split": "train",
     "data.hf_val_split": "",
+    # A float32 model computes the same numbers under every precision; a bfloat16 one
+    # now keeps float32 masters by default (its pure-bf16 updates were mostly lost).
+    "train.precision": "fp32_master",
+    "lora.enabled": False,
+    "lora.rank": 8,
+    "lora.alpha": 16.0,
+    "lora.targets": DEFAULT_TARGETS,
 }
 # Knobs that were ints and now also take a fraction (so are floats): a whole number is
 # hashed as the int it was, so `train.warmup_steps=50` keeps its run id.

@@ -9,6 +9,11 @@ from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, 
 
 OFF_POLICY = ("on_policy", "ppo_off_policy", "pipeline")
 SCHEDULES = ("constant", "cosine")
+# How the trainer holds what it updates. fp32_master: float32 weights and moments, the
+# forward and the sampler run a copy in model.param_dtype. fp32_moments: the weights in
+# model.param_dtype, float32 moments (updates rounded into them). pure: both in
+# model.param_dtype (a bfloat16 update below half a weight's last bit is lost).
+PRECISIONS = ("fp32_master", "fp32_moments", "pure")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +39,11 @@ class TrainConfig:
     adam_eps: float = knob(1e-8, help="AdamW epsilon (ScaleRL: 1e-15)")
     weight_decay: float = knob(0.01, help="AdamW weight decay")
     grad_clip: float = knob(1.0, help="global-norm gradient clipping (0 = off)")
+    precision: str = knob(
+        "fp32_master",
+        help=f"trained weights and optimizer moments, one of {PRECISIONS} (float32 master "
+        "weights and moments; bf16 weights with float32 moments; all in model.param_dtype)",
+    )
     max_nonfinite: int = knob(5, help="stop after this many consecutive NaN/Inf updates")
     seed: int = knob(0, help="RNG seed of sampling and initialization")
 
@@ -47,6 +57,7 @@ class TrainConfig:
         check_numbers("train", self)
         check_choice("train", "off_policy", self.off_policy, OFF_POLICY)
         check_choice("train", "schedule", self.schedule, SCHEDULES)
+        check_choice("train", "precision", self.precision, PRECISIONS)
         for k in ("steps", "updates_per_batch", "grad_accum", "off_policy_k", "max_nonfinite"):
             check_range("train", k, getattr(self, k), lo=1)
         for k in ("pipeline_waves", "lr_sqrt_batch_ref", "warmup_steps", "seed"):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.plan.chips import Chip
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
+from rl_jax.train.params import ParamPlan, tree_bytes
 
 
 def _itemsize(dtype: str) -> int:
@@ -31,8 +34,10 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     """{"hbm_bytes": the largest program's per-chip bytes, "step_s": roofline seconds of an
     RL step, "rollouts_per_hour"} for a resolved RunConfig on a data x fsdp x tensor mesh.
 
-    Memory per chip: parameters (FSDP x tensor), AdamW moments (+ accumulated gradients
-    under train.grad_accum), gradients, the minibatch's activations (all layers, or one
+    Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
+    rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
+    under train.grad_accum), their gradients, the sampler's view of the state when it
+    is not the state itself, the minibatch's activations (all layers, or one
     layer's input each with remat, plus one layer live), fp32 logits of the completion,
     and the sampler's KV caches (all of PipelineRL's waves). Time: train, log-prob and
     prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of the sampler's
@@ -50,9 +55,14 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     pdt, cdt = _itemsize(spec.param_dtype), _itemsize(spec.compute_dtype)
 
     n_params = spec.num_params()
-    params = n_params * pdt / (fsdp * tensor)
+    plan = ParamPlan.from_config(cfg, spec)
+    state = plan.abstract_state(spec)  # shapes only
+    trained = sum(x.size for x in jax.tree.leaves(plan.split(state)[0]))
+    params = tree_bytes(state) / (fsdp * tensor)
+    grads = trained * jnp.dtype(plan.trained_dtype).itemsize / (fsdp * tensor)
     moments = 2 + (cfg.train.grad_accum > 1)
-    opt = moments * params
+    opt = moments * trained * jnp.dtype(plan.moment_dtype).itemsize / (fsdp * tensor)
+    view = 0.0 if plan.identity else n_params * pdt / (fsdp * tensor)
     kl = cfg.loss.kl_coef > 0
     ref = params if kl else 0.0
 
@@ -74,8 +84,9 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     in_flight = kv * waves if off == "pipeline" else 0.0
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 
-    train = params + opt + params + acts + logits + in_flight + ref
-    decode = params + sampler_weights + kv * waves + opt + ref
+    # The view is made for sampling and dropped before the updates.
+    train = params + opt + grads + acts + logits + in_flight + ref
+    decode = params + view + sampler_weights + kv * waves + opt + ref
     hbm = max(train, decode)
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)

@@ -25,12 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rl_jax.config import RunConfig, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
-from rl_jax.models.transformer import init_params, param_shardings
+from rl_jax.models.transformer import param_shardings
 from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sampling import Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_train_step
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
@@ -96,11 +97,21 @@ def plan_run(
         return _report(name, fn, args, analytic, chip, chips, headroom, **kw)
 
     shardings = param_shardings(spec, mesh, rules)
-    shapes = jax.eval_shape(functools.partial(init_params, spec), jax.random.key(0))
-    params = {n: _abstract(s, shardings[n]) for n, s in shapes.items()}
+    # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params).
+    plan = ParamPlan.from_config(cfg, spec)
+    params = plan.abstract_state(spec, shardings, mesh)
     tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
-    opt = _compiled_outputs(jax.jit(tx.init), mesh, params)
+    opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
+    # The sampler runs the view (model.param_dtype, adapters merged; laid out as the
+    # weights); while it does, the state it is made from stays resident unless the view
+    # is the state itself.
+    weights = {
+        n: jax.ShapeDtypeStruct(a.shape, jnp.dtype(spec.param_dtype), sharding=a.sharding)
+        for n, a in params.items()
+        if n != LORA_KEY
+    }
+    state_resident = 0 if plan.identity else param_bytes
 
     loss = cfg.loss.resolved()
     temperature = sc.temperature or 1.0
@@ -123,7 +134,7 @@ def plan_run(
         rules=cfg.mesh.rules,
     )
     start_fn, start_args, start_kw = sampler.start_program(
-        params, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
+        weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
     )
     start = _compile(start_fn, *start_args, **start_kw)
     if isinstance(start, OutOfMemory):
@@ -149,7 +160,11 @@ def plan_run(
         num_groups=P // M,
         max_tokens=sc.max_new_tokens,
         temperature=temperature,
-        state_shardings=(shardings, jax.tree.map(lambda a: a.sharding, opt)),
+        state_shardings=(
+            jax.tree.map(lambda a: a.sharding, params),
+            jax.tree.map(lambda a: a.sharding, opt),
+        ),
+        plan=plan,
     )
     mb = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=kl, critic=critic)
     fwd_mb = forward_flops(spec, [tp] * (P // M), [tg] * (P // M * G), G)
@@ -169,7 +184,7 @@ def plan_run(
     )
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     if needs_old or kl:
-        fn = make_logprob_fn(spec, rules, mesh, temperature=temperature)
+        fn = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
         full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
         programs.append(
             report(
@@ -183,7 +198,7 @@ def plan_run(
         )
     # Sampler programs run while the optimizer state (and the reference) stay resident,
     # with the other waves' states beside the one being decoded.
-    beside = opt_bytes + ref_bytes + state_bytes * (waves - 1)
+    beside = opt_bytes + ref_bytes + state_resident + state_bytes * (waves - 1)
     per_wave = 1 / k if off == "ppo" else 1.0  # waves started per RL step
     prefill_flops = wave_prompts * _prefill_flops(spec, tp - 1)
     programs.append(
@@ -203,14 +218,14 @@ def plan_run(
     weight_bytes = _chip_bytes(
         {
             n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-            for n, a in _resharded(params, sampler.param_shardings()).items()
+            for n, a in _resharded(weights, sampler.param_shardings()).items()
         }
     )
     programs.append(
         report(
             "decode",
             start if isinstance(start, OutOfMemory) else sampler.decode_program,
-            (params, state, scalar, scalar),
+            (weights, state, scalar, scalar),
             decode_flops,
             resident=beside,
             calls=tg * per_wave,

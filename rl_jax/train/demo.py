@@ -94,7 +94,7 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
 
         params, info = supervised_warmup(
             trainer.spec,
-            trainer.params,
+            trainer.policy_weights(),
             trainer.tokenizer,
             trainer.task.train,
             evaluate=evaluate,

@@ -35,7 +35,14 @@ from rl_jax.runs.samples import format_row, samples_due
 from rl_jax.sharding import start_jax
 from rl_jax.train import phases, schedules
 from rl_jax.train.checkpoint import Checkpointer
-from rl_jax.train.parts import build_parts, copy_params, init_opt_state
+from rl_jax.train.params import LORA_KEY
+from rl_jax.train.parts import (
+    SamplerWeights,
+    adapter_key,
+    build_parts,
+    copy_params,
+    init_opt_state,
+)
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.state import DataStream, TrainerState
 
@@ -90,7 +97,7 @@ class RLTrainer:
         self.ckpt = Checkpointer(
             self.run.checkpoints_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
         )
-        self._pushed: tuple[Any, int] | None = None  # split mode: (sampler params, version)
+        self.weights = SamplerWeights(self.parts)  # the sampler's copies of the policy
         self.split_sampler: SplitSampler | None = None
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
         self._closed = False
@@ -115,8 +122,10 @@ class RLTrainer:
     G = property(lambda self: self.parts.G)
 
     def set_initial_params(self, host_params: dict) -> None:
-        """Start from these weights (e.g. a supervised warm-up) instead of the random init."""
-        params = self.state.params
+        """Start from these weights (e.g. a supervised warm-up) instead of the random init:
+        the state is made from them as at the start (plan.init_state: fresh adapters)."""
+        p = self.parts
+        params = {k: v for k, v in self.state.params.items() if k != LORA_KEY}
         missing = sorted(set(params) - set(host_params))
         if missing:
             raise ValueError(f"initial params lack tensors {missing}")
@@ -130,21 +139,22 @@ class RLTrainer:
             k: jax.device_put(np.asarray(host_params[k], v.dtype), v.sharding)
             for k, v in params.items()
         }
+        params = p.plan.init_state(params, key=adapter_key(p.cfg), mesh=p.mesh)
+        self.weights.reset()
         self.state = self.state.replace(
             params=params,
-            opt_state=init_opt_state(self.parts.tx, self.parts.mesh, params),
+            opt_state=init_opt_state(p.tx, p.mesh, params, p.plan),
             ref_params=None if self.state.ref_params is None else copy_params(params),
         )
 
     def sampler_weights(self) -> tuple[Any, int]:
-        """(params, version) for the sampler: the trainer's own arrays when colocated; in
-        split mode a copy resharded onto the sampler's devices, made once per version."""
-        st = self.state
-        if not self.split:
-            return st.params, st.version
-        if self._pushed is None or self._pushed[1] != st.version:
-            self._pushed = (self.parts.sampler.reshard(st.params), st.version)
-        return self._pushed
+        """(weights, version) for the sampler (SamplerWeights: the policy's view; in split
+        mode a copy on the sampler's devices), made once per version."""
+        return self.weights.sampler(self.state.params, self.state.version)
+
+    def policy_weights(self) -> dict[str, jax.Array]:
+        """The policy's weights as the model runs them (`plan.view` of the state)."""
+        return self.weights.policy(self.state.params, self.state.version)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -308,6 +318,7 @@ class RLTrainer:
             return False
         _, arrays, meta = got
         self.state = self.state.restored(arrays, meta)
+        self.weights.reset()
         return True
 
     def compile_counts(self) -> dict[str, int]:

@@ -6,6 +6,7 @@ everything that changes lives in `TrainerState`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from rl_jax.sampling import Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler
 from rl_jax.train.optim import make_optimizer
+from rl_jax.train.params import ParamPlan
 from rl_jax.train.preflight import run_task
 from rl_jax.train.step import make_logprob_fn, make_update, make_value_fn
 
@@ -41,12 +43,14 @@ class Parts:
     mesh: Mesh  # the trainer's
     sample_mesh: Mesh  # the sampler's: the same mesh unless split
     spec: ModelSpec
+    plan: ParamPlan  # what the state's params hold and the weights the model runs (`view`)
     tokenizer: Any
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
     sampler: Sampler
     eval_sampler: Sampler
+    # The compiled programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
     logprob_fn: Any
     value_fn: Any  # the critic's values (loss.advantage='gae'), else None
@@ -81,19 +85,63 @@ class Parts:
         return self.M > 1 or self.cfg.loss.tis
 
 
+class SamplerWeights:
+    """The policy's weights as the sampler runs them, made once per policy version: the
+    trainer's state when the plan's view is the state itself; else `plan.view` of it
+    (model.param_dtype, adapters merged); in split mode that view resharded onto the
+    sampler's devices."""
+
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self._view = jax.jit(parts.plan.view)
+        self._viewed: tuple[Any, int] | None = None  # (view, version)
+        self._pushed: tuple[Any, int] | None = None  # split mode: (sampler copy, version)
+
+    def reset(self) -> None:
+        """Forget the copies (the state changed without a new version: restore, init)."""
+        self._viewed = self._pushed = None
+
+    def drop_view(self) -> None:
+        """Free the view before an update: it is of the old version, and the update's
+        state and moments need the memory."""
+        self._viewed = None
+
+    def policy(self, params, version: int):
+        if self.parts.plan.identity:
+            return params
+        if self._viewed is None or self._viewed[1] != version:
+            self._viewed = None  # the old copy goes before the new one is made
+            self._viewed = (self._view(params), version)
+        return self._viewed[0]
+
+    def sampler(self, params, version: int) -> tuple[Any, int]:
+        """(weights, version) for the sampler."""
+        if not self.parts.split:
+            return self.policy(params, version), version
+        if self._pushed is None or self._pushed[1] != version:
+            self._pushed = (self.parts.sampler.reshard(self.policy(params, version)), version)
+            self._viewed = None  # the trainer's devices keep no copy of the view
+        return self._pushed
+
+
 def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     """(parts, initial params, initial optimizer state) of a resolved config; ConfigError
-    on sizes that cannot work."""
+    on sizes that cannot work. The params are the plan's state (rl_jax.train.params)."""
     mesh, sample_mesh = make_meshes(cfg)
     rules = get_rules(cfg.mesh.rules, purpose="train")
     tokenizer = load_tokenizer(cfg)
-    spec, params = _build_params(cfg, mesh, rules, tokenizer)
+    spec, weights = _build_params(cfg, mesh, rules, tokenizer)
     check_sizes(cfg, num_batch_shards(mesh))
+    # What the trainer holds (float32 masters, LoRA adapters) and the weights the model
+    # runs (`plan.view`): rl_jax.train.params.
+    plan = ParamPlan.from_config(cfg, spec)
+    params = plan.init_state(weights, key=adapter_key(cfg), mesh=mesh)
+    del weights  # the weights cast into the state are not kept beside it
     if cfg.loss.advantage == "gae" and not spec.value_head:
         raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     tx, lr_schedule = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
-    opt_state = init_opt_state(tx, mesh, params)
+    opt_state = init_opt_state(tx, mesh, params, plan)
     # The trainer scores tokens under the distribution the sampler drew them from.
     temperature = cfg.sampling.temperature or 1.0
     update_fn = make_update(
@@ -106,6 +154,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         max_tokens=cfg.sampling.max_new_tokens,
         temperature=temperature,
         state_shardings=(_shardings(params), _shardings(opt_state)),
+        plan=plan,
     )
     # Rendered for the tokenizer (chat template, answer instruction); prompts checked
     # against sampling.max_prompt_len.
@@ -117,6 +166,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         mesh=mesh,
         sample_mesh=sample_mesh,
         spec=spec,
+        plan=plan,
         tokenizer=tokenizer,
         tx=tx,
         lr_schedule=lr_schedule,
@@ -125,8 +175,8 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         sampler=_sampler(cfg, spec, tokenizer, sample_mesh),
         eval_sampler=make_eval_sampler(spec, cfg, tokenizer, mesh=sample_mesh),
         update_fn=update_fn,
-        logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature),
-        value_fn=make_value_fn(spec, rules, mesh) if critic else None,
+        logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
+        value_fn=make_value_fn(spec, rules, mesh, plan=plan) if critic else None,
         task=task,
         reward_fn=reward_fn,
         correct_fn=correctness_fn(cfg.rewards, task, reward_fn),
@@ -147,9 +197,15 @@ def _sampler(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh) -> Sampler:
     )
 
 
-def init_opt_state(tx, mesh: Mesh, params):
-    """Optimizer state on the mesh: moments inherit their params' shardings (zeros_like),
-    scalars such as Adam's count are placed replicated instead of on device 0."""
+def adapter_key(cfg: RunConfig) -> jax.Array:
+    """The key LoRA's A matrices are drawn from (train.seed)."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), 0x10A)
+
+
+def init_opt_state(tx, mesh: Mesh, params, plan: ParamPlan):
+    """Optimizer state of the plan's trained part on the mesh: moments inherit their
+    params' shardings (zeros_like), scalars such as Adam's count are placed replicated
+    instead of on device 0."""
     rep = NamedSharding(mesh, PartitionSpec())
 
     def on_mesh(x):
@@ -158,7 +214,8 @@ def init_opt_state(tx, mesh: Mesh, params):
             return x
         return jax.device_put(x, rep)
 
-    return jax.tree.map(on_mesh, jax.jit(tx.init)(params))
+    init = functools.partial(plan.init_optimizer, tx)
+    return jax.tree.map(on_mesh, jax.jit(init)(params))
 
 
 def copy_params(params):

@@ -67,16 +67,15 @@ def start_wave(parts: Parts, step: int, problems, weights: tuple[Any, int]) -> W
     return Wave(state=state, problems=list(problems), step=step)
 
 
-def decode_until_oldest_done(parts: Parts, state: TrainerState, chunk: int) -> None:
-    """Decode the waves round robin, `chunk` tokens at a time with the current policy,
-    until the oldest is done (the waves' sampler states advance in place)."""
+def decode_until_oldest_done(parts: Parts, state: TrainerState, chunk: int, weights) -> None:
+    """Decode the waves round robin, `chunk` tokens at a time with the current policy
+    (`weights`: the sampler's copy of `state`'s), until the oldest is done (the waves'
+    sampler states advance in place)."""
     sampler, oldest = parts.sampler, state.waves[0]
     while not sampler.done(oldest.state):
         for w in state.waves:
             if not sampler.done(w.state):
-                w.state = sampler.decode(
-                    state.params, w.state, max_steps=chunk, version=state.version
-                )
+                w.state = sampler.decode(weights, w.state, max_steps=chunk, version=state.version)
 
 
 def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> TrainerState:
@@ -88,7 +87,9 @@ def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> Trainer
     )
 
 
-def dynamic_rollout(parts: Parts, state: TrainerState) -> tuple[TrainerState, Rollouts, list]:
+def dynamic_rollout(
+    parts: Parts, state: TrainerState, weights
+) -> tuple[TrainerState, Rollouts, list]:
     """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
     differ, until B_p are kept or data.max_resample_rounds; short batches are filled
     with zero-variance groups (which the zero-variance filter then drops).
@@ -96,13 +97,13 @@ def dynamic_rollout(parts: Parts, state: TrainerState) -> tuple[TrainerState, Ro
     Zero variance is decided as in training (`score`, shaped rewards). Groups scored
     but not kept still enter the pass-rate history here (the kept ones do in
     `train_on`), so No-Positive-Resampling and the interference histogram see every
-    scored group once."""
+    scored group once. `weights`: the sampler's copy of `state`'s policy."""
     P, G = parts.P, parts.G
     kept: list[tuple[Rollouts, int, Any, np.ndarray]] = []  # (rollouts, group, problem, raw [G])
     spare: list[tuple[Rollouts, int, Any, np.ndarray]] = []
     for r in range(parts.cfg.data.max_resample_rounds):
         batch = state.data.draw()
-        ro = generate(parts, state.params, state.version, state.step * 64 + r, batch)
+        ro = generate(parts, weights, state.version, state.step * 64 + r, batch)
         state = account_sampling(parts, state, ro)
         sc = score(parts, ro, batch)
         for g, zv in enumerate(sc.zero_var):

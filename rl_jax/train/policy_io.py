@@ -6,7 +6,9 @@ a model, as any of:
   RUN/checkpoints              the same
   RUN/checkpoints/STEP         that step
 Only the policy's parameters are read from the checkpoint (orbax partial restore):
-the optimizer state, a frozen reference policy and the data state stay on disk.
+the optimizer state, a frozen reference policy and the data state stay on disk. A
+LoRA run's adapters are merged into the base weights as the trainer's view does
+(rl_jax.train.params), so a run loads, samples and exports as a plain model.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rl_jax.config import RunConfig, from_dict
 from rl_jax.knobs import ConfigError
@@ -28,6 +30,7 @@ from rl_jax.models import ModelSpec, Transformer, build_model, param_layout, par
 from rl_jax.models.hf import CheckpointError
 from rl_jax.models.transformer import dtype_of
 from rl_jax.sharding import get_rules
+from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,9 @@ def load_run_params(
     (one device without a mesh). A tensor missing or of another shape is named."""
     shardings = param_shardings(spec, mesh, get_rules(rules_preset, purpose=purpose))
     layout = param_layout(spec)
-    dtype = dtype_of(spec.param_dtype)
+    plan = ParamPlan.from_config(ck.cfg, spec)
+    # Adapters merge in float32 (rl_jax.train.params), so the base is read as float32 too.
+    dtype = dtype_of("float32" if plan.lora else spec.param_dtype)
     ckptr = ocp.PyTreeCheckpointer()
     try:
         with _quiet_absl():  # orbax warns that the step-level metadata file is not here
@@ -160,15 +165,52 @@ def load_run_params(
         name: jax.ShapeDtypeStruct(info.shape, dtype, sharding=shardings[name])
         for name, info in layout.items()
     }
+    if plan.lora:
+        target[LORA_KEY] = _adapter_target(ck, plan, layout, stored_params, mesh)
     args = ocp.args.PyTreeRestore(
         item={"params": target},
         restore_args={"params": ocp.checkpoint_utils.construct_restore_args(target)},
         partial_restore=True,
     )
     try:
-        return dict(ckptr.restore(ck.state_dir, args=args)["params"])
+        params = dict(ckptr.restore(ck.state_dir, args=args)["params"])
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{ck.state_dir}: the parameters do not restore ({e})") from None
+    if not plan.lora:
+        return params
+    return dict(jax.jit(plan.view, out_shardings=shardings)(params))
+
+
+def _adapter_target(ck, plan, layout, stored_params, mesh) -> dict:
+    """Abstract adapters (float32, every device whole) of a LoRA run's checkpoint."""
+    rep = (
+        SingleDeviceSharding(jax.devices()[0])
+        if mesh is None
+        else NamedSharding(mesh, PartitionSpec())
+    )
+    stored = stored_params.get(LORA_KEY)
+    out = {}
+    for t in plan.lora_targets:
+        lead, d_in, d_out = lora_dims(t, layout[t].shape)
+        shapes = {"a": (*lead, d_in, plan.lora_rank), "b": (*lead, plan.lora_rank, d_out)}
+        for part, shape in shapes.items():
+            try:
+                got = tuple(stored[t][part].shape)
+            except (KeyError, TypeError):
+                raise CheckpointError(
+                    f"{ck.state_dir}: missing tensor params/{LORA_KEY}/{t}/{part} of the "
+                    "run's LoRA adapters"
+                ) from None
+            if got != shape:
+                raise CheckpointError(
+                    f"{ck.state_dir}: tensor params/{LORA_KEY}/{t}/{part} has shape {got} "
+                    f"but the run's adapters need {shape}"
+                )
+        out[t] = {
+            part: jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
+            for part, shape in shapes.items()
+        }
+    return out
 
 
 def load_run_model(

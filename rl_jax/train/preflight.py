@@ -26,6 +26,7 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     out = sys.stderr if out is None else out
     task_reward = check_data_files(cfg.data)  # first: it needs no model
     check_model_files(cfg.model)
+    check_lora_targets(cfg)
     check_reward(cfg.rewards, task_reward=task_reward)
     check_eval_size(cfg)
     if cfg.data.source in ("file", "hf") or cfg.data.split_file:
@@ -181,6 +182,16 @@ def check_model_files(cfg: ModelConfig, *, tokenizer: bool = True) -> None:
         from rl_jax.models.tokenizer import load_tokenizer
 
         load_tokenizer(path)
+
+
+def check_lora_targets(cfg: RunConfig) -> None:
+    """LoRA's targets are weights of the model and its rank fits them (reads no weight)."""
+    if not cfg.lora.enabled:
+        return
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.train.params import check_lora
+
+    check_lora(resolve_spec(cfg.model), cfg.lora.target_names, cfg.lora.rank)
 
 
 def check_data_files(data: DataConfig) -> str:

@@ -46,13 +46,15 @@ def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
             # The whole group of k batches with the current weights, before any update.
             t0 = time.perf_counter()
             if cfg.data.dynamic_sampling:
-                tr.state, ro, problems = phases.dynamic_rollout(parts, tr.state)
+                tr.state, ro, problems = phases.dynamic_rollout(
+                    parts, tr.state, tr.sampler_weights()[0]
+                )
                 batches = [problems]
             else:
                 n = min(k, cfg.train.steps - tr.state.step)
                 batches = [tr.state.data.draw() for _ in range(n)]
                 flat = [p for b in batches for p in b]
-                ro = phases.generate(parts, tr.state.params, tr.state.version, tr.state.step, flat)
+                ro = phases.generate(parts, *tr.sampler_weights(), tr.state.step, flat)
                 tr.state = phases.account_sampling(parts, tr.state, ro)
             rows, sample_s = parts.P * parts.G, time.perf_counter() - t0
             pending = tuple(
@@ -83,13 +85,11 @@ def pipeline(tr, bar) -> None:
         state = tr.state
         waves = list(state.waves)  # for steps state.step, state.step + 1, ...
         while len(waves) < W and state.step + len(waves) < end:
-            weights = (state.params, state.version)
-            waves.append(
-                phases.start_wave(parts, state.step + len(waves), state.data.draw(), weights)
-            )
+            step, problems = state.step + len(waves), state.data.draw()
+            waves.append(phases.start_wave(parts, step, problems, tr.sampler_weights()))
         state = state.replace(waves=tuple(waves))
         # Decode round robin until the oldest wave is done; new weights are used at once.
-        phases.decode_until_oldest_done(parts, state, chunk)
+        phases.decode_until_oldest_done(parts, state, chunk, tr.sampler_weights()[0])
         oldest = state.waves[0]
         ro = parts.sampler.result(oldest.state)
         tr.state = phases.account_sampling(parts, state.replace(waves=state.waves[1:]), ro)
@@ -150,6 +150,7 @@ def decode_chunk(cfg: RunConfig) -> int:
 def _train(tr, ro: Rollouts, problems):
     """score -> advantages -> update on one batch: (new state, step metrics)."""
     t0 = time.perf_counter()
+    tr.weights.drop_view()  # the update makes a new version: its memory goes to the update
     scores = phases.score(tr.parts, ro, problems)
     tr.log_samples(problems, scores)
     score_s = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden
 from rl_jax.runtime import xla_options
 from rl_jax.sharding import batch_sharding
+from rl_jax.train.params import ParamPlan
 
 Params = dict[str, jax.Array]
 
@@ -193,23 +194,17 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def _step_fn(
+def _loss_fn(
     spec: ModelSpec,
     rules,
     mesh: Mesh | None,
-    tx: optax.GradientTransformation,
     loss_cfg: LossConfig,
     *,
     num_groups: int,
     max_tokens: int,
     temperature: float,
-) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
-    """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
-    update on one minibatch, not jitted (make_train_step and make_update compile it).
-
-    A NaN/Inf in the loss or any gradient skips the update (params and optimizer
-    state pass through unchanged) and reports `nonfinite = 1`.
-    """
+) -> Callable[[Params, TrainBatch], tuple[jax.Array, dict[str, jax.Array]]]:
+    """loss_fn(weights, batch) -> (loss, metrics) of the model's weights on one minibatch."""
     loss_cfg = loss_cfg.resolved()
     critic = loss_cfg.advantage == "gae"
 
@@ -232,8 +227,49 @@ def _step_fn(
         )
         return loss_from_config(loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens)
 
+    return loss_fn
+
+
+def _step_fn(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    tx: optax.GradientTransformation,
+    loss_cfg: LossConfig,
+    *,
+    num_groups: int,
+    max_tokens: int,
+    temperature: float,
+    plan: ParamPlan | None = None,
+) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
+    """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
+    update on one minibatch, not jitted (make_train_step and make_update compile it).
+
+    `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
+    weights, all trained, as they are): the loss sees `plan.view(params)`, the optimizer
+    updates the trained part (`opt_state` is `plan.init_optimizer`'s).
+
+    A NaN/Inf in the loss or any gradient skips the update (params and optimizer
+    state pass through unchanged) and reports `nonfinite = 1`.
+    """
+    loss_fn = _loss_fn(
+        spec,
+        rules,
+        mesh,
+        loss_cfg,
+        num_groups=num_groups,
+        max_tokens=max_tokens,
+        temperature=temperature,
+    )
+    plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
+
     def step(params: Params, opt_state, batch: TrainBatch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        trained, frozen = plan.split(params)  # [params view]
+
+        def trained_loss(t):  # [params view]
+            return loss_fn(plan.view(plan.join(t, frozen)), batch)
+
+        (loss, metrics), grads = jax.value_and_grad(trained_loss, has_aux=True)(trained)
         finite = jnp.isfinite(loss) & _all_finite(grads)
         grad_norm = optax.global_norm(grads)
 
@@ -241,11 +277,10 @@ def _step_fn(
         # new params and moments are then never alive beside the old ones (bench
         # workload: peak RSS 874-895 -> 857-860 MB).
         def update(state):
-            p, o = state
-            updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), o
+            return plan.apply(tx, grads, state[1], state[0])  # [params view]
 
-        params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
+        trained, opt_state = jax.lax.cond(finite, update, lambda state: state, (trained, opt_state))
+        params = plan.join(trained, frozen)  # [params view]
         metrics = dict(metrics)
         metrics["grad_norm"] = jnp.where(finite, grad_norm, jnp.nan)
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
@@ -277,6 +312,7 @@ def make_train_step(
     max_tokens: int,
     temperature: float,
     state_shardings: tuple[Any, Any] | None = None,
+    plan: ParamPlan | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics): one update
     on one minibatch (see _step_fn); state donated."""
@@ -289,6 +325,7 @@ def make_train_step(
         num_groups=num_groups,
         max_tokens=max_tokens,
         temperature=temperature,
+        plan=plan,
     )
     return _jit_state_step(step, mesh, state_shardings)
 
@@ -304,12 +341,14 @@ def make_update(
     max_tokens: int,
     temperature: float,
     state_shardings: tuple[Any, Any] | None = None,
+    plan: ParamPlan | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """jit(update)(params, opt_state, batches) -> (params, opt_state, metrics [M]).
 
     `batches` holds M minibatches stacked on a leading axis (`put_minibatches`); the
     M updates of one RL step run one after another under `lax.scan` in one program,
-    each as `_step_fn` (num_groups: prompts per minibatch). State donated.
+    each as `_step_fn` (num_groups: prompts per minibatch; params and opt_state those of
+    `plan`, as make_train_step's). State donated.
     """
     step = _step_fn(
         spec,
@@ -320,6 +359,7 @@ def make_update(
         num_groups=num_groups,
         max_tokens=max_tokens,
         temperature=temperature,
+        plan=plan,
     )
 
     def update(params: Params, opt_state, batches: TrainBatch):
@@ -359,19 +399,29 @@ def put_minibatches(
     return TrainBatch(**out, group_size=G)
 
 
-def make_logprob_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, temperature: float):
-    """jit(fn)(params, batch) -> logp [B, Tg] (old or reference policy; no gradient)."""
+def make_logprob_fn(
+    spec: ModelSpec,
+    rules,
+    mesh: Mesh | None,
+    *,
+    temperature: float,
+    plan: ParamPlan | None = None,
+):
+    """jit(fn)(params, batch) -> logp [B, Tg] (old or reference policy; no gradient);
+    params as make_train_step's."""
+    view = plan.view if plan is not None else (lambda p: p)  # [params view]
 
     def fn(params: Params, batch: TrainBatch) -> jax.Array:
-        return completion_logprobs(spec, rules, mesh, params, batch, temperature)[0]
+        return completion_logprobs(spec, rules, mesh, view(params), batch, temperature)[0]
 
     return jax.jit(fn, compiler_options=compiler_options(mesh))
 
 
-def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None):
+def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamPlan | None = None):
     """jit(fn)(params, batch) -> critic values [B, Tg] before the updates (PPO's GAE)."""
+    view = plan.view if plan is not None else (lambda p: p)  # [params view]
 
     def fn(params: Params, batch: TrainBatch):
-        return completion_forward(spec, rules, mesh, params, batch, 1.0, values=True)[2]
+        return completion_forward(spec, rules, mesh, view(params), batch, 1.0, values=True)[2]
 
     return jax.jit(fn, compiler_options=compiler_options(mesh))

@@ -44,3 +44,29 @@ TINY_RUN = [
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def even_first_mass(trainer, weights, num_prompts: int = 16) -> float:
+    """The probability a policy with `weights` gives an even digit as the first token of
+    its answer, averaged over validation prompts: what the verifier rewards, read off the
+    model instead of sampled (a learning signal without sampling noise)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rl_jax.models import Transformer, positions_from_valid
+
+    tok = trainer.tokenizer
+    ids = [tok.encode(p.prompt) for p in trainer.parts.val_problems[:num_prompts]]
+    T = max(map(len, ids))
+    tokens = np.full((len(ids), T), tok.pad_id, np.int32)
+    valid = np.zeros((len(ids), T), bool)
+    for i, x in enumerate(ids):  # left-padded, as the sampler feeds them
+        tokens[i, T - len(x) :] = x
+        valid[i, T - len(x) :] = True
+    model = Transformer(trainer.spec, dict(weights))
+    valid = jnp.asarray(valid)
+    h, _ = model(jnp.asarray(tokens), positions_from_valid(valid), kv_valid_bs=valid)
+    p = jax.nn.softmax(model.logits(h[:, -1:])[:, 0], axis=-1)
+    even = [tok.encode(c)[0] for c in "02468"]
+    return float(np.asarray(p[:, even].sum(axis=-1)).mean())
