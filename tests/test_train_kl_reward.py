@@ -30,6 +30,15 @@ RECIPES = sorted(
 KL_COEF = 0.1
 # The tiny sizes, without the off-policy mode: each recipe keeps its own.
 TINY = [o for o in train_even_first.TINY_RUN if not o.startswith("train.off_policy")]
+# A real-model recipe reads its model and data files: here it keeps its algorithm on the
+# tiny model and the generated task (the real files are tested in test_real_data.py).
+NO_FILES = [
+    "model.path=''",
+    "data.source=arith",
+    "data.path=''",
+    "data.answer_instruction=auto",
+    "sampling.max_prompt_len=0",
+]
 
 
 def test_every_recipe_is_covered():
@@ -72,10 +81,12 @@ def test_kl_in_reward_trains_every_recipe(recipe, tmp_path, monkeypatch):
 
     monkeypatch.setattr(phases, "advantages_from_config", spy_adv)
     monkeypatch.setattr(phases, "gae_from_config", spy_gae)
+    files = NO_FILES if load_recipe(recipe).model.path else []
     cfg = load_recipe(
         recipe,
         [
             *TINY,
+            *files,
             f"out_dir={tmp_path}",
             "train.steps=2",
             "eval.every=0",
