@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -67,9 +68,25 @@ def main(argv: list[str]) -> int:
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         name = "search.json" if a.search else "plan.json"
-        (Path(a.out) / name).write_text(json.dumps(plan, indent=2) + "\n")
-    print(json.dumps(plan) if a.json else text(plan))
+        (Path(a.out) / name).write_text(to_json(plan, indent=2) + "\n")
+    print(to_json(plan) if a.json else text(plan))
     return 0
+
+
+def to_json(tree, indent: int | None = None) -> str:
+    """Strict JSON: a value with no number (NaN, infinity: a program that does not
+    compile, a rate of nothing) is null."""
+    return json.dumps(_finite(tree), indent=indent, allow_nan=False)
+
+
+def _finite(x):
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def format_plan(plan: dict) -> str:

@@ -74,7 +74,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     logits = rows_mb * tg * _split(V, tensor) * 4 * 3  # logits, softmax, their gradient
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
-    wave_rows = (P * k if off == "ppo" else P) * G
+    wave_rows = (P * k if off == "ppo_off_policy" else P) * G
     if off == "pipeline":
         w = max(1, (k + 1) // M)
         waves = min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
@@ -92,7 +92,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     passes = TRAIN_PASSES + (1 if spec.remat else 0) + extra_forwards(cfg)
     train_s = passes * fwd / chips / chip.bf16_flops
-    decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo" else 1)
+    decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo_off_policy" else 1)
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
     step_s = train_s + sample_s
     return {

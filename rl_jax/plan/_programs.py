@@ -10,6 +10,7 @@ run would execute, not estimates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -32,7 +33,7 @@ from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shar
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
-from rl_jax.train.step import TrainBatch, make_logprob_fn, make_train_step
+from rl_jax.train.step import TrainBatch, make_logprob_fn, make_update
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
 
@@ -96,110 +97,68 @@ def plan_run(
     def report(name, fn, args, analytic, **kw):
         return _report(name, fn, args, analytic, chip, chips, headroom, **kw)
 
-    shardings = param_shardings(spec, mesh, rules)
-    # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params).
-    plan = ParamPlan.from_config(cfg, spec)
-    params = plan.abstract_state(spec, shardings, mesh)
-    tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
-    opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
-    param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
-    # The sampler runs the view (model.param_dtype, adapters merged; laid out as the
-    # weights); while it does, the state it is made from stays resident unless the view
-    # is the state itself.
-    weights = {
-        n: jax.ShapeDtypeStruct(a.shape, jnp.dtype(spec.param_dtype), sharding=a.sharding)
-        for n, a in params.items()
-        if n != LORA_KEY
-    }
-    state_resident = 0 if plan.identity else param_bytes
-
-    loss = cfg.loss.resolved()
-    temperature = sc.temperature or 1.0
-    kl = loss.kl_coef > 0
-    needs_old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
-    critic = loss.advantage == "gae"
-    ref_bytes = param_bytes if kl else 0  # the frozen reference policy stays resident
-
     # The sampler: one wave is every prompt of a step (PPO-off-policy-k: of k steps);
     # PipelineRL keeps several waves in flight, each holding its KV cache and rows.
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
-    wave_prompts = P * k if off == "ppo" else P
+    wave_prompts = P * k if off == "ppo_off_policy" else P
     waves = _pipeline_waves(cfg) if off == "pipeline" else 1
-    sampler = Sampler(
-        spec,
-        sc,
-        mesh=mesh,
-        eos_id=0,
-        interrupt_ids=[0],  # its length changes no shape: one token stands in for the text
-        rules=cfg.mesh.rules,
-    )
-    start_fn, start_args, start_kw = sampler.start_program(
-        weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
-    )
-    start = _compile(start_fn, *start_args, **start_kw)
+    b = _build(cfg, spec, mesh, rules, minibatches=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
+    params, opt, sampler = b.params, b.opt, b.sampler
+    param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
+    ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
+    start = _compile(b.start_fn, *b.start_args, **b.start_kw)
     if isinstance(start, OutOfMemory):
         # No layout from the compiler: every array of the state split over the batch
         # shards, as the sampler lays out its rows and caches.
-        state = jax.eval_shape(functools.partial(start_fn, **start_kw), *start_args)
+        state = jax.eval_shape(functools.partial(b.start_fn, **b.start_kw), *b.start_args)
         state_bytes = _chip_bytes(state) // num_batch_shards(mesh)
         kv_bytes = _chip_bytes(state.cache) // num_batch_shards(mesh)
     else:
-        state = _compiled_outputs(
-            functools.partial(start_fn, **start_kw), mesh, *start_args, compiled=start[0]
-        )
+        state = _state(b, mesh, start[0])
         state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.cache)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    # XLA's cost analysis counts a while loop's body once. The programs scan over the
+    # layers (and the update over its minibatches), so their counts come from the same
+    # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
+    # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
 
     programs = []
-    step = make_train_step(
-        spec,
-        rules,
-        mesh,
-        tx,
-        loss,
-        num_groups=P // M,
-        max_tokens=sc.max_new_tokens,
-        temperature=temperature,
-        state_shardings=(
-            jax.tree.map(lambda a: a.sharding, params),
-            jax.tree.map(lambda a: a.sharding, opt),
-        ),
-        plan=plan,
-    )
-    mb = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=kl, critic=critic)
-    fwd_mb = forward_flops(spec, [tp] * (P // M), [tg] * (P // M * G), G)
     # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
     in_flight = state_bytes * waves if off == "pipeline" else 0
+    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     passes = TRAIN_PASSES + (1 if spec.remat else 0)  # remat reruns each layer's forward
+    # One call of the trainer's update program: the RL step's M minibatch updates.
     programs.append(
         report(
             "train_step",
-            step,
-            (params, opt, mb),
-            TRAIN_PASSES * fwd_mb,
-            expected=passes * fwd_mb,
+            b.update,
+            b.update_args,
+            TRAIN_PASSES * fwd,
+            expected=passes * fwd,
             resident=in_flight + ref_bytes,
-            calls=M,
+            calls=1,
+            cost=costs["train_step"],
         )
     )
-    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    if needs_old or kl:
-        fn = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
-        full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
+    if b.logprob is not None:
         programs.append(
             report(
                 "logprob",
-                fn,
-                (params, full),
+                b.logprob,
+                b.logprob_args,
                 fwd,
                 resident=opt_bytes + in_flight + ref_bytes,
-                calls=int(needs_old) + int(kl),
+                calls=int(b.needs_old) + int(b.kl),
+                cost=costs["logprob"],
             )
         )
     # Sampler programs run while the optimizer state (and the reference) stay resident,
     # with the other waves' states beside the one being decoded.
+    # The state the view is made from stays too, unless the view is the state itself.
+    state_resident = param_bytes if b.state_resident else 0
     beside = opt_bytes + ref_bytes + state_resident + state_bytes * (waves - 1)
-    per_wave = 1 / k if off == "ppo" else 1.0  # waves started per RL step
+    per_wave = 1 / k if off == "ppo_off_policy" else 1.0  # waves started per RL step
     prefill_flops = wave_prompts * _prefill_flops(spec, tp - 1)
     programs.append(
         report(
@@ -209,27 +168,30 @@ def plan_run(
             prefill_flops,
             resident=beside,
             calls=per_wave,
+            cost=costs["prefill"],
         )
     )
     # One decode iteration samples one token for every row of a wave and reads every
-    # weight and the whole cache: XLA's cost of the loop is the cost of its body.
+    # weight and the whole cache: the token loop's cost is its body's, once per call.
     rows = wave_prompts * G
     decode_flops = rows * spec.flops_per_token(tp + (tg + 1) / 2)
     weight_bytes = _chip_bytes(
         {
             n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-            for n, a in _resharded(weights, sampler.param_shardings()).items()
+            for n, a in _resharded(b.weights, sampler.param_shardings()).items()
         }
     )
+    scalar = _scalar(mesh)
     programs.append(
         report(
             "decode",
             start if isinstance(start, OutOfMemory) else sampler.decode_program,
-            (weights, state, scalar, scalar),
+            (b.weights, state, scalar, scalar),
             decode_flops,
             resident=beside,
             calls=tg * per_wave,
             bytes_analytic=weight_bytes + kv_bytes,
+            cost=costs["decode"],
         )
     )
     step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
@@ -273,6 +235,165 @@ def plan_run(
             "chip_hours": hours * chips,
         },
     }
+
+
+@dataclasses.dataclass
+class _Built:
+    """A run's programs for one model spec, on abstract arrays (nothing compiled)."""
+
+    params: dict  # the trainer's state (float32 masters, LoRA adapters)
+    weights: dict  # what the sampler runs: the state's view (model.param_dtype, merged)
+    state_resident: bool  # the state stays beside the view while the sampler runs
+    opt: Any
+    sampler: Sampler
+    start_fn: Any
+    start_args: tuple
+    start_kw: dict
+    update: Any
+    update_args: tuple
+    logprob: Any
+    logprob_args: tuple | None
+    kl: bool
+    needs_old: bool
+
+
+def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Built:
+    """The trainer's update program (`make_update`: `minibatches` minibatch updates
+    scanned in one program), the log-prob pass where the recipe needs one, and the
+    sampler's prefill and decode, for `spec` on `mesh`."""
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+    shardings = param_shardings(spec, mesh, rules)
+    # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params); the
+    # sampler runs its view, laid out as the weights.
+    plan = ParamPlan.from_config(cfg, spec)
+    params = plan.abstract_state(spec, shardings, mesh)
+    weights = {
+        n: jax.ShapeDtypeStruct(a.shape, jnp.dtype(spec.param_dtype), sharding=a.sharding)
+        for n, a in params.items()
+        if n != LORA_KEY
+    }
+    tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
+    opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
+    loss = cfg.loss.resolved()
+    temperature = cfg.sampling.temperature or 1.0
+    kl = loss.kl_coef > 0
+    needs_old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
+    critic = loss.advantage == "gae"
+    sampler = Sampler(
+        spec,
+        cfg.sampling,
+        mesh=mesh,
+        eos_id=0,
+        interrupt_ids=[0],  # its length changes no shape: one token stands in for the text
+        rules=cfg.mesh.rules,
+    )
+    start_fn, start_args, start_kw = sampler.start_program(
+        weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
+    )
+    update = make_update(
+        spec,
+        rules,
+        mesh,
+        tx,
+        loss,
+        num_groups=P // M,
+        max_tokens=cfg.sampling.max_new_tokens,
+        temperature=temperature,
+        state_shardings=(
+            jax.tree.map(lambda a: a.sharding, params),
+            jax.tree.map(lambda a: a.sharding, opt),
+        ),
+        plan=plan,
+    )
+    mbs = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=kl, critic=critic, stack=minibatches)
+    logprob, logprob_args = None, None
+    if needs_old or kl:
+        logprob = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
+        full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
+        logprob_args = (params, full)
+    return _Built(
+        params,
+        weights,
+        not plan.identity,
+        opt,
+        sampler,
+        start_fn,
+        start_args,
+        start_kw,
+        update,
+        (params, opt, mbs),
+        logprob,
+        logprob_args,
+        kl,
+        needs_old,
+    )
+
+
+def _state(b: _Built, mesh, compiled_start):
+    """The sampler state `start` returns, with the shardings XLA gives it."""
+    fn = functools.partial(b.start_fn, **b.start_kw)
+    return _compiled_outputs(fn, mesh, *b.start_args, compiled=compiled_start)
+
+
+def _scalar(mesh) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+@contextlib.contextmanager
+def _unrolled_scans():
+    """Every `jax.lax.scan` traced inside unrolls whole: its program has no while loop,
+    so XLA's cost analysis counts each iteration (it counts a loop's body once)."""
+    scan = jax.lax.scan
+
+    @functools.wraps(scan)
+    def unrolled(*args, **kw):
+        kw["unroll"] = True
+        return scan(*args, **kw)
+
+    jax.lax.scan = unrolled
+    try:
+        yield
+    finally:
+        jax.lax.scan = scan
+
+
+def _layer_costs(cfg, spec, mesh, rules, *, M, wave_prompts, tp, tg) -> dict[str, tuple]:
+    """Per program, (FLOPs, bytes accessed) per chip of the `spec.num_layers`-layer
+    program with every iteration of its scans counted: the same programs built with 1
+    and 2 layers and one minibatch, compiled with their scans unrolled, extrapolated
+    linearly in depth; the update's M minibatch updates cost M times one. Decode's
+    token loop stays a loop: its count is one token's step plus what runs once per call."""
+    L = spec.num_layers
+    per: list[dict[str, tuple]] = []
+    for layers in (1, 2):
+        s = dataclasses.replace(spec, num_layers=layers)
+        with _unrolled_scans():
+            b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=wave_prompts, tp=tp, tg=tg)
+            start = _compile(b.start_fn, *b.start_args, **b.start_kw)
+            c = {"train_step": _cost(_compile(b.update, *b.update_args), M)}
+            if b.logprob is not None:
+                c["logprob"] = _cost(_compile(b.logprob, *b.logprob_args))
+            c["prefill"] = _cost(start)
+            if isinstance(start, OutOfMemory):
+                c["decode"] = _cost(start)
+            else:
+                args = (b.weights, _state(b, mesh, start[0]), _scalar(mesh), _scalar(mesh))
+                c["decode"] = _cost(_compile(b.sampler.decode_program, *args))
+        per.append(c)
+    one, two = per
+    return {
+        n: tuple(a + (L - 1) * (b - a) for a, b in zip(one[n], two[n], strict=True)) for n in one
+    }
+
+
+def _cost(done, times: int = 1) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) per chip of a `_compile` result, times `times`."""
+    if isinstance(done, OutOfMemory):
+        return float("nan"), float("nan")
+    cost = done[0].cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops, moved = cost.get("flops", np.nan), cost.get("bytes accessed", np.nan)
+    return times * float(flops), times * float(moved)
 
 
 def _pipeline_waves(cfg: RunConfig) -> int:
@@ -359,11 +480,27 @@ def _compiled_outputs(fn, mesh, *args, compiled=None):
     return jax.tree.map(place, shapes, compiled.output_shardings)
 
 
-def _batch(mesh, groups: int, G: int, tp: int, tg: int, *, old: bool, ref: bool, critic: bool):
+def _batch(
+    mesh,
+    groups: int,
+    G: int,
+    tp: int,
+    tg: int,
+    *,
+    old: bool,
+    ref: bool,
+    critic: bool,
+    stack: int | None = None,
+):
+    """A TrainBatch of `groups` prompt groups; `stack`: that many such minibatches on a
+    leading axis, laid out as `put_minibatches` lays them out."""
     rows, T = groups * G, tp + tg
 
     def arr(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+        if stack is None:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+        sh = NamedSharding(mesh, PartitionSpec(None, *batch_sharding(mesh, len(shape)).spec))
+        return jax.ShapeDtypeStruct((stack, *shape), dtype, sharding=sh)
 
     f32 = jnp.float32
     return TrainBatch(
@@ -395,19 +532,21 @@ def _report(
     resident: int = 0,
     calls: float = 1,
     bytes_analytic: float | None = None,
+    cost: tuple[float, float] | None = None,
 ):
     """One compiled program's per-chip facts. `analytic_total`: its model FLOPs over all
     chips; `expected`: what the compiled count should be (rematerialization included);
     `resident`: bytes other live buffers hold on each chip while it runs; `calls`: times
     it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline).
-    `fn` may be a (compiled, seconds) pair of `_compile` already made."""
+    `cost`: its (FLOPs, bytes accessed) per chip with every loop iteration counted
+    (`_layer_costs`), else XLA's count of `fn`. `fn` may be a (compiled, seconds) pair
+    of `_compile` already made."""
     done = fn if isinstance(fn, tuple | OutOfMemory) else _compile(fn, *args)
     if isinstance(done, OutOfMemory):
         return _out_of_memory(name, done, chip, calls)
     compiled, compile_s = done
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
+    flops, moved = _cost(done) if cost is None else cost
     parts = {
         "arguments": mem.argument_size_in_bytes,
         "outputs": mem.output_size_in_bytes,
@@ -418,8 +557,6 @@ def _report(
     }
     total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
     total += parts["code"] + resident
-    flops = float(cost.get("flops", np.nan))
-    moved = float(cost.get("bytes accessed", np.nan))
     analytic = analytic_total / chips  # an SPMD program's costs are per chip
     expected = analytic if expected is None else expected / chips
     roofline = chip.roofline_s(flops, moved)
