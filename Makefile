@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/rl-jax demo
 
 test: $(STAMP_DEV)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 test-fast: $(STAMP_DEV)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'not slow'
