@@ -250,7 +250,7 @@ _LATER_KNOB_DEFAULTS = {
     "data.hf_split": "train",
     "data.hf_val_split": "",
     # A float32 model computes the same numbers under every precision; a bfloat16 one
-    # now keeps float32 masters by default (its pure-bf16 updates were mostly lost).
+    # keeps float32 masters by default, as bf16 weights lose most small updates.
     "train.precision": "fp32_master",
     "lora.enabled": False,
     "lora.rank": 8,

@@ -264,9 +264,9 @@ def _step_fn(
     plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def step(params: Params, opt_state, batch: TrainBatch):
-        trained, frozen = plan.split(params)  # [params view]
+        trained, frozen = plan.split(params)
 
-        def trained_loss(t):  # [params view]
+        def trained_loss(t):
             return loss_fn(plan.view(plan.join(t, frozen)), batch)
 
         (loss, metrics), grads = jax.value_and_grad(trained_loss, has_aux=True)(trained)
@@ -277,10 +277,10 @@ def _step_fn(
         # new params and moments are then never alive beside the old ones (bench
         # workload: peak RSS 874-895 -> 857-860 MB).
         def update(state):
-            return plan.apply(tx, grads, state[1], state[0])  # [params view]
+            return plan.apply(tx, grads, state[1], state[0])
 
         trained, opt_state = jax.lax.cond(finite, update, lambda state: state, (trained, opt_state))
-        params = plan.join(trained, frozen)  # [params view]
+        params = plan.join(trained, frozen)
         metrics = dict(metrics)
         metrics["grad_norm"] = jnp.where(finite, grad_norm, jnp.nan)
         metrics["nonfinite"] = (~finite).astype(jnp.float32)
@@ -409,7 +409,7 @@ def make_logprob_fn(
 ):
     """jit(fn)(params, batch) -> logp [B, Tg] (old or reference policy; no gradient);
     params as make_train_step's."""
-    view = plan.view if plan is not None else (lambda p: p)  # [params view]
+    view = plan.view if plan is not None else (lambda p: p)
 
     def fn(params: Params, batch: TrainBatch) -> jax.Array:
         return completion_logprobs(spec, rules, mesh, view(params), batch, temperature)[0]
@@ -419,7 +419,7 @@ def make_logprob_fn(
 
 def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamPlan | None = None):
     """jit(fn)(params, batch) -> critic values [B, Tg] before the updates (PPO's GAE)."""
-    view = plan.view if plan is not None else (lambda p: p)  # [params view]
+    view = plan.view if plan is not None else (lambda p: p)
 
     def fn(params: Params, batch: TrainBatch):
         return completion_forward(spec, rules, mesh, view(params), batch, 1.0, values=True)[2]
