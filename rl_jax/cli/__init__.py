@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("rl_jax.cli.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
     "grid": ("rl_jax.cli.grid", "run an experiment grid spec (local, ray, tpu backends)"),
     "fit": ("rl_jax.cli.fit", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
+    "study": ("rl_jax.cli.study", "a seeded leave-one-out study's report from a grid's curves"),
     "eval": ("rl_jax.cli.eval", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
     "sample": ("rl_jax.cli.sample", "sample completions from a model"),
     "samples": ("rl_jax.cli.samples", "a run's logged completions: rl-jax samples RUN [--step N]"),

@@ -19,6 +19,7 @@ from typing import Any
 
 from rl_jax.config import ConfigError, check_range
 from rl_jax.config._run import EXPERIMENTS_DIR, user_file_errors
+from rl_jax.scaling import PaperFinding
 
 # Compute units a budget can be given in; each is also a curve-row counter, so
 # the report can put the same unit on its x axis.
@@ -170,6 +171,9 @@ class ReportSpec:
     split_by: str = ""  # isocompute: axis whose points get separate frontiers (e.g. 'split')
     fit_fraction: float = 0.5  # extrapolation check: fit on this fraction of compute
     n_boot: int = 200  # bootstrap resamples behind every interval
+    # compare: what a paper reports for each axis point against the baseline (rl-jax study
+    # puts its own classification beside it)
+    paper: tuple[tuple[str, PaperFinding], ...] | Mapping[str, PaperFinding] = ()
 
     def __post_init__(self):
         if self.kind not in REPORT_KINDS:
@@ -180,6 +184,13 @@ class ReportSpec:
             raise ConfigError(f"report.n_boot={self.n_boot} is too few for intervals; use >= 20")
         if len(self.frontier) != 2:
             raise ConfigError(f"report.frontier={self.frontier!r} must name two knobs (n, B_p)")
+        if isinstance(self.paper, Mapping):
+            object.__setattr__(self, "paper", tuple(self.paper.items()))
+        for label, finding in self.paper:
+            if not isinstance(finding, PaperFinding):
+                raise ConfigError(
+                    f"report.paper[{label!r}] is {type(finding).__name__}, not PaperFinding"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ matplotlib alone, so an analyst can use it on a laptop.
     bs = scaling.bootstrap(fit)                           # bs.interval("A")
     report = scaling.fit_runs(rows, x="flops", metric="val/pass@1")
     scaling.write_report(report, "fits/")
+    study = scaling.analyse_study(curves, baseline="scalerl")  # seeded leave-one-out
 """
 
 from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, bootstrap_runs
@@ -40,6 +41,8 @@ from rl_jax.scaling._sigmoid import (
     refit,
     sigmoid,
 )
+from rl_jax.scaling._study import PaperFinding, Study, analyse_study
+from rl_jax.scaling._study_report import study_json, write_study
 
 # Plotting pulls in matplotlib; load it on first use so fitting alone stays quick to import.
 _PLOTS = ("plot_curve",)
@@ -67,7 +70,10 @@ __all__ = [
     "FitError",
     "FitReport",
     "FrontierError",
+    "PaperFinding",
     "SigmoidOptions",
+    "Study",
+    "analyse_study",
     "bootstrap",
     "bootstrap_runs",
     "compare_fits",
@@ -87,7 +93,9 @@ __all__ = [
     "record_breaking",
     "refit",
     "sigmoid",
+    "study_json",
     "table_csv",
     "table_markdown",
     "write_report",
+    "write_study",
 ]

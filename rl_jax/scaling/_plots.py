@@ -47,11 +47,11 @@ def _figure(w=7.0, h=4.5):
     return fig
 
 
-def _save(fig: Figure, stem: str | Path) -> list[Path]:
+def _save(fig: Figure, stem: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     out = []
-    for fmt in FORMATS:
+    for fmt in formats:
         p = stem.with_name(f"{stem.name}.{fmt}")
         fig.savefig(p, format=fmt, dpi=120)
         out.append(p)
@@ -70,6 +70,7 @@ def plot_curves(
     x_label: str = "compute",
     y_label: str = "metric",
     title: str | None = None,
+    formats: Sequence[str] = FORMATS,
 ) -> list[Path]:
     """Points, fitted sigmoid and its bootstrap band for each curve, on a log-compute axis.
 
@@ -103,7 +104,7 @@ def plot_curves(
         ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem)
+    return _save(fig, stem, formats)
 
 
 def plot_curve(
@@ -134,6 +135,7 @@ def plot_extrapolation(
     x_label: str = "compute",
     y_label: str = "metric",
     title: str | None = None,
+    formats: Sequence[str] = FORMATS,
 ) -> list[Path]:
     """Fitted window, held-out points, prediction with its band and predictive interval."""
     x, y = np.asarray(x, float), np.asarray(y, float)
@@ -168,7 +170,7 @@ def plot_extrapolation(
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem)
+    return _save(fig, stem, formats)
 
 
 def plot_frontier(

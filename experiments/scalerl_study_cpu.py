@@ -1,0 +1,40 @@
+"""The CPU ScaleRL leave-one-out study: `scalerl_loo` with 3 seeds, sized so A is pinned.
+
+Run it (about 2 hours on 2 idle cores) and rebuild its report from the curves:
+
+    rl-jax grid scalerl_study_cpu --jobs 2 --out grids
+    python -m rl_jax.scaling.study grids/scalerl_study_cpu experiments/results/scalerl_cpu
+
+The choices come from the pilot (experiments/results/scalerl_cpu/pilot):
+- a constant learning rate after warm-up, as in the paper: a cosine decay to zero
+  bends the end of every curve and the sigmoid's A lands on its bound;
+- 800 steps at lr 5e-5 move the policy as far as the pilot's first ~1,050 cosine
+  steps, where the baseline had levelled off near 0.88;
+- 6,144 training problems: 800 steps of 16 prompts read the pool about twice,
+  so No-Positive-Resampling retires problems in the second epoch without
+  starving the run (4,096 problems ran out after 5.5 epochs);
+- 512 validation prompts x k = 4 at 24 evaluations: one evaluation's binomial
+  error is about 0.015, below the seed-to-seed dips (0.11-0.14 in the pilot);
+- 3 seeds of every variant: the pilot's seeds differ by more than ScaleRL's
+  +-0.02 tie band, so no single-seed difference can be read.
+"""
+
+from rl_jax.grid import Budget, load_spec
+
+STEPS = 800
+ROLLOUTS_PER_STEP = 16 * 8  # the scalerl recipe's prompts_per_batch x sampling.n
+
+
+def grid():
+    return load_spec("scalerl_loo_cpu").replace(
+        name="scalerl_study_cpu",
+        base={
+            "train.schedule": "constant",
+            "data.train_size": 6144,
+            "eval.num_prompts": 512,
+        },
+        seeds=(0, 1, 2),
+        budget=Budget(amount=ROLLOUTS_PER_STEP * STEPS, unit="rollouts"),
+        evals_per_run=24,
+        checkpoints_per_run=2,  # a killed run loses at most 400 steps
+    )
