@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         return 2
     preamble = (
         f"Grid `{spec.name}` ({spec.description or spec.recipe}); {len(curves)} runs. "
-        f"Regenerate: `rl-jax study {a.spec} --out {a.out}`."
+        f"Regenerated from this directory's curves.jsonl by `rl-jax study {spec.name} --out DIR`."
     )
     write_study(study, out, title=f"Study: {spec.name}", preamble=preamble, plots=not a.no_plots)
     print(f"wrote {out / 'report.md'} and {out / 'study.json'}")
