@@ -47,14 +47,13 @@ def grid() -> GridSpec:
     return GridSpec(
         name="isocompute",
         recipe="isocompute",  # recipe() below; HEALTHY restates its choices at paper scale
-        base={**HEALTHY, "sampling.max_new_tokens": 4096},
+        # One split file for both splits, in the base: `--set data.split_file=...` points
+        # every run at it (a gs:// URL on TPU hosts).
+        base={**HEALTHY, "sampling.max_new_tokens": 4096, "data.split_file": "splits.json"},
         axes=(
             Axis.variants(
                 "split",
-                {
-                    "easy": {"data.split_file": "splits.json", "data.split_name": "easy"},
-                    "hard": {"data.split_file": "splits.json", "data.split_name": "hard"},
-                },
+                {"easy": {"data.split_name": "easy"}, "hard": {"data.split_name": "hard"}},
                 vars={"easy": {"B_max": 65536}, "hard": {"B_max": 16384}},
             ),
             Axis.of("sampling.n", POW2, short="n"),  # 8 .. 2048

@@ -30,8 +30,8 @@ from rl_jax.runtime import user_cache_dir
 
 # A URL: a scheme of two or more characters before '://' (one letter would be a drive).
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-# Install hints for fsspec protocols whose package rl_jax knows.
-_EXTRAS = {"gs": "gcs", "gcs": "gcs"}
+# fsspec protocols whose package an rl_jax extra installs: protocol -> (package, extra).
+_EXTRAS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 # info() fields that change when an object's content does, by file system (GCS, S3, local).
 _VERSION_FIELDS = ("md5Hash", "etag", "ETag", "generation", "mtime", "LastModified", "created")
 # In-process memo of staged copies: a grid resolves one model's spec for hundreds of runs.
@@ -57,8 +57,11 @@ def filesystem(url: str, key: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
-        extra = _EXTRAS.get(proto)
-        hint = f"pip install 'rl_jax[{extra}]'" if extra else f"install the fsspec backend: {e}"
+        if proto in _EXTRAS:
+            package, extra = _EXTRAS[proto]
+            hint = f"{package}: pip install 'rl-jax[{extra}]'"
+        else:
+            hint = f"its fsspec backend ({e})"
         raise ConfigError(f"{key}={url!r}: reading {proto}:// paths needs {hint}") from None
     except ValueError as e:  # fsspec: "Protocol not known: ..."
         raise ConfigError(f"{key}={url!r}: {e}") from None
