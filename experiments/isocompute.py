@@ -47,9 +47,14 @@ def grid() -> GridSpec:
     return GridSpec(
         name="isocompute",
         recipe="isocompute",  # recipe() below; HEALTHY restates its choices at paper scale
-        # One split file for both splits, in the base: `--set data.split_file=...` points
-        # every run at it (a gs:// URL on TPU hosts).
-        base={**HEALTHY, "sampling.max_new_tokens": 4096, "data.split_file": "splits.json"},
+        # One split file for both splits, in the base (with a split name the axis replaces):
+        # `--set data.split_file=...` points every run at it (a gs:// URL on TPU hosts).
+        base={
+            **HEALTHY,
+            "sampling.max_new_tokens": 4096,
+            "data.split_file": "splits.json",
+            "data.split_name": "easy",
+        },
         axes=(
             Axis.variants(
                 "split",

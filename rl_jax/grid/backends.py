@@ -355,7 +355,9 @@ class TpuBackend(LocalBackend):
         return self.slice_name(plan) not in {self.slice_name(p) for p in active}
 
     def input_overrides(self, plan: RunPlan) -> list[str]:
-        """`key=value` for each input path of the run: what every host reads."""
+        """`key=value` for each input path of the run that no override names already (the
+        recipe's own): the command says everything every host reads."""
+        given = {o.split("=", 1)[0].strip() for o in plan.overrides}
         out = []
         for key, value in input_paths(plan.config):
             if not paths.is_url(value) and not Path(value).is_absolute():
@@ -365,7 +367,8 @@ class TpuBackend(LocalBackend):
                     f" (e.g. --set {key}=gs://BUCKET/..., tpu_setup/README.md) or an absolute"
                     " path present on every host"
                 )
-            out.append(format_override(key, value))
+            if key not in given:
+                out.append(format_override(key, value))
         return out
 
     def check(self, plans: Sequence[RunPlan]) -> None:
