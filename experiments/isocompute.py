@@ -10,7 +10,7 @@ importance sampling against the sampler, temperature 0.6, lr proportional to
 sqrt(B_p * n) (1e-6 at B = 1024), 10 warm-up steps then constant, no KL or
 entropy terms (they destabilize the hard split). Difficulty splits come from
 the base model's avg@16 (rl_jax.data.splits.write_splits); point the grid at
-the model, the data and the split file, e.g.
+the model, the data and the split file (gs:// URLs on TPU hosts: tpu_setup/README.md), e.g.
 
     rl-jax grid isocompute --set model.path=/ckpt/Qwen2.5-7B --set data.source=file \\
         --set data.path=/data/math.jsonl --set data.split_file=/data/splits.json
