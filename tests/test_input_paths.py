@@ -152,6 +152,19 @@ def test_parquet_from_a_url(mem):
     assert read_records(f"{url}/t.parquet") == ROWS[:3]
 
 
+def test_hf_dataset_saved_to_a_url(mem):
+    datasets = pytest.importorskip("datasets")
+    from rl_jax.data import build_task
+
+    _, url = mem
+    rows = [{"question": r["question"], "answer": r["answer"]} for r in ROWS]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(f"{url}/gsm")
+    task = build_task(DataConfig(source="hf", path=f"{url}/gsm", val_size=2))
+    assert (len(task.train), len(task.val), task.reward_name) == (10, 2, "numeric")
+    with pytest.raises(ConfigError, match=f"data.path='{url}/nope' does not exist"):
+        build_task(DataConfig(source="hf", path=f"{url}/nope", val_size=2))
+
+
 @pytest.mark.parametrize(
     "key, overrides",
     [
