@@ -246,6 +246,7 @@ def test_model_weights_from_a_url_staged_once(tmp_path, tiny_model, monkeypatch)
         np.testing.assert_array_equal(got[k], want[k])
     staged = local_model_path(url)
     assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in local.iterdir())
+    assert local_model_path(url, weights=False) == staged  # the whole copy serves the spec
     assert not [p for p in staged.parent.parent.iterdir() if p.name.startswith(".staging")]
 
     # A new process (no memo) finds the copy on disk and downloads nothing.

@@ -142,9 +142,11 @@ def stage(path: str | os.PathLike, key: str, *, files: Sequence[str] = ()) -> Pa
     if local is not None:
         return local
     url = str(path)
+    # A whole copy made in this process serves a request for part of it.
+    for memo in ((url, ()), (url, tuple(files))):
+        if memo in _STAGED and _STAGED[memo].exists():
+            return _STAGED[memo]
     memo = (url, tuple(files))
-    if memo in _STAGED and _STAGED[memo].exists():
-        return _STAGED[memo]
     fs, inner = filesystem(url, key)
     inner = inner.rstrip("/")
     is_dir = fs.isdir(inner)
