@@ -93,11 +93,6 @@ def suffix(path: str | os.PathLike) -> str:
     return Path(str(path).rstrip("/").rsplit("/", 1)[-1]).suffix
 
 
-def join(path: str | os.PathLike, name: str) -> str | Path:
-    """`path / name`, a URL kept a URL."""
-    return f"{str(path).rstrip('/')}/{name}" if is_url(path) else Path(path) / name
-
-
 @contextlib.contextmanager
 def open_input(path: str | os.PathLike, key: str) -> Iterator[IO[bytes]]:
     """`path` opened for binary reading (a local file with plain `open`)."""
