@@ -10,7 +10,7 @@ importance sampling against the sampler, temperature 0.6, lr proportional to
 sqrt(B_p * n) (1e-6 at B = 1024), 10 warm-up steps then constant, no KL or
 entropy terms (they destabilize the hard split). Difficulty splits come from
 the base model's avg@16 (rl_jax.data.splits.write_splits); point the grid at
-the model, the data and the split file, e.g.
+the model, the data and the split file (gs:// URLs on TPU hosts: tpu_setup/README.md), e.g.
 
     rl-jax grid isocompute --set model.path=/ckpt/Qwen2.5-7B --set data.source=file \\
         --set data.path=/data/math.jsonl --set data.split_file=/data/splits.json
@@ -47,14 +47,18 @@ def grid() -> GridSpec:
     return GridSpec(
         name="isocompute",
         recipe="isocompute",  # recipe() below; HEALTHY restates its choices at paper scale
-        base={**HEALTHY, "sampling.max_new_tokens": 4096},
+        # One split file for both splits, in the base (with a split name the axis replaces):
+        # `--set data.split_file=...` points every run at it (a gs:// URL on TPU hosts).
+        base={
+            **HEALTHY,
+            "sampling.max_new_tokens": 4096,
+            "data.split_file": "splits.json",
+            "data.split_name": "easy",
+        },
         axes=(
             Axis.variants(
                 "split",
-                {
-                    "easy": {"data.split_file": "splits.json", "data.split_name": "easy"},
-                    "hard": {"data.split_file": "splits.json", "data.split_name": "hard"},
-                },
+                {"easy": {"data.split_name": "easy"}, "hard": {"data.split_name": "hard"}},
                 vars={"easy": {"B_max": 65536}, "hard": {"B_max": 16384}},
             ),
             Axis.of("sampling.n", POW2, short="n"),  # 8 .. 2048

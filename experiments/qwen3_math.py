@@ -5,7 +5,8 @@ zero-variance filtering, No-Positive-Resampling, no KL) on MATH-layout problems
 ({"problem", "solution" with \\boxed{}}); rewards.name=auto picks the math verifier from the
 file. The paths are relative to the launch directory (the home directory of every TPU host,
 tpu_setup/README.md "Inputs"): the HF checkpoint in models/Qwen3-1.7B, the problems in
-data/math/train.jsonl.
+data/math/train.jsonl; or read from a bucket with model.path=gs://BUCKET/models/Qwen3-1.7B
+data.path=gs://BUCKET/data/math/train.jsonl (what a `rl-jax grid --backend tpu` run needs).
 
     rl-jax plan qwen3_math model.path="''" --topology v5p:2x2x1   # HBM per chip, any host
     tpu_setup/launch.sh ... -- rl-jax train qwen3_math mesh.distributed=true

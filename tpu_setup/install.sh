@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Copy this checkout to every host of a TPU slice and install it with the tpu extra.
+# Copy this checkout to every host of a TPU slice and install it with the tpu and gcs
+# extras (gcs: model, data and split paths may be gs:// URLs).
 # Reinstalls only when the sources changed (a stamp holds their hash).
 #   install.sh --name NAME --zone ZONE [--src DIR] [--venv DIR]
 # shellcheck source-path=SCRIPTDIR source=common.sh
@@ -29,5 +30,5 @@ run gcloud compute tpus tpu-vm scp "$tarball" "$NAME:rl_jax_src.tgz" "${LOC[@]}"
 remote="set -e; if [ \"\$(cat ~/rl_jax/.stamp 2>/dev/null)\" != $stamp ]; then"
 remote+=" rm -rf ~/rl_jax && mkdir -p ~/rl_jax && tar -xzf ~/rl_jax_src.tgz -C ~/rl_jax"
 remote+=" && python3 -m venv ~/$VENV && ~/$VENV/bin/pip install -q -U pip"
-remote+=" && ~/$VENV/bin/pip install -q -e ~/rl_jax'[tpu]' && echo $stamp > ~/rl_jax/.stamp; fi"
+remote+=" && ~/$VENV/bin/pip install -q -e ~/rl_jax'[tpu,gcs]' && echo $stamp > ~/rl_jax/.stamp; fi"
 tpu_ssh all "$remote"

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from rl_jax.config.model import ModelConfig
     from rl_jax.models.hf import export_hf
-    from rl_jax.models.load import load_model
+    from rl_jax.models.load import load_model, local_model_path
     from rl_jax.models.native import save_model
 
     src, out = Path(args.src), Path(args.out)
@@ -89,7 +89,9 @@ def main(argv: list[str]) -> int:
         from rl_jax.train.policy_io import load_run_model, run_tokenizer
 
         model, ck = load_run_model(src, step=args.step, param_dtype=args.dtype)
-        tokenizer_from = ck.cfg.model.path or None
+        # The run's model.path may be a URL: its tokenizer files come from the input cache.
+        path = ck.cfg.model.path
+        tokenizer_from = local_model_path(path, weights=False) if path else None
         if not tokenizer_from:  # the built-in character tokenizer
             write_tokenizer = run_tokenizer(ck).save
     else:

@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
     spec = load_spec(a.spec)
     backend = make_backend(a, spec)
     plans = expand(spec, extra=[*backend.extra_overrides(), *a.set])
+    backend.check(plans)
     root = grid_dir(spec, a.out).resolve()
     recipe = str(resolve_recipe_path(spec.recipe).resolve())
     if a.dry_run:

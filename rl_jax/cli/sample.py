@@ -98,13 +98,14 @@ def read_prompts(path: str) -> list[str | list[int]]:
 
 def _tokenizer(model_path: str):
     """The model's tokenizer; None if it ships none (a damaged one is an error)."""
+    from rl_jax.models.load import local_model_path
     from rl_jax.models.tokenizer import load_tokenizer
 
-    p = Path(model_path)
+    p = local_model_path(model_path, weights=False)  # a URL's tokenizer files, copied here
     if p.is_dir() and not (p / "tokenizer.json").is_file():
         return None
     try:
-        return load_tokenizer(model_path)
+        return load_tokenizer(p)
     except (OSError, ValueError):
         if p.is_dir():  # a tokenizer.json that does not load is damaged, not absent
             raise

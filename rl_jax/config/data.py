@@ -34,7 +34,8 @@ class DataConfig:
     path: str = knob(
         "",
         help="source=file: JSONL/parquet training file; source=hf: a `save_to_disk` directory "
-        "or a hub dataset name; source=tfds: data_dir ('' = default)",
+        "or a hub dataset name; source=tfds: data_dir ('' = default); files and directories "
+        "may be URLs (gs://...)",
     )
     hf_split: str = knob(
         "train", help="source=hf: split of a DatasetDict / hub dataset to train on"
@@ -43,11 +44,15 @@ class DataConfig:
         "", help="source=hf: split to validate on ('' = hold out val_size problems of hf_split)"
     )
     val_path: str = knob(
-        "", help="source=file: validation file ('' = hold out val_size problems of data.path)"
+        "",
+        help="source=file: validation file, local or a URL ('' = hold out val_size problems "
+        "of data.path)",
     )
     format: str = knob("auto", help=f"file/tfds record layout, one of {FILE_FORMATS}")
     gym_kwargs: str = knob("", help="source=reasoning_gym: JSON object of dataset options")
-    split_file: str = knob("", help="difficulty split file (IsoCompute easy/hard) to select from")
+    split_file: str = knob(
+        "", help="difficulty split file (IsoCompute easy/hard) to select from, local or a URL"
+    )
     split_name: str = knob("", help="split of split_file to train and validate on (easy, hard...)")
     train_size: int = knob(
         4096, help="generated sources: training problems (file/tfds use every problem)"

@@ -24,7 +24,8 @@ class ModelConfig:
     )
     path: str = knob(
         "",
-        help="HF directory, GGUF file or rl_jax model directory to load; wins over preset",
+        help="HF directory, GGUF file or rl_jax model directory to load, local or a URL "
+        "(gs://BUCKET/models/NAME: copied once into a local cache); wins over preset",
     )
     architecture: str = knob(
         "", help=f"decoder family, one of {ARCHITECTURES} ('' = from preset/checkpoint)"

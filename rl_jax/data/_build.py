@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
 from rl_jax.data._files import LAYOUTS
 from rl_jax.data._problem import MappedSequence, Problem, Task, problem_id, templated
@@ -97,7 +98,8 @@ def build_task(
                 f"{n_train} training and {len(val)} of the {n_val} validation problems of this "
                 "data config; estimate avg@k over task.train and task.val of the same config"
             )
-        info.update(split=cfg.split_name, split_file=str(Path(cfg.split_file)))
+        split_file = cfg.split_file if paths.is_url(cfg.split_file) else str(Path(cfg.split_file))
+        info.update(split=cfg.split_name, split_file=split_file)
     info.update(train_size=len(train), val_size=len(val))
     name = cfg.source if cfg.source in ("countdown", "file", "hf") else f"{cfg.source}:{cfg.task}"
     return Task(name=name, train=train, val=val, reward_name=reward, info=info)

@@ -1,4 +1,6 @@
-"""Real datasets from local JSONL or parquet files in the GSM8K, MATH and Polaris layouts.
+"""Real datasets from JSONL or parquet files in the GSM8K, MATH and Polaris layouts.
+
+A file is a local path or a URL (`gs://...`, any fsspec protocol: rl_jax.config.paths).
 
 gsm8k    {"question": ..., "answer": "... #### 72"}          -> numeric verifier
 math     {"problem": ..., "solution": "... \\boxed{3}"}       -> math verifier
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rl_jax.config import paths
 from rl_jax.data._problem import Problem, problem_id
 from rl_jax.knobs import ConfigError
 from rl_jax.rewards import last_boxed, parse_number
@@ -24,27 +27,30 @@ Record = Mapping[str, Any]
 
 
 def read_records(path: str | Path, key: str = "data.path") -> list[dict[str, Any]]:
-    """Rows of a .jsonl / .json (one object per line) or .parquet file; `key` is the knob
-    that named the file (for messages)."""
-    path = Path(path)
-    if not path.exists():
+    """Rows of a .jsonl / .json (one object per line) or .parquet file, local or a URL
+    (rl_jax.config.paths); `key` is the knob that named the file (for messages)."""
+    path = path if paths.is_url(path) else Path(path)
+    found = paths.kind(path, key)
+    if found is None:
         raise ConfigError(f"{key}={str(path)!r} does not exist")
-    if not path.is_file():
+    if found == "dir":
         raise ConfigError(f"{key}={str(path)!r} is a directory, expected a data file")
-    if path.suffix == ".parquet":
+    ext = paths.suffix(path)
+    if ext == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from e
         try:
-            return pq.read_table(path).to_pylist()
+            with paths.open_input(path, key) as f:
+                return pq.read_table(f).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"{key}={str(path)!r}: not a readable parquet file ({first})") from e
-    if path.suffix not in (".jsonl", ".json", ".ndjson"):
+    if ext not in (".jsonl", ".json", ".ndjson"):
         raise ConfigError(f"{key}={str(path)!r}: expected .jsonl, .json or .parquet")
     rows = []
-    with open(path, "rb") as f:
+    with paths.open_input(path, key) as f:
         for n, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")

@@ -1,6 +1,7 @@
 """`data.source=hf`: problems from a Hugging Face `datasets` dataset.
 
-data.path is a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`,
+data.path is a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
+(local, or a URL such as gs://BUCKET/data/gsm8k, which `datasets` reads through fsspec),
 or a hub name (`openai/gsm8k`; needs the network and, for some, a config: `name:config`).
 Records are read in the layouts of local files (`data.format`: gsm8k, math, polaris,
 jsonl, auto). data.hf_split picks the training split of a DatasetDict; validation is
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
 from rl_jax.knobs import ConfigError
 
@@ -42,9 +44,12 @@ def _split(obj: Any, split: str, key: str, where: str):
 def hf_records(cfg: DataConfig) -> tuple[list[dict], list[dict] | None, str]:
     """(training records, validation records or None, a description for messages)."""
     datasets = _datasets()
-    path = Path(cfg.path)
-    if path.exists():
-        if not path.is_dir():
+    path = cfg.path if paths.is_url(cfg.path) else Path(cfg.path)
+    found = paths.kind(path, "data.path")
+    if paths.is_url(path) and found is None:
+        raise ConfigError(f"data.path={cfg.path!r} does not exist")
+    if found is not None:
+        if found != "dir":
             raise ConfigError(
                 f"data.path={cfg.path!r} is a file; data.source='hf' reads a `save_to_disk` "
                 "directory (use data.source=file for JSONL / parquet files)"

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from rl_jax.config import paths
 from rl_jax.data._problem import Problem
 from rl_jax.knobs import ConfigError
 from rl_jax.runs.atomic import atomic_write_json
@@ -104,13 +105,14 @@ def write_splits(
 
 
 def read_splits(path: str | Path) -> dict[str, Any]:
+    """A split file written by `write_splits`: a local path or a URL (rl_jax.config.paths)."""
     import json
 
-    path = Path(path)
-    if not path.is_file():
+    path = path if paths.is_url(path) else Path(path)
+    if paths.kind(path, "data.split_file") != "file":
         raise ConfigError(f"data.split_file={str(path)!r} is not a file")
     try:
-        content = json.loads(path.read_text(encoding="utf-8"))
+        content = json.loads(paths.read_text(path, "data.split_file"))
     except (UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"data.split_file={str(path)!r}: not valid JSON ({e})") from None
     if not isinstance(content, dict):

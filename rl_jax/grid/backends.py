@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_jax.config import ConfigError
-from rl_jax.grid.expand import RunPlan
+from rl_jax.config import ConfigError, RunConfig, paths
+from rl_jax.grid.expand import RunPlan, format_override
 from rl_jax.grid.spec import Resources
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +98,9 @@ class Backend:
 
     def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
         return []
+
+    def check(self, plans: Sequence[RunPlan]) -> None:
+        """Refuse, before any run starts, runs this backend cannot give their inputs."""
 
     def close(self) -> None:
         pass
@@ -284,6 +287,22 @@ class TpuOptions:
         return self.version or TPU_RUNTIMES[self.accelerator.split("-")[0]]
 
 
+def input_paths(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(knob, path) of every model, data and split path a run of `cfg` reads; a
+    data.source=hf name that is not a local directory is a hub dataset, not a path."""
+    d = cfg.data
+    data_path = d.path if d.source in ("file", "tfds") else ""
+    if d.source == "hf" and (paths.is_url(d.path) or Path(d.path).is_dir()):
+        data_path = d.path
+    pairs = [
+        ("model.path", cfg.model.path),
+        ("data.path", data_path),
+        ("data.val_path", d.val_path if d.source == "file" else ""),
+        ("data.split_file", d.split_file),
+    ]
+    return [(k, v) for k, v in pairs if v]
+
+
 class TpuBackend(LocalBackend):
     """Runs each run on all hosts of a TPU slice through `tpu_setup/run.sh`.
 
@@ -293,6 +312,12 @@ class TpuBackend(LocalBackend):
     on the slice so a relaunch resumes). A run always goes to the same slice
     (index mod slices) for that reason. With `dry_run`, the script prints the
     gcloud commands instead of running them.
+
+    Every host reads the run's inputs itself: the command names each model, data
+    and split path (the recipe's own included), and each must be a URL every host
+    reads (gs://BUCKET/..., tpu_setup/README.md) or an absolute path present on
+    every host; a relative path is refused, as each host would resolve it on its
+    own disk.
     """
 
     name = "tpu"
@@ -328,6 +353,27 @@ class TpuBackend(LocalBackend):
 
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
         return self.slice_name(plan) not in {self.slice_name(p) for p in active}
+
+    def input_overrides(self, plan: RunPlan) -> list[str]:
+        """`key=value` for each input path of the run that no override names already (the
+        recipe's own): the command says everything every host reads."""
+        given = {o.split("=", 1)[0].strip() for o in plan.overrides}
+        out = []
+        for key, value in input_paths(plan.config):
+            if not paths.is_url(value) and not Path(value).is_absolute():
+                raise ConfigError(
+                    f"grid run {plan.group}: {key}={value!r} is a relative path; with --backend"
+                    " tpu every host reads its inputs itself, so give a URL all hosts read"
+                    f" (e.g. --set {key}=gs://BUCKET/..., tpu_setup/README.md) or an absolute"
+                    " path present on every host"
+                )
+            if key not in given:
+                out.append(format_override(key, value))
+        return out
+
+    def check(self, plans: Sequence[RunPlan]) -> None:
+        for plan in plans:
+            self.input_overrides(plan)
 
     def script_argv(self, script: str, plan: RunPlan | None, *args: str) -> list[str]:
         o = self.opts
@@ -367,7 +413,8 @@ class TpuBackend(LocalBackend):
             argv.append("--queued")
         if o.spot:
             argv.append("--spot")
-        return [*argv, "--", *self.remote_train_cmd, *plan.train_args(recipe, out_dir=out_dir)]
+        train_args = plan.train_args(recipe, out_dir=out_dir, extra=self.input_overrides(plan))
+        return [*argv, "--", *self.remote_train_cmd, *train_args]
 
     def start(self, plan: RunPlan, argv: list[str], log_path: Path):
         if self.dry_run:

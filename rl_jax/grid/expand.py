@@ -58,9 +58,10 @@ class RunPlan:
         """Estimated training compute of the whole run, per unit."""
         return {k: v * self.steps for k, v in self.step_compute.items()}
 
-    def train_args(self, recipe_path: str, *, out_dir: str) -> list[str]:
-        """Arguments after `rl-jax train`: the recipe, every override, then where to write."""
-        return [recipe_path, *self.overrides, f"name={self.name}", f"out_dir={out_dir}"]
+    def train_args(self, recipe_path: str, *, out_dir: str, extra: Sequence[str] = ()) -> list[str]:
+        """Arguments after `rl-jax train`: the recipe, every override, then `extra` (values
+        the config already holds, spelled out for a backend), then where to write."""
+        return [recipe_path, *self.overrides, *extra, f"name={self.name}", f"out_dir={out_dir}"]
 
 
 # ---- override formatting --------------------------------------------------------------

@@ -3,7 +3,8 @@
 `model.path` picks the format: a `.gguf` file (rl_jax.models.gguf_io), an rl_jax
 model directory (rl_jax.models.native) or else an HF directory (rl_jax.models.hf).
 Without a path the spec is `model.preset`'s (or the explicit fields) and the
-weights a random init. The format modules are imported when a path needs them:
+weights a random init. `model.path` may be a URL (gs://...): it is copied into a local
+cache first (`local_model_path`). The format modules are imported when a path needs them:
 they import JAX, and a preset's spec needs none of them.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rl_jax.config import paths
 from rl_jax.config.model import ModelConfig
 from rl_jax.models.spec import ModelSpec, get_preset, spec_from_fields
 
@@ -20,22 +22,36 @@ if TYPE_CHECKING:
 
     from rl_jax.models.transformer import Transformer
 
+# What a model directory's spec and tokenizer are read from (config.json, tokenizer.json,
+# tokenizer_config.json, chat_template.jinja, ...): a remote model's spec resolves without
+# copying its weights.
+METADATA_FILES = ("*.json", "*.jinja")
+
+
+def local_model_path(path: str | Path, *, weights: bool = True) -> Path:
+    """`model.path` on this machine: a local path as given; a URL (gs://BUCKET/models/NAME,
+    any fsspec protocol) copied once into the local input cache (rl_jax.config.paths.stage),
+    where the loaders memory-map it. Without `weights`, a remote directory's copy holds its
+    JSON and template files only: enough for the spec and the tokenizer."""
+    return paths.stage(path, "model.path", files=() if weights else METADATA_FILES)
+
 
 def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
     """Architecture fields before overrides, and where they came from."""
     if cfg.path:
-        p = Path(cfg.path)
+        p = local_model_path(cfg.path, weights=False)
+        shown = cfg.path if paths.is_url(cfg.path) else p
         if p.suffix == ".gguf":
             from rl_jax.models.gguf_io import spec_fields_from_gguf
 
-            return spec_fields_from_gguf(p), f"GGUF file {p}"
+            return spec_fields_from_gguf(p), f"GGUF file {shown}"
         from rl_jax.models.native import is_native_dir, spec_fields_from_native
 
         if is_native_dir(p):
-            return spec_fields_from_native(p), f"rl_jax model directory {p}"
+            return spec_fields_from_native(p), f"rl_jax model directory {shown}"
         from rl_jax.models.hf import spec_fields_from_hf_dir
 
-        return spec_fields_from_hf_dir(p), f"HF directory {p}"
+        return spec_fields_from_hf_dir(p), f"HF directory {shown}"
     if cfg.preset:
         return get_preset(cfg.preset), f"preset {cfg.preset!r}"
     return {}, "explicit fields (model.preset='')"
@@ -63,14 +79,15 @@ def load_model(
         from rl_jax.models.transformer import build_model
 
         return build_model(spec, seed=seed, **kw)
-    if Path(cfg.path).suffix == ".gguf":
+    path = local_model_path(cfg.path)
+    if path.suffix == ".gguf":
         from rl_jax.models.gguf_io import load_gguf
 
-        return load_gguf(cfg.path, spec, **kw)
+        return load_gguf(path, spec, **kw)
     from rl_jax.models.native import is_native_dir, load_native
 
-    if is_native_dir(cfg.path):
-        return load_native(cfg.path, spec, **kw)
+    if is_native_dir(path):
+        return load_native(path, spec, **kw)
     from rl_jax.models.hf import load_hf
 
-    return load_hf(cfg.path, spec, **kw)
+    return load_hf(path, spec, **kw)

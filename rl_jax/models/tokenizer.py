@@ -190,8 +190,11 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> HFTokenizer:
-    """From an HF directory or a GGUF file."""
-    p = Path(path)
+    """From an HF directory or a GGUF file, local or a URL (its tokenizer files copied into
+    the local input cache: rl_jax.models.load.local_model_path)."""
+    from rl_jax.models.load import local_model_path
+
+    p = local_model_path(path, weights=False)
     return HFTokenizer.from_gguf(p) if p.suffix == ".gguf" else HFTokenizer.from_dir(p)
 
 

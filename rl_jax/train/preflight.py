@@ -9,7 +9,6 @@ the CLI runs them first and a bad input is one ConfigError line (exit 2).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_jax.config import DataConfig, ModelConfig, RewardConfig, RunConfig
@@ -148,19 +147,22 @@ def schedule_warnings(cfg: RunConfig) -> list[str]:
 
 
 def check_model_files(cfg: ModelConfig, *, tokenizer: bool = True) -> None:
-    """`model.path` exists and is a model: its spec resolves, every tensor the spec needs
-    lies inside its safetensors file(s) with the right shape, and (if `tokenizer`) its
-    tokenizer loads."""
+    """`model.path` (a local path or a URL) exists and is a model: its spec resolves,
+    every tensor the spec needs lies inside its safetensors file(s) with the right shape,
+    and (if `tokenizer`) its tokenizer loads."""
     if not cfg.path:
         return
-    from rl_jax.models.load import resolve_spec
+    from rl_jax.config import paths
+    from rl_jax.models.load import local_model_path, resolve_spec
 
-    path = Path(cfg.path)
-    if not path.exists():
+    if paths.kind(cfg.path, "model.path") is None:
         raise ConfigError(
             f"model.path={cfg.path!r} does not exist (an HF directory, a GGUF file or an "
             "rl_jax model directory)"
         )
+    # A URL's files are copied here once (the trainer loads the same copy): the checks
+    # below read them as they read a local directory.
+    path = local_model_path(cfg.path)
     if not path.is_dir() and path.suffix != ".gguf":
         raise ConfigError(
             f"model.path={cfg.path!r} is neither a directory (HF or rl_jax model) nor a .gguf file"
