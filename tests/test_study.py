@@ -180,3 +180,35 @@ def test_committed_study_regenerates_bit_for_bit(tmp_path):
     assert cli_main(["study", "scalerl_study_cpu", "--out", str(out), "--no-plots"]) == 0
     for name in ("study.json", "report.md"):
         assert (out / name).read_text() == (root / name).read_text(), name
+
+
+def test_unpinned_a_is_not_resolved_and_left_out_of_the_noise():
+    """A curve still rising at its end puts A on its bound: no A difference can be read."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for g in ("base", "var"):
+        for s in range(2):
+            # C_mid beyond the last evaluation: the fit cannot see the ceiling
+            x, y = synthetic_curve(
+                rng, r0=0.3, a=0.9, b=1.0, c_mid=5e13, c_max=1e13, n_points=16, noise=0.01
+            )
+            rows += curve_rows(f"{g}{s}", x, y, knobs={"group": g, "seed": s})
+    st = analyse_study(curves_from_rows(rows, group_by="group"), baseline="base")
+    (e,) = st.effects
+    unpinned = [s for v in st.seed_fits.values() for s in v if not s.a_pinned]
+    assert unpinned and e.a_class == "not resolved (A unpinned)"
+    assert e.verdict == "no paper finding"
+    assert any("upper bound" in n for n in st.notes)
+
+
+def test_report_fit_options_are_checked():
+    from rl_jax.config import ConfigError
+    from rl_jax.grid import ReportSpec
+
+    assert ReportSpec(r0="fit", fit_start="10%").fit_start == "10%"
+    with pytest.raises(ConfigError, match="r0="):
+        ReportSpec(r0="last")
+    with pytest.raises(ConfigError, match="fit_start="):
+        ReportSpec(fit_start="ten%")
+    with pytest.raises(ConfigError, match="not PaperFinding"):
+        ReportSpec(paper={"a": ("tie", "lower")})

@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
             paper=dict(rep.paper),
             fraction=rep.fit_fraction,
             n_boot=rep.n_boot,
+            r0=rep.r0,
+            fit_start=rep.fit_start,
         )
     except FitError as e:
         print(f"rl-jax study: {dest}: {e}", file=sys.stderr)

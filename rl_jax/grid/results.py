@@ -85,6 +85,8 @@ def fit_grid(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
                 group_by=GROUP_KEY,
                 extrapolate=r.fit_fraction,
                 n_boot=r.n_boot,
+                fit_start=r.fit_start,
+                r0=r.r0,
                 stop_threshold=threshold,
                 frontier="auto" if r.kind == "isocompute" else "off",
                 n_key=r.frontier[0],
@@ -110,7 +112,8 @@ def early_stopper(spec: GridSpec, plans: Sequence[RunPlan]):
     """
     es = spec.early_stop
     assert es is not None
-    x, metric = spec.report.x, spec.report.metric
+    rep = spec.report
+    x, metric = rep.x, rep.metric
     by_id = {p.run_id: p for p in plans}
 
     def check(curves: dict[str, list[dict]], running: Sequence[RunPlan]) -> dict[str, dict]:
@@ -128,11 +131,13 @@ def early_stopper(spec: GridSpec, plans: Sequence[RunPlan]):
         for gs in groups.values():
             boots = {}
             for g, runs in gs.items():
+                x_max = max(max(xs) for xs, _ in runs)
+                opts = {"r0": rep.r0, "fit_start": scaling.parse_fit_start(rep.fit_start, x_max)}
                 try:
                     f = (
-                        scaling.fit_sigmoid_runs(runs)
+                        scaling.fit_sigmoid_runs(runs, **opts)
                         if len(runs) > 1
-                        else scaling.fit_sigmoid(*runs[0])
+                        else scaling.fit_sigmoid(*runs[0], **opts)
                     )
                     boots[g] = scaling.bootstrap(f, n_boot=100)
                 except scaling.FitError:

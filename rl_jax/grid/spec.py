@@ -19,7 +19,7 @@ from typing import Any
 
 from rl_jax.config import ConfigError, check_range
 from rl_jax.config._run import EXPERIMENTS_DIR, user_file_errors
-from rl_jax.scaling import PaperFinding
+from rl_jax.scaling import FitError, PaperFinding, SigmoidOptions, parse_fit_start
 
 # Compute units a budget can be given in; each is also a curve-row counter, so
 # the report can put the same unit on its x axis.
@@ -171,6 +171,12 @@ class ReportSpec:
     split_by: str = ""  # isocompute: axis whose points get separate frontiers (e.g. 'split')
     fit_fraction: float = 0.5  # extrapolation check: fit on this fraction of compute
     n_boot: int = 200  # bootstrap resamples behind every interval
+    # Options of every sigmoid fit of the grid (rl_jax.scaling.SigmoidOptions): R0 from each
+    # run's first evaluation ('first') or fitted ('fit'), and the compute before which points
+    # are left out (a number, or 'P%' of a run's last compute), as the paper leaves out its
+    # runs' first ~1.5k GPU-hours.
+    r0: str | float = "first"
+    fit_start: float | str | None = None
     # compare: what a paper reports for each axis point against the baseline (rl-jax study
     # puts its own classification beside it)
     paper: tuple[tuple[str, PaperFinding], ...] | Mapping[str, PaperFinding] = ()
@@ -184,6 +190,11 @@ class ReportSpec:
             raise ConfigError(f"report.n_boot={self.n_boot} is too few for intervals; use >= 20")
         if len(self.frontier) != 2:
             raise ConfigError(f"report.frontier={self.frontier!r} must name two knobs (n, B_p)")
+        try:
+            SigmoidOptions(r0=self.r0)
+            parse_fit_start(self.fit_start, 1.0)
+        except FitError as e:
+            raise ConfigError(f"report: {e}") from None
         if isinstance(self.paper, Mapping):
             object.__setattr__(self, "paper", tuple(self.paper.items()))
         for label, finding in self.paper:

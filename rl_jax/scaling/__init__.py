@@ -29,7 +29,13 @@ from rl_jax.scaling._early import early_decision, p_greater
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
 from rl_jax.scaling._isocompute import FrontierError, fit_frontier, record_breaking
 from rl_jax.scaling._power import fit_power_law
-from rl_jax.scaling._report import FRONTIER_MODES, FitReport, fit_runs, write_report
+from rl_jax.scaling._report import (
+    FRONTIER_MODES,
+    FitReport,
+    fit_runs,
+    parse_fit_start,
+    write_report,
+)
 from rl_jax.scaling._sigmoid import (
     PAPER_A_GRID,
     PAPER_C_MID_GRID,
@@ -87,6 +93,7 @@ __all__ = [
     "fit_sigmoid_runs",
     "load_rows",
     "p_greater",
+    "parse_fit_start",
     "plot_curve",
     "rank_fits",
     "recipe_table_rows",

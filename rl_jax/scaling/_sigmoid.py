@@ -541,6 +541,8 @@ SIGMOID_METHODS: dict[str, Callable[[_Problem, SigmoidOptions], tuple[np.ndarray
 
 # The most fit noise (rmse) allowed for "the run reached A's upper bound": within 2x this.
 _CEILING_NOISE = 0.02
+# The warning of a fit whose A sits on its upper bound without the data reaching it.
+UNPINNED_A = "the data do not pin A"
 
 
 def _assess(prob: _Problem, p: np.ndarray, sse: float) -> list[str]:
@@ -571,7 +573,7 @@ def _assess(prob: _Problem, p: np.ndarray, sse: float) -> list[str]:
         # which say nothing about how close its best points came to the bound.
         noise = math.sqrt(sse / (n - k)) if n > k else 0.0
         if y.max() < prob.a_hi - 2 * min(max(noise, 1e-3), _CEILING_NOISE):
-            why.append(f"A = {a:.4g} is at its upper bound {prob.a_hi:g}: the data do not pin A")
+            why.append(f"A = {a:.4g} is at its upper bound {prob.a_hi:g}: {UNPINNED_A}")
     span = prob.logc_hi - prob.logc_lo
     if m <= prob.logc_lo + tol * span or m >= prob.logc_hi - tol * span:
         why.append(

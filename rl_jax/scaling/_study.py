@@ -18,7 +18,9 @@ from the per-seed fits:
   interval lies inside the band, 'differs within band' when it excludes zero
   inside the band, otherwise 'not resolved'; B 'higher'/'lower' when its
   interval excludes zero; 'identical' when every seed's curve equals the
-  baseline's bit for bit (the component cannot act in this setting);
+  baseline's bit for bit (the component cannot act in this setting); 'not
+  resolved (A unpinned)' when a run's fit puts A on its upper bound without
+  the curve reaching it (such runs are also left out of the seed noise of A);
 - half-budget extrapolation for every run and for the baseline's seed-mean
   curve (rl_jax.scaling.extrapolation_check).
 
@@ -39,8 +41,8 @@ from scipy import stats
 from rl_jax.scaling._compare import PAPER_A_TOL
 from rl_jax.scaling._curves import Curve, group_curves
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
-from rl_jax.scaling._report import FitReport, fit_runs
-from rl_jax.scaling._sigmoid import FitError, SigmoidFit, refit
+from rl_jax.scaling._report import FitReport, fit_runs, parse_fit_start
+from rl_jax.scaling._sigmoid import UNPINNED_A, FitError, SigmoidFit, refit
 
 DIRECTIONS = ("higher", "lower", "tie", "")
 
@@ -65,6 +67,12 @@ class SeedFit:
     seed: Any
     run_id: str
     fit: SigmoidFit
+
+    @property
+    def a_pinned(self) -> bool:
+        """False when A sits on its upper bound without the curve reaching it: then A is
+        not an estimate, and neither noise nor differences can be read from it."""
+        return not any(UNPINNED_A in w for w in self.fit.warnings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +148,7 @@ def verdict(a_class: str, b_class: str, paper: PaperFinding | None) -> str:
         return "cannot differ in this setting"
     if paper is None:
         return "no paper finding"
-    if a_class == "not resolved":
+    if a_class.startswith("not resolved"):
         return "not resolved at this scale"
     ours_a = "tie" if a_class in ("tie", "differs within band") else a_class
     if paper.a and ours_a != paper.a:
@@ -216,6 +224,8 @@ def _effect(
         d_b, se_b, b_ci = math.nan, math.nan, (-math.inf, math.inf)
     if identical:
         a_class = b_class = "identical"
+    elif not all(s.a_pinned for s in (*base, *var)):
+        a_class, b_class = "not resolved (A unpinned)", classify_b(*b_ci, d_b)
     else:
         a_class = classify_a(*a_ci, d_a, a_tol)
         b_class = classify_b(*b_ci, d_b)
@@ -246,13 +256,25 @@ def analyse_study(
     fraction: float = 0.5,
     n_boot: int = 200,
     seed: int = 0,
+    r0: str | float = "first",
+    fit_start: float | str | None = None,
 ) -> Study:
-    """Fit a seeded LOO study: curves are grouped by Curve.group, seeds from the `seed` column."""
+    """Fit a seeded LOO study: curves are grouped by Curve.group, seeds from the `seed` column.
+
+    r0, fit_start: the sigmoid options of every fit (fit_start: a compute, or 'P%' of each
+    run's last compute)."""
     groups = group_curves(curves)
     if baseline not in groups:
         raise FitError(f"baseline {baseline!r} has no curves; groups: {sorted(groups)}")
     report = fit_runs(
-        list(curves), n_boot=n_boot, level=level, extrapolate=fraction, a_tol=a_tol, seed=seed
+        list(curves),
+        n_boot=n_boot,
+        level=level,
+        extrapolate=fraction,
+        a_tol=a_tol,
+        seed=seed,
+        r0=r0,
+        fit_start=fit_start,
     )
     by_run = {e.name: e for e in report.entries if e.kind == "run"}
     notes: list[str] = []
@@ -265,7 +287,13 @@ def analyse_study(
                 notes.append(f"run {c.run_id} ({g}) could not be fitted: {e.error}")
                 continue
             seed_fits[g].append(SeedFit(group=g, seed=_seed_of(c), run_id=c.run_id, fit=e.fit))
-    sd_a, df_a = _pooled_sd([[s.fit.A for s in v] for v in seed_fits.values()])
+    sd_a, df_a = _pooled_sd([[s.fit.A for s in v if s.a_pinned] for v in seed_fits.values()])
+    unpinned = [s.run_id for v in seed_fits.values() for s in v if not s.a_pinned]
+    if unpinned:
+        notes.append(
+            f"{len(unpinned)} run(s) with A on its upper bound, left out of the seed noise of A "
+            f"and leaving their recipes' A differences unresolved: {', '.join(unpinned)}"
+        )
     sd_b, _ = _pooled_sd([[s.fit.B for s in v] for v in seed_fits.values()])
     noise = {"sd_A": sd_a, "sd_B": sd_b, "df": df_a}
     pooled = {g: e.fit for g, e in report.recipes.items() if e.fit is not None}
@@ -293,9 +321,11 @@ def analyse_study(
     mean_ext, mean_note = None, ""
     try:
         mx, my = mean_curve(groups[baseline])
+        start = parse_fit_start(fit_start, float(mx[-1]))
         mean_ext = extrapolation_check(
-            mx, my, fraction=fraction, n_boot=n_boot, level=level, seed=seed
-        )
+            mx, my, fraction=fraction, n_boot=n_boot, level=level, seed=seed, r0=r0,
+            fit_start=start,
+        )  # fmt: skip
     except FitError as e:
         mean_note = str(e)
     return Study(

@@ -225,7 +225,9 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
         lines += [preamble.strip(), ""]
     lines += [
         f"x = `{s['x']}`, metric = `{s['metric']}`; sigmoid fits by the `{s['method']}` method, "
-        f"R0 from each run's first evaluation. Baseline: **{study.baseline}**.",
+        f"R0 `{s['r0']}` (first: each run's first evaluation; fit: a free parameter), points "
+        f"before `{s['fit_start']}` of each run's compute left out. Baseline: "
+        f"**{study.baseline}**.",
         "",
         "## Recipes (seeds pooled)",
         "",
