@@ -3,7 +3,8 @@
 Run it (about 2 hours on 2 idle cores) and rebuild its report from the curves:
 
     rl-jax grid scalerl_study_cpu --jobs 2 --out grids
-    rl-jax study scalerl_study_cpu --from grids/scalerl_study_cpu --out experiments/results/scalerl_cpu
+    rl-jax study scalerl_study_cpu --from grids/scalerl_study_cpu \
+        --out experiments/results/scalerl_cpu
 
 The choices come from the pilot (experiments/results/scalerl_cpu/pilot):
 - a constant learning rate after warm-up, as in the paper: a cosine decay to zero
