@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax import kernels as kernel_ops
 from rl_jax.kernels import Kernels
-from rl_jax.kernels.xla import matmul
+from rl_jax.kernels.xla import matmul, normed_logits
 from rl_jax.models.layers import (
     apply_rope,
     attention_mask,
@@ -444,9 +444,13 @@ class Transformer(nnx.Module):
         return matmul(h, self.value_w[...].astype(f32)) + self.value_b[...].astype(f32)
 
 
+def final_norm_dtype(spec: ModelSpec):
+    """The final norm's and the LM head's dtype: float32 with `fp32_lm_head`."""
+    return jnp.float32 if spec.fp32_lm_head else dtype_of(spec.compute_dtype)
+
+
 def final_norm(spec: ModelSpec, norm_w: jax.Array, hidden_btd: jax.Array) -> jax.Array:
-    dtype = jnp.float32 if spec.fp32_lm_head else dtype_of(spec.compute_dtype)
-    return rms_norm(hidden_btd, norm_w, spec.rms_norm_eps, dtype=dtype)
+    return rms_norm(hidden_btd, norm_w, spec.rms_norm_eps, dtype=final_norm_dtype(spec))
 
 
 def lm_logits(
@@ -458,9 +462,14 @@ def lm_logits(
     kernels: Kernels,
 ) -> jax.Array:
     """Pure LM head: final RMSNorm then [B, T, D] x [V, D] -> float32 [B, T, V]."""
-    h = final_norm(spec, norm_w, hidden_btd)
-    logits = kernels.einsum_f32("btd,vd->btv", h, head_vd.astype(h.dtype))
-    return logits.astype(jnp.float32)
+    return normed_logits(
+        hidden_btd,
+        norm_w,
+        head_vd,
+        eps=spec.rms_norm_eps,
+        dtype=final_norm_dtype(spec),
+        einsum=kernels.einsum_f32,
+    )
 
 
 def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:
