@@ -7,7 +7,8 @@
   reference (`xla.py`) with this contraction.
 
 The C++ decode kernels, built once per machine and called through XLA's FFI from
-inside the compiled decode loop (the sampler's decode step, `rl_jax.sampling._decode`):
+inside the compiled decode loop (the model's decode step, `rl_jax.models.decode`, through
+`Decode` at the end of this file):
 
 * Decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading the
   KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode

@@ -13,12 +13,15 @@ re-implements a layer):
     hidden_btd, _ = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
                           kv_valid_bs=None)                         # full sequence
     hidden_btd, cache = model(tokens_bt, positions_bt, kv_valid_bs=valid_bs,
-                              cache=cache, cache_index=i)           # prefill / decode
+                              cache=cache, cache_index=i)           # prefill (chunks)
     hp, hc = model.shared_prefix(prompt..., completion..., group_size=G)
                                   # each prompt once for its G completions (training)
+    logits_bv, cache = decode_step(spec, w, cache, tokens_b, ...)   # one token a row
 `hidden_btd` is the residual stream before the final norm; `model.logits(h)` and
-`model.values(h)` apply the final norm and the heads. The hot ops under a layer
-(attention, projections) are `rl_jax.kernels` ops, picked by the mesh's platform.
+`model.values(h)` apply the final norm and the heads. The decode step
+(`rl_jax.models.decode`) runs on weights and a cache laid out for a token loop,
+over the same layer math. The hot ops under a layer (attention, projections) are
+`rl_jax.kernels` ops, picked by the mesh's platform.
 """
 
 from __future__ import annotations
