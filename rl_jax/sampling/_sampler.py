@@ -143,7 +143,6 @@ class Sampler:
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
         self.kernels = kernels.for_mesh(mesh)
-        self.platform = self.kernels.platform
         opts = xla_options(mesh)
         self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
         self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
@@ -158,7 +157,7 @@ class Sampler:
             compute_dtype=self.spec.compute_dtype,
             head_dim=self.spec.head_dim,
             local=one_device or self._local_loops,
-            # One device per core: each keeps to its own thread.
+            # With a device per core, each device's kernels keep to its own thread.
             threads=one_device,
             attention=self.platform_attention,
             matmul=self.platform_matmul,
