@@ -15,7 +15,7 @@ Performance); --hf-only gives the undisturbed baseline.
 
 --new-tokens N times longer generations (a CPU decode step reads only the filled
 slots of its cache: in the attention kernel, or without it in blocks past 128
-slots; rl_jax/sampling/_decode.py).
+slots; rl_jax/kernels/cpu.py, rl_jax/kernels/xla.py).
 
 --vs-xla times a second sampler on the same weights with the CPU decode kernels off
 (rl_jax.kernels.cpu: attention and matmuls in XLA instead), alternating with ours
@@ -183,7 +183,7 @@ def main() -> int:
     if a.vs_xla:
         plain = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
         # Read when its functions are first traced: set before the first call.
-        plain.attention_kernel = plain.matmul_kernel = False
+        plain.platform_attention = plain.platform_matmul = False
 
         def xla_run(seed: int):
             out = plain.generate(params, prompt_list, seed=seed)
@@ -239,8 +239,8 @@ def main() -> int:
         "new_tokens": a.new_tokens,
         "devices": DEVICES,
         # Decode attention / projections in the CPU kernels (rl_jax/kernels/cpu.py).
-        "attention_kernel": sampler.attention_kernel,
-        "matmul_kernel": sampler.matmul_kernel,
+        "attention_kernel": "attention" in sampler.decode_ops.platform_ops,
+        "matmul_kernel": "matmul" in sampler.decode_ops.platform_ops,
         "hf_threads": _torch_threads() if hf_t else None,
         "compile_cache": bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rl_jax.kernels import cpu as _cpu_kernels
+from rl_jax.kernels.cpu import KEY_TILE
 from rl_jax.kernels.xla import MASK_VALUE, einsum_f32
-from rl_jax.sampling._decode import KEY_TILE
 
 needs_kernel = pytest.mark.skipif(
     jax.devices()[0].platform != "cpu" or not _cpu_kernels.available(),

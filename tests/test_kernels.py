@@ -37,6 +37,28 @@ def test_platform_comes_from_the_mesh_devices():
     assert kernels.for_mesh(None).platform == jax.devices()[0].platform
 
 
+def test_decode_ops_are_the_platforms_where_its_kernels_apply():
+    """The decode step's ops: XLA's where no platform kernels apply (one piece of cache
+    on accelerators, blocks past 128 slots on CPU); on CPU the C++ kernels in float32
+    where each device decodes alone, attention with head widths in whole key tiles."""
+    cond = dict(compute_dtype="float32", head_dim=64, local=True, threads=True)
+    tpu = kernels.for_platform("tpu").decode_ops(**cond)
+    assert type(tpu) is xla.Decode and tpu.platform_ops == ()
+    assert tpu.cache_blocks(1032) == (1032, 1032)
+    on_cpu = kernels.for_platform("cpu")
+    for off in ({"compute_dtype": "bfloat16"}, {"local": False}):
+        plain = on_cpu.decode_ops(**{**cond, **off})
+        assert plain.platform_ops == () and plain.cache_blocks(1032) == (1152, 144)
+        assert plain.einsum is cpu.einsum_f32
+    if not cpu.available():
+        return
+    both = on_cpu.decode_ops(**cond)
+    assert both.platform_ops == ("attention", "matmul") and both.cache_blocks(1032) == (1040, 1040)
+    assert on_cpu.decode_ops(**{**cond, "head_dim": 24}).platform_ops == ("matmul",)
+    assert on_cpu.decode_ops(**cond, attention=False).platform_ops == ("matmul",)
+    assert on_cpu.decode_ops(**cond, matmul=False).platform_ops == ("attention",)
+
+
 def test_unknown_platform_or_op_names_the_known_ones():
     with pytest.raises(ValueError, match="known: xla, cpu, gpu, tpu"):
         kernels.for_platform("npu")

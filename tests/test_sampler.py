@@ -203,7 +203,7 @@ def test_trainer_layout_weights_on_a_data_fsdp_mesh(params_a, sampled_cfg):
 def test_decode_cache_block_sizes():
     """Short caches stay whole; long ones are rounded up to ~8 blocks of 16k slots (at
     most 512); accelerators keep one piece."""
-    from rl_jax.sampling._decode import decode_cache_blocks
+    from rl_jax.kernels.xla import decode_cache_blocks
 
     cases = {72: (72, 72), 128: (128, 128), 136: (160, 32), 264: (288, 48)}
     cases |= {1032: (1152, 144), 16392: (16896, 512)}
@@ -216,18 +216,18 @@ def test_decode_cache_block_sizes():
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Caches of more than 8 slots split into blocks of 16 (long generations do this)."""
-    from rl_jax.sampling import _decode
+    from rl_jax.kernels import xla
 
-    monkeypatch.setattr(_decode, "DECODE_BLOCK_MIN_SLOTS", 8)
-    monkeypatch.setattr(_decode, "DECODE_BLOCKS", 64)
-    monkeypatch.setattr(_decode, "DECODE_BLOCK_PLATFORMS", (jax.devices()[0].platform,))
-    return _decode
+    monkeypatch.setattr(xla, "DECODE_BLOCK_MIN_SLOTS", 8)
+    monkeypatch.setattr(xla, "DECODE_BLOCKS", 64)
+    monkeypatch.setattr(xla, "DECODE_BLOCK_PLATFORMS", (jax.devices()[0].platform,))
+    return xla
 
 
 @pytest.fixture
 def no_kernel(monkeypatch):
     """Decode attention in XLA (the CPU kernel off), whatever the machine can build."""
-    monkeypatch.setattr(Sampler, "_use_attention_kernel", lambda self: False)
+    monkeypatch.setattr(Sampler, "platform_attention", False)
 
 
 def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, monkeypatch):
@@ -274,10 +274,10 @@ def _assert_decodes_as_the_whole_cache(layout, params_a, params_b, check_cache, 
     got_swap = swapped(Sampler(SPEC, cfg, pad_id=0))
     # The reference: one piece, attention and matmuls in XLA (monkeypatch restores all).
     monkeypatch.setattr(layout, "DECODE_BLOCK_MIN_SLOTS", 10_000)
-    monkeypatch.setattr(Sampler, "_use_attention_kernel", lambda self: False)
-    monkeypatch.setattr(Sampler, "_use_matmul_kernel", lambda self: False)
+    monkeypatch.setattr(Sampler, "platform_attention", False)
+    monkeypatch.setattr(Sampler, "platform_matmul", False)
     whole_sampler = Sampler(SPEC, cfg, pad_id=0)
-    assert not whole_sampler.matmul_kernel
+    assert not whole_sampler.decode_ops.platform_ops
     keys, values = whole_sampler.start(params_a, prompts, n=1).cache
     assert keys.ndim == values.ndim == 5  # [L, B, K, hd, S], [L, B, K, S, hd]
     whole = whole_sampler.generate(params_a, prompts, n=3, key=key)
@@ -312,19 +312,19 @@ def test_cpu_kernels_decode_as_the_whole_cache(mild_params, monkeypatch):
     projections and LM head on packed weights) equals XLA's one-pass decode
     (_assert_decodes_as_the_whole_cache)."""
     from rl_jax.kernels import cpu as _cpu_kernels
-    from rl_jax.sampling import _decode
+    from rl_jax.kernels import xla
 
     if jax.devices()[0].platform != "cpu" or not _cpu_kernels.available():
         pytest.skip("the CPU decode kernels cannot be built here (no C++ compiler)")
     sampler = Sampler(SPEC, SamplingConfig(), pad_id=0)
-    assert sampler.attention_kernel and sampler.matmul_kernel
+    assert sampler.decode_ops.platform_ops == ("attention", "matmul")
 
     def check(keys, values):  # [L, B, K, S / 16, hd, 16] tiles, [L, B, K, S, hd]
         assert keys.shape[0] == values.shape[0] == SPEC.num_layers
         assert keys.shape[2:] == (SPEC.num_kv_heads, 4, SPEC.head_dim, 16)
         assert values.shape[2:] == (SPEC.num_kv_heads, 64, SPEC.head_dim)
 
-    _assert_decodes_as_the_whole_cache(_decode, *mild_params, check, monkeypatch)
+    _assert_decodes_as_the_whole_cache(xla, *mild_params, check, monkeypatch)
 
 
 def test_weight_swap_mid_sequence_continues_from_stale_cache(greedy, params_a, params_b):

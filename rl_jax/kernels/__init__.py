@@ -14,18 +14,29 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 * `dense(x, w)`: x [..., D] times w [D, ...], a projection.
 * `einsum_f32(spec, a, b)`: a two-operand contraction accumulated in float32 (the
   LM head, attention's products).
+* `decode(platform, *, compute_dtype, head_dim, local, threads, attention=True,
+  matmul=True)`: the ops of the one-token decode step (`rl_jax.models.decode`) as
+  an object, `xla.Decode` or a subclass: the weights' and the KV cache's layouts
+  (`prepare`, `cache_blocks`, `from_model_cache`, `cache_axes`) and the ops that
+  read them (`embed`, `normed_dense`, `swiglu`, `residual_dense`, `logits`,
+  `attention`). The conditions say what the decode runs under: compute dtype,
+  head width, whether each device decodes its rows alone (`local`) and whether one
+  device decodes (`threads`); `attention` / `matmul` False keep XLA's for that
+  part. `Kernels.decode_ops(**conditions)` calls it with the platform.
 
 Implementations:
 
 * `xla` (`xla.py`): plain JAX, used on every platform for every op a platform
   does not register; the reference the tests compare every other one against.
 * `cpu` (`cpu.py`): XLA:CPU's contractions with half-precision operands upcast
-  (its dot kernel has no bf16 x bf16 -> f32); the C++ decode kernels (XLA FFI)
-  of the sampler's decode step live there too (`cpu.available()`).
+  (its dot kernel has no bf16 x bf16 -> f32), and the decode step in C++ kernels
+  (XLA FFI; `cpu.Decode`, where `cpu.available()`).
 * `tpu`, `gpu`: not registered yet; they get `xla`. A Pallas kernel (e.g.
   splash attention for `attention`, ragged paged attention for
   `attention_cached`) registers here with `register("tpu", attention=fn)`, and
-  a test compares it with `xla` on the platform.
+  a test compares it with `xla` on the platform; a decode step in Pallas is a
+  subclass of `xla.Decode` (its cache layout, attention, matmuls) registered
+  with `register("tpu", decode=factory)`.
 
 The platform comes from the mesh's devices (`rl_jax.runtime.mesh_platform`), not
 from the process's default backend: a CPU host compiling for a TPU topology
@@ -41,7 +52,7 @@ from collections.abc import Callable
 from rl_jax.kernels import cpu, xla
 from rl_jax.runtime import mesh_platform
 
-OPS = ("attention", "attention_cached", "dense", "einsum_f32")
+OPS = ("attention", "attention_cached", "dense", "einsum_f32", "decode")
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
 
@@ -57,6 +68,11 @@ class Kernels:
     attention_cached: Callable
     dense: Callable
     einsum_f32: Callable
+    decode: Callable
+
+    def decode_ops(self, **conditions) -> xla.Decode:
+        """The decode step's ops on this platform under `conditions` (see `decode`)."""
+        return self.decode(self.platform, **conditions)
 
 
 def register(platform: str, **ops: Callable) -> None:
@@ -90,12 +106,14 @@ register(
     attention_cached=xla.attention_cached,
     dense=xla.dense,
     einsum_f32=xla.einsum_f32,
+    decode=xla.decode_ops,
 )
 register(
     "cpu",
     attention=functools.partial(xla.attention, einsum=cpu.einsum_f32),
     attention_cached=functools.partial(xla.attention_cached, einsum=cpu.einsum_f32),
     einsum_f32=cpu.einsum_f32,
+    decode=cpu.decode_ops,
 )
 
 __all__ = ["OPS", "PLATFORMS", "Kernels", "for_mesh", "for_platform", "register"]

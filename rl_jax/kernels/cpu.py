@@ -7,7 +7,8 @@
   reference (`xla.py`) with this contraction.
 
 The C++ decode kernels, built once per machine and called through XLA's FFI from
-inside the compiled decode loop (the sampler's decode step, `rl_jax.sampling._decode`):
+inside the compiled decode loop (the model's decode step, `rl_jax.models.decode`, through
+`Decode` at the end of this file):
 
 * Decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading the
   KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode
@@ -396,3 +397,190 @@ def decode_attention(
         (q, k, v),
         (keys, values, kv_start, slot, layer, scale, parallel),
     )
+
+
+# ---- the decode step's ops (rl_jax.models.decode) ---------------------------------------
+
+# Slots per key tile of the attention kernel's layout: its vector width (kLanes in
+# _cpu_attention.cc).
+KEY_TILE = 16
+TILED_KEYS_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim", None)
+
+
+class Decode(xla.Decode):
+    """The decode step's ops in the C++ kernels, each part where it applies (the rest
+    `xla.Decode`'s, long caches in blocks).
+
+    `attention`: keys in tiles of KEY_TILE slots, [L, B, K, S / KEY_TILE, hd, KEY_TILE],
+    one contiguous block per tile, values [L, B, K, S, hd]; one kernel call per layer
+    writes the step's key and value and computes the attention in the layer's part of
+    the stack, in place: it reads each row's filled slots once, front to back, so no
+    blocks are needed at any length. Without a q/k norm the call also splits the
+    projection's rows and applies RoPE (`decode_attention_qkv`).
+
+    `matmul`: the weights packed once per decode call (`prepare`): q/k/v, o and down
+    projections and the transposed LM head into panels of columns (`pack_panels`),
+    gate and up side by side into SwiGLU panels (`pack_swiglu_panels`), whose
+    activation the kernel computes from its sums, the norms' weights folded in (the
+    kernels apply 1 / rms). The kernels take the whole stack and the scan's layer
+    index, and read that layer's panels in place (no copy per layer). Packing copies
+    every weight once per decode call.
+
+    `threads`: whether the kernels may use XLA's intra-op threads (one device decodes).
+    """
+
+    def __init__(self, *, attention: bool, matmul: bool, threads: bool):
+        super().__init__("cpu", einsum=einsum_f32)
+        self.tiled, self.packed, self.threads = attention, matmul, threads
+        self.platform_ops = ("attention",) * attention + ("matmul",) * matmul
+
+    def cache_blocks(self, slots: int) -> tuple[int, int]:
+        if self.tiled:  # reads only filled slots at any length: no blocks
+            tiles = -(-slots // KEY_TILE) * KEY_TILE
+            return tiles, tiles
+        return super().cache_blocks(slots)
+
+    def from_model_cache(self, cache, block: int) -> xla.DecodeCache:
+        if not self.tiled:
+            return super().from_model_cache(cache, block)
+        k, v = cache
+        L, B, K, S, hd = k.shape
+        if S % KEY_TILE:
+            raise ValueError(f"a cache of {S} slots does not split into tiles of {KEY_TILE}")
+        # [L, B, K, S, hd] -> [L, B, K, S / KEY_TILE, hd, KEY_TILE]
+        return k.reshape(L, B, K, S // KEY_TILE, KEY_TILE, hd).swapaxes(4, 5), v
+
+    def cache_axes(self, cache: xla.DecodeCache) -> tuple[tuple, tuple]:
+        if cache[0].ndim == 6 and cache[1].ndim == 5:  # keys in tiles
+            return TILED_KEYS_LOGICAL_AXES, xla.VALUES_LOGICAL_AXES
+        return super().cache_axes(cache)
+
+    def prepare(self, layers: dict, final_norm: jax.Array, head_vd: jax.Array):
+        if not self.packed:
+            return super().prepare(layers, final_norm, head_vd)
+
+        def one_layer(w):
+            dt = w["qkv"].dtype
+            attn_w, mlp_w = w["attn_norm"].astype(dt)[:, None], w["mlp_norm"].astype(dt)[:, None]
+            gate, up = jnp.split(w["gate_up"], 2, axis=1)
+            return w | {
+                "qkv": pack_panels(attn_w * w["qkv"]),
+                "o": pack_panels(w["o"]),
+                "down": pack_panels(w["down"]),
+                "gate_up": pack_swiglu_panels(mlp_w * gate, mlp_w * up),
+            }
+
+        norm_w = final_norm.astype(jnp.float32)[:, None]
+        head = pack_panels(norm_w * head_vd.T.astype(jnp.float32))
+        return jax.vmap(one_layer)(layers), head
+
+    def embed(self, table_vd, tokens_b, dtype):
+        if self.packed:
+            return take_rows(table_vd, tokens_b)
+        return super().embed(table_vd, tokens_b, dtype)
+
+    def normed_dense(self, x, norm, w, layer, *, eps, cols):
+        if self.packed:  # the norm in the kernel, its weight in the panels
+            return matmul(x, w, cols, self.threads, norm_eps=eps, layer=layer)
+        return super().normed_dense(x, norm, w, layer, eps=eps, cols=cols)
+
+    def swiglu(self, x, norm, w, layer, *, eps, cols):
+        if self.packed:
+            return matmul_swiglu(x, w, cols, self.threads, norm_eps=eps, layer=layer)
+        return super().swiglu(x, norm, w, layer, eps=eps, cols=cols)
+
+    def residual_dense(self, r, x, w, layer, bias=None):
+        if self.packed:  # summed in place in the residual's buffer
+            r = r if bias is None else r + bias
+            return matmul_add(x, w, r, self.threads, layer=layer)
+        return super().residual_dense(r, x, w, layer, bias)
+
+    def logits(self, x, norm, head, *, eps, dtype, cols):
+        if self.packed:  # the final norm and the head in the kernel
+            return matmul(x, head, cols, self.threads, norm_eps=eps)
+        return super().logits(x, norm, head, eps=eps, dtype=dtype, cols=cols)
+
+    def attention(
+        self,
+        qkv,
+        rope,
+        cache,
+        kv_start_b,
+        slot,
+        *,
+        layer,
+        num_heads,
+        qk_norm=None,
+        eps=0.0,
+        constrain=lambda x, logical: x,
+    ):
+        if not self.tiled:
+            return super().attention(
+                qkv,
+                rope,
+                cache,
+                kv_start_b,
+                slot,
+                layer=layer,
+                num_heads=num_heads,
+                qk_norm=qk_norm,
+                eps=eps,
+                constrain=constrain,
+            )
+        ck, cv = cache
+        hd = cv.shape[-1]
+        cos, sin = rope
+        if qk_norm is None:  # split, rotate, write, attend: all in the kernel
+            att, ck, cv = decode_attention_qkv(
+                qkv,
+                cos[:, 0],
+                sin[:, 0],
+                ck,
+                cv,
+                kv_start_b,
+                slot,
+                hd**-0.5,
+                self.threads,
+                layer=layer,
+            )
+        else:
+            q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
+            B, K = q.shape[:2]
+            att, ck, cv = decode_attention(
+                q,
+                k.reshape(B, K, hd),
+                v.reshape(B, K, hd),
+                ck,
+                cv,
+                kv_start_b,
+                slot,
+                hd**-0.5,
+                parallel=self.threads,
+                layer=layer,
+            )
+        keys_axes, values_axes = self.cache_axes((ck, cv))
+        return att, (constrain(ck, keys_axes), constrain(cv, values_axes))
+
+
+def decode_ops(
+    platform: str,
+    *,
+    compute_dtype,
+    head_dim: int,
+    local: bool,
+    threads: bool,
+    attention: bool = True,
+    matmul: bool = True,
+) -> xla.Decode:
+    """The decode step's ops on CPU. The kernels apply in float32, where each device
+    decodes its rows alone (`local`: no mesh, one device, or rows split over all
+    devices; the calls have no sharding rule) and where they can be built
+    (`available()`; RL_JAX_CPU_KERNELS=0 turns them off); the attention kernel with
+    head dimensions in whole vectors of KEY_TILE floats. `attention` / `matmul` False
+    keep XLA's for that part (comparisons). Elsewhere: XLA's ops, long caches in blocks."""
+    applies = jnp.dtype(compute_dtype) == jnp.float32 and local and available()
+    tiled = attention and applies and head_dim % KEY_TILE == 0
+    packed = matmul and applies
+    if not (tiled or packed):
+        return xla.Decode(platform, einsum=einsum_f32)
+    return Decode(attention=tiled, matmul=packed, threads=threads)

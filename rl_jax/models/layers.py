@@ -1,5 +1,7 @@
 """Pure math of the decoder: arrays in, arrays out. The hot ops (attention, dense
-projections, float32 contractions) are kernels, `rl_jax.kernels`.
+projections, float32 contractions) are kernels, `rl_jax.kernels`; RMSNorm and RoPE
+are the kernels' reference ones (`rl_jax.kernels.xla`, which the decode step's ops
+apply too), named here with the rest of the layer math.
 
 Dimension letters: B batch, T query time, S key time (T without a cache, the
 cache length with one), D width, F MLP width, H query heads, K kv heads,
@@ -12,16 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.kernels.xla import apply_rope as apply_rope
 from rl_jax.kernels.xla import matmul
+from rl_jax.kernels.xla import rms_norm as rms_norm
 from rl_jax.models.spec import ModelSpec, RopeScaling
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, dtype=None) -> jax.Array:
-    """RMSNorm over the last axis, statistics in float32; output in `dtype` (default x's)."""
-    dtype = x.dtype if dtype is None else dtype
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return y.astype(dtype) * w.astype(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -73,16 +69,6 @@ def rope_angles(
         ang = positions_bt.astype(jnp.float32)[..., None] * inv
         return jnp.cos(ang), jnp.sin(ang)
     return tuple(jnp.take(t, positions_bt, axis=0, mode="clip") for t in table)
-
-
-def apply_rope(x_bthk: jax.Array, cos_btk: jax.Array, sin_btk: jax.Array) -> jax.Array:
-    """Rotate pairs (i, i + hd/2) (the "rotate half" layout of HF checkpoints)."""
-    x = x_bthk.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos_btk[:, :, None, :], sin_btk[:, :, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.astype(x_bthk.dtype)
 
 
 def attention_mask(

@@ -13,12 +13,15 @@ re-implements a layer):
     hidden_btd, _ = model(tokens_bt, positions_bt, *, segment_ids_bt=None,
                           kv_valid_bs=None)                         # full sequence
     hidden_btd, cache = model(tokens_bt, positions_bt, kv_valid_bs=valid_bs,
-                              cache=cache, cache_index=i)           # prefill / decode
+                              cache=cache, cache_index=i)           # prefill (chunks)
     hp, hc = model.shared_prefix(prompt..., completion..., group_size=G)
                                   # each prompt once for its G completions (training)
+    logits_bv, cache = decode_step(spec, w, cache, tokens_b, ...)   # one token a row
 `hidden_btd` is the residual stream before the final norm; `model.logits(h)` and
-`model.values(h)` apply the final norm and the heads. The hot ops under a layer
-(attention, projections) are `rl_jax.kernels` ops, picked by the mesh's platform.
+`model.values(h)` apply the final norm and the heads. The decode step
+(`rl_jax.models.decode`) runs on weights and a cache laid out for a token loop,
+over the same layer math. The hot ops under a layer (attention, projections) are
+`rl_jax.kernels` ops, picked by the mesh's platform.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax import kernels as kernel_ops
 from rl_jax.kernels import Kernels
-from rl_jax.kernels.xla import matmul
+from rl_jax.kernels.xla import matmul, normed_logits
 from rl_jax.models.layers import (
     apply_rope,
     attention_mask,
@@ -444,9 +447,13 @@ class Transformer(nnx.Module):
         return matmul(h, self.value_w[...].astype(f32)) + self.value_b[...].astype(f32)
 
 
+def final_norm_dtype(spec: ModelSpec):
+    """The final norm's and the LM head's dtype: float32 with `fp32_lm_head`."""
+    return jnp.float32 if spec.fp32_lm_head else dtype_of(spec.compute_dtype)
+
+
 def final_norm(spec: ModelSpec, norm_w: jax.Array, hidden_btd: jax.Array) -> jax.Array:
-    dtype = jnp.float32 if spec.fp32_lm_head else dtype_of(spec.compute_dtype)
-    return rms_norm(hidden_btd, norm_w, spec.rms_norm_eps, dtype=dtype)
+    return rms_norm(hidden_btd, norm_w, spec.rms_norm_eps, dtype=final_norm_dtype(spec))
 
 
 def lm_logits(
@@ -458,9 +465,14 @@ def lm_logits(
     kernels: Kernels,
 ) -> jax.Array:
     """Pure LM head: final RMSNorm then [B, T, D] x [V, D] -> float32 [B, T, V]."""
-    h = final_norm(spec, norm_w, hidden_btd)
-    logits = kernels.einsum_f32("btd,vd->btv", h, head_vd.astype(h.dtype))
-    return logits.astype(jnp.float32)
+    return normed_logits(
+        hidden_btd,
+        norm_w,
+        head_vd,
+        eps=spec.rms_norm_eps,
+        dtype=final_norm_dtype(spec),
+        einsum=kernels.einsum_f32,
+    )
 
 
 def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:

@@ -27,21 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import kernels
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.kernels import cpu as _cpu_kernels
+from rl_jax.kernels.xla import Decode, DecodeCache
 from rl_jax.knobs import ConfigError
+from rl_jax.models.decode import decode_step, decode_weights
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.runtime import xla_options
-from rl_jax.sampling._decode import (
-    KEY_TILE,
-    DecodeCache,
-    cache_axes,
-    cache_slots,
-    decode_cache_blocks,
-    decode_step,
-    decode_weights,
-    from_model_cache,
-)
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_with_uniforms, step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._state import THINK, SamplerState, advance
@@ -96,6 +87,12 @@ class Sampler:
     rules: a sampling rule preset of `rl_jax.sharding.SAMPLE_RULES` or a rule table.
     """
 
+    # Whether the decode step may run its attention / its projections in the
+    # platform's own kernels where they apply (`decode_ops`); False keeps XLA's, for
+    # comparisons. Read when the compiled functions are first traced.
+    platform_attention = True
+    platform_matmul = True
+
     def __init__(
         self,
         model: ModelSpec | Transformer,
@@ -145,36 +142,26 @@ class Sampler:
                 raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
         self.shards = 1 if mesh is None else num_batch_shards(mesh)
         self._local_loops = mesh is not None and self.shards == mesh.devices.size
-        # (decode_cache_blocks: whether long caches are read in blocks)
         self.kernels = kernels.for_mesh(mesh)
-        self.platform = self.kernels.platform
-        self.attention_kernel = self._use_attention_kernel()
-        self.matmul_kernel = self._use_matmul_kernel()
         opts = xla_options(mesh)
         self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
         self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
 
-    def _cpu_kernels_apply(self) -> bool:
-        """Whether the CPU decode kernels (`_cpu_kernels`) can run this sampler's decode:
-        on CPU, in float32, where each device decodes alone (no mesh, one device, or rows
-        split over all devices: the calls have no sharding rule), and where they can be
-        built (RL_JAX_CPU_KERNELS=0 turns them off)."""
-        one_device = self.mesh is None or self.mesh.devices.size == 1 or self._local_loops
-        return (
-            self.platform == "cpu"
-            and jnp.dtype(self.spec.compute_dtype) == jnp.float32
-            and one_device
-            and _cpu_kernels.available()
+    @property
+    def decode_ops(self) -> Decode:
+        """The decode step's ops and layouts (`rl_jax.kernels`, `Kernels.decode`): the
+        platform's own kernels where they apply to this sampler's dtype and mesh, and
+        where platform_attention / platform_matmul allow; XLA's elsewhere."""
+        one_device = self.mesh is None or self.mesh.devices.size == 1
+        return self.kernels.decode_ops(
+            compute_dtype=self.spec.compute_dtype,
+            head_dim=self.spec.head_dim,
+            local=one_device or self._local_loops,
+            # With a device per core, each device's kernels keep to its own thread.
+            threads=one_device,
+            attention=self.platform_attention,
+            matmul=self.platform_matmul,
         )
-
-    def _use_attention_kernel(self) -> bool:
-        """Decode attention in the CPU kernel: where the kernels apply, with head
-        dimensions in whole vectors of KEY_TILE floats."""
-        return self.spec.head_dim % KEY_TILE == 0 and self._cpu_kernels_apply()
-
-    def _use_matmul_kernel(self) -> bool:
-        """The decode step's projections in the CPU matmul kernel: where the kernels apply."""
-        return self._cpu_kernels_apply()
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of "no recompilation")."""
@@ -214,7 +201,7 @@ class Sampler:
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
         k, v = cache
-        k_axes, v_axes = cache_axes(k, v)
+        k_axes, v_axes = self.decode_ops.cache_axes(cache)
         return self._constrain(k, k_axes), self._constrain(v, v_axes)
 
     # ---- compiled bodies ------------------------------------------------------------------
@@ -225,10 +212,8 @@ class Sampler:
         cfg = self.cfg
         model = self._model(params)
         P, Tp = prompt_pt.shape
-        if self.attention_kernel:  # reads only filled slots at any length: no blocks
-            S = block = round_up(Tp + gen_len, KEY_TILE)
-        else:
-            S, block = decode_cache_blocks(Tp + gen_len, self.platform)
+        ops = self.decode_ops
+        S, block = ops.cache_blocks(Tp + gen_len)
         kv_start_p = Tp - lens_p
         cache = model.init_cache(P, S)
         if Tp > 1:
@@ -244,7 +229,7 @@ class Sampler:
                 cache_index=0,
             )
         # Share each prompt's prefix with its G samples.
-        cache = from_model_cache(cache.take(group_b), block, tiled=self.attention_kernel)
+        cache = ops.from_model_cache(cache.take(group_b), block)
         cache = self._cache_layout(cache)
         B = group_b.shape[0]
         if self.interrupt:
@@ -278,13 +263,12 @@ class Sampler:
         )
 
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
-        weights = decode_weights(
-            self.spec, dict(params), cache_slots(state.cache), packed=self.matmul_kernel
-        )
+        ops = self.decode_ops
+        weights = decode_weights(self.spec, dict(params), ops.cache_slots(state.cache), ops=ops)
         end = jnp.minimum(state.step + max_steps, state.limit)
         version = jnp.asarray(version, jnp.int32)
         if not self._local_loops:
-            return self._loop(weights, state, end, version, manual=False)
+            return self._loop(ops, weights, state, end, version, manual=False)
         # Rows only split over devices: every device runs its own loop on its own
         # rows, with no collective per token (it stops when its rows are done).
         specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
@@ -292,7 +276,7 @@ class Sampler:
         cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
         specs = dataclasses.replace(specs, cache=cache_specs)
         loop = jax.shard_map(
-            functools.partial(self._loop, manual=True),
+            functools.partial(self._loop, ops, manual=True),
             mesh=self.mesh,
             in_specs=(self._row_spec(0), specs, self._row_spec(0), self._row_spec(0)),
             out_specs=specs,
@@ -304,7 +288,9 @@ class Sampler:
         """Rows over the batch axes; scalars (ndim 0) replicated."""
         return batch_sharding(self.mesh, ndim).spec if ndim else PartitionSpec()
 
-    def _loop(self, weights, state: SamplerState, end, version, *, manual: bool) -> SamplerState:
+    def _loop(
+        self, ops: Decode, weights, state: SamplerState, end, version, *, manual: bool
+    ) -> SamplerState:
         """Decode until `end` or until every row (of this device, if `manual`) is done."""
         cfg, spec = self.cfg, self.spec
         Tp = state.prompt_tokens.shape[1]
@@ -338,10 +324,8 @@ class Sampler:
                 slot - s.kv_start,
                 slot,
                 s.kv_start,
-                kernels=self.kernels,
+                ops=ops,
                 constrain=constrain,
-                # One device per core: each keeps to its own thread.
-                kernel_threads=self.mesh is None or self.mesh.devices.size == 1,
             )
             u_b = None if greedy else jax.lax.dynamic_index_in_dim(u_bt, s.step, 1, False)
             tok, logp = sample_with_uniforms(

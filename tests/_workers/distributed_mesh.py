@@ -31,10 +31,9 @@ def sample_over_processes() -> str:
     runs = {}
     for kernel in (True, False):
         if not kernel:
-            Sampler._use_attention_kernel = lambda self: False
-            Sampler._use_matmul_kernel = lambda self: False
+            Sampler.platform_attention = Sampler.platform_matmul = False
         sampler = Sampler(model.spec, cfg, mesh=mesh, pad_id=0, rules="dp")
-        used = sampler.attention_kernel and sampler.matmul_kernel
+        used = sampler.decode_ops.platform_ops == ("attention", "matmul")
         runs[kernel] = (used, sampler.generate(params, prompts, key=key))
     (used, a), (_, b) = runs[True], runs[False]
     same = bool((a.completion_tokens == b.completion_tokens).all())

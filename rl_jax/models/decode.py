@@ -1,0 +1,138 @@
+"""The one forward's decode entry point: one token per row through every layer, over a
+KV cache, laid out for a `while_loop` (the sampler's).
+
+The math is the model's (`rl_jax.models.layers`: the same RMSNorm, RoPE,
+grouped-query attention with float32 scores, SwiGLU, LM head); what differs is the
+layout, chosen so a decode step does few copies. Like every forward, the step
+scans over the layers (`lax.scan`): its program does not grow with depth.
+
+    ops = kernels.for_mesh(mesh).decode_ops(compute_dtype=..., head_dim=..., ...)
+    S, block = ops.cache_blocks(prompt_len + new_tokens)
+    _, cache = model(prompt..., cache=model.init_cache(B, S), cache_index=0)  # prefill
+    cache = ops.from_model_cache(cache, block)
+    w = decode_weights(spec, params, S, ops=ops)      # once per call, outside the loop
+    logits_bv, cache = decode_step(spec, w, cache, tokens_b, ..., ops=ops)  # per token
+
+* Weights are stacked [L, ...] with q/k/v and gate/up concatenated into one matmul
+  each, in the compute dtype; `ops.prepare` lays them out for its kernels.
+* The cache and the hot ops are the platform's (`rl_jax.kernels`): `xla.Decode`, the
+  reference (whole cache, or long caches in blocks on CPU), or a platform's own
+  (`cpu.Decode`: C++ kernels, keys in tiles, packed weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.kernels.xla import Decode, DecodeCache
+from rl_jax.models.layers import rope_angles, rope_table
+from rl_jax.models.spec import ModelSpec
+from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
+
+
+def decode_weights(
+    spec: ModelSpec, params: dict[str, jax.Array], slots: int, *, ops: Decode
+) -> dict:
+    """Weights in the decode layout (compute dtype), stacked over layers [L, ...], laid
+    out by `ops.prepare`, and the rotary table of a `slots`-slot cache; run outside
+    the loop."""
+    cdt = jnp.dtype(spec.compute_dtype)
+    D, H, K, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def one_layer(p):
+        w = {
+            "attn_norm": p["attn_norm"],
+            "mlp_norm": p["mlp_norm"],
+            "qkv": jnp.concatenate(
+                [p["q"].reshape(D, H * hd), p["k"].reshape(D, K * hd), p["v"].reshape(D, K * hd)],
+                axis=1,
+            ).astype(cdt),
+            "o": p["o"].reshape(H * hd, D).astype(cdt),
+            "gate_up": jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt),
+            "down": p["down"].astype(cdt),
+        }
+        if spec.qkv_bias:
+            w["qkv_bias"] = jnp.concatenate(
+                [p["q_bias"].reshape(-1), p["k_bias"].reshape(-1), p["v_bias"].reshape(-1)]
+            ).astype(cdt)
+        if spec.o_bias:
+            w["o_bias"] = p["o_bias"].astype(cdt)
+        if spec.qk_norm:
+            w["q_norm"], w["k_norm"] = p["q_norm"], p["k_norm"]
+        return w
+
+    layers = jax.vmap(one_layer)({n: params[n] for n in LAYER_PARAMS if n in params})
+    head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
+    layers, head = ops.prepare(layers, params["final_norm"], head)
+    return {
+        "embed": params["embed"],
+        "final_norm": params["final_norm"],
+        "head": head,
+        "layers": layers,
+        "rope": rope_table(spec, slots),
+    }
+
+
+def decode_step(
+    spec: ModelSpec,
+    w: dict,
+    cache: DecodeCache,
+    tokens_b: jax.Array,
+    positions_b: jax.Array,
+    slot: jax.Array,
+    kv_start_b: jax.Array,
+    *,
+    ops: Decode,
+    constrain=lambda x, logical: x,
+) -> tuple[jax.Array, DecodeCache]:
+    """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
+
+    Row b attends to slots kv_start_b[b] .. slot (its prompt's first real token on).
+    ops: the platform's decode ops (`Kernels.decode_ops`), which laid out `w`
+    (decode_weights) and `cache`.
+    """
+    cdt = jnp.dtype(spec.compute_dtype)
+    eps = spec.rms_norm_eps
+    B = tokens_b.shape[0]
+    H, K, hd, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    stack = w["layers"]
+    qk_norm = (stack["q_norm"], stack["k_norm"]) if spec.qk_norm else None
+
+    def at(name, i):  # layer i's bias
+        return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
+
+    # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
+    rope = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
+    x = ops.embed(w["embed"], tokens_b, cdt)  # [B, D]
+
+    def layer(carry, i):
+        x, ck, cv = carry
+        qkv = ops.normed_dense(
+            x, stack["attn_norm"], stack["qkv"], i, eps=eps, cols=(H + 2 * K) * hd
+        )
+        if spec.qkv_bias:
+            qkv = qkv + at("qkv_bias", i)
+        att, (ck, cv) = ops.attention(
+            qkv,
+            rope,
+            (ck, cv),
+            kv_start_b,
+            slot,
+            layer=i,
+            num_heads=H,
+            qk_norm=qk_norm,
+            eps=eps,
+            constrain=constrain,
+        )
+        o_bias = at("o_bias", i) if spec.o_bias else None
+        x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
+        act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
+        x = constrain(ops.residual_dense(x, act, stack["down"], i), ("batch", "embed"))
+        return (x, ck, cv), None
+
+    (x, ck, cv), _ = jax.lax.scan(layer, (x, *cache), jnp.arange(spec.num_layers))
+    logits = ops.logits(
+        x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
+    )
+    return logits, (ck, cv)
