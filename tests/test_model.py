@@ -171,10 +171,15 @@ def test_logprobs_match_full_softmax_and_chunking(model):
     np.testing.assert_allclose(ent4, ent, atol=1e-6)
 
 
-def test_chunked_scanned_rematerialized_gradient_equals_plain(model):
-    """Chunked log-probs, scan over layers and remat change memory/compile time, not math."""
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_chunked_scanned_rematerialized_gradient_equals_plain(model, remat):
+    """Chunked log-probs, scan over layers, remat policies and blockwise attention change
+    memory/compile time, not math."""
     other = build_model(
-        dataclasses.replace(SPEC, scan_layers=True, remat=True), params=model_params(model)
+        dataclasses.replace(
+            SPEC, scan_layers=True, remat=remat, attention="blockwise", attention_block=4
+        ),
+        params=model_params(model),
     )
 
     @nnx.jit(static_argnames=("chunk",))
@@ -191,6 +196,34 @@ def test_chunked_scanned_rematerialized_gradient_equals_plain(model):
     flat3 = model_params(nnx.merge(nnx.graphdef(other), g3))
     for name in flat0:  # whole-model gradients summed over 44 tokens: whole-model tolerance
         np.testing.assert_allclose(flat3[name], flat0[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_blockwise_attention_equals_dense_in_the_model(model):
+    """model.attention=blockwise (block 4 of T = 11) computes the dense forward's numbers:
+    packed segments and left padding included."""
+    seg = jnp.asarray([[0] * 5 + [1] * 6] * 4)
+    valid = jnp.asarray(np.arange(11)[None] >= np.array([[0], [2], [0], [1]]))
+    pos = positions_from_valid(valid)
+    blockwise = build_model(
+        SPEC.replace(attention="blockwise", attention_block=4), params=model_params(model)
+    )
+    want = _hidden(model, TOKS, pos, seg, valid)
+    got = _hidden(blockwise, TOKS, pos, seg, valid)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_remat_and_attention_knobs():
+    assert small_spec(remat=True).remat == "full" and small_spec(remat="False").remat == "none"
+    with pytest.raises(ConfigError, match="model.remat"):
+        small_spec(remat="some")
+    with pytest.raises(ConfigError, match="model.attention="):
+        small_spec(attention="flash")
+    # auto: dense up to 1024 keys (the tiny recipes' numbers stay bit-identical).
+    from rl_jax.models.transformer import uses_blockwise
+
+    assert not uses_blockwise(SPEC, 1024) and uses_blockwise(SPEC, 1025)
+    assert uses_blockwise(SPEC.replace(attention="blockwise"), 8)
+    assert not uses_blockwise(SPEC.replace(attention="dense"), 10**6)
 
 
 def test_temperature_divides_logits():
