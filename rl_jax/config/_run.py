@@ -270,6 +270,8 @@ _COUNT_OR_FRACTION = ("data.val_size", "train.warmup_steps")
 _HASHED_AS_OLD_VALUE = {
     "sampling.max_prompt_len": {0: 64},
     "model.remat": {"none": False, "full": True},
+    # Chunks of the LM head over time change memory, not the numbers (auto, -1; was 0).
+    "model.logprob_chunk": {-1: 0},
 }
 # Knobs that differ between the processes of one multi-process run (or between
 # launches of it): hashed at their defaults, so that every process computes the

@@ -70,7 +70,12 @@ class ModelConfig:
     attention_block: int = knob(512, help="key slots per block of blockwise attention")
     scan_layers: bool = knob(False, help="scan over stacked layers (faster compiles, deep models)")
     value_head: bool = knob(False, help="add a scalar value head (PPO critic)")
-    logprob_chunk: int = knob(0, help="chunk size over T for log-probs/entropy (0 = no chunking)")
+    logprob_chunk: int = knob(
+        -1,
+        help="time steps per chunk of the LM head's float32 logits in log-probs/entropy "
+        "(0 = all at once; -1 = auto: chunks of 2**24 / V steps, 64 MB per row, once a "
+        "row's logits exceed that)",
+    )
 
     def __post_init__(self):
         check_numbers("model", self)
@@ -94,10 +99,10 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
             "max_position",
-            "logprob_chunk",
         ):
             # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
             check_range("model", name, getattr(self, name), lo=0, hi=2**31 - 1)
+        check_range("model", "logprob_chunk", self.logprob_chunk, lo=-1, hi=2**31 - 1)
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = default)")

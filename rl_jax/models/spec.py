@@ -58,7 +58,7 @@ class ModelSpec:
     attention_block: int = 512
     scan_layers: bool = False
     value_head: bool = False
-    logprob_chunk: int = 0
+    logprob_chunk: int = -1
     # Special tokens as the checkpoint declares them (-1 / () = none); export
     # writes them back so transformers' generate stops where the model expects.
     bos_token_id: int = -1
@@ -94,8 +94,8 @@ class ModelSpec:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE pairs)")
         if self.rope_theta <= 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
-        if self.logprob_chunk < 0:
-            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= 0")
+        if self.logprob_chunk < -1:
+            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= -1 (auto)")
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

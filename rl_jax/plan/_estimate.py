@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.models.logprobs import chunk_size
 from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan.chips import Chip
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
@@ -75,7 +76,9 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     full = spec.remat == "full"
     live_layers = 1 if full else L
     acts = rows_mb * T * (per_token_layer * live_layers + (cdt * D * L if full else 0))
-    logits = rows_mb * tg * _split(V, tensor) * 4 * 3  # logits, softmax, their gradient
+    # Logits, softmax, their gradient: the completion's, or one chunk's (logprob_chunk).
+    logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
+    logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     wave_rows = (P * k if off == "ppo_off_policy" else P) * G
