@@ -22,7 +22,6 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.layers import logprobs_from_logits
 from rl_jax.models.transformer import Transformer, lm_logits
 
-
 # Logits per row and chunk of `model.logprob_chunk=-1` (auto): 64 MB of float32.
 AUTO_CHUNK_LOGITS = 2**24
 
