@@ -252,21 +252,22 @@ def _flash(q, k, v, mask, S, scale, block, einsum):
 def _flash_fwd(q, k, v, mask, S, scale, block, einsum):
     B, T, K, R, hd = q.shape
 
-    def body(j, carry):
+    def body(carry, j):
         m, l, acc = carry
         _, vb, s, _ = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         pv = einsum("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        return (m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv), None
 
     init = (
         jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
         jnp.zeros((B, K, R, T), jnp.float32),
         jnp.zeros((B, K, R, T, hd), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, k.shape[2] // block, body, init)
+    # `jax.lax.scan` (not fori_loop): `rl-jax plan` unrolls these to count every block.
+    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(k.shape[2] // block))
     out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
     # m and l apart, not log-sum-exp m + log(l): for a row that sees no key, m is
     # MASK_VALUE, which absorbs log(l) in float32.

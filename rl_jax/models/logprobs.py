@@ -68,7 +68,8 @@ def logprobs_from_hidden(
     tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     h = h.reshape(B, n, chunk, D).swapaxes(0, 1)  # [n, B, c, D]
     tg = tg.reshape(B, n, chunk).swapaxes(0, 1)  # [n, B, c]
-    logp, ent = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (h, tg))
+    # `jax.lax.scan` (not lax.map): `rl-jax plan` unrolls it to count every chunk.
+    _, (logp, ent) = jax.lax.scan(lambda _, a: (None, jax.checkpoint(one)(*a)), None, (h, tg))
     logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     return logp, ent
