@@ -37,7 +37,7 @@ def recipe() -> RunConfig:
             preset="qwen3-1.7b",
             path="models/Qwen3-1.7B",
             fp32_lm_head=True,
-            remat=True,
+            remat="full",
             scan_layers=True,
             logprob_chunk=512,
         ),

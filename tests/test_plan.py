@@ -222,8 +222,8 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
         seen.append(cfg)
         rate = 1000.0 * cfg.mesh.tensor
         return {
-            "fits": cfg.model.remat,
-            "programs": [{"hbm_total_gb": 1.0 if cfg.model.remat else 99.0}],
+            "fits": cfg.model.remat == "full",
+            "programs": [{"hbm_total_gb": 1.0 if cfg.model.remat == "full" else 99.0}],
             "step": {"rollouts_per_hour": rate, "mfu_estimate": 0.5},
             "budget": {"hours": budget_rollouts / rate},
         }
@@ -232,12 +232,14 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     res = search(cfg, "v5e:2x2", top=6, plan_fn=fake_plan, budget_rollouts=1e6)
     assert len(seen) == res["compiled"] == 6
     ranked = res["ranked"]
-    assert ranked and all(r["remat"] for r in ranked)
+    assert ranked and all(r["remat"] == "full" for r in ranked)
     rates = [r["rollouts_per_hour"] for r in ranked]
     assert rates == sorted(rates, reverse=True)
     assert ranked[0]["budget_hours"] == pytest.approx(1e6 / rates[0])
     compiled_out = [e for e in res["excluded"] if e["reason"] == "compiled"]
-    assert len(compiled_out) + len(ranked) == 6 and not any(e["remat"] for e in compiled_out)
+    assert len(compiled_out) + len(ranked) == 6 and not any(
+        e["remat"] == "full" for e in compiled_out
+    )
     # Parameters, gradients and AdamW of 1.4B float32 parameters on every chip: over
     # 16 GiB, dropped by the estimate before any compile.
     replicated = {"data": 4, "fsdp": 1, "tensor": 1}

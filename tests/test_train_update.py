@@ -146,3 +146,35 @@ def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
             np.testing.assert_array_equal(np.asarray(s2[k]), np.asarray(v), err_msg=k)
     assert s2[LORA_KEY]["q"]["b"].dtype == jnp.float32
     assert float(jnp.abs(s2[LORA_KEY]["q"]["b"]).max()) > 0
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "dense"])
+def test_training_forward_is_the_same_with_blockwise_attention(setup, attention):
+    """The trainer's shared-prefix forward (prompt once per group, left-padded prompts)
+    gives the dense form's log-probs, entropies and gradients with model.attention=
+    blockwise (blocks of 3 keys, not dividing the prompt's 5 nor the 8 of a row)."""
+    from rl_jax.train.step import completion_logprobs
+
+    spec = setup[0]
+    host = _host(1)
+    host["valid"][np.repeat(np.arange(P) % 2 == 0, G), :2] = False  # groups 0, 2: left pads
+    host["positions"] = np.maximum(np.cumsum(host["valid"], axis=1, dtype=np.int32) - 1, 0)
+    batch = put_batch(host, None)
+    assert batch.group_size == G
+    params = init_params(spec, jax.random.key(3))
+    rules = get_rules("fsdp", purpose="train")
+
+    def run(s):
+        def loss(p):
+            logp, ent = completion_logprobs(s, rules, None, p, batch, 1.0)
+            return jnp.sum(logp * batch.mask) + 0.1 * jnp.sum(ent * batch.mask), (logp, ent)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (l0, (lp0, e0)), g0 = run(spec.replace(attention="dense"))
+    (l1, (lp1, e1)), g1 = run(spec.replace(attention=attention, attention_block=3))
+    np.testing.assert_allclose(lp1, lp0, atol=1e-5)
+    np.testing.assert_allclose(e1, e0, atol=1e-5)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for name in g0:
+        np.testing.assert_allclose(g1[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=name)

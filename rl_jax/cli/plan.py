@@ -95,7 +95,7 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"{plan['topology']}: {plan['chips']} chips, {plan['hbm_capacity_gb']:.1f} GB HBM each;"
         f" mesh {mesh}; model {plan['model']['params'] / 1e9:.3g}B params,"
-        f" {plan['model']['layers']} layers{', remat' if plan['model']['remat'] else ''}",
+        f" {plan['model']['layers']} layers, remat {plan['model']['remat']}",
         f"batch {b['prompts']} prompts x {b['samples']} samples, {b['updates']} minibatches"
         f" (grad_accum {b['grad_accum']}), {b['prompt_len']}+{b['gen_len']} tokens;"
         f" sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
@@ -133,13 +133,13 @@ def format_search(res: dict) -> str:
     lines = [
         f"{res['topology']}: {res['candidates']} candidates, {res['compiled']} compiled,"
         f" {len(res['ranked'])} fit ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
-        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>5} {'micro':>5} {'waves':>5}"
+        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
         f" {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
     ]
     for i, r in enumerate(res["ranked"], 1):
         m = r["mesh"]
         lines.append(
-            f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {str(r['remat']):>5}"
+            f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {r['remat']:>9}"
             f" {r['micro']:>5} {r['waves'] or '-':>5} {r['hbm_gb']:>7.2f}"
             f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
             f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}"

@@ -256,14 +256,23 @@ _LATER_KNOB_DEFAULTS = {
     "lora.rank": 8,
     "lora.alpha": 16.0,
     "lora.targets": DEFAULT_TARGETS,
+    # Blockwise attention computes dense attention's numbers up to float32 rounding.
+    "model.attention": "auto",
+    "model.attention_block": 512,
 }
 # Knobs that were ints and now also take a fraction (so are floats): a whole number is
 # hashed as the int it was, so `train.warmup_steps=50` keeps its run id.
 _COUNT_OR_FRACTION = ("data.val_size", "train.warmup_steps")
-# Knobs whose default changed to 'auto' (0) without changing any number a run computes:
-# hashed as the old default. sampling.max_prompt_len only refuses longer prompts (prompts
-# are padded per batch), and auto is never below the data's longest prompt.
-_HASHED_AS_OLD_DEFAULT = {"sampling.max_prompt_len": (0, 64)}
+# Knob values hashed as the value they replace, which computes the same numbers.
+# sampling.max_prompt_len's auto (0; was 64) only refuses longer prompts (prompts are
+# padded per batch), and auto is never below the data's longest prompt. model.remat
+# was a bool before it named policies.
+_HASHED_AS_OLD_VALUE = {
+    "sampling.max_prompt_len": {0: 64},
+    "model.remat": {"none": False, "full": True},
+    # Chunks of the LM head over time change memory, not the numbers (auto, -1; was 0).
+    "model.logprob_chunk": {-1: 0},
+}
 # Knobs that differ between the processes of one multi-process run (or between
 # launches of it): hashed at their defaults, so that every process computes the
 # same id for the run directory they share (and older ids stay as they were).
@@ -315,8 +324,8 @@ def run_id(cfg: RunConfig) -> str:
 def _hashed_value(key: str, v: Any) -> Any:
     if key in _COUNT_OR_FRACTION and isinstance(v, float) and v.is_integer():
         return int(v)
-    if key in _HASHED_AS_OLD_DEFAULT and v == _HASHED_AS_OLD_DEFAULT[key][0]:
-        return _HASHED_AS_OLD_DEFAULT[key][1]
+    if key in _HASHED_AS_OLD_VALUE and v in _HASHED_AS_OLD_VALUE[key]:
+        return _HASHED_AS_OLD_VALUE[key][v]
     return v
 
 

@@ -15,6 +15,16 @@ from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 TIE_CHOICES = ("auto", "true", "false")
+ATTENTION_CHOICES = ("auto", "dense", "blockwise")
+REMAT_CHOICES = ("none", "full", "save_dots")
+# Booleans of configs written before remat had policies.
+_REMAT_BOOLS = {"false": "none", "true": "full"}
+
+
+def remat_policy(value) -> str:
+    """`model.remat` as a policy name: a bool (true = full, false = none) or a name."""
+    name = str(value).lower()
+    return _REMAT_BOOLS.get(name, name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +56,27 @@ class ModelConfig:
     param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
     compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
     fp32_lm_head: bool = knob(False, help="final norm and LM head in float32 (ScaleRL)")
-    remat: bool = knob(False, help="rematerialize each layer in the backward pass")
+    remat: str = knob(
+        "none",
+        help=f"what the backward pass recomputes of each layer, one of {REMAT_CHOICES}: "
+        "none (keep every activation), full (keep only the layer's input), save_dots "
+        "(keep the weight matmuls' outputs); true/false mean full/none",
+    )
+    attention: str = knob(
+        "auto",
+        help=f"training attention, one of {ATTENTION_CHOICES}: dense ([B, H, T, S] scores), "
+        "blockwise (online softmax over key blocks: memory O(T x attention_block)), "
+        "auto (blockwise when a forward has more than 1024 keys)",
+    )
+    attention_block: int = knob(512, help="key slots per block of blockwise attention")
     scan_layers: bool = knob(False, help="scan over stacked layers (faster compiles, deep models)")
     value_head: bool = knob(False, help="add a scalar value head (PPO critic)")
-    logprob_chunk: int = knob(0, help="chunk size over T for log-probs/entropy (0 = no chunking)")
+    logprob_chunk: int = knob(
+        -1,
+        help="time steps per chunk of the LM head's float32 logits in log-probs/entropy "
+        "(0 = all at once; -1 = auto: chunks of 2**24 / V steps, 64 MB per row, once a "
+        "row's logits exceed that)",
+    )
 
     def __post_init__(self):
         check_numbers("model", self)
@@ -60,6 +87,10 @@ class ModelConfig:
         # 'False': accept any capitalization.
         object.__setattr__(self, "tie_embeddings", str(self.tie_embeddings).lower())
         check_choice("model", "tie_embeddings", self.tie_embeddings, TIE_CHOICES)
+        object.__setattr__(self, "remat", remat_policy(self.remat))
+        check_choice("model", "remat", self.remat, REMAT_CHOICES)
+        check_choice("model", "attention", self.attention, ATTENTION_CHOICES)
+        check_range("model", "attention_block", self.attention_block, lo=1, hi=2**31 - 1)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -69,10 +100,10 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
             "max_position",
-            "logprob_chunk",
         ):
             # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
             check_range("model", name, getattr(self, name), lo=0, hi=2**31 - 1)
+        check_range("model", "logprob_chunk", self.logprob_chunk, lo=-1, hi=2**31 - 1)
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = default)")

@@ -9,6 +9,9 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 
 * `attention(q, k, v, mask, *, scale)`: grouped-query attention for prefill and
   training; q [B, T, H, hd], keys/values [B, K, S, hd], mask [B or 1, T, S].
+* `flash_attention(q, k, v, mask, *, scale, block)`: `attention` for long
+  sequences (training): the mask described (`xla.AttentionMask`), never built
+  [B, T, S], and scores [B, H, T, S] never whole, in the forward and the backward.
 * `attention_cached(q, k, v, mask, *, scale, filled)`: the same over a KV cache
   of which the first `filled` slots are written (decode, chunked prefill).
 * `dense(x, w)`: x [..., D] times w [D, ...], a projection.
@@ -52,7 +55,7 @@ from collections.abc import Callable
 from rl_jax.kernels import cpu, xla
 from rl_jax.runtime import mesh_platform
 
-OPS = ("attention", "attention_cached", "dense", "einsum_f32", "decode")
+OPS = ("attention", "attention_cached", "dense", "einsum_f32", "flash_attention", "decode")
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
 
@@ -68,6 +71,7 @@ class Kernels:
     attention_cached: Callable
     dense: Callable
     einsum_f32: Callable
+    flash_attention: Callable
     decode: Callable
 
     def decode_ops(self, **conditions) -> xla.Decode:
@@ -106,6 +110,7 @@ register(
     attention_cached=xla.attention_cached,
     dense=xla.dense,
     einsum_f32=xla.einsum_f32,
+    flash_attention=xla.flash_attention,
     decode=xla.decode_ops,
 )
 register(
@@ -113,6 +118,7 @@ register(
     attention=functools.partial(xla.attention, einsum=cpu.einsum_f32),
     attention_cached=functools.partial(xla.attention_cached, einsum=cpu.einsum_f32),
     einsum_f32=cpu.einsum_f32,
+    flash_attention=functools.partial(xla.flash_attention, einsum=cpu.einsum_f32),
     decode=cpu.decode_ops,
 )
 

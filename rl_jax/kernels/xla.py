@@ -12,6 +12,9 @@ D width, F MLP width, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -435,3 +438,142 @@ class Decode:
 def decode_ops(platform: str, **conditions) -> Decode:
     """The decode step's ops on `platform` (`Decode`, whatever the conditions)."""
     return Decode(platform)
+
+
+class AttentionMask(NamedTuple):
+    """Which keys each query sees, described instead of built as [B, T, S]: query t
+    sits at key slot `offset + t` and sees key slot s when s <= offset + t,
+    `kv_valid_bs[b, s]` (pads) and `q_segment_bt[b, t] == kv_segment_bs[b, s]`
+    (packed rows). `block` builds any [B or 1, T, n] slice of it on demand."""
+
+    offset: int = 0
+    kv_valid_bs: jax.Array | None = None
+    q_segment_bt: jax.Array | None = None
+    kv_segment_bs: jax.Array | None = None
+
+    def block(self, T: int, start: jax.Array | int, size: int) -> jax.Array:
+        """Visibility of key slots start .. start + size - 1 to the T queries: [B or 1, T, size]
+        (slots at or past the keys' end: read clamped, callers drop them)."""
+        k_slot = start + jnp.arange(size)
+        mask = (k_slot[None, :] <= self.offset + jnp.arange(T)[:, None])[None]
+        if self.kv_valid_bs is not None:
+            valid = jax.lax.dynamic_slice_in_dim(self.kv_valid_bs, start, size, axis=1)
+            mask = mask & valid[:, None, :].astype(bool)
+        if self.q_segment_bt is not None:
+            seg = jax.lax.dynamic_slice_in_dim(self.kv_segment_bs, start, size, axis=1)
+            mask = mask & (self.q_segment_bt[:, :, None] == seg[:, None, :])
+        return mask
+
+    def padded(self, pad: int) -> AttentionMask:
+        """The same mask over keys padded with `pad` slots at the end (never visible)."""
+        if pad == 0:
+            return self
+
+        def grow(a):
+            return None if a is None else jnp.pad(a, ((0, 0), (0, pad)))
+
+        return self._replace(
+            kv_valid_bs=grow(self.kv_valid_bs), kv_segment_bs=grow(self.kv_segment_bs)
+        )
+
+
+def flash_attention(
+    q_bthk: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    mask: AttentionMask,
+    *,
+    scale: float,
+    block: int = 512,
+    einsum=einsum_f32,
+) -> jax.Array:
+    """`attention` with the mask described (`AttentionMask`) and keys read `block` slots
+    at a time: an online softmax forward (flash attention) and a backward that
+    recomputes each block's probabilities from the saved softmax statistics. Neither keeps
+    more than [B, H, T, block] scores alive, instead of the [B, H, T, S] of `attention`.
+    Equal to `attention` with `mask`'s dense form up to float32 rounding, also for
+    rows that see no key (a uniform average, as there). [B, T, H, hd]."""
+    B, T, H, hd = q_bthk.shape
+    K, S = k_bksh.shape[1], k_bksh.shape[2]
+    block = min(block, S)
+    pad = -S % block
+    k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    q = q_bthk.reshape(B, T, K, H // K, hd)
+    out = _flash(q, k, v, tuple(mask.padded(pad)), S, scale, block, einsum)
+    return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
+
+
+def _flash_scores(q, k, v, mask, j, S, scale, block, einsum):
+    """Block j's keys and values [B, K, block, hd], its scaled and masked scores
+    [B, K, R, T, block] (MASK_VALUE where hidden, -inf at padding slots past S) and
+    its visibility [B or 1, 1, 1, T, block]."""
+    start = j * block
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+    seen = AttentionMask(*mask).block(q.shape[1], start, block)[:, None, None]
+    s = einsum("btkrh,bksh->bkrts", q, kb)
+    s = jnp.where(seen, s * scale, MASK_VALUE)
+    # Padding slots take no weight at all (a masked real slot takes MASK_VALUE's, as
+    # in `attention`); every block holds a real slot, so the running max is finite.
+    s = jnp.where(start + jnp.arange(block) < S, s, -jnp.inf)
+    return kb, vb, s, seen
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, mask, S, scale, block, einsum):
+    return _flash_fwd(q, k, v, mask, S, scale, block, einsum)[0]
+
+
+def _flash_fwd(q, k, v, mask, S, scale, block, einsum):
+    B, T, K, R, hd = q.shape
+
+    def body(carry, j):
+        m, l, acc = carry
+        _, vb, s, _ = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = einsum("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
+        return (m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv), None
+
+    init = (
+        jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, R, T), jnp.float32),
+        jnp.zeros((B, K, R, T, hd), jnp.float32),
+    )
+    # `jax.lax.scan` (not fori_loop): `rl-jax plan` unrolls these to count every block.
+    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(k.shape[2] // block))
+    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
+    # m and l apart, not log-sum-exp m + log(l): for a row that sees no key, m is
+    # MASK_VALUE, which absorbs log(l) in float32.
+    return out, (q, k, v, mask, out, m, l)
+
+
+def _flash_bwd(S, scale, block, einsum, res, d_out):
+    q, k, v, mask, out, m, l = res
+    d_out = d_out.astype(jnp.float32)
+    # Row sums of dP * P, one per query: softmax's backward without P whole.
+    delta = jnp.einsum("btkrh,btkrh->bkrt", d_out, out, precision=precision(out))
+    do = d_out.astype(v.dtype)
+
+    def body(dq, j):
+        kb, vb, s, seen = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
+        p = jnp.exp(s - m[..., None]) / l[..., None]
+        dv = einsum("bkrts,btkrh->bksh", p.astype(do.dtype), do)
+        dp = einsum("btkrh,bksh->bkrts", do, vb)
+        ds = jnp.where(seen, p * (dp - delta[..., None]), 0.0) * scale
+        dq = dq + einsum("bkrts,bksh->btkrh", ds.astype(kb.dtype), kb)
+        dk = einsum("bkrts,btkrh->bksh", ds.astype(q.dtype), q)
+        return dq, (dk, dv)
+
+    n = k.shape[2] // block
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
+
+    def unblock(d, like):  # [n, B, K, block, hd] -> [B, K, n * block, hd]
+        return d.transpose(1, 2, 0, 3, 4).reshape(like.shape).astype(like.dtype)
+
+    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

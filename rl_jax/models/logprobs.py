@@ -22,6 +22,18 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.layers import logprobs_from_logits
 from rl_jax.models.transformer import Transformer, lm_logits
 
+# Logits per row and chunk of `model.logprob_chunk=-1` (auto): 64 MB of float32.
+AUTO_CHUNK_LOGITS = 2**24
+
+
+def chunk_size(chunk: int, T: int, V: int) -> int:
+    """Time steps per chunk of the LM head (`model.logprob_chunk`); 0 = all T at once.
+    -1 (auto): AUTO_CHUNK_LOGITS / V steps (at least 1) when a row's T x V logits
+    exceed AUTO_CHUNK_LOGITS, else all at once (small models stay unchunked)."""
+    if chunk == -1:
+        chunk = max(1, AUTO_CHUNK_LOGITS // V) if T * V > AUTO_CHUNK_LOGITS else 0
+    return 0 if chunk >= T else chunk
+
 
 def logprobs_from_hidden(
     model: Transformer,
@@ -33,12 +45,14 @@ def logprobs_from_hidden(
 ) -> tuple[jax.Array, jax.Array]:
     """(log p(targets), entropy), float32 [B, T], from the residual stream.
 
-    Logits are built `chunk` time steps at a time (default `spec.logprob_chunk`,
-    0 = all at once) inside a rematerialized map, so the forward keeps one
-    [B, chunk, V] float32 block alive and the backward recomputes it per chunk.
+    Logits are built `chunk` time steps at a time (default `spec.logprob_chunk`;
+    0 = all at once, -1 = auto: `chunk_size`) inside a rematerialized map, so the
+    forward keeps one [B, chunk, V] float32 block alive and the backward recomputes
+    it per chunk.
     """
     spec = model.spec
-    chunk = spec.logprob_chunk if chunk is None else chunk
+    B, T, D = hidden_btd.shape
+    chunk = chunk_size(spec.logprob_chunk if chunk is None else chunk, T, spec.vocab_size)
     norm_w, head_vd = model.final_norm[...], model.head_weight()
 
     def one(h_btd, tgt_bt):
@@ -46,8 +60,7 @@ def logprobs_from_hidden(
         logits = model.constrain(logits, ("batch", "seq", "vocab"))
         return logprobs_from_logits(logits, tgt_bt, temperature)
 
-    B, T, D = hidden_btd.shape
-    if chunk <= 0 or chunk >= T:
+    if chunk == 0:
         return one(hidden_btd, targets_bt)
     n = -(-T // chunk)
     pad = n * chunk - T
@@ -55,7 +68,8 @@ def logprobs_from_hidden(
     tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     h = h.reshape(B, n, chunk, D).swapaxes(0, 1)  # [n, B, c, D]
     tg = tg.reshape(B, n, chunk).swapaxes(0, 1)  # [n, B, c]
-    logp, ent = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (h, tg))
+    # `jax.lax.scan` (not lax.map): `rl-jax plan` unrolls it to count every chunk.
+    _, (logp, ent) = jax.lax.scan(lambda _, a: (None, jax.checkpoint(one)(*a)), None, (h, tg))
     logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     return logp, ent

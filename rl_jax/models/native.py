@@ -40,6 +40,8 @@ _RUN_FIELDS = (
     "compute_dtype",
     "fp32_lm_head",
     "remat",
+    "attention",
+    "attention_block",
     "scan_layers",
     "value_head",
     "logprob_chunk",

@@ -11,7 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rl_jax.config.model import ARCHITECTURES, DTYPES, ModelConfig
+from rl_jax.config.model import (
+    ARCHITECTURES,
+    ATTENTION_CHOICES,
+    DTYPES,
+    REMAT_CHOICES,
+    ModelConfig,
+    remat_policy,
+)
 from rl_jax.knobs import ConfigError, check_choice
 
 
@@ -46,10 +53,12 @@ class ModelSpec:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     fp32_lm_head: bool = False
-    remat: bool = False
+    remat: str = "none"
+    attention: str = "auto"
+    attention_block: int = 512
     scan_layers: bool = False
     value_head: bool = False
-    logprob_chunk: int = 0
+    logprob_chunk: int = -1
     # Special tokens as the checkpoint declares them (-1 / () = none); export
     # writes them back so transformers' generate stops where the model expects.
     bos_token_id: int = -1
@@ -60,6 +69,9 @@ class ModelSpec:
         check_choice("model", "architecture", self.architecture, ARCHITECTURES)
         check_choice("model", "param_dtype", self.param_dtype, DTYPES)
         check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
+        object.__setattr__(self, "remat", remat_policy(self.remat))
+        check_choice("model", "remat", self.remat, REMAT_CHOICES)
+        check_choice("model", "attention", self.attention, ATTENTION_CHOICES)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -69,6 +81,7 @@ class ModelSpec:
             "num_kv_heads",
             "head_dim",
             "max_position",
+            "attention_block",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
@@ -81,8 +94,8 @@ class ModelSpec:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE pairs)")
         if self.rope_theta <= 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
-        if self.logprob_chunk < 0:
-            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= 0")
+        if self.logprob_chunk < -1:
+            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= -1 (auto)")
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -400,6 +413,8 @@ def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> M
         compute_dtype=cfg.compute_dtype,
         fp32_lm_head=cfg.fp32_lm_head,
         remat=cfg.remat,
+        attention=cfg.attention,
+        attention_block=cfg.attention_block,
         scan_layers=cfg.scan_layers,
         value_head=cfg.value_head,
         logprob_chunk=cfg.logprob_chunk,

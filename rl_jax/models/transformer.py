@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax import kernels as kernel_ops
 from rl_jax.kernels import Kernels
-from rl_jax.kernels.xla import matmul, normed_logits
+from rl_jax.kernels.xla import AttentionMask, matmul, normed_logits
 from rl_jax.models.layers import (
     apply_rope,
     attention_mask,
@@ -325,7 +325,18 @@ class Transformer(nnx.Module):
         if (cache is None) != (cache_index is None):
             raise ValueError("pass cache and cache_index together")
         x = self.embed_tokens(tokens_bt)
-        S = T if cache is None else cache.max_len
+        rope = rope_angles(positions_bt, spec)
+        ctx = self._layer_context()
+        if cache is None:
+            attend = self._attention(T, T, segment_ids_bt=segment_ids_bt, kv_valid_bs=kv_valid_bs)
+
+            def body(x, p):
+                q, k, v = _block_qkv(p, x, rope, **ctx)
+                return _block_out(p, x, attend(q, k, v), **ctx), None
+
+            x, _ = jax.lax.scan(_maybe_remat(spec, body), x, self.layer_params())
+            return x, None
+        S = cache.max_len
         mask = attention_mask(
             T,
             S,
@@ -333,17 +344,6 @@ class Transformer(nnx.Module):
             segment_ids_bt=segment_ids_bt,
             kv_valid_bs=kv_valid_bs,
         )
-        rope = rope_angles(positions_bt, spec)
-        ctx = self._layer_context()
-        if cache is None:
-
-            def body(x, p):
-                q, k, v = _block_qkv(p, x, rope, **ctx)
-                a = self.kernels.attention(q, k, v, mask, scale=spec.head_dim**-0.5)
-                return _block_out(p, x, a, **ctx), None
-
-            x, _ = jax.lax.scan(_maybe_remat(spec, body), x, self.layer_params())
-            return x, None
         filled = cache_index + T
 
         def body_cached(carry, xs):
@@ -390,25 +390,52 @@ class Transformer(nnx.Module):
         table = rope_table(spec, tp + tc + 1)
         rope_p = rope_angles(prompt_positions_pt, spec, table=table)
         rope_c = rope_angles(positions_bt, spec, table=table)
-        mask_p = attention_mask(tp, tp, kv_valid_bs=prompt_valid_pt)  # [P, Tp, Tp]
+        attend_p = self._attention(tp, tp, kv_valid_bs=prompt_valid_pt)
         kv_valid = jnp.concatenate([jnp.repeat(prompt_valid_pt, G, axis=0), valid_bt], axis=1)
-        mask_c = attention_mask(tc, tp + tc, cache_index=tp, kv_valid_bs=kv_valid)
-        scale = spec.head_dim**-0.5
+        attend_c = self._attention(tc, tp + tc, offset=tp, kv_valid_bs=kv_valid)
         ctx = self._layer_context()
-        attention = self.kernels.attention
 
         def body(carry, p):
             xp, xc = carry
             qp, kp, vp = _block_qkv(p, xp, rope_p, **ctx)
             qc, kc, vc = _block_qkv(p, xc, rope_c, **ctx)
-            ap = attention(qp, kp, vp, mask_p, scale=scale)
+            ap = attend_p(qp, kp, vp)
             k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
             v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
-            ac = attention(qc, k_all, v_all, mask_c, scale=scale)
+            ac = attend_c(qc, k_all, v_all)
             return (_block_out(p, xp, ap, **ctx), _block_out(p, xc, ac, **ctx)), None
 
         (xp, xc), _ = jax.lax.scan(_maybe_remat(spec, body), (xp, xc), self.layer_params())
         return xp, xc
+
+    def _attention(
+        self,
+        T: int,
+        S: int,
+        *,
+        offset: int = 0,
+        segment_ids_bt: jax.Array | None = None,
+        kv_valid_bs: jax.Array | None = None,
+    ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+        """Attention of T queries over one forward's S keys (query t at key slot
+        offset + t), as `spec.attention` picks it: `kernels.attention` with the
+        [B, T, S] mask built once, or `kernels.flash_attention` with it described."""
+        spec = self.spec
+        scale = spec.head_dim**-0.5
+        if uses_blockwise(spec, S):
+            mask = AttentionMask(offset, kv_valid_bs, segment_ids_bt, segment_ids_bt)
+            flash = functools.partial(
+                self.kernels.flash_attention, scale=scale, block=spec.attention_block
+            )
+            return lambda q, k, v: flash(q, k, v, mask)
+        dense = attention_mask(
+            T,
+            S,
+            cache_index=offset or None,
+            segment_ids_bt=segment_ids_bt,
+            kv_valid_bs=kv_valid_bs,
+        )
+        return lambda q, k, v: self.kernels.attention(q, k, v, dense, scale=scale)
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""
@@ -475,8 +502,27 @@ def lm_logits(
     )
 
 
+# Keys above which `model.attention=auto` picks blockwise attention: below it the
+# [B, H, T, S] scores are small, and the dense form's one pass is the faster one.
+BLOCKWISE_MIN_KEYS = 1024
+
+
+def uses_blockwise(spec: ModelSpec, S: int) -> bool:
+    """Whether a forward over S keys uses blockwise attention (`model.attention`)."""
+    return spec.attention == "blockwise" or (spec.attention == "auto" and S > BLOCKWISE_MIN_KEYS)
+
+
+# What `model.remat` keeps of a layer for the backward pass (the rest is recomputed).
+REMAT_POLICIES = {
+    "full": None,  # only the layer's input
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:
-    return jax.checkpoint(body) if spec.remat else body
+    if spec.remat == "none":
+        return body
+    return jax.checkpoint(body, policy=REMAT_POLICIES[spec.remat])
 
 
 def _block_qkv(

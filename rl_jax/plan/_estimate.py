@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.models.logprobs import chunk_size
+from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan.chips import Chip
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
 from rl_jax.train.params import ParamPlan, tree_bytes
@@ -68,10 +70,15 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
 
     rows_mb = math.ceil(P // M * G / shards)
     per_token_layer = cdt * (4 * D + 2 * _split(H + 2 * K, tensor) * hd + 3 * _split(F, tensor))
-    per_token_layer += 4 * _split(H, tensor) * T  # dense attention's fp32 probabilities
-    live_layers = 1 if spec.remat else L
-    acts = rows_mb * T * (per_token_layer * live_layers + (cdt * D * L if spec.remat else 0))
-    logits = rows_mb * tg * _split(V, tensor) * 4 * 3  # logits, softmax, their gradient
+    # Attention's fp32 probabilities: every key's (dense), or one block's (blockwise).
+    keys = min(T, spec.attention_block) if uses_blockwise(spec, T) else T
+    per_token_layer += 4 * _split(H, tensor) * keys
+    full = spec.remat == "full"
+    live_layers = 1 if full else L
+    acts = rows_mb * T * (per_token_layer * live_layers + (cdt * D * L if full else 0))
+    # Logits, softmax, their gradient: the completion's, or one chunk's (logprob_chunk).
+    logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
+    logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     wave_rows = (P * k if off == "ppo_off_policy" else P) * G
@@ -90,7 +97,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     hbm = max(train, decode)
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    passes = TRAIN_PASSES + (1 if spec.remat else 0) + extra_forwards(cfg)
+    passes = TRAIN_PASSES + (spec.remat == "full") + extra_forwards(cfg)
     train_s = passes * fwd / chips / chip.bf16_flops
     decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo_off_policy" else 1)
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)

@@ -127,7 +127,7 @@ def plan_run(
     # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
     in_flight = state_bytes * waves if off == "pipeline" else 0
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    passes = TRAIN_PASSES + (1 if spec.remat else 0)  # remat reruns each layer's forward
+    passes = TRAIN_PASSES + (spec.remat == "full")  # full remat reruns each layer's forward
     # One call of the trainer's update program: the RL step's M minibatch updates.
     programs.append(
         report(

@@ -4,7 +4,8 @@ topology, never what it learns, ranked by the rollouts per hour of those that fi
 Dimensions, each a knob the trainer has:
   mesh          data x fsdp x tensor over the topology's chips (tensor divides the
                 heads and is at most 8, the chips one host's interconnect joins)
-  remat         model.remat: each layer's activations recomputed in the backward
+  remat         model.remat none or full: each layer's activations kept or recomputed
+                in the backward
   micro-batches the recipe's minibatches each split in m (train.updates_per_batch
                 x m with train.grad_accum x m: the same optimizer updates from
                 smaller programs, plus the old policy's log-prob pass m > 1 needs)
@@ -55,7 +56,7 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         waves = [0]
     return [
         {"mesh": mesh, "remat": remat, "micro": m, "waves": w}
-        for mesh, remat, m, w in itertools.product(meshes, (False, True), micro, waves)
+        for mesh, remat, m, w in itertools.product(meshes, ("none", "full"), micro, waves)
     ]
 
 
