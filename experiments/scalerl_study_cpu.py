@@ -1,6 +1,6 @@
-"""The CPU ScaleRL leave-one-out study: `scalerl_loo` with 3 seeds, sized so A is pinned.
+"""The CPU ScaleRL leave-one-out study: `scalerl_loo` with 3 seeds on the 2-core machine.
 
-Run it (about 2 hours on 2 idle cores) and rebuild its report from the curves:
+Run it (1 h 49 min with --jobs 2) and rebuild its report from the curves:
 
     rl-jax grid scalerl_study_cpu --jobs 2 --out grids
     rl-jax study scalerl_study_cpu --from grids/scalerl_study_cpu \
@@ -9,8 +9,9 @@ Run it (about 2 hours on 2 idle cores) and rebuild its report from the curves:
 The choices come from the pilot (experiments/results/scalerl_cpu/pilot):
 - a constant learning rate after warm-up, as in the paper: a cosine decay to zero
   bends the end of every curve and the sigmoid's A lands on its bound;
-- 800 steps at lr 5e-5 move the policy as far as the pilot's first ~1,050 cosine
-  steps, where the baseline had levelled off near 0.88;
+- 800 steps at lr 5e-5 move the policy about as far as the pilot's first ~1,050
+  cosine steps (the pilot levelled off near 0.88 there; this study's baseline
+  seeds end at 0.75-0.81, not all levelled: experiments/results/scalerl_cpu);
 - 6,144 training problems: 800 steps of 16 prompts read the pool about twice,
   so No-Positive-Resampling retires problems in the second epoch without
   starving the run (4,096 problems ran out after 5.5 epochs);
