@@ -212,3 +212,13 @@ def test_report_fit_options_are_checked():
         ReportSpec(fit_start="ten%")
     with pytest.raises(ConfigError, match="not PaperFinding"):
         ReportSpec(paper={"a": ("tie", "lower")})
+
+
+def test_a_recipe_without_a_fit_is_named_not_compared():
+    """A baseline too short to fit: every variant says so instead of raising."""
+    rows = curve_rows("b0", [0, 1], [0.5, 0.6], knobs={"group": "base", "seed": 0})
+    rows += _rows()[:25]  # one run of TRUTH's first recipe, renamed below
+    for r in rows[2:]:
+        r["group"], r["run_id"] = "var", "v0"
+    st = analyse_study(curves_from_rows(rows, group_by="group"), baseline="base")
+    assert st.effects == [] and any("no fit of base" in n for n in st.notes)

@@ -301,8 +301,9 @@ def analyse_study(
     for g in groups:
         if g == baseline:
             continue
-        if len(seed_fits[g]) < 1 or len(seed_fits[baseline]) < 1 or g not in pooled:
-            notes.append(f"{g}: no fitted runs; not compared")
+        missing = [h for h in (g, baseline) if not seed_fits[h] or h not in pooled]
+        if missing:
+            notes.append(f"{g}: not compared; no fit of {' and '.join(missing)}")
             continue
         effects.append(
             _effect(
