@@ -19,12 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from rl_jax.config import ConfigError
 from rl_jax.grid import load_spec
+from rl_jax.grid.results import GROUP_KEY as GROUP
 from rl_jax.scaling import FitError, analyse_study, curves_from_rows, load_rows, write_study
 
 CURVES = "curves.jsonl"
-GROUP = "group"  # rl_jax.grid.results.GROUP_KEY: a run's axis labels without its seed
 # Columns kept per evaluation row, besides the axis labels and the report's x and metric.
 KEEP = ("run_id", GROUP, "seed", "status", "step", "rollouts", "flops", "generated_tokens")
 KEEP += ("device_seconds", "eval_device_seconds")
@@ -53,11 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        spec = load_spec(a.spec)
-    except ConfigError as e:
-        print(f"rl-jax study: {e}", file=sys.stderr)
-        return 2
+    spec = load_spec(a.spec)  # a ConfigError: the CLI shell prints it and exits 2
     rep = spec.report
     out = Path(a.out)
     dest = out / CURVES

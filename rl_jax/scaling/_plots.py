@@ -36,6 +36,16 @@ class CurvePlot:
     boot: Bootstrap | None = None
 
 
+def recipe_plot(report, recipe: str) -> CurvePlot:
+    """A FitReport's recipe as one curve to draw: its runs' points pooled, its fit and
+    bootstrap."""
+    by_run = {c.run_id: c for c in report.curves}
+    e = report.recipes[recipe]
+    xs = np.concatenate([by_run[r].x for r in e.run_ids])
+    ys = np.concatenate([by_run[r].y for r in e.run_ids])
+    return CurvePlot(label=recipe, x=xs, y=ys, fit=e.fit, boot=e.boot)
+
+
 def safe_name(name: str) -> str:
     """A file-name-safe version of a run id or recipe name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"

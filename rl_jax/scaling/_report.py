@@ -431,22 +431,18 @@ def write_report(report: FitReport, out_dir: str | Path, *, plots: bool = True) 
 
 def _write_plots(report: FitReport, pdir: Path) -> dict[str, list[Path]]:
     from rl_jax.scaling._plots import (
-        CurvePlot,
         plot_curves,
         plot_extrapolation,
         plot_frontier,
         plot_heatmaps,
         plot_n_star,
+        recipe_plot,
         safe_name,
     )
 
     by_run = {c.run_id: c for c in report.curves}
     files: dict[str, list[Path]] = {}
-    items = []
-    for recipe, e in report.recipes.items():
-        xs = np.concatenate([by_run[r].x for r in e.run_ids])
-        ys = np.concatenate([by_run[r].y for r in e.run_ids])
-        items.append(CurvePlot(label=recipe, x=xs, y=ys, fit=e.fit, boot=e.boot))
+    items = [recipe_plot(report, recipe) for recipe in report.recipes]
     if items:
         files["curves"] = plot_curves(
             items, pdir / "curves", x_label=report.x, y_label=report.metric, title="fitted curves"

@@ -67,6 +67,7 @@ class SeedFit:
     seed: Any
     run_id: str
     fit: SigmoidFit
+    extrapolation: Extrapolation | None = None  # the run's half-budget check
 
     @property
     def a_pinned(self) -> bool:
@@ -286,7 +287,15 @@ def analyse_study(
             if e.fit is None:
                 notes.append(f"run {c.run_id} ({g}) could not be fitted: {e.error}")
                 continue
-            seed_fits[g].append(SeedFit(group=g, seed=_seed_of(c), run_id=c.run_id, fit=e.fit))
+            seed_fits[g].append(
+                SeedFit(
+                    group=g,
+                    seed=_seed_of(c),
+                    run_id=c.run_id,
+                    fit=e.fit,
+                    extrapolation=e.extrapolation,
+                )
+            )
     sd_a, df_a = _pooled_sd([[s.fit.A for s in v if s.a_pinned] for v in seed_fits.values()])
     unpinned = [s.run_id for v in seed_fits.values() for s in v if not s.a_pinned]
     if unpinned:

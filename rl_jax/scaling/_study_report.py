@@ -45,19 +45,16 @@ def _effect_json(e: Effect) -> dict[str, Any]:
 
 
 def _extrapolation_rows(study: Study) -> list[dict[str, Any]]:
-    rows = []
-    for g, fits in study.seed_fits.items():
-        for s in fits:
-            e = next(t for t in study.report.entries if t.kind == "run" and t.name == s.run_id)
-            rows.append(
-                {
-                    "group": g,
-                    "seed": s.seed,
-                    "run_id": s.run_id,
-                    **(e.extrapolation.summary() if e.extrapolation is not None else {}),
-                }
-            )
-    return rows
+    return [
+        {
+            "group": g,
+            "seed": s.seed,
+            "run_id": s.run_id,
+            **(s.extrapolation.summary() if s.extrapolation is not None else {}),
+        }
+        for g, fits in study.seed_fits.items()
+        for s in fits
+    ]
 
 
 def extrapolation_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -277,34 +274,28 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
 
 
 def _write_plots(study: Study, out: Path) -> list[Path]:
-    from rl_jax.scaling._plots import CurvePlot, plot_curves, plot_extrapolation
+    from rl_jax.scaling._plots import plot_curves, plot_extrapolation, recipe_plot
 
     rep = study.report
-    by_run = {c.run_id: c for c in rep.curves}
-
-    def item(g):
-        e = rep.recipes[g]
-        xs = np.concatenate([by_run[r].x for r in e.run_ids])
-        ys = np.concatenate([by_run[r].y for r in e.run_ids])
-        return CurvePlot(label=g, x=xs, y=ys, fit=e.fit, boot=e.boot)
-
     names = plot_names(study)
     labels = {"x_label": rep.x, "y_label": rep.metric, "formats": ("png",)}
 
     def stem(key):
         return out / names[key].removesuffix(".png")
 
-    files = plot_curves([item(g) for g in rep.recipes], stem("recipes"), title="recipes", **labels)
+    files = plot_curves(
+        [recipe_plot(rep, g) for g in rep.recipes], stem("recipes"), title="recipes", **labels
+    )
     for e in study.effects:
         files += plot_curves(
-            [item(study.baseline), item(e.group)],
+            [recipe_plot(rep, study.baseline), recipe_plot(rep, e.group)],
             stem(f"loo:{e.group}"),
             title=f"{e.group} vs {study.baseline}",
             **labels,
         )
     mean = study.baseline_mean
     if mean is not None:
-        x, y = mean_curve([by_run[r] for r in rep.recipes[study.baseline].run_ids])
+        x, y = mean_curve([c for c in rep.curves if c.group == study.baseline])
         files += plot_extrapolation(mean, x, y, stem("baseline_mean"), **labels)
     return files
 
