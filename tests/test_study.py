@@ -93,7 +93,7 @@ def test_study_finds_the_planted_effects(study):
     assert eff["same"].verdict == "cannot differ in this setting"
     # the seed noise is the fits' spread, pooled over every recipe's seeds
     a = [[s.fit.A for s in v] for v in study.seed_fits.values()]
-    assert study.noise["df"] == 4 * 2
+    assert study.noise["df_A"] == study.noise["df_B"] == 4 * 2
     assert study.noise["sd_A"] == pytest.approx(_pooled_sd(a)[0])
 
 

@@ -102,7 +102,7 @@ class Study:
     a_tol: float
     report: FitReport  # per-run and pooled fits, the recipe table, per-run extrapolations
     seed_fits: dict[str, list[SeedFit]]
-    noise: dict[str, dict[str, float]]  # pooled: sd_A, sd_B, df
+    noise: dict[str, float]  # pooled seed noise: sd_A, df_A, sd_B, df_B
     effects: list[Effect]
     baseline_mean: Extrapolation | None
     baseline_mean_note: str
@@ -303,8 +303,8 @@ def analyse_study(
             f"{len(unpinned)} run(s) with A on its upper bound, left out of the seed noise of A "
             f"and leaving their recipes' A differences unresolved: {', '.join(unpinned)}"
         )
-    sd_b, _ = _pooled_sd([[s.fit.B for s in v] for v in seed_fits.values()])
-    noise = {"sd_A": sd_a, "sd_B": sd_b, "df": df_a}
+    sd_b, df_b = _pooled_sd([[s.fit.B for s in v] for v in seed_fits.values()])
+    noise = {"sd_A": sd_a, "df_A": df_a, "sd_B": sd_b, "df_B": df_b}
     pooled = {g: e.fit for g, e in report.recipes.items() if e.fit is not None}
     effects = []
     for g in groups:

@@ -238,7 +238,8 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
         "## Seed noise",
         "",
         "Each run fitted alone. Pooled over recipes, the seed-to-seed standard deviation is "
-        f"{_f(noise['sd_A'])} in A and {_f(noise['sd_B'], 2)} in B ({noise['df']} degrees of "
+        f"{_f(noise['sd_A'])} in A ({noise['df_A']} degrees of freedom; runs with A on its "
+        f"bound left out) and {_f(noise['sd_B'], 2)} in B ({noise['df_B']} degrees of "
         f"freedom); ScaleRL's tie band on A is +-{study.a_tol:g}.",
         "",
         *_seed_table(study),
