@@ -12,7 +12,10 @@
 //                                            contiguous [hd, 16] block, per layer
 //   values   [L, B, K, S, hd]       float32
 //   kv_start [B]                    int32    first visible slot of each row
-//   slot     []                     int32    this step's slot, the last visible
+//   slot     [] or [B]              int32    this step's slot, the last visible
+//                                            (one for every row, or each row's own:
+//                                            a continuous-batching engine's rows sit
+//                                            at different steps)
 //   layer    []                     int32    the layer whose cache this step uses
 // results:
 //   out      [B, K, R, hd]          float32  softmax(scale * q k^T) v
@@ -53,7 +56,8 @@ struct Problem {
   float* keys;
   float* values;
   const int32_t* kv_start;
-  int64_t slot;
+  const int32_t* slot;  // [B], or [1] for every row (slot_stride 0)
+  int64_t slot_stride;
   float scale;
   float* out;
   int64_t B, K, R, hd, S;
@@ -226,13 +230,14 @@ void Attend(const Problem& p, int64_t item, std::vector<float>& scores,
   float* tiles = p.keys + item * hd * S;
   float* v = p.values + item * S * hd;
   float* out = p.out + item * R * hd;
-  if (p.slot >= 0 && p.slot < S) {
-    float* tile = tiles + (p.slot / kLanes) * hd * kLanes + p.slot % kLanes;
+  const int64_t slot = p.slot[b * p.slot_stride];
+  if (slot >= 0 && slot < S) {
+    float* tile = tiles + (slot / kLanes) * hd * kLanes + slot % kLanes;
     for (int64_t d = 0; d < hd; ++d) tile[d * kLanes] = k_new[d];
-    std::memcpy(v + p.slot * hd, v_new, hd * sizeof(float));
+    std::memcpy(v + slot * hd, v_new, hd * sizeof(float));
   }
   const int64_t lo = std::max<int64_t>(p.kv_start[b], 0);
-  const int64_t hi = std::min<int64_t>(p.slot, S - 1);
+  const int64_t hi = std::min<int64_t>(slot, S - 1);
   if (hi < lo) {
     std::fill(out, out + R * hd, 0.0f);
     return;
@@ -258,8 +263,12 @@ constexpr int64_t kMinFloatsPerHelper = 1 << 16;
 
 // Every (row, KV head) pair, split over the pool.
 void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
-  // Floats read per item, about: keys and values of the filled slots.
-  const int64_t reads = (std::min<int64_t>(problem.slot, problem.S - 1) + 1) * problem.hd * 2;
+  // Floats read per item, about: keys and values of the filled slots (the furthest row's).
+  int64_t last = problem.slot[0];
+  for (int64_t b = 1; b < problem.B && problem.slot_stride; ++b) {
+    last = std::max<int64_t>(last, problem.slot[b]);
+  }
+  const int64_t reads = (std::min<int64_t>(last, problem.S - 1) + 1) * problem.hd * 2;
   const int64_t items = problem.B * problem.K;
   const int64_t helpers = parallel ? items * reads / kMinFloatsPerHelper : 0;
   rl_jax::ParallelFor(pool, items, helpers, [problem](int64_t item) {
@@ -269,7 +278,7 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
 }
 
 // Whether the stacked cache (keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd], hd a
-// multiple of 16, updated in place: the results aliased to them), kv_start [B], slot []
+// multiple of 16, updated in place: the results aliased to them), kv_start [B], slot [] or [B]
 // and layer [] (0 <= layer < L: the layer this call reads and writes) fit B rows of K
 // KV heads of width hd; else the error that says so. Sets *offset to the layer's first
 // float in keys and in values (both hold B K S hd floats per layer).
@@ -283,10 +292,11 @@ ffi::Error CheckCache(ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::F32>& values
   if (kd.size() != 6 || vd.size() != 5 || kd[0] != vd[0] || kd[1] != B || kd[2] != K ||
       kd[3] * kLanes != vd[3] || kd[4] != hd || kd[5] != kLanes || vd[1] != B || vd[2] != K ||
       vd[4] != hd || hd % kLanes != 0 || kv_start.element_count() != static_cast<size_t>(B) ||
-      slot.element_count() != 1 || layer.element_count() != 1) {
+      (slot.element_count() != 1 && slot.element_count() != static_cast<size_t>(B)) ||
+      layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
         "decode attention: expected keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a "
-        "multiple of 16), kv_start [B], slot [], layer []");
+        "multiple of 16), kv_start [B], slot [] or [B], layer []");
   }
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) {
@@ -315,7 +325,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys "
         "[L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a multiple of 16), kv_start [B], "
-        "slot [], layer []");
+        "slot [] or [B], layer []");
   }
   const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3];
   int64_t offset = 0;
@@ -331,7 +341,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         keys_out->typed_data() + offset,
                         values_out->typed_data() + offset,
                         kv_start.typed_data(),
-                        static_cast<int64_t>(slot.typed_data()[0]),
+                        slot.typed_data(),
+                        slot.element_count() == 1 ? 0 : 1,
                         scale,
                         out->typed_data(),
                         B, K, R, hd, S};
@@ -379,7 +390,8 @@ ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                   keys_out->typed_data() + offset,
                   values_out->typed_data() + offset,
                   kv_start.typed_data(),
-                  static_cast<int64_t>(slot.typed_data()[0]),
+                  slot.typed_data(),
+                  slot.element_count() == 1 ? 0 : 1,
                   scale,
                   out->typed_data(),
                   B, K, H / K, hd, S};

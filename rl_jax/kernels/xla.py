@@ -362,14 +362,16 @@ class Decode:
         """One layer's attention of one new token per row: split the projection's rows
         qkv [B, (H + 2K) hd] (query heads, key heads, value heads), RMS-normalize q and
         k by qk_norm's [L, hd] weights (Qwen3) if given, rotate them by rope (cos, sin
-        [B, 1, hd / 2]), write k and v into `layer`'s slot `slot`, and attend over slots
-        kv_start_b[b] .. slot of row b. Returns (attention [B, K, R, hd] or [B, H hd],
+        [B, 1, hd / 2]), write k and v into `layer`'s slot `slot` ([] for every row, or
+        [B] each row's own), and attend over slots kv_start_b[b] .. slot of row b. Returns (attention [B, K, R, hd] or [B, H hd],
         float32; the cache). `constrain(x, logical axes)` pins the written cache's
         layout."""
         q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
         B, K, R, hd = q.shape
         ck, cv = cache
-        if cv.ndim == 6:  # blocked
+        if jnp.ndim(slot):  # each row at its own slot [B]
+            ck, cv = _write_rows(ck, cv, k.reshape(B, K, hd), v.reshape(B, K, hd), layer, slot)
+        elif cv.ndim == 6:  # blocked
             blk = cv.shape[4]
             j = (layer, 0, slot // blk, 0)
             k, v = k.reshape(1, B, 1, K, hd, 1), v.reshape(1, B, 1, K, 1, hd)
@@ -386,7 +388,8 @@ class Decode:
             att = self._filled_blocks(q, ck, cv, layer, kv_start_b, slot, dtype)
         else:
             k_slot = jnp.arange(cv.shape[3])
-            visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= slot)
+            last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
+            visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= last_b1)
             ck_i, cv_i = _at(ck, layer).astype(dtype), _at(cv, layer).astype(dtype)
             scores = self.einsum("bkrh,bkhs->bkrs", q, ck_i)
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
@@ -423,16 +426,35 @@ class Decode:
             size = (1, B, 1, *cache.shape[3:])
             return jax.lax.dynamic_slice(cache, start, size).reshape(B, *cache.shape[3:])
 
+        last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
+
         def block_fn(j):
             kb, vb = take(ck, j).astype(dtype), take(cv, j).astype(dtype)
             s_b = j * blk + in_block
-            visible = (s_b[None, :] >= kv_start_b[:, None]) & (s_b[None, :] <= slot)
+            visible = (s_b[None, :] >= kv_start_b[:, None]) & (s_b[None, :] <= last_b1)
             s = self.einsum("bkrh,bkhs->bkrs", q, kb)
             return jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE), vb
 
+        # Rows at their own slots: up to the furthest row's block. A block wholly past a
+        # row's slot leaves its sums exactly as they were (weights exp(MASK_VALUE - m) = 0).
         return online_softmax(
-            slot // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd), einsum=self.einsum
+            jnp.max(slot) // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd), einsum=self.einsum
         )
+
+
+def _write_rows(ck, cv, k_bkh, v_bkh, layer, slot_b) -> DecodeCache:
+    """Row b's key and value [B, K, hd] written at its own slot slot_b[b] of `layer`, in
+    the whole or blocked layout (a scatter; slots past the cache are dropped)."""
+    rows = jnp.arange(k_bkh.shape[0])
+    k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
+    if cv.ndim == 6:  # [L, B, N, K, hd, blk], [L, B, N, K, blk, hd]
+        blk = cv.shape[4]
+        j, i = slot_b // blk, slot_b % blk
+        ck = ck.at[layer, rows, j, :, :, i].set(k, mode="drop")
+        return ck, cv.at[layer, rows, j, :, i, :].set(v, mode="drop")
+    # [L, B, K, hd, S], [L, B, K, S, hd]
+    ck = ck.at[layer, rows, :, :, slot_b].set(k, mode="drop")
+    return ck, cv.at[layer, rows, :, slot_b, :].set(v, mode="drop")
 
 
 def decode_ops(platform: str, **conditions) -> Decode:

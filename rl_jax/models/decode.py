@@ -88,7 +88,9 @@ def decode_step(
 ) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
 
-    Row b attends to slots kv_start_b[b] .. slot (its prompt's first real token on).
+    `slot`: [] the same slot for every row (a batch decoded in step), or [B] each row's
+    own (a continuous-batching engine's slots). Row b attends to slots
+    kv_start_b[b] .. its slot (its prompt's first real token on).
     ops: the platform's decode ops (`Kernels.decode_ops`), which laid out `w`
     (decode_weights) and `cache`.
     """

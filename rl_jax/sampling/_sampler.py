@@ -17,40 +17,27 @@ rows to a multiple of the mesh's batch shards.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from rl_jax import kernels
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.kernels.xla import Decode, DecodeCache
+from rl_jax.kernels.xla import Decode
 from rl_jax.knobs import ConfigError
-from rl_jax.models.decode import decode_step, decode_weights
+from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import Transformer, model_params, param_shardings
+from rl_jax.models.transformer import Transformer
 from rl_jax.runtime import xla_options
-from rl_jax.sampling._dist import interrupt_lengths, row_keys, sample_with_uniforms, step_uniforms
+from rl_jax.sampling._decoder import Decoder, Params, round_up, to_host
+from rl_jax.sampling._dist import interrupt_lengths, row_keys, step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
-from rl_jax.sampling._state import THINK, SamplerState, advance
-from rl_jax.sharding.rules import (
-    BATCH_AXES,
-    Rules,
-    batch_sharding,
-    fit_spec,
-    get_rules,
-    logical_to_spec,
-    num_batch_shards,
-)
+from rl_jax.sampling._state import THINK, SamplerState
+from rl_jax.sharding.rules import Rules
 
-Params = Mapping[str, jax.Array]
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+__all__ = ["Sampler", "pack_prompts", "round_up"]
 
 
 def pack_prompts(
@@ -78,7 +65,7 @@ def pack_prompts(
     return tokens, lengths
 
 
-class Sampler:
+class Sampler(Decoder):
     """Batched sampling from a decoder; see the module docstring for the life cycle.
 
     model: the `ModelSpec` (or a `Transformer`, whose spec is used).
@@ -87,122 +74,33 @@ class Sampler:
     rules: a sampling rule preset of `rl_jax.sharding.SAMPLE_RULES` or a rule table.
     """
 
-    # Whether the decode step may run its attention / its projections in the
-    # platform's own kernels where they apply (`decode_ops`); False keeps XLA's, for
-    # comparisons. Read when the compiled functions are first traced.
-    platform_attention = True
-    platform_matmul = True
-
     def __init__(
         self,
         model: ModelSpec | Transformer,
         cfg: SamplingConfig,
         *,
-        mesh: Mesh | None = None,
+        mesh=None,
         eos_id: int | Sequence[int] | None = None,
         pad_id: int = 0,
         interrupt_ids: Sequence[int] | None = None,
         rules: str | Rules = "fsdp_tp",
     ):
-        self.spec = model.spec if isinstance(model, Transformer) else model
-        self.cfg = cfg
-        self.mesh = mesh
-        self.rules = get_rules(rules, purpose="sample") if isinstance(rules, str) else rules
-        self.pad_id = int(pad_id)
-        if cfg.ignore_eos:
-            stops = ()
-        elif cfg.stop_token_ids:
-            stops = tuple(int(s) for s in cfg.stop_token_ids)
-        elif eos_id is None:
-            stops = ()
-        else:
-            ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
-            stops = tuple(int(e) for e in ids)
-        self.stop_ids = stops
-        self.interrupt = cfg.length_control == "interrupt"
-        self.interrupt_ids = tuple(int(i) for i in (interrupt_ids or ()))
-        if self.interrupt:
-            if not self.interrupt_ids:
-                raise ConfigError(
-                    "sampling.length_control='interrupt' needs interrupt_ids: pass the "
-                    "tokenized sampling.interrupt_text to Sampler(..., interrupt_ids=...)"
-                )
-            need = cfg.interrupt_hi + len(self.interrupt_ids) + cfg.answer_budget
-            if need > cfg.max_new_tokens:
-                raise ConfigError(
-                    f"sampling.max_new_tokens={cfg.max_new_tokens} leaves no room for an "
-                    f"interruption at sampling.interrupt_hi={cfg.interrupt_hi} plus "
-                    f"{len(self.interrupt_ids)} injected tokens plus "
-                    f"sampling.answer_budget={cfg.answer_budget}: set it to at least {need}"
-                )
-        vocab = self.spec.vocab_size
-        for name, ids in (("stop", self.stop_ids), ("interrupt", self.interrupt_ids)):
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
-        self.shards = 1 if mesh is None else num_batch_shards(mesh)
-        self._local_loops = mesh is not None and self.shards == mesh.devices.size
-        self.kernels = kernels.for_mesh(mesh)
+        super().__init__(
+            model,
+            cfg,
+            mesh=mesh,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            interrupt_ids=interrupt_ids,
+            rules=rules,
+        )
         opts = xla_options(mesh)
         self._start = jax.jit(self._start_impl, static_argnames=("gen_len",), compiler_options=opts)
         self._decode = jax.jit(self._decode_impl, donate_argnames=("state",), compiler_options=opts)
 
-    @property
-    def decode_ops(self) -> Decode:
-        """The decode step's ops and layouts (`rl_jax.kernels`, `Kernels.decode`): the
-        platform's own kernels where they apply to this sampler's dtype and mesh, and
-        where platform_attention / platform_matmul allow; XLA's elsewhere."""
-        one_device = self.mesh is None or self.mesh.devices.size == 1
-        return self.kernels.decode_ops(
-            compute_dtype=self.spec.compute_dtype,
-            head_dim=self.spec.head_dim,
-            local=one_device or self._local_loops,
-            # With a device per core, each device's kernels keep to its own thread.
-            threads=one_device,
-            attention=self.platform_attention,
-            matmul=self.platform_matmul,
-        )
-
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of "no recompilation")."""
         return {"start": self._start._cache_size(), "decode": self._decode._cache_size()}
-
-    # ---- layouts --------------------------------------------------------------------------
-
-    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
-        """The sampling layout of the parameters (rule table `self.rules`)."""
-        return param_shardings(self.spec, self.mesh, self.rules)
-
-    def reshard(self, params: Params | Transformer) -> dict[str, jax.Array]:
-        """Parameters moved into the sampling layout (e.g. from the trainer's FSDP layout)."""
-        return jax.device_put(self._as_params(params), self.param_shardings())
-
-    @staticmethod
-    def _as_params(params: Params | Transformer) -> dict[str, jax.Array]:
-        if isinstance(params, Transformer):
-            return model_params(params)
-        return dict(params)
-
-    def _model(self, params: Params) -> Transformer:
-        return Transformer(self.spec, dict(params), mesh=self.mesh, rules=self.rules)
-
-    def _rows(self, x: jax.Array) -> jax.Array:
-        """Pin an array's leading (row) axis to the mesh's batch axes."""
-        if self.mesh is None:
-            return x
-        return jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh, x.ndim))
-
-    def _constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-        """Pin an activation or cache layout by logical axes (no-op without a mesh)."""
-        if self.mesh is None:
-            return x
-        spec = fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-    def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        k, v = cache
-        k_axes, v_axes = self.decode_ops.cache_axes(cache)
-        return self._constrain(k, k_axes), self._constrain(v, v_axes)
 
     # ---- compiled bodies ------------------------------------------------------------------
 
@@ -265,49 +163,23 @@ class Sampler:
     def _decode_impl(self, params, state: SamplerState, max_steps, version) -> SamplerState:
         ops = self.decode_ops
         weights = decode_weights(self.spec, dict(params), ops.cache_slots(state.cache), ops=ops)
-        end = jnp.minimum(state.step + max_steps, state.limit)
+        end = jnp.minimum(state.step + max_steps, jnp.max(state.limit))
         version = jnp.asarray(version, jnp.int32)
-        if not self._local_loops:
-            return self._loop(ops, weights, state, end, version, manual=False)
-        # Rows only split over devices: every device runs its own loop on its own
-        # rows, with no collective per token (it stops when its rows are done).
-        specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
-        # The cache is stacked over layers: its rows are its second axis.
-        cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
-        specs = dataclasses.replace(specs, cache=cache_specs)
-        loop = jax.shard_map(
-            functools.partial(self._loop, ops, manual=True),
-            mesh=self.mesh,
-            in_specs=(self._row_spec(0), specs, self._row_spec(0), self._row_spec(0)),
-            out_specs=specs,
-            check_vma=False,
+        return self._over_rows(
+            lambda w, s, e, v, *, manual: self._loop(ops, w, s, e, v, manual=manual),
+            weights,
+            state,
+            end,
+            version,
         )
-        return loop(weights, state, end, version)
-
-    def _row_spec(self, ndim: int) -> PartitionSpec:
-        """Rows over the batch axes; scalars (ndim 0) replicated."""
-        return batch_sharding(self.mesh, ndim).spec if ndim else PartitionSpec()
 
     def _loop(
         self, ops: Decode, weights, state: SamplerState, end, version, *, manual: bool
     ) -> SamplerState:
         """Decode until `end` or until every row (of this device, if `manual`) is done."""
-        cfg, spec = self.cfg, self.spec
         Tp = state.prompt_tokens.shape[1]
-        rows = (lambda x: x) if manual else self._rows
-        constrain = (lambda x, logical: x) if manual else self._constrain
-        transition = functools.partial(
-            advance,
-            version=version,
-            stop_ids=self.stop_ids,
-            interrupt_ids=self.interrupt_ids,
-            answer_budget=cfg.answer_budget,
-            interrupt=self.interrupt,
-            pad_id=self.pad_id,
-        )
-
         # Every column's draws, made before the loop: [B, Tg] (none for greedy).
-        greedy = cfg.temperature <= 0
+        greedy = self.cfg.temperature <= 0
         Tg = state.tokens.shape[1]
         u_bt = None if greedy else step_uniforms(state.keys, jnp.arange(Tg, dtype=jnp.int32))
 
@@ -315,35 +187,13 @@ class Sampler:
             return (s.step < end) & ~jnp.all(s.done)
 
         def body(s: SamplerState) -> SamplerState:
-            slot = Tp - 1 + s.step
-            logits_bv, cache = decode_step(
-                spec,
-                weights,
-                s.cache,
-                s.last_token,
-                slot - s.kv_start,
-                slot,
-                s.kv_start,
-                ops=ops,
-                constrain=constrain,
-            )
             u_b = None if greedy else jax.lax.dynamic_index_in_dim(u_bt, s.step, 1, False)
-            tok, logp = sample_with_uniforms(
-                logits_bv,
-                u_b,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-            )
-            s = dataclasses.replace(s, cache=cache)
-            return transition(s, rows(tok), rows(logp))
+            return self._token_step(ops, weights, s, Tp - 1 + s.step, u_b, version, manual=manual)
 
         out = jax.lax.while_loop(cond, body, state)
-        if manual:
-            # Devices that finished early skipped steps whose columns are padding
-            # for all their rows; the shared step counter is the furthest one.
-            out = dataclasses.replace(out, step=jax.lax.pmax(out.step, BATCH_AXES))
-        return out
+        # Devices that finished early skipped steps whose columns are padding for all
+        # their rows; the shared step counter is the furthest one.
+        return dataclasses.replace(out, step=self._all_devices_max(out.step, manual))
 
     # ---- the trainer's API ----------------------------------------------------------------
 
@@ -356,24 +206,28 @@ class Sampler:
         key: jax.Array | None = None,
         seed: int = 0,
         row_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> SamplerState:
         """Prefill P prompts once and give each of its G = n samples a copy: B = P * G rows.
 
         Row b samples for prompt b // G. Random draws of a row depend only on
         `key` (default `jax.random.key(seed)`), its row id (default b) and the step.
-        `max_new_tokens` overrides `cfg.max_new_tokens` for this batch (bucketed).
+        `max_new_tokens` overrides `cfg.max_new_tokens` for this batch (bucketed), or
+        for each row (a sequence of B limits: a row ends at its own, as LENGTH).
         """
         cfg = self.cfg
         G = cfg.n if n is None else int(n)
         P = len(prompt_ids)
         if P == 0 or G < 1:
             raise ValueError(f"need at least one prompt and n >= 1, got {P} prompts, n={G}")
-        limit = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if limit < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
-        gen_len = round_up(limit, cfg.length_bucket)
         rows = P * G
+        limits = np.asarray(cfg.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        if limits.ndim and limits.shape != (rows,):
+            raise ValueError(f"max_new_tokens needs {rows} limits (P * n), got {limits.shape}")
+        limit = int(limits.max())
+        if int(limits.min()) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+        gen_len = round_up(limit, cfg.length_bucket)
         b_pad, p_pad = round_up(rows, self.shards), round_up(P, self.shards)
         prompt_pt, lens_p = pack_prompts(
             prompt_ids,
@@ -400,11 +254,17 @@ class Sampler:
         row_ids_b[:rows] = ids
         real = np.arange(b_pad) < rows
         key = jax.random.key(seed) if key is None else key
+        if limits.ndim:  # per row (padding rows: 1)
+            limit_b = np.ones((b_pad,), np.int32)
+            limit_b[:rows] = limits
+            (limit_arg,) = self._put_rows(limit_b)
+        else:
+            limit_arg = np.int32(limit)
         return self._start(
             self._as_params(params),
             *self._put_rows(prompt_pt, lens_p, group, row_ids_b, real),
             key,
-            np.int32(limit),
+            limit_arg,
             gen_len=gen_len,
         )
 
@@ -433,11 +293,6 @@ class Sampler:
     def decode_program(self):
         return self._decode
 
-    def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array]:
-        if self.mesh is None:
-            return [jnp.asarray(a) for a in arrays]
-        return [jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays]
-
     def decode(
         self,
         params: Params | Transformer,
@@ -458,11 +313,11 @@ class Sampler:
 
     def done(self, state: SamplerState) -> bool:
         """True when every row has finished (one small device-to-host read)."""
-        return bool(jnp.all(state.done) | (state.step >= state.limit))
+        return bool(jnp.all(state.done) | (state.step >= jnp.max(state.limit)))
 
     def result(self, state: SamplerState) -> Rollouts:
         """The rows as numpy arrays, padding rows dropped (rows still running included)."""
-        host = _to_host(
+        host = to_host(
             {
                 f.name: getattr(state, f.name)
                 for f in dataclasses.fields(state)
@@ -498,7 +353,7 @@ class Sampler:
         seed: int = 0,
         version: int = 0,
         row_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> Rollouts:
         """start + decode to completion (in `cfg.decode_chunk` chunks if set) + result."""
         params = self._as_params(params)
@@ -517,15 +372,3 @@ class Sampler:
             state = self.decode(params, state, max_steps=chunk, version=version)
         return self.result(state)
 
-
-def _to_host(tree):
-    """numpy copies of (possibly multi-process) arrays: every process gets all rows."""
-
-    def get(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(jax.device_get(x))
-
-    return jax.tree.map(get, tree)

@@ -42,8 +42,8 @@ class SamplerState:
     versions: jax.Array  # [B, Tg] int32, -1 where not sampled
     injected: jax.Array  # [B, Tg] bool
     last_token: jax.Array  # [B] int32, the token the next step feeds
-    step: jax.Array  # [] int32, completion columns written so far
-    limit: jax.Array  # [] int32, max new tokens of this batch (<= Tg)
+    step: jax.Array  # [] int32 completion columns written so far; [B] each row's own (engine)
+    limit: jax.Array  # [] or [B] int32, max new tokens of the batch or of each row (<= Tg)
     done: jax.Array  # [B] bool (padding rows start done)
     finish: jax.Array  # [B] int32 FinishReason
     truncated: jax.Array  # [B] bool
@@ -76,9 +76,12 @@ def advance(
     """Write completion column `state.step` from this step's draws and move every row on.
 
     sampled_b, logprobs_b: [B] the policy's draw per row (ignored for rows that
-    are injecting). Rows already done write padding and do not change.
+    are injecting). Rows already done write padding and do not change. With a
+    step per row ([B]), each active row writes its own column and moves its own
+    step on; a done row's step stays where it ended.
     """
     t = state.step
+    per_row = t.ndim == 1
     active = ~state.done
     injecting = active & (state.phase == INJECT)
     if interrupt_ids:
@@ -91,6 +94,9 @@ def advance(
     token = jnp.where(active, token, pad_id).astype(jnp.int32)
 
     def put(buf, value):
+        if per_row:  # a row at the end of its buffer (done) writes nothing
+            rows = jnp.arange(buf.shape[0])
+            return buf.at[rows, t].set(value.astype(buf.dtype), mode="drop")
         return jax.lax.dynamic_update_slice_in_dim(buf, value[:, None].astype(buf.dtype), t, 1)
 
     tokens = put(state.tokens, token)
@@ -128,7 +134,7 @@ def advance(
         versions=versions,
         injected=injected,
         last_token=jnp.where(active, token, state.last_token),
-        step=t + 1,
+        step=t + active.astype(jnp.int32) if per_row else t + 1,
         done=state.done | now_done,
         finish=jnp.where(now_done, reason, state.finish).astype(jnp.int32),
         truncated=state.truncated | budget_out | out_of_room,

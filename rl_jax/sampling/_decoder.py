@@ -1,0 +1,247 @@
+"""What the batch sampler and the continuous-batching engine share: the stop and
+interruption rules, the decode ops and layouts of the mesh, and one decode step
+(model, draw, row update) inside a compiled loop.
+
+`Sampler` (a fixed batch decoded in step) and `Engine` (slots refilled as rows end)
+differ only in where each row's cache slot is (one column for all rows, or each
+row's own) and in where their draws come from; the token step is this module's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rl_jax import kernels
+from rl_jax.config.sampling import SamplingConfig
+from rl_jax.kernels.xla import Decode, DecodeCache
+from rl_jax.knobs import ConfigError
+from rl_jax.models.decode import decode_step
+from rl_jax.models.spec import ModelSpec
+from rl_jax.models.transformer import Transformer, model_params, param_shardings
+from rl_jax.sampling._dist import sample_with_uniforms
+from rl_jax.sampling._state import SamplerState, advance
+from rl_jax.sharding.rules import (
+    BATCH_AXES,
+    Rules,
+    batch_sharding,
+    fit_spec,
+    get_rules,
+    logical_to_spec,
+    num_batch_shards,
+)
+
+Params = Mapping[str, jax.Array]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Decoder:
+    """The shared part of `Sampler` and `Engine` (not used alone).
+
+    model: the `ModelSpec` (or a `Transformer`, whose spec is used).
+    eos_id: stop token(s) used when `cfg.stop_token_ids` is empty.
+    interrupt_ids: the tokenized `cfg.interrupt_text` (needed in interrupt mode).
+    rules: a sampling rule preset of `rl_jax.sharding.SAMPLE_RULES` or a rule table.
+    """
+
+    # Whether the decode step may run its attention / its projections in the
+    # platform's own kernels where they apply (`decode_ops`); False keeps XLA's, for
+    # comparisons. Read when the compiled functions are first traced.
+    platform_attention = True
+    platform_matmul = True
+
+    def __init__(
+        self,
+        model: ModelSpec | Transformer,
+        cfg: SamplingConfig,
+        *,
+        mesh: Mesh | None = None,
+        eos_id: int | Sequence[int] | None = None,
+        pad_id: int = 0,
+        interrupt_ids: Sequence[int] | None = None,
+        rules: str | Rules = "fsdp_tp",
+    ):
+        self.spec = model.spec if isinstance(model, Transformer) else model
+        self.cfg = cfg
+        self.mesh = mesh
+        self.rules = get_rules(rules, purpose="sample") if isinstance(rules, str) else rules
+        self.pad_id = int(pad_id)
+        if cfg.ignore_eos:
+            stops = ()
+        elif cfg.stop_token_ids:
+            stops = tuple(int(s) for s in cfg.stop_token_ids)
+        elif eos_id is None:
+            stops = ()
+        else:
+            ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+            stops = tuple(int(e) for e in ids)
+        self.stop_ids = stops
+        self.interrupt = cfg.length_control == "interrupt"
+        self.interrupt_ids = tuple(int(i) for i in (interrupt_ids or ()))
+        if self.interrupt:
+            if not self.interrupt_ids:
+                raise ConfigError(
+                    "sampling.length_control='interrupt' needs interrupt_ids: pass the "
+                    "tokenized sampling.interrupt_text to Sampler(..., interrupt_ids=...)"
+                )
+            need = cfg.interrupt_hi + len(self.interrupt_ids) + cfg.answer_budget
+            if need > cfg.max_new_tokens:
+                raise ConfigError(
+                    f"sampling.max_new_tokens={cfg.max_new_tokens} leaves no room for an "
+                    f"interruption at sampling.interrupt_hi={cfg.interrupt_hi} plus "
+                    f"{len(self.interrupt_ids)} injected tokens plus "
+                    f"sampling.answer_budget={cfg.answer_budget}: set it to at least {need}"
+                )
+        vocab = self.spec.vocab_size
+        for name, ids in (("stop", self.stop_ids), ("interrupt", self.interrupt_ids)):
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise ConfigError(f"{name} token ids {bad} are outside the vocabulary [0, {vocab})")
+        self.shards = 1 if mesh is None else num_batch_shards(mesh)
+        self._local_loops = mesh is not None and self.shards == mesh.devices.size
+        self.kernels = kernels.for_mesh(mesh)
+
+    @property
+    def decode_ops(self) -> Decode:
+        """The decode step's ops and layouts (`rl_jax.kernels`, `Kernels.decode`): the
+        platform's own kernels where they apply to this sampler's dtype and mesh, and
+        where platform_attention / platform_matmul allow; XLA's elsewhere."""
+        one_device = self.mesh is None or self.mesh.devices.size == 1
+        return self.kernels.decode_ops(
+            compute_dtype=self.spec.compute_dtype,
+            head_dim=self.spec.head_dim,
+            local=one_device or self._local_loops,
+            # With a device per core, each device's kernels keep to its own thread.
+            threads=one_device,
+            attention=self.platform_attention,
+            matmul=self.platform_matmul,
+        )
+
+    # ---- layouts --------------------------------------------------------------------------
+
+    def param_shardings(self) -> dict[str, jax.sharding.Sharding]:
+        """The sampling layout of the parameters (rule table `self.rules`)."""
+        return param_shardings(self.spec, self.mesh, self.rules)
+
+    def reshard(self, params: Params | Transformer) -> dict[str, jax.Array]:
+        """Parameters moved into the sampling layout (e.g. from the trainer's FSDP layout)."""
+        return jax.device_put(self._as_params(params), self.param_shardings())
+
+    @staticmethod
+    def _as_params(params: Params | Transformer) -> dict[str, jax.Array]:
+        if isinstance(params, Transformer):
+            return model_params(params)
+        return dict(params)
+
+    def _model(self, params: Params) -> Transformer:
+        return Transformer(self.spec, dict(params), mesh=self.mesh, rules=self.rules)
+
+    def _rows(self, x: jax.Array) -> jax.Array:
+        """Pin an array's leading (row) axis to the mesh's batch axes."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, batch_sharding(self.mesh, x.ndim))
+
+    def _constrain(self, x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+        """Pin an activation or cache layout by logical axes (no-op without a mesh)."""
+        if self.mesh is None:
+            return x
+        spec = fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
+        k, v = cache
+        k_axes, v_axes = self.decode_ops.cache_axes(cache)
+        return self._constrain(k, k_axes), self._constrain(v, v_axes)
+
+    def _row_spec(self, ndim: int) -> PartitionSpec:
+        """Rows over the batch axes; scalars (ndim 0) replicated."""
+        return batch_sharding(self.mesh, ndim).spec if ndim else PartitionSpec()
+
+    def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array]:
+        if self.mesh is None:
+            return [jax.numpy.asarray(a) for a in arrays]
+        return [jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays]
+
+    # ---- the compiled loop's pieces -------------------------------------------------------
+
+    def _over_rows(self, loop: Callable, weights, state: SamplerState, *scalars, outs: int = 0):
+        """loop(weights, state, *scalars, manual=...) -> state, or (state, `outs` scalars):
+        on the whole mesh, or, where rows alone split over devices, on every device's
+        own rows (shard_map), with no collective per token: each device stops when its
+        rows are done. Scalars in and out are replicated (`loop` makes them agree)."""
+        if not self._local_loops:
+            return loop(weights, state, *scalars, manual=False)
+        specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
+        # The cache is stacked over layers: its rows are its second axis.
+        cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
+        specs = dataclasses.replace(specs, cache=cache_specs)
+        rep = self._row_spec(0)
+        mapped = jax.shard_map(
+            functools.partial(loop, manual=True),
+            mesh=self.mesh,
+            in_specs=(rep, specs, *(rep for _ in scalars)),
+            out_specs=(specs, *(rep for _ in range(outs))) if outs else specs,
+            check_vma=False,
+        )
+        return mapped(weights, state, *scalars)
+
+    @staticmethod
+    def _all_devices_max(x, manual: bool):
+        """x's largest value over the devices of a shard_map'd loop (as is without one)."""
+        return jax.lax.pmax(x, BATCH_AXES) if manual else x
+
+    def _token_step(self, ops: Decode, weights, s: SamplerState, slot, u_b, version, *, manual):
+        """One decode step of every row: feed `s.last_token` at cache slot `slot` ([] or
+        [B]), draw from the logits with the uniforms u_b [B] (None for greedy), and
+        write the draw into the row state (`advance`)."""
+        cfg = self.cfg
+        rows = (lambda x: x) if manual else self._rows
+        constrain = (lambda x, logical: x) if manual else self._constrain
+        logits_bv, cache = decode_step(
+            self.spec,
+            weights,
+            s.cache,
+            s.last_token,
+            slot - s.kv_start,
+            slot,
+            s.kv_start,
+            ops=ops,
+            constrain=constrain,
+        )
+        tok, logp = sample_with_uniforms(
+            logits_bv, u_b, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k
+        )
+        s = dataclasses.replace(s, cache=cache)
+        return advance(
+            s,
+            rows(tok),
+            rows(logp),
+            version=version,
+            stop_ids=self.stop_ids,
+            interrupt_ids=self.interrupt_ids,
+            answer_budget=cfg.answer_budget,
+            interrupt=self.interrupt,
+            pad_id=self.pad_id,
+        )
+
+
+def to_host(tree):
+    """numpy copies of (possibly multi-process) arrays: every process gets all rows."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
