@@ -55,6 +55,15 @@ def step_uniforms(rkeys: jax.Array, steps: jax.Array) -> jax.Array:
     return uniforms(keys)
 
 
+def row_step_uniforms(rkeys: jax.Array, start_b: jax.Array, n: int) -> jax.Array:
+    """The uniforms of steps start_b[b] .. start_b[b] + n - 1 of each row: [B, n], entry
+    [b, j] equal to `step_uniforms(rkeys, steps)` at row b, step start_b[b] + j. For
+    rows at different steps (a continuous-batching engine's slots)."""
+    steps_bn = start_b[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, 0))
+    return uniforms(fold(rkeys, steps_bn))
+
+
 def interrupt_lengths(key: jax.Array, row_ids: jax.Array, lo: int, hi: int) -> jax.Array:
     """Forced-interruption lengths, uniform integers in [lo, hi] per row: [B] int32."""
     keys = row_keys(jax.random.fold_in(key, _INTERRUPT_STREAM), row_ids)
