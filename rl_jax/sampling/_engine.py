@@ -333,13 +333,7 @@ class Engine(Decoder):
         P = len(prompt_ids)
         if not 0 < P <= self.prefill_prompts:
             raise ValueError(f"prefill takes 1 to {self.prefill_prompts} prompts, got {P}")
-        lens = [len(p) for p in prompt_ids]
-        if max(lens) > self.prompt_len:
-            i = int(np.argmax(lens))
-            raise ConfigError(
-                f"prompt {i} has {lens[i]} tokens, more than the engine's prompt_len="
-                f"{self.prompt_len}; raise sampling.max_prompt_len or shorten the prompt"
-            )
+        self._check_prompts(prompt_ids)
         rows = self.prefill_prompts
         packed, lens_p = pack_prompts(
             prompt_ids, rows=rows, bucket=self.cfg.length_bucket, max_len=0, pad_id=self.pad_id
@@ -350,6 +344,14 @@ class Engine(Decoder):
         return self._prefill(
             self._as_params(params), *self._put_rows(prompt_pt, lens_p), bucket=bucket
         )
+
+    def _check_prompts(self, prompt_ids: Sequence[Sequence[int]]) -> None:
+        for i, p in enumerate(prompt_ids):
+            if not 0 < len(p) <= self.prompt_len:
+                raise ConfigError(
+                    f"prompt {i} has {len(p)} tokens; the engine takes 1 to prompt_len="
+                    f"{self.prompt_len}: raise sampling.max_prompt_len or shorten the prompt"
+                )
 
     def insert(
         self,
@@ -445,6 +447,7 @@ class Engine(Decoder):
         limits = np.broadcast_to(
             np.asarray(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens), (R,)
         )
+        self._check_prompts(prompt_ids)
         queue = collections.deque(range(R) if order is None else [int(r) for r in order])
         if sorted(queue) != list(range(R)):
             raise ValueError(f"order must be a permutation of range({R})")
@@ -454,10 +457,10 @@ class Engine(Decoder):
         state = self.init()
         chunk = 0
         while queue or loop.busy():
-            state = loop.refill(params, state)
-            if weights is not None:
+            if weights is not None:  # this chunk's weights prefill its new rows too
                 params, version = weights(chunk)
                 params = self._as_params(params)
+            state = loop.refill(params, state)
             state, steps = self.generate(params, state, version=version)
             chunk += 1
             loop.slot_steps += self.slots * steps

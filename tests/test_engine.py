@@ -1,0 +1,173 @@
+"""The continuous-batching engine on the small random model of test_sampler: the
+Sampler's rollouts whatever the slot count and refill order, stops, forced
+interruption, per-row limits, in-flight weight swaps, bounded compiles."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_sampler import PROMPTS, SPEC, _params, _swapped_logits, _sequences
+
+from rl_jax.config import SamplingConfig
+from rl_jax.sampling import Engine, FinishReason, Sampler
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
+SAMPLED = SamplingConfig(
+    temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, length_bucket=8, max_prompt_len=16
+)
+
+
+@pytest.fixture(scope="module")
+def params_a():
+    return _params(0)
+
+
+@pytest.fixture(scope="module")
+def params_b():
+    return _params(1)
+
+
+def _assert_same(a, b, *, exact):
+    """Two sets of rollouts equal: tokens, masks, lengths and flags exactly; log-probs
+    bit for bit (`exact`) or to the whole-model float32 tolerance."""
+    for f in ("completion_tokens", "completion_mask", "injected_mask", "versions", "lengths"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    for f in ("finish_reason", "truncated", "group_ids", "row_ids"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    if exact:
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    else:
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def _stop_token(params):
+    """A token the greedy model emits early in some rows but not all (a real stop)."""
+    free = Sampler(SPEC, GREEDY, pad_id=0).generate(params, PROMPTS, n=1)
+    return int(free.completion_tokens[0, 2])
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_engine_equals_the_sampler_with_stop_tokens(params_a, cfg):
+    """Three slots for six rows: rows wait, enter freed slots, end at a stop token."""
+    stop = _stop_token(params_a)
+    sampler = Sampler(SPEC, cfg, pad_id=0, eos_id=stop)
+    ref = sampler.generate(params_a, PROMPTS, n=2, seed=5, version=3)
+    engine = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0, eos_id=stop)
+    out, stats = engine.run(params_a, PROMPTS, n=2, seed=5, version=3)
+    _assert_same(out, ref, exact=False)
+    assert (out.finish_reason == FinishReason.STOP).any()
+    assert (out.versions[out.completion_mask] == 3).all()
+    assert stats.prompts_prefilled == len(PROMPTS)  # each prompt prefilled once
+    assert stats.kept_tokens == out.completion_mask.sum() <= stats.slot_steps
+    if cfg.temperature > 0:
+        assert len({tuple(r) for r in out.completion_tokens[:2]}) == 2  # samples differ
+
+
+def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
+    """Bit for bit: a row's numbers depend on its key, prompt and weights only. (With
+    the prompts prefilled at a varying prompt count they did not: XLA:CPU's prefill
+    matmuls round differently for 1 and 4 prompts, ~1e-6 in the log-probs; so
+    `prefill` always takes `prefill_prompts`.)"""
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(PROMPTS) * 3)
+    runs = {
+        (slots, shuffled): Engine(SPEC, SAMPLED, slots=slots, chunk=3, pad_id=0).run(
+            params_a, PROMPTS, n=3, seed=9, order=order if shuffled else None
+        )[0]
+        for slots, shuffled in ((2, False), (3, True), (8, True))
+    }
+    first = runs[(2, False)]
+    for out in runs.values():
+        _assert_same(out, first, exact=True)
+
+
+def test_forced_interruption_and_per_row_limits(params_a):
+    inject = [5, 6, 7]
+    cfg = SamplingConfig(
+        temperature=1.0,
+        max_new_tokens=14,
+        length_bucket=8,
+        max_prompt_len=16,
+        length_control="interrupt",
+        interrupt_lo=2,
+        interrupt_hi=5,
+        answer_budget=3,
+    )
+    ref = Sampler(SPEC, cfg, pad_id=0, interrupt_ids=inject).generate(params_a, PROMPTS, n=2)
+    engine = Engine(SPEC, cfg, slots=4, chunk=5, pad_id=0, interrupt_ids=inject)
+    out, _ = engine.run(params_a, PROMPTS, n=2)
+    _assert_same(out, ref, exact=False)
+    assert out.injected_mask.any(axis=1).all()
+
+    # A row ends at its own limit (the long-tail benchmark's forced lengths).
+    limits = [3, 14, 7, 1, 9, 5]
+    free = dataclasses.replace(cfg, length_control="truncate", interrupt_lo=0, interrupt_hi=0)
+    ref = Sampler(SPEC, free, pad_id=0).generate(params_a, PROMPTS, n=2, max_new_tokens=limits)
+    out, stats = Engine(SPEC, free, slots=2, chunk=4, pad_id=0).run(
+        params_a, PROMPTS, n=2, max_new_tokens=limits
+    )
+    _assert_same(out, ref, exact=False)
+    np.testing.assert_array_equal(out.lengths, limits)
+    assert (out.finish_reason == FinishReason.LENGTH).all() and out.truncated.all()
+    assert stats.kept_tokens == sum(limits)
+
+
+def test_weight_swap_between_chunks(params_a, params_b):
+    """Chunk 0 under A (version 1), the rest under B (version 2). Rows in slots at
+    the swap keep the cache A wrote and continue under B, as the Sampler's rows do
+    across decode calls; rows entering later are B's alone."""
+    k = 4
+    engine = Engine(SPEC, GREEDY, slots=3, chunk=k, pad_id=0)
+
+    def weights(chunk):
+        return (params_a, 1) if chunk == 0 else (params_b, 2)
+
+    out, _ = engine.run(params_a, PROMPTS, n=1, weights=weights)
+    m = out.completion_mask
+    assert (out.versions[:, :k] == 1).all() and (out.versions[:, k:][m[:, k:]] == 2).all()
+    # The Sampler's swap: k tokens from A, the rest from B on A's cache.
+    sampler = Sampler(SPEC, GREEDY, pad_id=0)
+    state = sampler.decode(params_a, sampler.start(params_a, PROMPTS, n=1), max_steps=k, version=1)
+    ref = sampler.result(sampler.decode(params_b, state, version=2))
+    _assert_same(out, ref, exact=False)
+    # ... which is the model's own cached forward, A then B (test_sampler's reference).
+    tp = ref.prompt_tokens.shape[1]
+    logits = np.asarray(_swapped_logits(params_a, params_b, *_sequences(ref), tp + k - 1))
+    np.testing.assert_array_equal(logits[:, : 12 - k].argmax(-1), out.completion_tokens[:, k:12])
+
+    # Four slots, eight rows: the second four enter after the swap and see B only.
+    engine = Engine(SPEC, GREEDY, slots=4, chunk=12, pad_id=0)
+    out, _ = engine.run(params_a, PROMPTS[:2] * 2, n=2, weights=weights)
+    assert (out.versions[:4, :12] == 1).all() and (out.versions[4:, :12] == 2).all()
+    only_b = Sampler(SPEC, GREEDY, pad_id=0).generate(params_b, PROMPTS[:2], n=2)
+    np.testing.assert_array_equal(out.completion_tokens[4:], only_b.completion_tokens)
+    np.testing.assert_allclose(out.logprobs[4:], only_b.logprobs, atol=1e-5)
+
+
+def test_compiles_stay_bounded(params_a, params_b):
+    """Prompts of several lengths in one bucket, new weights, other seeds: one
+    generate, one prefill; inserts only per power-of-two row count."""
+    engine = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0)
+    prompts = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13], [2, 3, 4, 5, 6]]  # bucket 8
+    engine.run(params_a, prompts, n=2)
+    before = engine.compile_counts()
+    assert before["generate"] == 1 and before["prefill"] == 1
+    engine.run(params_b, [p[:-1] + [1] for p in prompts], n=2, seed=4)
+    engine.run(params_a, prompts[:3], n=1, seed=1, weights=lambda c: (params_b, c))
+    after = engine.compile_counts()
+    assert after["generate"] == 1 and after["prefill"] == 1
+    assert after["insert"] <= 3  # 1, 2, 4 rows at a time
+    engine.run(params_a, [list(range(1, 12))], n=1)  # a second bucket (16): one more prefill
+    assert engine.compile_counts()["prefill"] == 2
+
+
+def test_engine_errors():
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        Engine(SPEC, SamplingConfig(), slots=2)
+    with pytest.raises(ValueError, match="slots=0"):
+        Engine(SPEC, GREEDY, slots=0)
+    engine = Engine(SPEC, GREEDY, slots=2)
+    with pytest.raises(ValueError, match="prompt_len=16"):
+        engine.run({}, [list(range(1, 20))], n=1)
+    with pytest.raises(ValueError, match="permutation"):
+        engine.run({}, PROMPTS, n=1, order=[0, 0, 1])
