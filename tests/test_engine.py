@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_sampler import PROMPTS, SPEC, _params, _swapped_logits, _sequences
+from test_sampler import PROMPTS, SPEC, _params, _sequences, _swapped_logits
 
 from rl_jax.config import SamplingConfig
 from rl_jax.sampling import Engine, FinishReason, Sampler

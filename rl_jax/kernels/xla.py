@@ -363,9 +363,9 @@ class Decode:
         qkv [B, (H + 2K) hd] (query heads, key heads, value heads), RMS-normalize q and
         k by qk_norm's [L, hd] weights (Qwen3) if given, rotate them by rope (cos, sin
         [B, 1, hd / 2]), write k and v into `layer`'s slot `slot` ([] for every row, or
-        [B] each row's own), and attend over slots kv_start_b[b] .. slot of row b. Returns (attention [B, K, R, hd] or [B, H hd],
-        float32; the cache). `constrain(x, logical axes)` pins the written cache's
-        layout."""
+        [B] each row's own), and attend over slots kv_start_b[b] .. slot of row b.
+        Returns (attention [B, K, R, hd] or [B, H hd], float32; the cache).
+        `constrain(x, logical axes)` pins the written cache's layout."""
         q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
         B, K, R, hd = q.shape
         ck, cv = cache

@@ -8,8 +8,8 @@ drawn from, before top-k/top-p truncation (temperature 1 for greedy); recompute
 them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))`.
 """
 
-from rl_jax.sampling._engine import Engine, Prefix, RunStats
 from rl_jax.sampling._dist import logprob_temperature, sample_logits
+from rl_jax.sampling._engine import Engine, Prefix, RunStats
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._sampler import Sampler, pack_prompts
 from rl_jax.sampling._state import SamplerState

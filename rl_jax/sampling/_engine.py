@@ -157,7 +157,9 @@ class Engine(Decoder):
             )
         opts = xla_options(mesh)
         self._init = jax.jit(self._init_impl, compiler_options=opts)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("bucket",), compiler_options=opts)
+        self._prefill = jax.jit(
+            self._prefill_impl, static_argnames=("bucket",), compiler_options=opts
+        )
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), compiler_options=opts)
         self._generate = jax.jit(
             self._generate_impl,
@@ -250,7 +252,9 @@ class Engine(Decoder):
             where = (slice(None), dst, *(slice(0, d) for d in x.shape[2:]))
             return c.at[where].set(x.astype(c.dtype), mode="drop")
 
-        cache = self._cache_layout(tuple(place(c, x) for c, x in zip(state.cache, new)))
+        cache = self._cache_layout(
+            tuple(place(c, x) for c, x in zip(state.cache, new, strict=True))
+        )
         if self.interrupt:
             interrupt_at = interrupt_lengths(key, row_ids, cfg.interrupt_lo, cfg.interrupt_hi)
         else:
@@ -279,6 +283,7 @@ class Engine(Decoder):
             "row_ids": row_ids,
             "real": jnp.ones((m,), bool),
         }
+
         def put(old, x):  # (keys are typed: no cast)
             x = x if old.dtype == x.dtype else x.astype(old.dtype)
             return self._rows(old.at[dst].set(x, mode="drop"))
@@ -473,7 +478,8 @@ class _HostLoop:
     their prompt's remaining rows, rows collected."""
 
     def __init__(self, engine: Engine, prompt_ids, G: int, key, limits, queue):
-        self.engine, self.prompts, self.G, self.key, self.limits = engine, prompt_ids, G, key, limits
+        self.engine, self.prompts, self.G = engine, prompt_ids, G
+        self.key, self.limits = key, limits
         self.queue = queue
         self.slot_row = np.full((engine.slots,), -1)
         self.left = collections.Counter(r // G for r in queue)  # rows not yet inserted
@@ -503,7 +509,7 @@ class _HostLoop:
                 self.prefilled += len(part)
                 self.prefixes.update({p: (prefix, i) for i, p in enumerate(part)})
         by_prefix: dict[int, tuple[Prefix, list]] = {}
-        for r, slot in zip(take, free):
+        for r, slot in zip(take, free, strict=False):
             prefix, i = self.prefixes[r // self.G]
             by_prefix.setdefault(id(prefix), (prefix, []))[1].append((i, int(slot), r))
             self.slot_row[slot] = r
@@ -511,7 +517,7 @@ class _HostLoop:
             if self.left[r // self.G] == 0:
                 del self.prefixes[r // self.G]
         for prefix, rows in by_prefix.values():
-            src, slots, rs = (list(c) for c in zip(*rows))
+            src, slots, rs = (list(c) for c in zip(*rows, strict=True))
             state = self.engine.insert(
                 state,
                 prefix,

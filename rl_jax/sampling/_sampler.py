@@ -371,4 +371,3 @@ class Sampler(Decoder):
         while chunk and not self.done(state):
             state = self.decode(params, state, max_steps=chunk, version=version)
         return self.result(state)
-
