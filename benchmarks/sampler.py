@@ -21,6 +21,18 @@ slots; rl_jax/kernels/cpu.py, rl_jax/kernels/xla.py).
 (rl_jax.kernels.cpu: attention and matmuls in XLA instead), alternating with ours
 in the same process; keys xla_tokens_per_s and kernel_speedup.
 
+--lengths longtail times the continuous-batching engine (rl_jax.sampling.Engine)
+against today's wave sampler on a long-tailed workload: --waves x --prompts prompts
+of --samples rows each, every row ended at a length drawn from a lognormal of median
+--new-tokens / 8 (sigma --sigma, clipped to [1, --new-tokens]; the same lengths for
+both, as per-row limits, which end a row as a stop token would). The wave sampler
+generates --prompts prompts at a time (PipelineRL's wave: each until its longest row
+ends); the engine has --slots slots (default the wave's rows) refilled every --chunk
+steps. Keys: occupancy / occupancy_wave (the fraction of slot-steps, rows x decode
+steps run, that produced a kept token), tokens_per_s / tokens_per_s_wave (kept tokens
+per second, the whole workload, median of the repeats, alternating),
+speedup_vs_wave.
+
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
 --dtype sets both models' parameter and compute dtype.
@@ -58,6 +70,16 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
+    p.add_argument(
+        "--lengths",
+        default="fixed",
+        choices=("fixed", "longtail"),
+        help="fixed: every row --new-tokens (the reference); longtail: engine vs waves",
+    )
+    p.add_argument("--waves", type=int, default=8, help="longtail: waves of --prompts prompts")
+    p.add_argument("--slots", type=int, default=0, help="longtail: engine slots (0 = a wave)")
+    p.add_argument("--chunk", type=int, default=8, help="longtail: engine steps per refill")
+    p.add_argument("--sigma", type=float, default=1.0, help="longtail: lognormal sigma")
     p.add_argument(
         "--vs-xla",
         action="store_true",
@@ -98,7 +120,7 @@ import numpy as np  # noqa: E402
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
 from rl_jax.models import export_hf, load_model, model_params  # noqa: E402
-from rl_jax.sampling import Sampler  # noqa: E402
+from rl_jax.sampling import Engine, Sampler  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -168,6 +190,8 @@ def main() -> int:
     )
     if a.hf_only:  # before the sampler exists: nothing of ours built or run
         return _hf_only(model, prompts)
+    if a.lengths == "longtail":
+        return _longtail(spec, params, mesh)
     sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
     prompt_list = prompts.tolist()
 
@@ -243,6 +267,91 @@ def main() -> int:
         "matmul_kernel": "matmul" in sampler.decode_ops.platform_ops,
         "hf_threads": _torch_threads() if hf_t else None,
         "compile_cache": bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _longtail(spec, params, mesh) -> int:
+    """Engine against waves on long-tailed lengths; one JSON line (module docstring)."""
+    a = ARGS
+    rng = np.random.default_rng(0)
+    n_prompts, cap = a.waves * a.prompts, a.new_tokens
+    prompts = rng.integers(1, spec.vocab_size, size=(n_prompts, a.prompt_len)).tolist()
+    draw = rng.lognormal(np.log(cap / 8), a.sigma, size=n_prompts * a.samples)
+    limits = np.clip(np.round(draw), 1, cap).astype(np.int32)  # row r = p * n + s
+    cfg = SamplingConfig(
+        n=a.samples,
+        temperature=1.0,
+        max_new_tokens=cap,
+        max_prompt_len=a.prompt_len,
+        length_bucket=8,
+    )
+    sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
+    slots = a.slots or a.prompts * a.samples
+    engine = Engine(spec, cfg, slots=slots, chunk=a.chunk, mesh=mesh, pad_id=0, rules="dp")
+    wave_rows = a.prompts * a.samples
+
+    def waves(seed: int) -> tuple[int, int]:
+        kept = slot_steps = 0
+        for w in range(a.waves):
+            rows = slice(w * wave_rows, (w + 1) * wave_rows)
+            out = sampler.generate(
+                params,
+                prompts[w * a.prompts : (w + 1) * a.prompts],
+                seed=seed,
+                row_ids=np.arange(rows.start, rows.stop),
+                max_new_tokens=limits[rows],
+            )
+            assert (out.lengths == limits[rows]).all()
+            kept += int(out.completion_mask.sum())
+            slot_steps += wave_rows * int(out.lengths.max())  # it decodes to the longest
+        return kept, slot_steps
+
+    def continuous(seed: int) -> tuple[int, int]:
+        out, stats = engine.run(params, prompts, seed=seed, max_new_tokens=limits)
+        assert (out.lengths == limits).all()
+        return stats.kept_tokens, stats.slot_steps
+
+    t = time.perf_counter()
+    continuous(0)
+    first_call = time.perf_counter() - t
+    waves(0)
+    eng_t, wave_t = [], []
+    for r in range(a.repeats):
+        t = time.perf_counter()
+        kept, eng_steps = continuous(r + 1)
+        eng_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        kept_w, wave_steps = waves(r + 1)
+        wave_t.append(time.perf_counter() - t)
+    assert kept == kept_w == int(limits.sum())
+    eng_s, wave_s = statistics.median(eng_t), statistics.median(wave_t)
+    result = {
+        "occupancy": round(kept / eng_steps, 4),
+        "occupancy_wave": round(kept / wave_steps, 4),
+        "tokens_per_s": round(kept / eng_s, 1),
+        "tokens_per_s_wave": round(kept / wave_s, 1),
+        "speedup_vs_wave": round(wave_s / eng_s, 3),
+        "seconds": round(eng_s, 3),
+        "seconds_wave": round(wave_s, 3),
+        "first_call_s": round(first_call, 3),
+        "kept_tokens": kept,
+        "rows": len(limits),
+        "slots": slots,
+        "chunk": a.chunk,
+        "wave_rows": wave_rows,
+        "cap": cap,
+        "median_len": float(np.median(limits)),
+        "mean_len": round(float(limits.mean()), 1),
+        "sigma": a.sigma,
+        "model": a.model or f"preset:{a.preset}",
+        "dtype": a.dtype,
+        "platform": a.platform,
+        "devices": DEVICES,
+        "prompt_len": a.prompt_len,
+        "compiles": engine.compile_counts(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))

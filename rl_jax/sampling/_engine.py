@@ -59,6 +59,7 @@ from rl_jax.sharding.rules import Rules
 # (the CPU kernels' key tiles are 16 slots wide).
 _PREFIX_UNIT = 16
 _NO_INTERRUPT = np.iinfo(np.int32).max
+_NOT_ROWS = ("cache", "keys", "step", "limit")  # state fields `finished` does not return
 
 
 def _pow2(n: int) -> int:
@@ -77,6 +78,15 @@ class Prefix:
     @property
     def num_prompts(self) -> int:
         return int(self.kv_start.shape[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+    """Weights in the decode step's layout (`Engine.prepare`): made once per version of
+    the weights, not once per chunk (on CPU the layout packs every matrix anew)."""
+
+    tree: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +171,7 @@ class Engine(Decoder):
             self._prefill_impl, static_argnames=("bucket",), compiler_options=opts
         )
         self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), compiler_options=opts)
+        self._prepare = jax.jit(self._prepare_impl, compiler_options=opts)
         self._generate = jax.jit(
             self._generate_impl,
             static_argnames=("steps",),
@@ -291,30 +302,38 @@ class Engine(Decoder):
         rows = {k: put(getattr(state, k), v) for k, v in fresh.items()}
         return dataclasses.replace(state, cache=cache, **rows)
 
-    def _generate_impl(self, params, state: SamplerState, version, *, steps: int):
+    def _prepare_impl(self, params) -> DecodeWeights:
         ops = self.decode_ops
-        weights = decode_weights(self.spec, dict(params), ops.cache_slots(state.cache), ops=ops)
-        version = jnp.asarray(version, jnp.int32)
+        C = self._geometry(ops)[0]
+        return DecodeWeights(decode_weights(self.spec, dict(params), C, ops=ops))
+
+    def _generate_impl(self, weights: DecodeWeights, state, version, refill_at, *, steps: int):
+        ops = self.decode_ops
         return self._over_rows(
-            lambda w, s, v, *, manual: self._chunk(ops, w, s, v, steps, manual=manual),
-            weights,
+            lambda w, s, v, r, *, manual: self._chunk(ops, w, s, v, r, steps, manual=manual),
+            weights.tree,
             state,
-            version,
+            jnp.asarray(version, jnp.int32),
+            jnp.asarray(refill_at, jnp.int32),
             outs=1,
         )
 
-    def _chunk(self, ops: Decode, weights, state: SamplerState, version, steps: int, *, manual):
-        """Up to `steps` decode steps of every slot (fewer once every slot is done);
-        also the steps run."""
+    def _chunk(self, ops: Decode, weights, state, version, refill_at, steps: int, *, manual):
+        """Up to `steps` decode steps of every slot, fewer once every slot is done or
+        `refill_at` slots are (of this device's rows, in proportion, if `manual`); also
+        the steps run."""
         greedy = self.cfg.temperature <= 0
         # This chunk's draws of every slot, [S, steps], from each row's own step on: a
         # row active at step i of the chunk is at its step state.step + i.
         u_bn = None if greedy else row_step_uniforms(state.keys, state.step, steps)
         last_prompt_slot = self.prompt_len - 1
 
+        local = state.done.shape[0]
+        need = (refill_at * local + self.slots - 1) // self.slots
+
         def cond(c):
             i, s = c
-            return (i < steps) & ~jnp.all(s.done)
+            return (i < steps) & ~jnp.all(s.done) & (jnp.sum(s.done) < need)
 
         def body(c):
             i, s = c
@@ -398,29 +417,40 @@ class Engine(Decoder):
             key,
         )
 
+    def prepare(self, params: Params | Transformer) -> DecodeWeights:
+        """The weights in the decode layout, for `generate` (once per version)."""
+        return self._prepare(self._as_params(params))
+
     def generate(
-        self, params: Params | Transformer, state: SamplerState, *, version: int = 0
+        self,
+        params: Params | Transformer | DecodeWeights,
+        state: SamplerState,
+        *,
+        version: int = 0,
+        refill_at: int | None = None,
     ) -> tuple[SamplerState, int]:
-        """`chunk` decode steps of every slot (fewer if every slot ends first); tokens
-        sampled here carry `version`. Returns the state (`state` is donated) and the
-        steps run (one small device-to-host read)."""
+        """`chunk` decode steps of every slot, fewer if every slot ends first, or once
+        `refill_at` slots are done (time to refill them); tokens sampled here carry
+        `version`. Returns the state (`state` is donated) and the steps run (one small
+        device-to-host read)."""
+        weights = params if isinstance(params, DecodeWeights) else self.prepare(params)
+        at = self.slots + 1 if refill_at is None else int(refill_at)
         state, steps = self._generate(
-            self._as_params(params), state, np.int32(version), steps=self.chunk
+            weights, state, np.int32(version), np.int32(at), steps=self.chunk
         )
         return state, int(steps)
 
-    def finished(self, state: SamplerState) -> dict[str, np.ndarray]:
-        """Every slot's row state on the host (tokens, log-probs, versions, flags; `slot`
-        the slot index), for slots holding a row that has ended (`done` and `real`)."""
-        host = to_host(
-            {
-                f.name: getattr(state, f.name)
-                for f in dataclasses.fields(state)
-                if f.name not in ("cache", "keys", "step", "limit")
-            }
-        )
-        idx = np.flatnonzero(host["done"] & host["real"])
-        return {"slot": idx, **{k: v[idx] for k, v in host.items()}}
+    def finished(self, state: SamplerState, among=None) -> dict[str, np.ndarray]:
+        """The rows that have ended (`done` and `real`), on the host: `slot` their slot
+        indices and each row field of the state (tokens, log-probs, versions, flags).
+        `among`: only these slots (default all)."""
+        done = to_host(state.done & state.real)
+        if among is not None:
+            done = done & np.isin(np.arange(self.slots), among)
+        idx = np.flatnonzero(done)
+        names = [f.name for f in dataclasses.fields(state) if f.name not in _NOT_ROWS]
+        rows = to_host({k: getattr(state, k)[idx] for k in names}) if len(idx) else {}
+        return {"slot": idx, **rows}
 
     # ---- the host loop --------------------------------------------------------------------
 
@@ -436,13 +466,15 @@ class Engine(Decoder):
         max_new_tokens: Sequence[int] | int | None = None,
         order: Sequence[int] | None = None,
         weights: Callable[[int], tuple[Params, int]] | None = None,
+        refill_min: int | None = None,
     ) -> tuple[Rollouts, RunStats]:
         """Sample n rollouts of each prompt: R = P * n rows, row r = p * n + s of prompt
         p, its draws keyed by fold_in(key, r). Rows enter free slots in `order` (a
         permutation of range(R), default in order); each prompt is prefilled once,
         when its first row enters. `weights(chunk)` -> (params, version) gives the
         weights of each chunk (default: `params`, `version` throughout).
-        `max_new_tokens`: one limit for all rows or one per row. Returns the
+        `max_new_tokens`: one limit for all rows or one per row. A chunk ends early
+        once `refill_min` slots are free while rows wait (default S / 8). Returns the
         rollouts in row order and the run's `RunStats`."""
         G = self.cfg.n if n is None else int(n)
         P = len(prompt_ids)
@@ -457,19 +489,21 @@ class Engine(Decoder):
         if sorted(queue) != list(range(R)):
             raise ValueError(f"order must be a permutation of range({R})")
         key = jax.random.key(seed) if key is None else key
-        params = self._as_params(params)
         loop = _HostLoop(self, prompt_ids, G, key, limits, queue)
+        refill_min = max(1, self.slots // 8) if refill_min is None else int(refill_min)
         state = self.init()
-        chunk = 0
+        chunk, prepared = 0, (None, None)
         while queue or loop.busy():
             if weights is not None:  # this chunk's weights prefill its new rows too
                 params, version = weights(chunk)
-                params = self._as_params(params)
+            if prepared[0] is not params:  # a new version: its decode layout, once
+                prepared = (params, self.prepare(params))
             state = loop.refill(params, state)
-            state, steps = self.generate(params, state, version=version)
+            at = refill_min if queue else None
+            state, steps = self.generate(prepared[1], state, version=version, refill_at=at)
             chunk += 1
             loop.slot_steps += self.slots * steps
-            loop.collect(self.finished(state))
+            loop.collect(self.finished(state, among=np.flatnonzero(loop.slot_row >= 0)))
         return loop.rollouts(), loop.stats(chunk)
 
 
