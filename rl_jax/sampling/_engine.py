@@ -474,7 +474,7 @@ class Engine(Decoder):
         when its first row enters. `weights(chunk)` -> (params, version) gives the
         weights of each chunk (default: `params`, `version` throughout).
         `max_new_tokens`: one limit for all rows or one per row. A chunk ends early
-        once `refill_min` slots are free while rows wait (default S / 8). Returns the
+        once `refill_min` slots are free while rows wait (default S / 64). Returns the
         rollouts in row order and the run's `RunStats`."""
         G = self.cfg.n if n is None else int(n)
         P = len(prompt_ids)
@@ -490,7 +490,7 @@ class Engine(Decoder):
             raise ValueError(f"order must be a permutation of range({R})")
         key = jax.random.key(seed) if key is None else key
         loop = _HostLoop(self, prompt_ids, G, key, limits, queue)
-        refill_min = max(1, self.slots // 8) if refill_min is None else int(refill_min)
+        refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
         state = self.init()
         chunk, prepared = 0, (None, None)
         while queue or loop.busy():
