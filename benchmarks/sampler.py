@@ -27,11 +27,11 @@ of --samples rows each, every row ended at a length drawn from a lognormal of me
 --new-tokens / 8 (sigma --sigma, clipped to [1, --new-tokens]; the same lengths for
 both, as per-row limits, which end a row as a stop token would). The wave sampler
 generates --prompts prompts at a time (PipelineRL's wave: each until its longest row
-ends); the engine has --slots slots (default the wave's rows) refilled every --chunk
-steps. Keys: occupancy / occupancy_wave (the fraction of slot-steps, rows x decode
-steps run, that produced a kept token), tokens_per_s / tokens_per_s_wave (kept tokens
-per second, the whole workload, median of the repeats, alternating),
-speedup_vs_wave.
+ends); the engine has --slots slots (default the wave's rows), refilled after --chunk
+steps or as soon as --refill-min slots are free. Keys: occupancy / occupancy_wave
+(the fraction of slot-steps, rows x decode steps run, that produced a kept token),
+tokens_per_s / tokens_per_s_wave (kept tokens per second over the whole workload,
+median of the repeats, the two alternating), speedup_vs_wave.
 
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
@@ -80,6 +80,12 @@ def _parse(argv):
     p.add_argument("--slots", type=int, default=0, help="longtail: engine slots (0 = a wave)")
     p.add_argument("--chunk", type=int, default=8, help="longtail: engine steps per refill")
     p.add_argument("--sigma", type=float, default=1.0, help="longtail: lognormal sigma")
+    p.add_argument(
+        "--refill-min",
+        type=int,
+        default=0,
+        help="longtail: free slots that end a chunk early (0 = the engine's default)",
+    )
     p.add_argument(
         "--vs-xla",
         action="store_true",
@@ -310,7 +316,9 @@ def _longtail(spec, params, mesh) -> int:
         return kept, slot_steps
 
     def continuous(seed: int) -> tuple[int, int]:
-        out, stats = engine.run(params, prompts, seed=seed, max_new_tokens=limits)
+        out, stats = engine.run(
+            params, prompts, seed=seed, max_new_tokens=limits, refill_min=a.refill_min or None
+        )
         assert (out.lengths == limits).all()
         return stats.kept_tokens, stats.slot_steps
 
@@ -341,6 +349,7 @@ def _longtail(spec, params, mesh) -> int:
         "rows": len(limits),
         "slots": slots,
         "chunk": a.chunk,
+        "refill_min": a.refill_min or max(1, slots // 64),
         "wave_rows": wave_rows,
         "cap": cap,
         "median_len": float(np.median(limits)),
