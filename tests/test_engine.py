@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from test_sampler import PROMPTS, SPEC, _params, _sequences, _swapped_logits
 
-from rl_jax.config import SamplingConfig
+from rl_jax.config import MeshConfig, SamplingConfig
 from rl_jax.sampling import Engine, FinishReason, Sampler
+from rl_jax.sharding import make_mesh
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
 SAMPLED = SamplingConfig(
@@ -79,6 +80,17 @@ def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
     first = runs[(2, False)]
     for out in runs.values():
         _assert_same(out, first, exact=True)
+
+
+@pytest.mark.devices(8)
+def test_same_rollouts_on_eight_devices(params_a):
+    """Slots split over 8 devices (each decoding its own rows in its own loop) give
+    one device's rollouts."""
+    mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
+    eight = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0, mesh=mesh)
+    got, _ = eight.run(eight.reshard(params_a), PROMPTS, n=3, seed=9)
+    one, _ = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0).run(params_a, PROMPTS, n=3, seed=9)
+    _assert_same(got, one, exact=False)
 
 
 def test_forced_interruption_and_per_row_limits(params_a):
