@@ -4,6 +4,7 @@ interruption, per-row limits, in-flight weight swaps, bounded compiles."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from test_sampler import PROMPTS, SPEC, _params, _sequences, _swapped_logits
@@ -62,6 +63,33 @@ def test_engine_equals_the_sampler_with_stop_tokens(params_a, cfg):
     assert stats.kept_tokens == out.completion_mask.sum() <= stats.slot_steps
     if cfg.temperature > 0:
         assert len({tuple(r) for r in out.completion_tokens[:2]}) == 2  # samples differ
+
+
+@pytest.mark.parametrize("layout", ["whole", "blocked"])
+def test_xla_decode_layouts_write_each_row_at_its_own_slot(monkeypatch, layout):
+    """The XLA decode step (no CPU kernels) with a slot per row: the whole cache, and
+    the cache in blocks of 16 slots read up to the furthest row's, equal the Sampler.
+    The engine's prompts sit at other cache slots than the Sampler's, so its blocks
+    split the online softmax elsewhere: weights scaled by 3, as test_sampler's
+    `mild_params` for the same reason (by 10, one log-prob of 240 was 1.05e-5 off)."""
+    from rl_jax.kernels import xla
+
+    params = _params(0, 3.0)
+
+    monkeypatch.setattr(Engine, "platform_attention", False)
+    monkeypatch.setattr(Engine, "platform_matmul", False)
+    if layout == "blocked":
+        monkeypatch.setattr(xla, "DECODE_BLOCK_MIN_SLOTS", 8)
+        monkeypatch.setattr(xla, "DECODE_BLOCKS", 64)
+        monkeypatch.setattr(xla, "DECODE_BLOCK_PLATFORMS", (jax.devices()[0].platform,))
+    cfg = dataclasses.replace(SAMPLED, max_new_tokens=40)
+    engine = Engine(SPEC, cfg, slots=3, chunk=8, pad_id=0)
+    assert not engine.decode_ops.platform_ops
+    assert engine.init().cache[1].ndim == (6 if layout == "blocked" else 5)
+    limits = [40, 7, 21, 33, 2, 16]  # rows at different steps share every chunk
+    out, _ = engine.run(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
+    ref = Sampler(SPEC, cfg, pad_id=0).generate(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
+    _assert_same(out, ref, exact=False)
 
 
 def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):

@@ -260,6 +260,8 @@ class Engine(Decoder):
         new = ops.from_model_cache(prefix.cache.take(src), pblock)  # [L, m, ...] first W slots
 
         def place(c, x):  # rows dst, the leading part of every other axis
+            if x.ndim < c.ndim:  # a prefix of one block comes back whole: [.., N = 1, ..]
+                x = jnp.expand_dims(x, 2)
             where = (slice(None), dst, *(slice(0, d) for d in x.shape[2:]))
             return c.at[where].set(x.astype(c.dtype), mode="drop")
 
