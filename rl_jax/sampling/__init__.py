@@ -3,6 +3,9 @@
     sampler = Sampler(spec, SamplingConfig(...), mesh=mesh, eos_id=eos, pad_id=pad)
     rollouts = sampler.generate(params, prompt_ids, n=G, seed=0)
 
+    engine = Engine(spec, cfg, slots=S, mesh=mesh, eos_id=eos, pad_id=pad)  # continuous
+    rollouts, stats = engine.run(params, prompt_ids, n=G, seed=0)         # batching
+
 Reported log-probs are of the temperature-scaled distribution the token was
 drawn from, before top-k/top-p truncation (temperature 1 for greedy); recompute
 them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))`.
