@@ -39,7 +39,6 @@ sys.path.insert(0, HERE)
 from _common import TAG, emit, load_avg, peak_rss_mb, worker_env  # noqa: E402
 from rl_step import _last_row, rl_overrides  # noqa: E402
 
-
 PLACEMENTS = ("colocated_1", "colocated", "split")
 
 
