@@ -238,3 +238,45 @@ def test_flash_attention_temporaries_are_a_block_of_scores():
     # blockwise 18 MB (a block's scores, probabilities and their gradients: 4 x 4 MB).
     scores, block_scores = B * H * T * T * 4, B * H * T * 128 * 4
     assert dense >= 3 * scores and blockwise < 5 * block_scores, (dense, blockwise)
+
+
+@pytest.mark.parametrize("T, S, offset", [(11, 11, 0), (7, 12, 5), (16, 16, 0), (9, 21, 12)])
+def test_flash_schedule_covers_exactly_the_blocks_causality_shows(T, S, offset):
+    """Every (query block, key block) pair that holds a visible (query, key) pair, once;
+    no other live pair; no query block twice in a step (its softmax runs in order)."""
+    block = 4
+    qi, kj, live = xla.flash_schedule(T, S, offset, block)
+    pairs = sorted(zip(qi[live].tolist(), kj[live].tolist(), strict=True))
+    want = sorted(
+        {(t // block, s // block) for t in range(T) for s in range(S) if s <= offset + t}
+    )
+    assert pairs == want
+    for step_q in qi:
+        assert len(set(step_q.tolist())) == len(step_q)
+
+
+def test_flash_attention_flops_are_the_causal_half():
+    """Compiled forward FLOPs over 64 causal keys in blocks of 8: the 36 of 64 block pairs
+    on or below the diagonal (every pair counted: the scan unrolled)."""
+    B, T, H, K, hd = 1, 64, 2, 1, 16
+    q = jax.ShapeDtypeStruct((B, T, H, hd), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, K, T, hd), jnp.float32)
+    scan = jax.lax.scan
+
+    def unrolled(*a, **kw):
+        return scan(*a, **{**kw, "unroll": True})
+
+    def flops(fn):
+        c = jax.jit(fn).lower(q, kv, kv).compile().cost_analysis()
+        return (c[0] if isinstance(c, list) else c)["flops"]
+
+    try:
+        jax.lax.scan = unrolled
+        blockwise = flops(
+            lambda q, k, v: xla.flash_attention(q, k, v, xla.AttentionMask(), scale=0.25, block=8)
+        )
+    finally:
+        jax.lax.scan = scan
+    # q.k and p.v over every (query, key) of the pairs: 2 products x 2 FLOPs x hd each.
+    products = 4 * B * H * hd * 36 * 8 * 8
+    assert products <= blockwise < 1.3 * products, (blockwise, products)

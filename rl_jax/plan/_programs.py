@@ -27,6 +27,7 @@ from rl_jax.config import RunConfig, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.transformer import param_shardings
+from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sampling import Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
@@ -127,15 +128,15 @@ def plan_run(
     # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
     in_flight = state_bytes * waves if off == "pipeline" else 0
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    passes = TRAIN_PASSES + (spec.remat == "full")  # full remat reruns each layer's forward
+    tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
     # One call of the trainer's update program: the RL step's M minibatch updates.
     programs.append(
         report(
             "train_step",
             b.update,
             b.update_args,
-            TRAIN_PASSES * fwd,
-            expected=passes * fwd,
+            tf["model"],
+            expected=tf["expected"],
             resident=in_flight + ref_bytes,
             calls=1,
             cost=costs["train_step"],
@@ -570,6 +571,7 @@ def _report(
         "flops": flops,
         "flops_analytic": analytic,
         "flops_ratio": flops / analytic if analytic else float("nan"),
+        "flops_expected": expected,
         "flops_expected_ratio": flops / expected if expected else float("nan"),
         "bytes_accessed": moved,
         "roofline_s": roofline,
@@ -592,7 +594,8 @@ def _report(
 
 def _out_of_memory(name: str, oom: OutOfMemory, chip: Chip, calls: float) -> dict[str, Any]:
     nan = float("nan")
-    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected_ratio")}
+    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected")}
+    out["flops_expected_ratio"] = nan
     out.update({k: nan for k in ("bytes_accessed", "roofline_s", "mfu_estimate", "compile_s")})
     return {
         **out,
