@@ -247,9 +247,7 @@ def test_flash_schedule_covers_exactly_the_blocks_causality_shows(T, S, offset):
     block = 4
     qi, kj, live = xla.flash_schedule(T, S, offset, block)
     pairs = sorted(zip(qi[live].tolist(), kj[live].tolist(), strict=True))
-    want = sorted(
-        {(t // block, s // block) for t in range(T) for s in range(S) if s <= offset + t}
-    )
+    want = sorted({(t // block, s // block) for t in range(T) for s in range(S) if s <= offset + t})
     assert pairs == want
     for step_q in qi:
         assert len(set(step_q.tolist())) == len(step_q)

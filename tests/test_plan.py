@@ -237,9 +237,7 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     assert rates == sorted(rates, reverse=True)
     assert ranked[0]["budget_hours"] == pytest.approx(1e6 / rates[0])
     compiled_out = [e for e in res["excluded"] if e["reason"] == "compiled"]
-    assert len(compiled_out) + len(ranked) == 6 and all(
-        e["remat"] == "none" for e in compiled_out
-    )
+    assert len(compiled_out) + len(ranked) == 6 and all(e["remat"] == "none" for e in compiled_out)
     # Parameters, gradients and AdamW of 1.4B float32 parameters on every chip: over
     # 16 GiB, dropped by the estimate before any compile.
     replicated = {"data": 4, "fsdp": 1, "tensor": 1}

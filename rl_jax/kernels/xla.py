@@ -643,9 +643,7 @@ def _flash_bwd(offset, S, scale, block, einsum, res, d_out):
     def body(carry, x):
         dq, dk, dv = carry
         i, j, on = x
-        qs, ks, vs, s, seen = _pair_scores(
-            qb, kb, vb, masks, offset, S, scale, block, einsum, i, j
-        )
+        qs, ks, vs, s, seen = _pair_scores(qb, kb, vb, masks, offset, S, scale, block, einsum, i, j)
         dos = jnp.take(dob, i, axis=1)
         m_s, l_s, delta_s, none_s = (jnp.take(a, i, axis=3) for a in (m, l, delta, none))
         p = jnp.exp(s - m_s[..., None]) / l_s[..., None]

@@ -17,8 +17,8 @@ import numpy as np
 
 from rl_jax.models.logprobs import chunk_size
 from rl_jax.models.transformer import uses_blockwise
-from rl_jax.plan.chips import Chip
 from rl_jax.plan._flops import train_flops
+from rl_jax.plan.chips import Chip
 from rl_jax.train.accounting import extra_forwards, forward_flops
 from rl_jax.train.params import ParamPlan, tree_bytes
 

@@ -40,9 +40,7 @@ def train_flops(spec: Any, P: int, G: int, tp: int, tg: int) -> dict[str, float]
         recompute += fwd - head_all  # the layers, not the LM head
     elif spec.remat == "save_dots":
         recompute += attn_p + attn_c
-    recompute += 0.5 * (
-        attn_p * uses_blockwise(spec, tp) + attn_c * uses_blockwise(spec, tp + tg)
-    )
+    recompute += 0.5 * (attn_p * uses_blockwise(spec, tp) + attn_c * uses_blockwise(spec, tp + tg))
     if chunk_size(spec.logprob_chunk, tg, spec.vocab_size):
         recompute += head * P * G * tg
     model = TRAIN_PASSES * fwd
