@@ -97,7 +97,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     else:
         waves = 1
     kv = 2 * L * math.ceil(wave_rows / shards) * _split(K, tensor) * hd * T * cdt
-    in_flight = kv * waves if off == "pipeline" else 0.0
+    in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 
     # The view is made for sampling and dropped before the updates.

@@ -125,8 +125,9 @@ def plan_run(
     costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
 
     programs = []
-    # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
-    in_flight = state_bytes * waves if off == "pipeline" else 0
+    # While the trainer updates, PipelineRL's other waves wait in HBM with their caches
+    # (the finished one is dropped first: train.schedules.pipeline).
+    in_flight = state_bytes * (waves - 1) if off == "pipeline" else 0
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
     # One call of the trainer's update program: the RL step's M minibatch updates.
