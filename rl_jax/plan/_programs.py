@@ -122,7 +122,9 @@ def plan_run(
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    t0 = time.perf_counter()
     costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
+    cost_s = time.perf_counter() - t0
 
     programs = []
     # While the trainer updates, PipelineRL's other waves wait in HBM with their caches
@@ -231,6 +233,7 @@ def plan_run(
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour,
         },
+        "cost_compile_s": cost_s,  # the 1- and 2-layer unrolled programs' compiles
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
