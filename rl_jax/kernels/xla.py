@@ -487,15 +487,12 @@ def flash_attention(
     block: int = 512,
     einsum=einsum_f32,
 ) -> jax.Array:
-    """`attention` with the mask described (`AttentionMask`), queries and keys taken
-    `block` slots at a time: an online softmax forward (flash attention) and a backward
-    that recomputes each block's probabilities from the saved softmax statistics.
-    Neither keeps more than half of [B, H, T, block] scores alive, instead of the
-    [B, H, T, S] of `attention`, and only the (query block, key block) pairs that
-    causality lets see each other are computed (`flash_schedule`): about half of
-    T x S for a causal forward. Equal to `attention` with `mask`'s dense form up to
-    float32 rounding, also for rows that see no key (a uniform average over all S
-    keys, as there). [B, T, H, hd]."""
+    """`attention` with the mask described (`AttentionMask`) and keys read `block` slots
+    at a time: an online softmax forward (flash attention) and a backward that
+    recomputes each block's probabilities from the saved softmax statistics. Neither keeps
+    more than [B, H, T, block] scores alive, instead of the [B, H, T, S] of `attention`.
+    Equal to `attention` with `mask`'s dense form up to float32 rounding, also for
+    rows that see no key (a uniform average, as there). [B, T, H, hd]."""
     B, T, H, hd = q_bthk.shape
     K, S = k_bksh.shape[1], k_bksh.shape[2]
     block = min(block, S)
@@ -503,174 +500,80 @@ def flash_attention(
     k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
     v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
     q = q_bthk.reshape(B, T, K, H // K, hd)
-    m = mask.padded(pad)
-    arrays = (m.kv_valid_bs, m.q_segment_bt, m.kv_segment_bs)
-    out = _flash(q, k, v, arrays, int(m.offset), S, scale, block, einsum)
+    out = _flash(q, k, v, tuple(mask.padded(pad)), S, scale, block, einsum)
     return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
 
 
-def flash_schedule(T: int, S: int, offset: int, block: int) -> tuple[np.ndarray, ...]:
-    """The (query block i, key block j) pairs `flash_attention` computes, as lanes run
-    side by side: (qi, kj, live), each [steps, lanes]. Query block i (queries
-    i * block ...) sees key blocks 0 .. n_i - 1 (causality: key slot <= offset + t);
-    lane r holds query blocks r and nq - 1 - r, whose n_i add up to about the same in
-    every lane, so each step computes `lanes` pairs with no query block twice (its
-    online softmax is sequential). Short lanes end with pairs that are not `live`."""
-    nq, nk = -(-T // block), -(-S // block)
-    need = [min(nk, (offset + min((i + 1) * block, T) - 1) // block + 1) for i in range(nq)]
-    lanes = [
-        [(i, j) for b in sorted({r, nq - 1 - r}) for i in [b] for j in range(need[i])]
-        for r in range((nq + 1) // 2)
-    ]
-    steps = max(len(lane) for lane in lanes)
-    qi = np.zeros((steps, len(lanes)), np.int32)
-    kj = np.zeros((steps, len(lanes)), np.int32)
-    live = np.zeros((steps, len(lanes)), bool)
-    for r, lane in enumerate(lanes):
-        for s in range(steps):
-            i, j = lane[s] if s < len(lane) else (lane[-1][0], 0)
-            qi[s, r], kj[s, r], live[s, r] = i, j, s < len(lane)
-    return qi, kj, live
-
-
-def _blocks(a: jax.Array | None, n: int, block: int, fill) -> jax.Array | None:
-    """[B, X] -> [B, n, block], padded with `fill` past X."""
-    if a is None:
-        return None
-    a = jnp.pad(a, ((0, 0), (0, n * block - a.shape[1])), constant_values=fill)
-    return a.reshape(a.shape[0], n, block)
-
-
-def _pair_scores(qb, kb, vb, masks, offset, S, scale, block, einsum, i, j):
-    """The pairs (query block i[w], key block j[w]) of one step: their queries
-    [B, W, bq, K, R, hd], keys and values [B, K, W, bk, hd], scaled and masked
-    scores [B, K, R, W, bq, bk] (MASK_VALUE where hidden, -inf at padding slots past S)
-    and visibility [B or 1, 1, 1, W, bq, bk]."""
-    qs = jnp.take(qb, i, axis=1)
-    ks, vs = jnp.take(kb, j, axis=2), jnp.take(vb, j, axis=2)
-    arange = jnp.arange(block)
-    t_slot = offset + i[:, None] * block + arange  # [W, bq]
-    s_slot = j[:, None] * block + arange  # [W, bk]
-    seen = (s_slot[:, None, :] <= t_slot[:, :, None])[None]
-    valid, q_seg, kv_seg = masks
-    if valid is not None:
-        seen = seen & jnp.take(valid, j, axis=1)[:, :, None, :].astype(bool)
-    if q_seg is not None:
-        qs_seg, ks_seg = jnp.take(q_seg, i, axis=1), jnp.take(kv_seg, j, axis=1)
-        seen = seen & (qs_seg[:, :, :, None] == ks_seg[:, :, None, :])
-    seen = seen[:, None, None]
-    s = einsum("bwtkrh,bkwsh->bkrwts", qs, ks)
+def _flash_scores(q, k, v, mask, j, S, scale, block, einsum):
+    """Block j's keys and values [B, K, block, hd], its scaled and masked scores
+    [B, K, R, T, block] (MASK_VALUE where hidden, -inf at padding slots past S) and
+    its visibility [B or 1, 1, 1, T, block]."""
+    start = j * block
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+    seen = AttentionMask(*mask).block(q.shape[1], start, block)[:, None, None]
+    s = einsum("btkrh,bksh->bkrts", q, kb)
     s = jnp.where(seen, s * scale, MASK_VALUE)
     # Padding slots take no weight at all (a masked real slot takes MASK_VALUE's, as
     # in `attention`); every block holds a real slot, so the running max is finite.
-    s = jnp.where((s_slot < S)[:, None, :], s, -jnp.inf)
-    return qs, ks, vs, s, seen
+    s = jnp.where(start + jnp.arange(block) < S, s, -jnp.inf)
+    return kb, vb, s, seen
 
 
-def _flash_layout(q, k, v, arrays, block):
-    """Queries [B, nq, bq, K, R, hd], keys and values [B, K, nk, bk, hd], the mask's
-    arrays in blocks (query segments padded with -1: padding queries see nothing)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, mask, S, scale, block, einsum):
+    return _flash_fwd(q, k, v, mask, S, scale, block, einsum)[0]
+
+
+def _flash_fwd(q, k, v, mask, S, scale, block, einsum):
     B, T, K, R, hd = q.shape
-    nq, nk = -(-T // block), k.shape[2] // block
-    qb = jnp.pad(q, ((0, 0), (0, nq * block - T), (0, 0), (0, 0), (0, 0)))
-    qb = qb.reshape(B, nq, block, K, R, hd)
-    kb, vb = (a.reshape(B, K, nk, block, hd) for a in (k, v))
-    valid, q_seg, kv_seg = arrays
-    masks = (_blocks(valid, nk, block, False), _blocks(q_seg, nq, block, -1))
-    masks += (_blocks(kv_seg, nk, block, -2),)
-    return qb, kb, vb, masks
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _flash(q, k, v, arrays, offset, S, scale, block, einsum):
-    return _flash_fwd(q, k, v, arrays, offset, S, scale, block, einsum)[0]
-
-
-def _flash_fwd(q, k, v, arrays, offset, S, scale, block, einsum):
-    B, T, K, R, hd = q.shape
-    qb, kb, vb, masks = _flash_layout(q, k, v, arrays, block)
-    nq = qb.shape[1]
-
-    def body(carry, x):
-        m, l, acc = carry  # [B, K, R, nq, bq] (acc: x hd), gathered and set by query block
-        i, j, on = x
-        _, _, vs, s, _ = _pair_scores(qb, kb, vb, masks, offset, S, scale, block, einsum, i, j)
-        m_old, l_old, acc_old = (jnp.take(a, i, axis=3) for a in (m, l, acc))
-        m_new = jnp.maximum(m_old, s.max(axis=-1))
+    def body(carry, j):
+        m, l, acc = carry
+        _, vb, s, _ = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
+        m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m_old - m_new)
-        pv = einsum("bkrwts,bkwsh->bkrwth", p.astype(vs.dtype), vs)
-        on = on[:, None]  # [W, 1]: pairs past a lane's end change nothing
-        m_new = jnp.where(on, m_new, m_old)
-        l_new = jnp.where(on, l_old * corr + p.sum(axis=-1), l_old)
-        acc_new = jnp.where(on[..., None], acc_old * corr[..., None] + pv, acc_old)
-        return (
-            m.at[:, :, :, i].set(m_new),
-            l.at[:, :, :, i].set(l_new),
-            acc.at[:, :, :, i].set(acc_new),
-        ), None
+        corr = jnp.exp(m - m_new)
+        pv = einsum("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
+        return (m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv), None
 
     init = (
-        jnp.full((B, K, R, nq, block), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, R, nq, block), jnp.float32),
-        jnp.zeros((B, K, R, nq, block, hd), jnp.float32),
+        jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, R, T), jnp.float32),
+        jnp.zeros((B, K, R, T, hd), jnp.float32),
     )
-    qi, kj, live = flash_schedule(T, S, offset, block)
-    # `jax.lax.scan` (not fori_loop): `rl-jax plan` unrolls these to count every pair.
-    (m, l, acc), _ = jax.lax.scan(body, init, (jnp.asarray(qi), jnp.asarray(kj), live))
-    # A row that sees no key (m stays MASK_VALUE) averages all S values, as `attention`'s
-    # uniform softmax does; the blocks causality skips would have been part of it.
-    none = m <= MASK_VALUE
-    mean_v = v[:, :, :S].astype(jnp.float32).mean(axis=2)[:, :, None, None, None, :]
-    out = jnp.where(none[..., None], mean_v, acc / l[..., None])  # [B, K, R, nq, bq, hd]
-    out_q = out.transpose(0, 3, 4, 1, 2, 5).reshape(B, nq * block, K, R, hd)[:, :T]
-    return out_q, (q, k, v, arrays, out, m, l)
+    # `jax.lax.scan` (not fori_loop): `rl-jax plan` unrolls these to count every block.
+    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(k.shape[2] // block))
+    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
+    # m and l apart, not log-sum-exp m + log(l): for a row that sees no key, m is
+    # MASK_VALUE, which absorbs log(l) in float32.
+    return out, (q, k, v, mask, out, m, l)
 
 
-def _flash_bwd(offset, S, scale, block, einsum, res, d_out):
-    q, k, v, arrays, out, m, l = res
-    B, T, K, R, hd = q.shape
-    qb, kb, vb, masks = _flash_layout(q, k, v, arrays, block)
-    nq, nk = qb.shape[1], kb.shape[2]
-    dob = jnp.pad(d_out.astype(jnp.float32), ((0, 0), (0, nq * block - T), (0, 0), (0, 0), (0, 0)))
-    dob = dob.reshape(B, nq, block, K, R, hd)
-    do_stat = dob.transpose(0, 3, 4, 1, 2, 5)  # [B, K, R, nq, bq, hd], as `out`
+def _flash_bwd(S, scale, block, einsum, res, d_out):
+    q, k, v, mask, out, m, l = res
+    d_out = d_out.astype(jnp.float32)
     # Row sums of dP * P, one per query: softmax's backward without P whole.
-    delta = jnp.einsum("bkrnth,bkrnth->bkrnt", do_stat, out, precision=precision(out))
-    none = m <= MASK_VALUE
-    dob = dob.astype(v.dtype)
+    delta = jnp.einsum("btkrh,btkrh->bkrt", d_out, out, precision=precision(out))
+    do = d_out.astype(v.dtype)
 
-    def body(carry, x):
-        dq, dk, dv = carry
-        i, j, on = x
-        qs, ks, vs, s, seen = _pair_scores(qb, kb, vb, masks, offset, S, scale, block, einsum, i, j)
-        dos = jnp.take(dob, i, axis=1)
-        m_s, l_s, delta_s, none_s = (jnp.take(a, i, axis=3) for a in (m, l, delta, none))
-        p = jnp.exp(s - m_s[..., None]) / l_s[..., None]
-        # Pairs past a lane's end and rows that see no key (their uniform average is
-        # added below) take nothing from here.
-        p = jnp.where((on[:, None] & ~none_s)[..., None], p, 0.0)
-        dv_p = einsum("bkrwts,bwtkrh->bkwsh", p.astype(dos.dtype), dos)
-        dp = einsum("bwtkrh,bkwsh->bkrwts", dos, vs)
-        ds = jnp.where(seen, p * (dp - delta_s[..., None]), 0.0) * scale
-        dq_p = einsum("bkrwts,bkwsh->bwtkrh", ds.astype(ks.dtype), ks)
-        dk_p = einsum("bkrwts,bwtkrh->bkwsh", ds.astype(qs.dtype), qs)
-        return (dq.at[:, i].add(dq_p), dk.at[:, :, j].add(dk_p), dv.at[:, :, j].add(dv_p)), None
+    def body(dq, j):
+        kb, vb, s, seen = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
+        p = jnp.exp(s - m[..., None]) / l[..., None]
+        dv = einsum("bkrts,btkrh->bksh", p.astype(do.dtype), do)
+        dp = einsum("btkrh,bksh->bkrts", do, vb)
+        ds = jnp.where(seen, p * (dp - delta[..., None]), 0.0) * scale
+        dq = dq + einsum("bkrts,bksh->btkrh", ds.astype(kb.dtype), kb)
+        dk = einsum("bkrts,btkrh->bksh", ds.astype(q.dtype), q)
+        return dq, (dk, dv)
 
-    init = (
-        jnp.zeros(qb.shape, jnp.float32),
-        jnp.zeros(kb.shape, jnp.float32),
-        jnp.zeros(vb.shape, jnp.float32),
-    )
-    qi, kj, live = flash_schedule(T, S, offset, block)
-    (dq, dk, dv), _ = jax.lax.scan(body, init, (jnp.asarray(qi), jnp.asarray(kj), live))
-    dq = dq.reshape(B, nq * block, K, R, hd)[:, :T]
-    dk, dv = (d.reshape(B, K, nk * block, hd) for d in (dk, dv))
-    # Rows that see no key: out = mean of the S values, so each value gets 1 / S of
-    # their output gradient.
-    d_mean = jnp.where(none[..., None], do_stat, 0.0).sum(axis=(2, 3, 4)) / S  # [B, K, hd]
-    dv = dv + jnp.where((jnp.arange(nk * block) < S)[:, None], d_mean[:, :, None, :], 0.0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    n = k.shape[2] // block
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
+
+    def unblock(d, like):  # [n, B, K, block, hd] -> [B, K, n * block, hd]
+        return d.transpose(1, 2, 0, 3, 4).reshape(like.shape).astype(like.dtype)
+
+    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
