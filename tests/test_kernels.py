@@ -238,4 +238,3 @@ def test_flash_attention_temporaries_are_a_block_of_scores():
     # blockwise 18 MB (a block's scores, probabilities and their gradients: 4 x 4 MB).
     scores, block_scores = B * H * T * T * 4, B * H * T * 128 * 4
     assert dense >= 3 * scores and blockwise < 5 * block_scores, (dense, blockwise)
-
