@@ -234,8 +234,8 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
         seen.append(cfg)
         rate = 1000.0 * cfg.mesh.tensor
         return {
-            "fits": cfg.model.remat == "full",
-            "programs": [{"hbm_total_gb": 1.0 if cfg.model.remat == "full" else 99.0}],
+            "fits": cfg.model.remat != "none",
+            "programs": [{"hbm_total_gb": 1.0 if cfg.model.remat != "none" else 99.0}],
             "step": {"rollouts_per_hour": rate, "mfu_estimate": 0.5},
             "budget": {"hours": budget_rollouts / rate},
         }
@@ -244,14 +244,12 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     res = search(cfg, "v5e:2x2", top=6, plan_fn=fake_plan, budget_rollouts=1e6)
     assert len(seen) == res["compiled"] == 6
     ranked = res["ranked"]
-    assert ranked and all(r["remat"] == "full" for r in ranked)
+    assert ranked and all(r["remat"] != "none" for r in ranked)
     rates = [r["rollouts_per_hour"] for r in ranked]
     assert rates == sorted(rates, reverse=True)
     assert ranked[0]["budget_hours"] == pytest.approx(1e6 / rates[0])
     compiled_out = [e for e in res["excluded"] if e["reason"] == "compiled"]
-    assert len(compiled_out) + len(ranked) == 6 and not any(
-        e["remat"] == "full" for e in compiled_out
-    )
+    assert len(compiled_out) + len(ranked) == 6 and all(e["remat"] == "none" for e in compiled_out)
     # Parameters, gradients and AdamW of 1.4B float32 parameters on every chip: over
     # 16 GiB, dropped by the estimate before any compile.
     replicated = {"data": 4, "fsdp": 1, "tensor": 1}
@@ -298,3 +296,56 @@ def test_estimate_counts_the_trainers_state_as_train_precision_and_lora_hold_it(
     lora, _ = hbm("train.precision=fp32_master", "loss.kl_coef=0", "lora.enabled=true")
     assert master - pure == pytest.approx(8 * n / 2)
     assert lora < pure < master
+
+
+def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
+    """Candidates span none / save_dots / full, and a candidate's waves are what the
+    trainer would keep with its updates per batch (micro-batches leave fewer), each once."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.plan._search import apply, candidates
+    from rl_jax.train.schedules import num_waves
+
+    cfg = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8"]))
+    cands = candidates(cfg, 4, num_heads=4)
+    assert {c["remat"] for c in cands} == {"none", "save_dots", "full"}
+    assert {c["micro"] for c in cands} == {1, 2, 4, 8}
+    assert all(num_waves(resolved(apply(cfg, c))) == c["waves"] for c in cands)
+    # PipelineRL-8: 9 waves with one update per batch, then halvings; 1 with 8 updates.
+    assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]
+    assert {c["waves"] for c in cands if c["micro"] == 8} == {1}
+    keys = [(tuple(c["mesh"].values()), c["remat"], c["micro"], c["waves"]) for c in cands]
+    assert len(keys) == len(set(keys))
+
+
+def test_expected_train_flops_add_what_each_knob_recomputes():
+    """The model's 3 passes, plus: full remat's layers (not the LM head), save_dots'
+    attention, blockwise attention's scores (half its forward) and the chunked LM head."""
+    import dataclasses
+
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._flops import train_flops
+    from rl_jax.train.accounting import forward_flops
+
+    cfg = resolved(load_recipe("scalerl", TINY))
+    base = dataclasses.replace(
+        resolve_spec(cfg.model), remat="none", attention="dense", logprob_chunk=0
+    )
+    P, G, tp, tg = 2, 3, 5, 7
+    fwd = forward_flops(base, [tp] * P, [tg] * (P * G), G)
+    # Each prompt token t (1-based) attends to t keys, completion token j to tp + j.
+    per_key = 4 * base.num_layers * base.num_heads * base.head_dim
+    keys = P * sum(range(1, tp + 1)) + P * G * sum(range(tp + 1, tp + tg + 1))
+    attn = per_key * keys
+    head = 2 * base.vocab_size * base.hidden_size
+
+    def extra(**knobs):
+        f = train_flops(dataclasses.replace(base, **knobs), P, G, tp, tg)
+        assert f["model"] == pytest.approx(3 * fwd)
+        return f["expected"] - f["model"]
+
+    assert extra() == 0
+    assert extra(remat="full") == pytest.approx(fwd - head * (P * tp + P * G * tg))
+    assert extra(remat="save_dots") == pytest.approx(attn)
+    assert extra(attention="blockwise") == pytest.approx(attn / 2)
+    assert extra(logprob_chunk=2) == pytest.approx(head * P * G * tg)

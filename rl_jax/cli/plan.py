@@ -101,7 +101,7 @@ def format_plan(plan: dict) -> str:
         f" sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
         f" KV cache {plan['kv_cache_gb']:.2f} GB/chip per wave",
         f"{'program':<11} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
-        f"{'GFLOP':>9} {'useful':>6} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
+        f"{'GFLOP':>9} {'useful':>6} {'x exp':>5} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
     ]
     for r in plan["programs"]:
         g = r["hbm_gb"]
@@ -111,12 +111,15 @@ def format_plan(plan: dict) -> str:
         lines.append(
             f"{r['name']:<11} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
             f"{g['temporaries']:>7.2f} {g['resident']:>7.2f} {'yes' if r['fits'] else 'NO':>4} "
-            f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['roofline_s']:>10.4g} "
+            f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['flops_expected_ratio']:>5.2f}"
+            f" {r['roofline_s']:>10.4g} "
             f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
     lines += [
         "(per chip; other = buffers live beside the program: optimizer state, other waves;"
-        " useful = model FLOPs / compiled FLOPs; decode's row is one token per row)",
+        " useful = model FLOPs / compiled FLOPs; x exp = compiled / (model + what remat,"
+        " blockwise attention and the chunked LM head recompute); decode's row is one"
+        " token per row)",
         f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
         f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
         f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",

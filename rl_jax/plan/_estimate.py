@@ -17,8 +17,9 @@ import numpy as np
 
 from rl_jax.models.logprobs import chunk_size
 from rl_jax.models.transformer import uses_blockwise
+from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip
-from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
+from rl_jax.train.accounting import extra_forwards, forward_flops
 from rl_jax.train.params import ParamPlan, tree_bytes
 
 
@@ -40,7 +41,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
     under train.grad_accum), their gradients, the sampler's view of the state when it
     is not the state itself, the minibatch's activations (all layers, or one
-    layer's input each with remat, plus one layer live), fp32 logits of the completion,
+    layer's input each with full remat, its input and weight matmuls' outputs with
+    save_dots, plus one layer live), fp32 logits of the completion,
     and the sampler's KV caches (all of PipelineRL's waves). Time: train, log-prob and
     prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of the sampler's
     weights and the whole cache per token."""
@@ -73,9 +75,16 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     # Attention's fp32 probabilities: every key's (dense), or one block's (blockwise).
     keys = min(T, spec.attention_block) if uses_blockwise(spec, T) else T
     per_token_layer += 4 * _split(H, tensor) * keys
-    full = spec.remat == "full"
-    live_layers = 1 if full else L
-    acts = rows_mb * T * (per_token_layer * live_layers + (cdt * D * L if full else 0))
+    # Kept for the backward, per token and layer: everything (none), the layer's input
+    # (full), or its input and its weight matmuls' outputs (save_dots); the layer being
+    # recomputed is live besides.
+    if spec.remat == "full":
+        acts = rows_mb * T * (per_token_layer + cdt * D * L)
+    elif spec.remat == "save_dots":
+        saved = cdt * (3 * D + _split(H + 2 * K, tensor) * hd + 2 * _split(F, tensor))
+        acts = rows_mb * T * (per_token_layer + saved * L)
+    else:
+        acts = rows_mb * T * per_token_layer * L
     # Logits, softmax, their gradient: the completion's, or one chunk's (logprob_chunk).
     logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
     logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
@@ -88,7 +97,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     else:
         waves = 1
     kv = 2 * L * math.ceil(wave_rows / shards) * _split(K, tensor) * hd * T * cdt
-    in_flight = kv * waves if off == "pipeline" else 0.0
+    in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 
     # The view is made for sampling and dropped before the updates.
@@ -97,8 +106,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     hbm = max(train, decode)
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    passes = TRAIN_PASSES + (spec.remat == "full") + extra_forwards(cfg)
-    train_s = passes * fwd / chips / chip.bf16_flops
+    train_fl = train_flops(spec, P, G, tp, tg)["expected"] + extra_forwards(cfg) * fwd
+    train_s = train_fl / chips / chip.bf16_flops
     decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo_off_policy" else 1)
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
     step_s = train_s + sample_s

@@ -27,6 +27,7 @@ from rl_jax.config import RunConfig, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.transformer import param_shardings
+from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sampling import Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
@@ -121,21 +122,24 @@ def plan_run(
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    t0 = time.perf_counter()
     costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
+    cost_s = time.perf_counter() - t0
 
     programs = []
-    # While the trainer updates, PipelineRL's waves wait in HBM with their caches.
-    in_flight = state_bytes * waves if off == "pipeline" else 0
+    # While the trainer updates, PipelineRL's other waves wait in HBM with their caches
+    # (the finished one is dropped first: train.schedules.pipeline).
+    in_flight = state_bytes * (waves - 1) if off == "pipeline" else 0
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    passes = TRAIN_PASSES + (spec.remat == "full")  # full remat reruns each layer's forward
+    tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
     # One call of the trainer's update program: the RL step's M minibatch updates.
     programs.append(
         report(
             "train_step",
             b.update,
             b.update_args,
-            TRAIN_PASSES * fwd,
-            expected=passes * fwd,
+            tf["model"],
+            expected=tf["expected"],
             resident=in_flight + ref_bytes,
             calls=1,
             cost=costs["train_step"],
@@ -229,6 +233,7 @@ def plan_run(
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour,
         },
+        "cost_compile_s": cost_s,  # the 1- and 2-layer unrolled programs' compiles
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
@@ -570,6 +575,7 @@ def _report(
         "flops": flops,
         "flops_analytic": analytic,
         "flops_ratio": flops / analytic if analytic else float("nan"),
+        "flops_expected": expected,
         "flops_expected_ratio": flops / expected if expected else float("nan"),
         "bytes_accessed": moved,
         "roofline_s": roofline,
@@ -592,7 +598,8 @@ def _report(
 
 def _out_of_memory(name: str, oom: OutOfMemory, chip: Chip, calls: float) -> dict[str, Any]:
     nan = float("nan")
-    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected_ratio")}
+    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected")}
+    out["flops_expected_ratio"] = nan
     out.update({k: nan for k in ("bytes_accessed", "roofline_s", "mfu_estimate", "compile_s")})
     return {
         **out,

@@ -4,13 +4,15 @@ topology, never what it learns, ranked by the rollouts per hour of those that fi
 Dimensions, each a knob the trainer has:
   mesh          data x fsdp x tensor over the topology's chips (tensor divides the
                 heads and is at most 8, the chips one host's interconnect joins)
-  remat         model.remat none or full: each layer's activations kept or recomputed
-                in the backward
+  remat         model.remat none, save_dots or full: each layer's activations kept,
+                only its weight matmuls' outputs kept, or only its input kept
   micro-batches the recipe's minibatches each split in m (train.updates_per_batch
                 x m with train.grad_accum x m: the same optimizer updates from
                 smaller programs, plus the old policy's log-prob pass m > 1 needs)
   waves         PipelineRL only (train.pipeline_waves): batches in flight, each
-                holding its KV cache; fewer waves bound staleness tighter
+                holding its KV cache; fewer waves bound staleness tighter. The
+                trainer keeps (k + 1) // updates per batch at most, so micro-batches
+                (more updates per batch) leave fewer waves to choose from
 
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
 exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
@@ -33,6 +35,7 @@ from rl_jax.plan.chips import num_chips, parse_topology
 
 MAX_TENSOR = 8
 MAX_MICRO = 8
+REMAT = ("none", "save_dots", "full")
 
 
 def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any]]:
@@ -46,18 +49,23 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         for f in [chips // t // d]
     ]
     micro = [m for m in (1, 2, 4, 8) if m <= MAX_MICRO and P % (M * m) == 0]
-    if cfg.train.off_policy == "pipeline":
-        k = cfg.train.off_policy_k
-        most = max(1, (k + 1) // M)
-        if cfg.train.pipeline_waves > 0:
-            most = min(most, cfg.train.pipeline_waves)
-        waves = sorted({max(1, most >> i) for i in range(4)}, reverse=True)
-    else:
-        waves = [0]
     return [
         {"mesh": mesh, "remat": remat, "micro": m, "waves": w}
-        for mesh, remat, m, w in itertools.product(meshes, ("none", "full"), micro, waves)
+        for mesh, remat, m in itertools.product(meshes, REMAT, micro)
+        for w in _waves(cfg, M * m)
     ]
+
+
+def _waves(cfg: RunConfig, updates: int) -> list[int]:
+    """PipelineRL's choices of waves in flight with `updates` updates per batch: the most
+    the trainer keeps (`train.schedules.num_waves`: (k + 1) // updates, at most the
+    recipe's train.pipeline_waves) and halvings of it; [0] (no such knob) otherwise."""
+    if cfg.train.off_policy != "pipeline":
+        return [0]
+    most = max(1, (cfg.train.off_policy_k + 1) // updates)
+    if cfg.train.pipeline_waves > 0:
+        most = min(most, cfg.train.pipeline_waves)
+    return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 
 def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:

@@ -93,8 +93,12 @@ def pipeline(tr, bar) -> None:
         oldest = state.waves[0]
         ro = parts.sampler.result(oldest.state)
         tr.state = phases.account_sampling(parts, state.replace(waves=state.waves[1:]), ro)
+        problems = oldest.problems
+        # The finished wave's sampler state (its KV cache) goes before the update: only
+        # the other waves stay in HBM while the trainer runs (what `rl-jax plan` counts).
+        del state, waves, oldest
         sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        state, m = _train(tr, ro, oldest.problems)
+        state, m = _train(tr, ro, problems)
         _finish(tr, state, m, sample_s, t1, bar)
 
 

@@ -1,0 +1,83 @@
+"""The train step's compiled FLOPs on a TPU topology against the model's and the expected
+count (model + what remat, blockwise attention and the chunked LM head recompute),
+split into what each layer costs and what the rest (embedding, LM head, loss,
+optimizer) costs. Compiled from this host (libtpu, no TPU).
+
+    python benchmarks/train_step_flops.py RECIPE --topology v5e:2x2 [key=value ...]
+
+As `rl-jax plan` counts it: the update program built with 1 and 2 layers and one
+minibatch, every scan unrolled (XLA counts a loop's body once), c(L) = c(1) +
+(L - 1) (c(2) - c(1)), times the minibatches; two compiles of the train step only.
+Prints one JSON object; FLOPs are per chip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from rl_jax.config import load_recipe, resolved
+from rl_jax.models.load import resolve_spec
+from rl_jax.plan._flops import train_flops
+from rl_jax.plan._programs import (
+    _build,
+    _compile,
+    _cost,
+    _unrolled_scans,
+    round_up,
+    topology_devices,
+)
+from rl_jax.sharding import get_rules, make_mesh
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--topology", default="v5e:2x2")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    cfg = resolved(load_recipe(args.recipe, args.overrides))
+    devices = topology_devices(args.topology)
+    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
+    spec = resolve_spec(cfg.model)
+    rules = get_rules(cfg.mesh.rules, purpose="train")
+    sc, P, G, M = (
+        cfg.sampling,
+        cfg.data.prompts_per_batch,
+        cfg.sampling.n,
+        cfg.train.updates_per_batch,
+    )
+    tp, tg = (round_up(n, sc.length_bucket) for n in (sc.max_prompt_len, sc.max_new_tokens))
+    chips, L = len(devices), spec.num_layers
+    compiled, want = [], []
+    for layers in (1, 2):
+        s = dataclasses.replace(spec, num_layers=layers)
+        with _unrolled_scans():
+            b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=P, tp=tp, tg=tg)
+            compiled.append(M * _cost(_compile(b.update, *b.update_args))[0])
+        want.append({k: v / chips for k, v in train_flops(s, P, G, tp, tg).items()})
+
+    def split(c1, c2):  # per layer, the rest, and all L layers
+        return {"per_layer": c2 - c1, "rest": 2 * c1 - c2, "total": c1 + (L - 1) * (c2 - c1)}
+
+    got = split(*compiled)
+    model = split(want[0]["model"], want[1]["model"])
+    expected = split(want[0]["expected"], want[1]["expected"])
+    out = {
+        "topology": args.topology,
+        "overrides": args.overrides,
+        "compiled": got,
+        "model": model,
+        "expected": expected,
+        "ratio_model": {k: got[k] / model[k] for k in got},
+        "ratio_expected": {k: got[k] / expected[k] for k in got},
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
