@@ -122,7 +122,13 @@ def worker(steps: int, overrides: list[str]) -> None:
     out = tempfile.mkdtemp(prefix="rl_jax_mem_")
     cfg = load_recipe(
         "smollm2_gsm8k",
-        [f"train.steps={steps}", "logging.progress=false", f"out_dir={out}", "name=mem", *overrides],
+        [
+            f"train.steps={steps}",
+            "logging.progress=false",
+            f"out_dir={out}",
+            "name=mem",
+            *overrides,
+        ],
     )
     trainer = RLTrainer(cfg, quiet=True)
     ph.mark("load")

@@ -96,9 +96,7 @@ class Checkpointer:
         meta = seal_meta({**meta, CHECKSUMS: sums})
         self._mngr.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
-            ),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
             force=force,
         )
         return True
