@@ -1,7 +1,7 @@
 """Writes easy_gsm.jsonl: one-step grade-school word problems in GSM8K's layout.
 
-    {"question": "Mia has 7 apples. She buys 5 more. How many apples does Mia have now?",
-     "answer": "Mia has 7 + 5 = 12 apples.\\n#### 12"}
+    {"question": "Mia has 3 apples. She buys 2 more. How many apples does Mia have now?",
+     "answer": "Mia has 3 + 2 = 5 apples.\\n#### 5"}
 
 Sized for SmolLM2-135M-Instruct on a CPU: one addition or subtraction of numbers up to
 --max-number (3: sums up to 6), so the model solves some at the recipe's 16 new tokens
