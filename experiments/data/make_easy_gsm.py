@@ -1,11 +1,13 @@
 """Writes easy_gsm.jsonl: one-step grade-school word problems in GSM8K's layout.
 
-    {"question": "Mia has 7 apples. She buys 5 more. How many apples does Mia have now?",
-     "answer": "Mia has 7 + 5 = 12 apples.\\n#### 12"}
+    {"question": "Mia has 3 apples. She buys 2 more. How many apples does Mia have now?",
+     "answer": "Mia has 3 + 2 = 5 apples.\\n#### 5"}
 
 Sized for SmolLM2-135M-Instruct on a CPU: one addition or subtraction of numbers up to
---max-number, so the model solves some (10-40% at the start; docs/real_model.md has the
-measured pass rate) and RL has signal from the first batch. Deterministic in --seed:
+--max-number (3: sums up to 6), so the model solves some at the recipe's 16 new tokens
+(docs/real_model.md has the measured pass rates: 12.6% over this file's 1,000 problems;
+7.0% with numbers up to 10) and RL has signal from the first batch.
+Deterministic in --seed:
 
     python experiments/data/make_easy_gsm.py            # rewrites experiments/data/easy_gsm.jsonl
 """
@@ -68,7 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(Path(__file__).with_name("easy_gsm.jsonl")))
     p.add_argument("--count", type=int, default=1000)
-    p.add_argument("--max-number", type=int, default=10)
+    p.add_argument("--max-number", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     rng = random.Random(a.seed)

@@ -108,6 +108,11 @@ class CheckpointConfig:
     every: int = knob(0, help="save every this many steps (0 = only at the end)")
     keep: int = knob(2, help="checkpoints to keep")
     async_save: bool = knob(True, help="save in the background")
+    compress: bool = knob(
+        False,
+        help="zstd-compress the saved arrays (~8 percent smaller for float32 weights; the save "
+        "then holds an encoded host copy of the whole state)",
+    )
     resume: bool = knob(True, help="resume from the newest good checkpoint in the run directory")
 
     def __post_init__(self):

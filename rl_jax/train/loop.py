@@ -95,7 +95,10 @@ class RLTrainer:
         # Opened by run_loop once it knows the step it resumes from (TensorBoard's purge).
         self.logger: MetricsLogger | None = None
         self.ckpt = Checkpointer(
-            self.run.checkpoints_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+            self.run.checkpoints_dir,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+            compress=cfg.checkpoint.compress,
         )
         self.weights = SamplerWeights(self.parts)  # the sampler's copies of the policy
         self.split_sampler: SplitSampler | None = None

@@ -24,6 +24,7 @@ updates).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -226,6 +227,33 @@ class ParamPlan:
             out[k] = w.astype(dt)
         return out
 
+    def train_view(self, state: State) -> dict[str, jax.Array]:
+        """`view` as the loss differentiates it: the same values, but each trained float32
+        weight stays float32 (its value rounded to param_dtype, the gradient passed
+        straight through). The model casts every weight to the compute dtype where it
+        uses it, so the forward is `view`'s; the backward adds the contributions of a
+        weight's uses (prompt and completion streams, tied embedding and LM head) in
+        float32. Through a param_dtype view they would be rounded to bfloat16 and added
+        there: on the tiny model 0.25% of gradient error and sign flips where they
+        cancel, with float32 compute (docs/precision.md)."""
+        if self.identity:
+            return state
+        dt = jnp.dtype(self.param_dtype)
+        out = self.view(state)
+        trained = set(self._trained_names(state))
+        for k, w in state.items():
+            if k in trained and k != LORA_KEY and w.dtype == jnp.float32 != dt:
+                out[k] = _round_through(w, dt)
+        if self.lora:
+            # Merged weights: the adapters' gradient through W + s A B, added in float32.
+            base = {k: v for k, v in state.items() if k != LORA_KEY}
+            for k in state.get(LORA_KEY, {}):
+                a, b = state[LORA_KEY][k]["a"], state[LORA_KEY][k]["b"]
+                f32 = jnp.float32
+                delta = matmul(a.astype(f32), b.astype(f32)).reshape(base[k].shape)
+                out[k] = _round_through(base[k].astype(f32) + self.lora_scale * delta, dt)
+        return out
+
     # ---- the optimizer ----------------------------------------------------------------
 
     def init_optimizer(self, tx: optax.GradientTransformation, state: State):
@@ -242,6 +270,23 @@ class ParamPlan:
         updates, opt_state = tx.update(_cast(grads, m), opt_state, p)
         new = jax.tree.map(lambda w, pm, u: (pm + u.astype(m)).astype(w.dtype), trained, p, updates)
         return new, opt_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _round_through(w: jax.Array, dtype) -> jax.Array:
+    """w rounded to `dtype`, kept in w's dtype; the gradient passes through unrounded."""
+    return w.astype(dtype).astype(w.dtype)
+
+
+def _round_through_fwd(w, dtype):
+    return _round_through(w, dtype), None
+
+
+def _round_through_bwd(dtype, _, g):
+    return (g,)
+
+
+_round_through.defvjp(_round_through_fwd, _round_through_bwd)
 
 
 def _cast(tree, dtype):

@@ -246,7 +246,8 @@ def _step_fn(
     update on one minibatch, not jitted (make_train_step and make_update compile it).
 
     `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
-    weights, all trained, as they are): the loss sees `plan.view(params)`, the optimizer
+    weights, all trained, as they are): the loss sees `plan.train_view(params)` (`plan.view`'s
+    values, gradients added in float32), the optimizer
     updates the trained part (`opt_state` is `plan.init_optimizer`'s).
 
     A NaN/Inf in the loss or any gradient skips the update (params and optimizer
@@ -267,7 +268,7 @@ def _step_fn(
         trained, frozen = plan.split(params)
 
         def trained_loss(t):
-            return loss_fn(plan.view(plan.join(t, frozen)), batch)
+            return loss_fn(plan.train_view(plan.join(t, frozen)), batch)
 
         (loss, metrics), grads = jax.value_and_grad(trained_loss, has_aux=True)(trained)
         finite = jnp.isfinite(loss) & _all_finite(grads)
