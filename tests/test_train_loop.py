@@ -106,7 +106,8 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
     for name, n in seen[0].items():
         if n:  # compiled during step 1: never again
             assert final[name] == n, (name, seen[0], final)
-    assert final["eval_start"] == final["eval_decode"] == 1  # the final evaluation
+    evals = {k: n for k, n in final.items() if k.startswith("eval_")}
+    assert evals and set(evals.values()) == {1}, evals  # the final evaluation, once each
 
 
 def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
