@@ -173,11 +173,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         lr_schedule=lr_schedule,
         # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
         lr_at=jax.jit(lr_schedule),
-        sampler=_sampler(cfg, spec, tokenizer, sample_mesh),
-        engine=_engine(cfg, spec, tokenizer, sample_mesh, prompt_len),
-        eval_sampler=make_eval_sampler(
-            spec, cfg, tokenizer, mesh=sample_mesh, prompt_len=prompt_len
-        ),
+        **_samplers(cfg, spec, tokenizer, sample_mesh, prompt_len),
         update_fn=update_fn,
         logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
         value_fn=make_value_fn(spec, rules, mesh, plan=plan) if critic else None,
@@ -201,17 +197,22 @@ def _sampler(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh) -> Sampler:
     )
 
 
-def _engine(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int):
-    """The engine of on_policy / ppo_off_policy batches: by default a slot for every row
-    the schedule generates at once (B_p x n, x k for ppo_off_policy's k batches)."""
-    if not cfg.sampling.engine or cfg.train.off_policy == "pipeline":
-        return None
-    k = cfg.train.off_policy_k
-    batches = k if cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling else 1
-    rows = batches * cfg.data.prompts_per_batch * cfg.sampling.n
-    return make_sampler(
-        spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
-    )
+def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
+    """Parts' sampler (pipeline and split mode's waves), engine (on_policy /
+    ppo_off_policy batches, sampling.engine; by default a slot for every row the schedule
+    generates at once: B_p x n, x k for ppo_off_policy's k batches) and eval_sampler."""
+    engine = None
+    if cfg.sampling.engine and cfg.train.off_policy != "pipeline":
+        ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
+        rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
+        engine = make_sampler(
+            spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
+        )
+    return {
+        "sampler": _sampler(cfg, spec, tokenizer, mesh),
+        "engine": engine,
+        "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
+    }
 
 
 def adapter_key(cfg: RunConfig) -> jax.Array:
