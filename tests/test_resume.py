@@ -25,6 +25,8 @@ PPO = [
     "train.off_policy_k=2",
     "checkpoint.every=3",
     "checkpoint.keep=2",
+    # Through the engine: its k x B_p x n slots and its evaluation resume exactly too.
+    "sampling.engine=true",
 ]
 
 

@@ -38,18 +38,21 @@ def _params(tr):
 
 @pytest.mark.devices(8)
 def test_one_step_sharded_equals_single_device(tmp_path):
+    # One device samples through the engine, eight through the batch Sampler: the
+    # engine's rollouts are the Sampler's (tests/test_engine.py), so the updates agree.
     one = RLTrainer(
         _cfg(
             tmp_path,
             "name=one",
             "train.steps=1",
             "mesh.num_devices=1",
+            "sampling.engine=true",
             "eval.every=0",
             "eval.at_start=false",
         ),
         quiet=True,
     )
-    assert one.mesh.devices.size == 1
+    assert one.mesh.devices.size == 1 and one.parts.engine is not None
     s1 = one.run_loop()
     eight = RLTrainer(
         _cfg(
