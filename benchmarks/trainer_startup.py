@@ -76,7 +76,8 @@ def main() -> None:
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
     summary = {
-        f"{kind}_s": {e: statistics.median(v) for e, v in t.items()} for kind, t in times.items()
+        f"{kind}_s": {e: round(statistics.median(v), 2) for e, v in t.items()}
+        for kind, t in times.items()
     }
     programs = {e: sum(1 for n in c.values() if n) for e, c in counts.items()}
     print(json.dumps({"summary": True, **summary, "programs": programs, "pairs": args.pairs}))
