@@ -25,8 +25,10 @@ PPO = [
     "train.off_policy_k=2",
     "checkpoint.every=3",
     "checkpoint.keep=2",
-    # Through the engine: its k x B_p x n slots and its evaluation resume exactly too.
+    # Through the engine, with 16 slots for the 32 rows of a group (k x B_p x n):
+    # rows refill freed slots, and the run still resumes exactly.
     "sampling.engine=true",
+    "sampling.engine_slots=16",
 ]
 
 
