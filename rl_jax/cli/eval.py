@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
         make_eval_sampler,
     )
     from rl_jax.train.policy_io import load_run_params, run_spec, run_tokenizer
-    from rl_jax.train.preflight import run_task
+    from rl_jax.train.preflight import task_and_prompt_len
 
     t0 = time.perf_counter()
     mesh = _eval_mesh(cfg.mesh)
@@ -96,13 +96,14 @@ def main(argv: list[str]) -> int:
     params = load_run_params(ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample")
     meta = ck.meta()
     tok = run_tokenizer(ck)
-    task = run_task(cfg, tok)  # rendered as in training: chat template, answer instruction
+    # Rendered as in training: chat template, answer instruction.
+    task, prompt_len = task_and_prompt_len(cfg, tok)
     problems = list(task.val)[: cfg.eval.num_prompts]
     if not problems:
         raise ConfigError(
             f"data.source={cfg.data.source!r} has no validation problems (data.val_size)"
         )
-    sampler = make_eval_sampler(spec, cfg, tok, mesh=mesh)
+    sampler = make_eval_sampler(spec, cfg, tok, mesh=mesh, prompt_len=prompt_len)
     version = int(meta.get("version", ck.step))
     metrics, _ = evaluate_policy(
         sampler,

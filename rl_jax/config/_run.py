@@ -243,6 +243,8 @@ _NON_SEMANTIC = (
 # their default, so runs made before they existed keep their ids (and resume).
 _LATER_KNOB_DEFAULTS = {
     "mesh.sampler_devices": 0,
+    "sampling.engine": False,
+    "sampling.engine_slots": 0,
     "mesh.cpu_devices": 0,
     "data.chat_template": True,
     "data.system_prompt": "",

@@ -44,6 +44,18 @@ class SamplingConfig:
     )
     answer_budget: int = knob(0, help="policy tokens allowed after the injected text")
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
+    engine: bool = knob(
+        False,
+        help="on_policy / ppo_off_policy batches and evaluation generate through the "
+        "continuous-batching engine (false: the batch Sampler; pipeline and split mode "
+        "always use the Sampler). Off by default: its five programs cost more start-up "
+        "than the Sampler's two (docs/performance.md)",
+    )
+    engine_slots: int = knob(
+        0,
+        help="the engine's decode slots (0 = every row of a batch: B_p x n, x k for "
+        "ppo_off_policy; evaluation: eval.num_prompts x eval.k)",
+    )
 
     def __post_init__(self):
         check_numbers("sampling", self)
@@ -54,7 +66,7 @@ class SamplingConfig:
         check_range("sampling", "max_new_tokens", self.max_new_tokens, lo=1, hi=MAX_TOKENS)
         check_range("sampling", "max_prompt_len", self.max_prompt_len, lo=0, hi=MAX_TOKENS)
         check_range("sampling", "length_bucket", self.length_bucket, lo=1, hi=MAX_TOKENS)
-        for k in ("decode_chunk", "interrupt_lo", "interrupt_hi", "answer_budget"):
+        for k in ("decode_chunk", "engine_slots", "interrupt_lo", "interrupt_hi", "answer_budget"):
             check_range("sampling", k, getattr(self, k), lo=0, hi=MAX_TOKENS)
         check_choice("sampling", "length_control", self.length_control, LENGTH_CONTROL)
         if self.length_control == "interrupt" and not 0 < self.interrupt_lo <= self.interrupt_hi:

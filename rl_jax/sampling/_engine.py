@@ -28,7 +28,9 @@ token records the version that sampled it.
 
 Compiles: `generate` once per chunk size; `prefill` once per prompt length bucket
 (the host loop prefills each prompt in its own bucket, `prefill_prompts` at a
-time); `insert` once per row count bucket (powers of two up to S).
+time); `insert` once per row count bucket (powers of two up to S). With
+`fixed_shapes` (the trainer's engines) every prompt is prefilled at `prompt_len` and
+every insert takes S rows: one program each, whatever the prompts' lengths.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class Engine(Decoder):
     prompt_len: the longest prompt (default `cfg.max_prompt_len`), rounded up to
     `cfg.length_bucket`. Generations are up to `cfg.max_new_tokens` (per-row limits
     may be lower).
+    fixed_shapes: prefill every prompt at `prompt_len` and insert S rows at a time
+    (padding rows dropped): one prefill and one insert program instead of one per
+    length bucket and per row count (more padding computed in exchange).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class Engine(Decoder):
         chunk: int | None = None,
         prompt_len: int | None = None,
         prefill_prompts: int = 4,
+        fixed_shapes: bool = False,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
         pad_id: int = 0,
@@ -158,6 +164,7 @@ class Engine(Decoder):
         self.slots = int(slots)
         self.chunk = int(chunk or cfg.decode_chunk or 16)
         self.prefill_prompts = round_up(int(prefill_prompts), self.shards)
+        self.fixed_shapes = bool(fixed_shapes)
         self.prompt_len = round_up(longest, cfg.length_bucket)
         self.gen_len = round_up(cfg.max_new_tokens, cfg.length_bucket)
         if longest + cfg.max_new_tokens > self.spec.max_position:
@@ -181,7 +188,13 @@ class Engine(Decoder):
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per function (a test of bounded compiles)."""
-        fns = {"prefill": self._prefill, "insert": self._insert, "generate": self._generate}
+        fns = {
+            "init": self._init,
+            "prefill": self._prefill,
+            "insert": self._insert,
+            "prepare": self._prepare,
+            "generate": self._generate,
+        }
         return {name: fn._cache_size() for name, fn in fns.items()}
 
     def _geometry(self, ops: Decode) -> tuple[int, int, int, int]:
@@ -362,7 +375,7 @@ class Engine(Decoder):
         self._check_prompts(prompt_ids)
         rows = self.prefill_prompts
         packed, lens_p = pack_prompts(
-            prompt_ids, rows=rows, bucket=self.cfg.length_bucket, max_len=0, pad_id=self.pad_id
+            prompt_ids, rows=rows, bucket=self.length_bucket, max_len=0, pad_id=self.pad_id
         )
         bucket = packed.shape[1]
         prompt_pt = np.full((rows, self.prompt_len), self.pad_id, np.int32)
@@ -370,6 +383,11 @@ class Engine(Decoder):
         return self._prefill(
             self._as_params(params), *self._put_rows(prompt_pt, lens_p), bucket=bucket
         )
+
+    @property
+    def length_bucket(self) -> int:
+        """Prompts are prefilled in buckets of this many tokens (`fixed_shapes`: one)."""
+        return self.prompt_len if self.fixed_shapes else self.cfg.length_bucket
 
     def _check_prompts(self, prompt_ids: Sequence[Sequence[int]]) -> None:
         for i, p in enumerate(prompt_ids):
@@ -402,7 +420,7 @@ class Engine(Decoder):
             raise ValueError(
                 f"limits: {m} values in [1, {self.cfg.max_new_tokens}] (max_new_tokens)"
             )
-        mb = min(_pow2(m), self.slots)
+        mb = self.slots if self.fixed_shapes else min(_pow2(m), self.slots)
         pad = mb - m
 
         def arr(x, fill):
@@ -469,11 +487,12 @@ class Engine(Decoder):
         order: Sequence[int] | None = None,
         weights: Callable[[int], tuple[Params, int]] | None = None,
         refill_min: int | None = None,
+        row_ids: Sequence[int] | None = None,
     ) -> tuple[Rollouts, RunStats]:
         """Sample n rollouts of each prompt: R = P * n rows, row r = p * n + s of prompt
-        p, its draws keyed by fold_in(key, r). Rows enter free slots in `order` (a
-        permutation of range(R), default in order); each prompt is prefilled once,
-        when its first row enters. `weights(chunk)` -> (params, version) gives the
+        p, its draws keyed by fold_in(key, row_ids[r]) (default r). Rows enter free
+        slots in `order` (a permutation of range(R), default in order); each prompt is
+        prefilled once, when its first row enters. `weights(chunk)` -> (params, version) gives the
         weights of each chunk (default: `params`, `version` throughout).
         `max_new_tokens`: one limit for all rows or one per row. A chunk ends early
         once `refill_min` slots are free while rows wait (default S / 64). Returns the
@@ -491,7 +510,10 @@ class Engine(Decoder):
         if sorted(queue) != list(range(R)):
             raise ValueError(f"order must be a permutation of range({R})")
         key = jax.random.key(seed) if key is None else key
-        loop = _HostLoop(self, prompt_ids, G, key, limits, queue)
+        ids = np.arange(R) if row_ids is None else np.asarray(row_ids, np.int64)
+        if ids.shape != (R,):
+            raise ValueError(f"row_ids needs {R} ids (prompts x n), got shape {ids.shape}")
+        loop = _HostLoop(self, prompt_ids, G, key, limits, queue, ids)
         refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
         state = self.init()
         chunk, prepared = 0, (None, None)
@@ -513,9 +535,9 @@ class _HostLoop:
     """The host side of `Engine.run`: which row is in which slot, prefixes waiting for
     their prompt's remaining rows, rows collected."""
 
-    def __init__(self, engine: Engine, prompt_ids, G: int, key, limits, queue):
+    def __init__(self, engine: Engine, prompt_ids, G: int, key, limits, queue, row_ids):
         self.engine, self.prompts, self.G = engine, prompt_ids, G
-        self.key, self.limits = key, limits
+        self.key, self.limits, self.row_ids = key, limits, row_ids
         self.queue = queue
         self.slot_row = np.full((engine.slots,), -1)
         self.left = collections.Counter(r // G for r in queue)  # rows not yet inserted
@@ -532,7 +554,7 @@ class _HostLoop:
         if not take:
             return state
         new = list(dict.fromkeys(r // self.G for r in take if r // self.G not in self.prefixes))
-        bucket = self.engine.cfg.length_bucket
+        bucket = self.engine.length_bucket
         by_bucket = collections.defaultdict(list)  # each prompt in its own length bucket
         for p in new:
             by_bucket[round_up(len(self.prompts[p]), bucket)].append(p)
@@ -559,7 +581,7 @@ class _HostLoop:
                 prefix,
                 src,
                 slots,
-                rs,
+                [int(self.row_ids[r]) for r in rs],
                 [r // self.G for r in rs],
                 key=self.key,
                 limits=[int(self.limits[r]) for r in rs],

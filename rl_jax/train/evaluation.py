@@ -22,23 +22,60 @@ def eval_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), EVAL_KEY_SALT)
 
 
-def make_eval_sampler(spec, cfg, tokenizer, *, mesh):
+def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
     """The validation sampler of run config `cfg`: its sampling settings with eval.k
-    samples per prompt at eval.temperature, decoded in one piece."""
-    from rl_jax.sampling import Sampler
-
+    samples per prompt at eval.temperature, decoded in one piece. The engine
+    (sampling.engine) with a slot for every row (eval.num_prompts x eval.k, or
+    sampling.engine_slots), its prompts up to `prompt_len` tokens (0:
+    sampling.max_prompt_len); else the batch Sampler."""
     sampling = dataclasses.replace(
         cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
     )
-    return Sampler(
-        spec,
-        sampling,
+    rows = cfg.eval.num_prompts * cfg.eval.k
+    return make_sampler(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
+
+
+def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0):
+    """A sampler of `sampling` for batches of up to `rows` rows: the engine when
+    sampling.engine (slots: sampling.engine_slots, else `rows`; one chunk decodes to
+    the end unless sampling.decode_chunk; `fixed_shapes`, so a run compiles one
+    prefill and one insert program), else the batch Sampler."""
+    from rl_jax.sampling import Engine, Sampler
+    from rl_jax.sharding import num_batch_shards
+
+    common = dict(
         mesh=mesh,
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
         rules=cfg.mesh.rules,
     )
+    if not sampling.engine:
+        return Sampler(spec, sampling, **common)
+    shards = 1 if mesh is None else num_batch_shards(mesh)
+    slots = -(-(sampling.engine_slots or rows) // shards) * shards
+    return Engine(
+        spec,
+        sampling,
+        slots=slots,
+        chunk=sampling.decode_chunk or sampling.max_new_tokens,
+        prompt_len=prompt_len or sampling.max_prompt_len,
+        # A refill's new prompts in one prefill call.
+        prefill_prompts=-(-slots // sampling.n),
+        fixed_shapes=True,
+        **common,
+    )
+
+
+def generate_rows(sampler, params, prompt_ids, *, n: int, key, version: int, row_ids=None):
+    """n rollouts of every prompt, to the end, in row order (row p * n + s of prompt p),
+    through the engine's host loop or the Sampler's batch."""
+    from rl_jax.sampling import Engine
+
+    if isinstance(sampler, Engine):
+        ro, _ = sampler.run(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
+        return ro
+    return sampler.generate(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
 
 
 def correctness_fn(rewards_cfg, task, reward_fn=None):
@@ -103,7 +140,7 @@ def evaluate_policy(
     """Sample k completions per validation problem, score them with the 0/1 verifier
     `correct_fn`, and return (`pass_metrics`, the rollouts)."""
     prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-    ro = sampler.generate(params, prompt_ids, n=k, key=key, version=version)
+    ro = generate_rows(sampler, params, prompt_ids, n=k, key=key, version=version)
     texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
     answers = [problems[g].answer for g in ro.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)

@@ -327,15 +327,16 @@ class RLTrainer:
     def compile_counts(self) -> dict[str, int]:
         """Compiled variants of every jitted function (a recompilation makes one grow)."""
         p = self.parts
-        fns = {
-            "train_step": p.update_fn,
-            "logprob": p.logprob_fn,
-            "sampler_start": p.sampler._start,
-            "sampler_decode": p.sampler._decode,
-            "eval_start": p.eval_sampler._start,
-            "eval_decode": p.eval_sampler._decode,
-        }
-        return {k: int(f._cache_size()) for k, f in fns.items()}
+        fns = {"train_step": p.update_fn, "logprob": p.logprob_fn}
+        counts = {k: int(f._cache_size()) for k, f in fns.items()}
+        for prefix, sampler in (
+            ("sampler", p.sampler),
+            ("engine", p.engine),
+            ("eval", p.eval_sampler),
+        ):
+            if sampler is not None:  # the Sampler's start/decode, the engine's verbs
+                counts.update({f"{prefix}_{k}": n for k, n in sampler.compile_counts().items()})
+        return counts
 
     def close(self) -> None:
         """Finish pending saves and release the run directory (idempotent)."""

@@ -18,12 +18,12 @@ from rl_jax.config import RunConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
-from rl_jax.sampling import Sampler
+from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
-from rl_jax.train.evaluation import correctness_fn, make_eval_sampler
+from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
-from rl_jax.train.preflight import run_task
+from rl_jax.train.preflight import task_and_prompt_len
 from rl_jax.train.step import make_logprob_fn, make_update, make_value_fn
 
 
@@ -48,8 +48,9 @@ class Parts:
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
-    sampler: Sampler
-    eval_sampler: Sampler
+    sampler: Sampler  # pipeline and split mode's waves
+    engine: Engine | None  # on_policy / ppo_off_policy batches (sampling.engine), else None
+    eval_sampler: Engine | Sampler
     # The compiled programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
     logprob_fn: Any
@@ -158,7 +159,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     )
     # Rendered for the tokenizer (chat template, answer instruction); prompts checked
     # against sampling.max_prompt_len.
-    task = run_task(cfg, tokenizer)
+    task, prompt_len = task_and_prompt_len(cfg, tokenizer)
     reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
     critic = cfg.loss.advantage == "gae"
     parts = Parts(
@@ -172,8 +173,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         lr_schedule=lr_schedule,
         # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
         lr_at=jax.jit(lr_schedule),
-        sampler=_sampler(cfg, spec, tokenizer, sample_mesh),
-        eval_sampler=make_eval_sampler(spec, cfg, tokenizer, mesh=sample_mesh),
+        **_samplers(cfg, spec, tokenizer, sample_mesh, prompt_len),
         update_fn=update_fn,
         logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
         value_fn=make_value_fn(spec, rules, mesh, plan=plan) if critic else None,
@@ -195,6 +195,24 @@ def _sampler(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh) -> Sampler:
         interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
         rules=cfg.mesh.rules,
     )
+
+
+def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
+    """Parts' sampler (pipeline and split mode's waves), engine (on_policy /
+    ppo_off_policy batches, sampling.engine; by default a slot for every row the schedule
+    generates at once: B_p x n, x k for ppo_off_policy's k batches) and eval_sampler."""
+    engine = None
+    if cfg.sampling.engine and cfg.train.off_policy != "pipeline":
+        ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
+        rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
+        engine = make_sampler(
+            spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
+        )
+    return {
+        "sampler": _sampler(cfg, spec, tokenizer, mesh),
+        "engine": engine,
+        "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
+    }
 
 
 def adapter_key(cfg: RunConfig) -> jax.Array:

@@ -94,11 +94,15 @@ def run_task(cfg: RunConfig, tokenizer: Any) -> Task:
     """The task a run trains on, rendered for `tokenizer` (its chat template, the answer
     instruction of the chosen verifier), with every prompt within the prompt-length limit:
     an explicit sampling.max_prompt_len below the longest prompt is an error naming it."""
+    return task_and_prompt_len(cfg, tokenizer)[0]
+
+
+def task_and_prompt_len(cfg: RunConfig, tokenizer: Any) -> tuple[Task, int]:
+    """`run_task` and its `prompt_len_limit` (what the engine's prompts are padded to)."""
     from rl_jax.data import build_task
 
     task = build_task(cfg.data, tokenizer=tokenizer, verifier=cfg.rewards.name)
-    prompt_len_limit(cfg, task, tokenizer)
-    return task
+    return task, prompt_len_limit(cfg, task, tokenizer)
 
 
 def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
