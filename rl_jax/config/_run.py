@@ -235,6 +235,7 @@ _NON_SEMANTIC = (
     "logging.",
     "checkpoint.keep",
     "checkpoint.async_save",
+    "checkpoint.compress",
     "checkpoint.resume",
 )
 
