@@ -18,18 +18,9 @@ import dataclasses
 import json
 import time
 
-from rl_jax.config import load_recipe, resolved
-from rl_jax.models.load import resolve_spec
+from rl_jax.config import load_recipe
 from rl_jax.plan._flops import train_flops
-from rl_jax.plan._programs import (
-    _build,
-    _compile,
-    _cost,
-    _unrolled_scans,
-    round_up,
-    topology_devices,
-)
-from rl_jax.sharding import get_rules, make_mesh
+from rl_jax.plan._programs import _build, _compile, _cost, _unrolled_scans, plan_target
 
 
 def main() -> None:
@@ -39,18 +30,10 @@ def main() -> None:
     p.add_argument("--topology", default="v5e:2x2")
     args = p.parse_args()
     t0 = time.perf_counter()
-    cfg = resolved(load_recipe(args.recipe, args.overrides))
-    devices = topology_devices(args.topology)
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
-    spec = resolve_spec(cfg.model)
-    rules = get_rules(cfg.mesh.rules, purpose="train")
-    sc, P, G, M = (
-        cfg.sampling,
-        cfg.data.prompts_per_batch,
-        cfg.sampling.n,
-        cfg.train.updates_per_batch,
+    cfg, devices, mesh, spec, rules, tp, tg = plan_target(
+        load_recipe(args.recipe, args.overrides), args.topology
     )
-    tp, tg = (round_up(n, sc.length_bucket) for n in (sc.max_prompt_len, sc.max_new_tokens))
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     chips, L = len(devices), spec.num_layers
     compiled, want = [], []
     for layers in (1, 2):

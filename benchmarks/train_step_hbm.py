@@ -12,13 +12,10 @@ program's arguments, outputs, aliased bytes and temporaries (GB), and the compil
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
-from rl_jax.config import load_recipe, resolved
-from rl_jax.models.load import resolve_spec
-from rl_jax.plan._programs import OutOfMemory, _build, _compile, round_up, topology_devices
-from rl_jax.sharding import get_rules, make_mesh
+from rl_jax.config import load_recipe
+from rl_jax.plan._programs import OutOfMemory, _build, _compile, plan_target
 
 
 def main() -> None:
@@ -27,17 +24,15 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--topology", default="v5e:2x2")
     args = p.parse_args()
-    cfg = resolved(load_recipe(args.recipe, args.overrides))
-    devices = topology_devices(args.topology)
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
-    spec = resolve_spec(cfg.model)
+    cfg, _, mesh, spec, rules, tp, tg = plan_target(
+        load_recipe(args.recipe, args.overrides), args.topology
+    )
     sc, M = cfg.sampling, cfg.train.updates_per_batch
-    tp, tg = (round_up(n, sc.length_bucket) for n in (sc.max_prompt_len, sc.max_new_tokens))
     b = _build(
         cfg,
         spec,
         mesh,
-        get_rules(cfg.mesh.rules, purpose="train"),
+        rules,
         minibatches=M,
         wave_prompts=cfg.data.prompts_per_batch,
         tp=tp,

@@ -124,7 +124,13 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     equal those of the same programs with every scan unrolled, and grow with depth as
     the model's FLOPs do."""
     _libtpu()
+    import dataclasses
+
+    import jax
+
+    from rl_jax.config import load_recipe
     from rl_jax.plan import _programs as pp
+    from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
 
     # The 2- and 4-layer plans both compile the same 1- and 2-layer programs: compile
     # each distinct program once (keyed by its lowered module).
@@ -137,27 +143,12 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
         return compiled[key]
 
     monkeypatch.setattr(pp, "_compile", compile_once)
-    import dataclasses
-
-    import jax
-
-    from rl_jax.config import load_recipe, resolved
-    from rl_jax.models.load import resolve_spec
-    from rl_jax.sharding import get_rules, make_mesh
-    from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
-
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
     try:
-        cfg = resolved(load_recipe("scalerl", [*TINY, "train.updates_per_batch=2"]))
-        devices = pp.topology_devices("v5e:2x2")
-        mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
-        rules = get_rules(cfg.mesh.rules, purpose="train")
-        sc = cfg.sampling
-        tp = pp.round_up(sc.max_prompt_len, sc.length_bucket)
-        tg = pp.round_up(sc.max_new_tokens, sc.length_bucket)
+        cfg = load_recipe("scalerl", [*TINY, "train.updates_per_batch=2"])
+        cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
         kw = dict(wave_prompts=4, tp=tp, tg=tg)
-        spec2 = resolve_spec(cfg.model)
         spec4 = dataclasses.replace(spec2, num_layers=4)
         c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
         c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)

@@ -16,21 +16,23 @@ import functools
 import os
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
+from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import param_shardings
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sampling import Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
+from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
@@ -55,6 +57,36 @@ def topology_devices(topology: str) -> list:
     return list(desc.devices)
 
 
+class Target(NamedTuple):
+    """A run placed on a topology's devices, as every planned program sees it."""
+
+    cfg: RunConfig  # resolved
+    devices: list
+    mesh: Mesh
+    spec: ModelSpec
+    rules: Rules  # the trainer's
+    tp: int  # prompt columns: sampling.max_prompt_len in whole length buckets
+    tg: int  # generated columns: sampling.max_new_tokens in whole length buckets
+
+
+def plan_target(cfg: RunConfig, topology: str) -> Target:
+    """`cfg` resolved, on a mesh of `topology`'s devices (its mesh.* shape, not a count
+    of this host's devices), with its model spec, train rules and bucketed lengths."""
+    cfg = resolved(cfg)
+    devices = topology_devices(topology)
+    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
+    sc = cfg.sampling
+    return Target(
+        cfg,
+        devices,
+        mesh,
+        resolve_spec(cfg.model),
+        get_rules(cfg.mesh.rules, purpose="train"),
+        round_up(sc.max_prompt_len, sc.length_bucket),
+        round_up(sc.max_new_tokens, sc.length_bucket),
+    )
+
+
 # ScaleRL's 8B run: 7,400 steps of 48 prompts x 16 samples for 100,000 GPU-hours
 # (arXiv 2510.13786, Figure 1); the budget a plan converts into hours on its topology.
 SCALERL_STEPS, SCALERL_ROLLOUTS_PER_STEP = 7400, 48 * 16
@@ -73,26 +105,17 @@ def plan_run(
     dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
     roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
     chip, _ = parse_topology(topology)
-    cfg = resolved(cfg)
-    devices = topology_devices(topology)
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
     if cfg.mesh.sampler_devices:
         raise ConfigError(
             f"mesh.sampler_devices={cfg.mesh.sampler_devices}: a plan covers colocated runs "
             "(the sampler on the trainer's mesh); set mesh.sampler_devices=0"
         )
-    spec = resolve_spec(cfg.model)
-    rules = get_rules(cfg.mesh.rules, purpose="train")
+    cfg, devices, mesh, spec, rules, tp, tg = plan_target(cfg, topology)
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     if P % M:
         raise ConfigError(
             f"data.prompts_per_batch={P} must be divisible by train.updates_per_batch={M}"
         )
-    sc = cfg.sampling
-    tp, tg = (
-        round_up(sc.max_prompt_len, sc.length_bucket),
-        round_up(sc.max_new_tokens, sc.length_bucket),
-    )
     chips = len(devices)
 
     def report(name, fn, args, analytic, **kw):
