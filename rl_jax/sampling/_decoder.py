@@ -25,6 +25,7 @@ from rl_jax.models.decode import decode_step
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.sampling._dist import sample_with_uniforms
+from rl_jax.sampling._rollouts import Rollouts
 from rl_jax.sampling._state import SamplerState, advance
 from rl_jax.sharding.rules import (
     BATCH_AXES,
@@ -245,3 +246,23 @@ def to_host(tree):
         return np.asarray(jax.device_get(x))
 
     return jax.tree.map(get, tree)
+
+
+def state_rollouts(r: Mapping[str, np.ndarray]) -> Rollouts:
+    """Rollouts of host copies of SamplerState row fields (`r[name]`, rows first)."""
+    Tg, Tp = r["tokens"].shape[1], r["prompt_tokens"].shape[1]
+    within = np.arange(Tg)[None, :] < r["lengths"][:, None]
+    return Rollouts(
+        prompt_tokens=r["prompt_tokens"],
+        prompt_mask=np.arange(Tp)[None, :] >= r["kv_start"][:, None],
+        completion_tokens=r["tokens"],
+        completion_mask=within & ~r["injected"],
+        injected_mask=r["injected"],
+        logprobs=r["logprobs"],
+        versions=r["versions"],
+        lengths=r["lengths"],
+        finish_reason=r["finish"],
+        truncated=r["truncated"],
+        group_ids=r["group_ids"],
+        row_ids=r["row_ids"],
+    )

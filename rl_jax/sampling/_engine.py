@@ -50,7 +50,7 @@ from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import KVCache, Transformer, init_cache
 from rl_jax.runtime import xla_options
-from rl_jax.sampling._decoder import Decoder, Params, round_up, to_host
+from rl_jax.sampling._decoder import Decoder, Params, round_up, state_rollouts, to_host
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, row_step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._sampler import pack_prompts
@@ -598,23 +598,7 @@ class _HostLoop:
 
     def rollouts(self) -> Rollouts:
         rows = [self.rows[r] for r in range(len(self.rows))]
-        r = {k: np.stack([row[k] for row in rows]) for k in rows[0]}
-        Tg, Tp = r["tokens"].shape[1], r["prompt_tokens"].shape[1]
-        within = np.arange(Tg)[None, :] < r["lengths"][:, None]
-        return Rollouts(
-            prompt_tokens=r["prompt_tokens"],
-            prompt_mask=np.arange(Tp)[None, :] >= r["kv_start"][:, None],
-            completion_tokens=r["tokens"],
-            completion_mask=within & ~r["injected"],
-            injected_mask=r["injected"],
-            logprobs=r["logprobs"],
-            versions=r["versions"],
-            lengths=r["lengths"],
-            finish_reason=r["finish"],
-            truncated=r["truncated"],
-            group_ids=r["group_ids"],
-            row_ids=r["row_ids"],
-        )
+        return state_rollouts({k: np.stack([row[k] for row in rows]) for k in rows[0]})
 
     def stats(self, chunks: int) -> RunStats:
         kept = sum(int((~row["injected"][: row["lengths"]]).sum()) for row in self.rows.values())

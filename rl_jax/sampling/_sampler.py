@@ -31,7 +31,7 @@ from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer
 from rl_jax.runtime import xla_options
-from rl_jax.sampling._decoder import Decoder, Params, round_up, to_host
+from rl_jax.sampling._decoder import Decoder, Params, round_up, state_rollouts, to_host
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._state import THINK, SamplerState
@@ -325,23 +325,7 @@ class Sampler(Decoder):
             }
         )
         real = host["real"]
-        r = {k: (v[real] if np.ndim(v) else v) for k, v in host.items()}
-        Tg = r["tokens"].shape[1]
-        within = np.arange(Tg)[None, :] < r["lengths"][:, None]
-        return Rollouts(
-            prompt_tokens=r["prompt_tokens"],
-            prompt_mask=np.arange(r["prompt_tokens"].shape[1])[None, :] >= r["kv_start"][:, None],
-            completion_tokens=r["tokens"],
-            completion_mask=within & ~r["injected"],
-            injected_mask=r["injected"],
-            logprobs=r["logprobs"],
-            versions=r["versions"],
-            lengths=r["lengths"],
-            finish_reason=r["finish"],
-            truncated=r["truncated"],
-            group_ids=r["group_ids"],
-            row_ids=r["row_ids"],
-        )
+        return state_rollouts({k: (v[real] if np.ndim(v) else v) for k, v in host.items()})
 
     def generate(
         self,
