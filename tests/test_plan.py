@@ -294,7 +294,7 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     trainer would keep with its updates per batch (micro-batches leave fewer), each once."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.plan._search import apply, candidates
-    from rl_jax.train.schedules import num_waves
+    from rl_jax.train.accounting import num_waves
 
     cfg = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8"]))
     cands = candidates(cfg, 4, num_heads=4)

@@ -19,7 +19,7 @@ from rl_jax.models.logprobs import chunk_size
 from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip
-from rl_jax.train.accounting import extra_forwards, forward_flops
+from rl_jax.train.accounting import extra_forwards, forward_flops, num_waves
 from rl_jax.train.params import ParamPlan, tree_bytes
 
 
@@ -91,11 +91,7 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     wave_rows = (P * k if off == "ppo_off_policy" else P) * G
-    if off == "pipeline":
-        w = max(1, (k + 1) // M)
-        waves = min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
-    else:
-        waves = 1
+    waves = num_waves(cfg) if off == "pipeline" else 1
     kv = 2 * L * math.ceil(wave_rows / shards) * _split(K, tensor) * hd * T * cdt
     in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only

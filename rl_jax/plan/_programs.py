@@ -33,7 +33,7 @@ from rl_jax.plan.chips import Chip, parse_topology
 from rl_jax.sampling import Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
 from rl_jax.sharding.rules import Rules
-from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops
+from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops, num_waves
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_update
@@ -125,7 +125,7 @@ def plan_run(
     # PipelineRL keeps several waves in flight, each holding its KV cache and rows.
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     wave_prompts = P * k if off == "ppo_off_policy" else P
-    waves = _pipeline_waves(cfg) if off == "pipeline" else 1
+    waves = num_waves(cfg) if off == "pipeline" else 1
     b = _build(cfg, spec, mesh, rules, minibatches=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
     params, opt, sampler = b.params, b.opt, b.sampler
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
@@ -422,13 +422,6 @@ def _cost(done, times: int = 1) -> tuple[float, float]:
     cost = cost[0] if isinstance(cost, list) else cost
     flops, moved = cost.get("flops", np.nan), cost.get("bytes accessed", np.nan)
     return times * float(flops), times * float(moved)
-
-
-def _pipeline_waves(cfg: RunConfig) -> int:
-    """PipelineRL's batches in flight, as the trainer counts them (train.loop)."""
-    k, M, cap = cfg.train.off_policy_k, cfg.train.updates_per_batch, cfg.train.pipeline_waves
-    w = max(1, (k + 1) // M)
-    return min(w, cap) if cap > 0 else w
 
 
 def _prefill_flops(spec, T: int) -> float:

@@ -32,6 +32,7 @@ from rl_jax.models.load import resolve_spec
 from rl_jax.plan._estimate import estimate
 from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
 from rl_jax.plan.chips import num_chips, parse_topology
+from rl_jax.train.accounting import num_waves
 
 MAX_TENSOR = 8
 MAX_MICRO = 8
@@ -58,13 +59,10 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
 
 def _waves(cfg: RunConfig, updates: int) -> list[int]:
     """PipelineRL's choices of waves in flight with `updates` updates per batch: the most
-    the trainer keeps (`train.schedules.num_waves`: (k + 1) // updates, at most the
-    recipe's train.pipeline_waves) and halvings of it; [0] (no such knob) otherwise."""
+    the trainer keeps (`num_waves`) and halvings of it; [0] (no such knob) otherwise."""
     if cfg.train.off_policy != "pipeline":
         return [0]
-    most = max(1, (cfg.train.off_policy_k + 1) // updates)
-    if cfg.train.pipeline_waves > 0:
-        most = min(most, cfg.train.pipeline_waves)
+    most = num_waves(cfg, updates=updates)
     return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 

@@ -101,6 +101,15 @@ def extra_forwards(cfg: RunConfig) -> int:
     return int(old) + int(kl) + int(loss.advantage == "gae")
 
 
+def num_waves(cfg: RunConfig, *, updates: int | None = None) -> int:
+    """PipelineRL's batches in flight: W = (k + 1) // M, at least 1 and at most
+    train.pipeline_waves when set (M: `updates` updates per batch, default the run's
+    train.updates_per_batch)."""
+    M = cfg.train.updates_per_batch if updates is None else updates
+    w = max(1, (cfg.train.off_policy_k + 1) // M)
+    return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
+
+
 def step_flops(
     spec: Any,
     cfg: RunConfig,

@@ -29,6 +29,7 @@ import jax
 from rl_jax.config import RunConfig
 from rl_jax.sampling import Rollouts
 from rl_jax.train import phases
+from rl_jax.train.accounting import num_waves
 from rl_jax.train.split import SplitSampler
 from rl_jax.train.state import Pending
 
@@ -139,12 +140,6 @@ def split(tr, bar) -> None:
 
 # train.off_policy -> its schedule (split mode, mesh.sampler_devices > 0, runs `split`).
 SCHEDULES = {"on_policy": on_policy, "ppo_off_policy": ppo_off_policy, "pipeline": pipeline}
-
-
-def num_waves(cfg: RunConfig) -> int:
-    """W = (k + 1) // M waves in flight (at most train.pipeline_waves when set)."""
-    w = max(1, (cfg.train.off_policy_k + 1) // cfg.train.updates_per_batch)
-    return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
 
 
 def decode_chunk(cfg: RunConfig) -> int:
