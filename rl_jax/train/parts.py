@@ -185,31 +185,28 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     return parts, params, opt_state
 
 
-def _sampler(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh) -> Sampler:
-    return Sampler(
-        spec,
-        cfg.sampling,
-        mesh=mesh,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
-        rules=cfg.mesh.rules,
-    )
-
-
 def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
     """Parts' sampler (pipeline and split mode's waves), engine (on_policy /
     ppo_off_policy batches, sampling.engine; by default a slot for every row the schedule
     generates at once: B_p x n, x k for ppo_off_policy's k batches) and eval_sampler."""
     engine = None
+    ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
+    rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
     if cfg.sampling.engine and cfg.train.off_policy != "pipeline":
-        ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
-        rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
         engine = make_sampler(
             spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
         )
     return {
-        "sampler": _sampler(cfg, spec, tokenizer, mesh),
+        # The batch Sampler: pipeline and split mode's waves, and every batch when
+        # sampling.engine is off.
+        "sampler": make_sampler(
+            spec,
+            dataclasses.replace(cfg.sampling, engine=False),
+            cfg,
+            tokenizer,
+            mesh=mesh,
+            rows=rows,
+        ),
         "engine": engine,
         "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
     }
