@@ -85,7 +85,7 @@ def test_xla_decode_layouts_write_each_row_at_its_own_slot(monkeypatch, layout):
     cfg = dataclasses.replace(SAMPLED, max_new_tokens=40)
     engine = Engine(SPEC, cfg, slots=3, chunk=8, pad_id=0)
     assert not engine.decode_ops.platform_ops
-    assert engine.init().cache[1].ndim == (6 if layout == "blocked" else 5)
+    assert engine.init().slots.cache[1].ndim == (6 if layout == "blocked" else 5)
     limits = [40, 7, 21, 33, 2, 16]  # rows at different steps share every chunk
     out, _ = engine.run(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
     ref = Sampler(SPEC, cfg, pad_id=0).generate(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
@@ -116,7 +116,11 @@ def test_same_rollouts_on_eight_devices(params_a):
     one device's rollouts."""
     mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
     eight = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0, mesh=mesh)
-    got, _ = eight.run(eight.reshard(params_a), PROMPTS, n=3, seed=9)
+    resharded = eight.reshard(params_a)
+    got, _ = eight.run(resharded, PROMPTS, n=3, seed=9)
+    eight.run(resharded, PROMPTS, n=3, seed=1)
+    # Each call takes the state in the layout the last one left it in: one program each.
+    assert eight.compile_counts() == {"prefill_insert": 1, "generate": 1}
     one, _ = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0).run(params_a, PROMPTS, n=3, seed=9)
     _assert_same(got, one, exact=False)
 
@@ -185,20 +189,37 @@ def test_weight_swap_between_chunks(params_a, params_b):
 
 
 def test_compiles_stay_bounded(params_a, params_b):
-    """Prompts of several lengths in one bucket, new weights, other seeds: one
-    generate, one prefill; inserts only per power-of-two row count."""
+    """Two programs, as the Sampler's: prompts of several lengths in one bucket, new
+    weights, other seeds, refills with and without new prompts: one generate, one
+    prefill_insert; a second prompt bucket, one more prefill_insert. With
+    fixed_shapes, one prefill_insert whatever the buckets."""
     engine = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0)
     prompts = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13], [2, 3, 4, 5, 6]]  # bucket 8
     engine.run(params_a, prompts, n=2)
-    before = engine.compile_counts()
-    assert before["generate"] == 1 and before["prefill"] == 1
+    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
     engine.run(params_b, [p[:-1] + [1] for p in prompts], n=2, seed=4)
-    engine.run(params_a, prompts[:3], n=1, seed=1, weights=lambda c: (params_b, c))
-    after = engine.compile_counts()
-    assert after["generate"] == 1 and after["prefill"] == 1
-    assert after["insert"] <= 3  # 1, 2, 4 rows at a time
-    engine.run(params_a, [list(range(1, 12))], n=1)  # a second bucket (16): one more prefill
-    assert engine.compile_counts()["prefill"] == 2
+    engine.run(params_a, prompts[:3], n=3, seed=1, weights=lambda c: (params_b, c))
+    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    engine.run(params_a, [list(range(1, 12))], n=1)  # a second bucket (16)
+    assert engine.compile_counts() == {"prefill_insert": 2, "generate": 1}
+    fixed = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0, fixed_shapes=True)
+    fixed.run(params_a, [*prompts, list(range(1, 12))], n=2)
+    assert fixed.compile_counts() == {"prefill_insert": 1, "generate": 1}
+
+
+def test_fixed_shapes_same_rollouts(params_a):
+    """Every prompt prefilled at prompt_len (the trainer's engines) gives the rollouts
+    of each prompt prefilled in its own bucket; only the prefill's padding differs
+    (float32 rounding of other matmul shapes, so log-probs to the model tolerance)."""
+    prompts = [*PROMPTS, list(range(1, 12))]  # buckets 8 and 16
+    out = {
+        fixed: Engine(SPEC, SAMPLED, slots=3, chunk=4, pad_id=0, fixed_shapes=fixed).run(
+            params_a, prompts, n=2, seed=3
+        )[0]
+        for fixed in (False, True)
+    }
+    _assert_same(out[True], out[False], exact=False)
+    assert out[True].lengths.min() > 0
 
 
 def test_engine_errors():

@@ -3,18 +3,28 @@
     engine = Engine(spec, cfg, slots=S, eos_id=eos, pad_id=pad)
     rollouts, stats = engine.run(params, prompt_ids, n=G, seed=0)    # the host loop
 
-or the four verbs the host loop is made of (JetStream's shape):
+or the verbs the host loop is made of (JetStream's prefill, insert, generate):
 
-    state = engine.init()                                  # S empty slots
-    prefix = engine.prefill(params, prompts)               # each prompt's KV, once
-    state = engine.insert(state, prefix, src, slots, row_ids, group_ids, key=key)
-    state, steps = engine.generate(params, state, version=v)   # `chunk` steps of every slot
-    rows = engine.finished(state)                          # rows to collect; their slots free
+    state = engine.init()                                   # S empty slots
+    state = engine.prefill_insert(params, state, prompts, into, slots, sources,
+                                  row_ids, group_ids, key=key)  # prefill + insert
+    state, out = engine.generate(params, state, version=v)  # `chunk` steps of every slot
+    ended = engine.finished(out)                            # slots whose rows ended
 
 A sampler batch (`Sampler`) decodes until its longest row ends, so a row that ends
 early leaves its slot idle (compute used ~ mean length / max length of the batch).
 Here a slot whose row ended takes the next row of the queue between chunks: with
 long-tailed lengths the slots stay busy (benchmarks/sampler.py --lengths longtail).
+
+Two compiled programs, as the Sampler has: `prefill_insert` prefills up to
+`prefill_prompts` new prompts into a pool of prefixes (each prompt once, for all of
+its rows; skipped when a refill needs no new prompt) and copies pool entries into
+free slots (a gather and a select over the slots, no scatter); `generate` lays the
+weights out for the decode step and decodes every slot for a chunk of steps. Its
+result carries, besides the state, the chunk's new columns of every slot and the
+slots' end flags: the host reads that one small output per chunk (`ChunkOut`) and
+assembles the rows itself, so collecting ended rows costs no program and no
+transfer of whole rows. `init` is a fill of empty buffers (no model code).
 
 Every row has the same cache layout, whatever its slot: its prompt left-padded to
 `prompt_len` (the longest prompt's bucket), completion token t at cache slot
@@ -26,11 +36,10 @@ the weights of each chunk: not on its slot, its neighbours or the slot count
 the KV cache earlier weights wrote (PipelineRL's in-flight update), and every
 token records the version that sampled it.
 
-Compiles: `generate` once per chunk size; `prefill` once per prompt length bucket
-(the host loop prefills each prompt in its own bucket, `prefill_prompts` at a
-time); `insert` once per row count bucket (powers of two up to S). With
-`fixed_shapes` (the trainer's engines) every prompt is prefilled at `prompt_len` and
-every insert takes S rows: one program each, whatever the prompts' lengths.
+Compiles: `generate` once per chunk size; `prefill_insert` once per prompt length
+bucket (the host loop prefills each prompt in its own bucket). With `fixed_shapes`
+(the trainer's engines) every prompt is prefilled at `prompt_len`: one program,
+whatever the prompts' lengths.
 """
 
 from __future__ import annotations
@@ -42,40 +51,39 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rl_jax.config.sampling import SamplingConfig
 from rl_jax.kernels.xla import Decode
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import KVCache, Transformer, init_cache
+from rl_jax.models.transformer import KVCache, Transformer, dtype_of
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decoder import Decoder, Params, round_up, state_rollouts, to_host
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, row_step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._sampler import pack_prompts
 from rl_jax.sampling._state import THINK, SamplerState
-from rl_jax.sharding.rules import Rules
+from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
 
 # Slots of a prefix cache are a multiple of this when the decode cache is one piece
 # (the CPU kernels' key tiles are 16 slots wide).
 _PREFIX_UNIT = 16
 _NO_INTERRUPT = np.iinfo(np.int32).max
-_NOT_ROWS = ("cache", "keys", "step", "limit")  # state fields `finished` does not return
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+# The columns of the chunk `generate` returns, and the per-slot values.
+_COLUMNS = ("tokens", "logprobs", "versions", "injected")
+_SLOT_VALUES = ("done", "lengths", "finish", "truncated")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """Prefilled prompts, ready to be inserted into slots (`Engine.prefill`)."""
+    """Prefilled prompts: the pool rows are inserted from (`Engine.prefill_insert`)."""
 
-    cache: KVCache  # k, v [L, P, K, W, hd]: the prompt's keys at slots < prompt_len - 1
-    prompt_tokens: jax.Array  # [P, prompt_len] int32, left-padded
-    kv_start: jax.Array  # [P] int32 = prompt_len - prompt length
+    cache: KVCache  # k, v [L, Q, K, W, hd]: the prompt's keys at slots < prompt_len - 1
+    prompt_tokens: jax.Array  # [Q, prompt_len] int32, left-padded
+    kv_start: jax.Array  # [Q] int32 = prompt_len - prompt length
 
     @property
     def num_prompts(self) -> int:
@@ -84,11 +92,32 @@ class Prefix:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeWeights:
-    """Weights in the decode step's layout (`Engine.prepare`): made once per version of
-    the weights, not once per chunk (on CPU the layout packs every matrix anew)."""
+class EngineState:
+    """The S decode slots and the pool of prefilled prompts; donated to every call.
+    (`slots.keys` holds the keys' data, [S, 2] uint32: typed keys coming out of a call
+    on a mesh make JAX's dispatch cache take a second entry.)"""
 
-    tree: dict
+    slots: SamplerState
+    pool: Prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOut:
+    """What a `generate` call tells the host (numpy): the steps it ran, and for every
+    slot its step at the chunk's start, the chunk's columns start .. start + chunk - 1
+    ([S, chunk]; columns past the row's end are padding, past gen_len repeat the
+    last), and its end flags after the chunk ([S])."""
+
+    steps: int
+    start: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    injected: np.ndarray
+    done: np.ndarray
+    lengths: np.ndarray
+    finish: np.ndarray
+    truncated: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +128,7 @@ class RunStats:
     slot_steps: int  # slots x decode steps run
     kept_tokens: int  # policy tokens of the rollouts (completion_mask)
     decoded_tokens: int  # tokens written, injected ones included
-    prefills: int  # prefill calls
+    prefills: int  # prefill_insert calls that prefilled prompts
     prompts_prefilled: int  # prompts prefilled (each once)
 
     @property
@@ -113,16 +142,15 @@ class Engine(Decoder):
 
     slots: S, the decode slots (a multiple of the mesh's batch shards).
     chunk: decode steps per `generate` call (default `cfg.decode_chunk`, else 16).
-    prefill_prompts: prompts per `prefill` call (fewer are padded): a fixed shape, so a
+    prefill_prompts: prompts per prefill (fewer are padded): a fixed shape, so a
     prompt's KV does not depend on how many prompts were prefilled with it (XLA:CPU's
     prefill matmuls round differently for different row counts; measured in
-    tests/test_engine.py).
+    tests/test_engine.py); also the prefixes held at once.
     prompt_len: the longest prompt (default `cfg.max_prompt_len`), rounded up to
     `cfg.length_bucket`. Generations are up to `cfg.max_new_tokens` (per-row limits
     may be lower).
-    fixed_shapes: prefill every prompt at `prompt_len` and insert S rows at a time
-    (padding rows dropped): one prefill and one insert program instead of one per
-    length bucket and per row count (more padding computed in exchange).
+    fixed_shapes: prefill every prompt at `prompt_len`: one prefill_insert program
+    instead of one per length bucket (more padding computed in exchange).
     """
 
     def __init__(
@@ -164,6 +192,9 @@ class Engine(Decoder):
         self.slots = int(slots)
         self.chunk = int(chunk or cfg.decode_chunk or 16)
         self.prefill_prompts = round_up(int(prefill_prompts), self.shards)
+        # A pool of one prefill: a new prompt enters once an earlier one's rows all
+        # have (rows of pooled prompts can always enter, so the queue always moves).
+        self.pool_size = self.prefill_prompts
         self.fixed_shapes = bool(fixed_shapes)
         self.prompt_len = round_up(longest, cfg.length_bucket)
         self.gen_len = round_up(cfg.max_new_tokens, cfg.length_bucket)
@@ -172,29 +203,42 @@ class Engine(Decoder):
                 f"prompt_len ({longest}) + sampling.max_new_tokens ({cfg.max_new_tokens}) "
                 f"exceeds the model's max_position={self.spec.max_position}"
             )
+        self._last_bucket = self.prompt_len
         opts = xla_options(mesh)
-        self._init = jax.jit(self._init_impl, compiler_options=opts)
-        self._prefill = jax.jit(
-            self._prefill_impl, static_argnames=("bucket",), compiler_options=opts
+        # With a mesh, every call takes and returns the state in one layout (the one
+        # the programs' constraints give), so `init`'s state and every call's result
+        # feed the same executables.
+        state_sh = self._state_shardings()
+        pin = {} if state_sh is None else {"out_shardings": state_sh}
+        # (Without a mesh, on the default device: committed there, as the calls'
+        # results are, else the first call would compile a program of its own.)
+        self._init = jax.jit(
+            self._init_impl,
+            compiler_options=opts,
+            out_shardings=SingleDeviceSharding(jax.devices()[0]) if state_sh is None else state_sh,
         )
-        self._insert = jax.jit(self._insert_impl, donate_argnames=("state",), compiler_options=opts)
-        self._prepare = jax.jit(self._prepare_impl, compiler_options=opts)
+        self._prefill_insert = jax.jit(
+            self._prefill_insert_impl,
+            static_argnames=("bucket",),
+            donate_argnames=("state",),
+            compiler_options=opts,
+            **pin,
+        )
+        if state_sh is not None:
+            rows = {k: batch_sharding(mesh, 2 if k in _COLUMNS else 1) for k in _COLUMNS}
+            rows.update({k: batch_sharding(mesh, 1) for k in ("start", *_SLOT_VALUES)})
+            pin = {"out_shardings": (state_sh, rows, NamedSharding(mesh, PartitionSpec()))}
         self._generate = jax.jit(
             self._generate_impl,
             static_argnames=("steps",),
             donate_argnames=("state",),
             compiler_options=opts,
+            **pin,
         )
 
     def compile_counts(self) -> dict[str, int]:
-        """Executables compiled so far per function (a test of bounded compiles)."""
-        fns = {
-            "init": self._init,
-            "prefill": self._prefill,
-            "insert": self._insert,
-            "prepare": self._prepare,
-            "generate": self._generate,
-        }
+        """Executables compiled so far per program (a test of bounded compiles)."""
+        fns = {"prefill_insert": self._prefill_insert, "generate": self._generate}
         return {name: fn._cache_size() for name, fn in fns.items()}
 
     def _geometry(self, ops: Decode) -> tuple[int, int, int, int]:
@@ -206,41 +250,70 @@ class Engine(Decoder):
         W = min(round_up(self.prompt_len, unit), C)
         return C, block, W, (block if block < C else W)
 
-    # ---- compiled bodies ------------------------------------------------------------------
+    def _state_shardings(self) -> EngineState | None:
+        """Each state array's layout on the mesh (None without one): rows over the batch
+        axes, caches by their logical axes, as the programs constrain them."""
+        if self.mesh is None:
+            return None
+        mesh, rules = self.mesh, self.rules
+        shape = jax.eval_shape(self._init_impl)
 
-    def _init_impl(self) -> SamplerState:
-        S, Tp, Tg = self.slots, self.prompt_len, self.gen_len
-        ops = self.decode_ops
-        C, block, _, _ = self._geometry(ops)
-        empty = init_cache(self.spec, S, C, mesh=self.mesh, rules=self.rules)
-        cache = self._cache_layout(ops.from_model_cache(empty, block))
-        zeros = jnp.zeros((S,), jnp.int32)
-        rows = self._rows
-        return SamplerState(
-            cache=cache,
-            prompt_tokens=rows(jnp.full((S, Tp), self.pad_id, jnp.int32)),
-            kv_start=rows(zeros),
-            tokens=rows(jnp.full((S, Tg), self.pad_id, jnp.int32)),
-            logprobs=rows(jnp.zeros((S, Tg), jnp.float32)),
-            versions=rows(jnp.full((S, Tg), -1, jnp.int32)),
-            injected=rows(jnp.zeros((S, Tg), bool)),
-            last_token=rows(zeros + self.pad_id),
-            step=rows(zeros),
-            limit=rows(zeros + 1),
-            done=rows(jnp.ones((S,), bool)),
-            finish=rows(zeros + int(FinishReason.RUNNING)),
-            truncated=rows(jnp.zeros((S,), bool)),
-            lengths=rows(zeros),
-            phase=rows(zeros + THINK),
-            phase_pos=rows(zeros),
-            interrupt_at=rows(zeros + _NO_INTERRUPT),
-            keys=rows(row_keys(jax.random.key(0), zeros)),
-            group_ids=rows(zeros),
-            row_ids=rows(zeros),
-            real=rows(jnp.zeros((S,), bool)),
+        def logical(axes, x):
+            return NamedSharding(mesh, fit_spec(logical_to_spec(axes, rules), x.shape, mesh))
+
+        slots = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.slots)
+        axes = self.decode_ops.cache_axes(shape.slots.cache)
+        cache = tuple(logical(a, x) for a, x in zip(axes, shape.slots.cache, strict=True))
+        pool = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.pool)
+        pool_cache = KVCache(*(logical(KVCache.LOGICAL_AXES, x) for x in shape.pool.cache))
+        return EngineState(
+            slots=dataclasses.replace(slots, cache=cache),
+            pool=dataclasses.replace(pool, cache=pool_cache),
         )
 
-    def _prefill_impl(self, params, prompt_pt, lens_p, *, bucket: int) -> Prefix:
+    # ---- compiled bodies ------------------------------------------------------------------
+
+    def _init_impl(self) -> EngineState:
+        """Empty slots (done, not real) and an empty pool: a fill, no model code."""
+        S, Q, Tp, Tg = self.slots, self.pool_size, self.prompt_len, self.gen_len
+        ops = self.decode_ops
+        C, block, W, _ = self._geometry(ops)
+        spec = self.spec
+        dt = dtype_of(spec.compute_dtype)
+        L, K, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        empty = KVCache(*(jnp.zeros((L, S, K, C, hd), dt) for _ in range(2)))
+        zeros = jnp.zeros((S,), jnp.int32)
+        slots = SamplerState(
+            cache=tuple(ops.from_model_cache(empty, block)),
+            prompt_tokens=jnp.full((S, Tp), self.pad_id, jnp.int32),
+            kv_start=zeros,
+            tokens=jnp.full((S, Tg), self.pad_id, jnp.int32),
+            logprobs=jnp.zeros((S, Tg), jnp.float32),
+            versions=jnp.full((S, Tg), -1, jnp.int32),
+            injected=jnp.zeros((S, Tg), bool),
+            last_token=zeros + self.pad_id,
+            step=zeros,
+            limit=zeros + 1,
+            done=jnp.ones((S,), bool),
+            finish=zeros + int(FinishReason.RUNNING),
+            truncated=jnp.zeros((S,), bool),
+            lengths=zeros,
+            phase=zeros + THINK,
+            phase_pos=zeros,
+            interrupt_at=zeros + _NO_INTERRUPT,
+            keys=jax.random.key_data(row_keys(jax.random.key(0), zeros)),
+            group_ids=zeros,
+            row_ids=zeros,
+            real=jnp.zeros((S,), bool),
+        )
+        pool = Prefix(
+            cache=KVCache(*(jnp.zeros((L, Q, K, W, hd), dt) for _ in range(2))),
+            prompt_tokens=jnp.full((Q, Tp), self.pad_id, jnp.int32),
+            kv_start=jnp.zeros((Q,), jnp.int32),
+        )
+        return EngineState(slots=slots, pool=pool)
+
+    def _prefill(self, params, prompt_pt, lens_p, bucket: int) -> Prefix:
         """Prompts [P, prompt_len] left-padded, of at most `bucket` tokens: every token but
         the last through the model, into a cache whose slots are the decode cache's."""
         model = self._model(params)
@@ -262,81 +335,116 @@ class Engine(Decoder):
             )
         return Prefix(cache=cache, prompt_tokens=prompt_pt, kv_start=kv_start)
 
-    def _insert_impl(
-        self, state: SamplerState, prefix: Prefix, src, dst, row_ids, group_ids, limits, key
-    ) -> SamplerState:
-        """Rows m: prompt src[m] of `prefix` into slot dst[m] (dst = S: padding, dropped)."""
+    def _prefill_insert_impl(
+        self,
+        params,
+        state: EngineState,
+        prompt_pt,
+        lens_p,
+        into_p,
+        prefill,
+        take_s,
+        source_s,
+        row_ids_s,
+        group_ids_s,
+        limits_s,
+        key,
+        *,
+        bucket: int,
+    ) -> EngineState:
+        """If `prefill`: prompts [P] into pool entries into_p (Q: padding, dropped). Then
+        slot s, where take_s[s], takes pool entry source_s[s] as a new row."""
         cfg, ops = self.cfg, self.decode_ops
-        _, _, _, pblock = self._geometry(ops)
-        m = dst.shape[0]
-        Tg = self.gen_len
-        new = ops.from_model_cache(prefix.cache.take(src), pblock)  # [L, m, ...] first W slots
+        S, Q = self.slots, self.pool_size
 
-        def place(c, x):  # rows dst, the leading part of every other axis
+        def fill(pool: Prefix) -> Prefix:
+            new = self._prefill(params, prompt_pt, lens_p, bucket)
+            hit = into_p[None, :] == jnp.arange(Q)[:, None]  # [Q, P]
+            which, got = jnp.argmax(hit, axis=1), jnp.any(hit, axis=1)
+            cache = KVCache(
+                *(
+                    jnp.where(got[None, :, None, None, None], jnp.take(x, which, axis=1), old)
+                    for x, old in zip(new.cache, pool.cache, strict=True)
+                )
+            )
+            return Prefix(
+                cache=cache,
+                prompt_tokens=jnp.where(got[:, None], new.prompt_tokens[which], pool.prompt_tokens),
+                kv_start=jnp.where(got, new.kv_start[which], pool.kv_start),
+            )
+
+        pool = jax.lax.cond(prefill, fill, lambda p: p, state.pool)
+
+        _, _, _, pblock = self._geometry(ops)
+        s = state.slots
+        new = ops.from_model_cache(pool.cache.take(source_s), pblock)  # [L, S, ...] W slots
+
+        def place(c, x):  # the taken slots' leading part of every other axis
             if x.ndim < c.ndim:  # a prefix of one block comes back whole: [.., N = 1, ..]
                 x = jnp.expand_dims(x, 2)
-            where = (slice(None), dst, *(slice(0, d) for d in x.shape[2:]))
-            return c.at[where].set(x.astype(c.dtype), mode="drop")
+            at = (0,) * c.ndim
+            old = jax.lax.slice(c, at, (c.shape[0], c.shape[1], *x.shape[2:]))
+            mask = take_s.reshape((1, S) + (1,) * (x.ndim - 2))
+            return jax.lax.dynamic_update_slice(c, jnp.where(mask, x.astype(c.dtype), old), at)
 
-        cache = self._cache_layout(
-            tuple(place(c, x) for c, x in zip(state.cache, new, strict=True))
-        )
+        cache = self._cache_layout(tuple(place(c, x) for c, x in zip(s.cache, new, strict=True)))
         if self.interrupt:
-            interrupt_at = interrupt_lengths(key, row_ids, cfg.interrupt_lo, cfg.interrupt_hi)
+            interrupt_at = interrupt_lengths(key, row_ids_s, cfg.interrupt_lo, cfg.interrupt_hi)
         else:
-            interrupt_at = jnp.full((m,), _NO_INTERRUPT, jnp.int32)
-        prompts = prefix.prompt_tokens[src]
-        zeros = jnp.zeros((m,), jnp.int32)
+            interrupt_at = jnp.full((S,), _NO_INTERRUPT, jnp.int32)
+        prompts = pool.prompt_tokens[source_s]
+        zeros = jnp.zeros((S,), jnp.int32)
+        Tg = self.gen_len
         fresh = {
             "prompt_tokens": prompts,
-            "kv_start": prefix.kv_start[src],
-            "tokens": jnp.full((m, Tg), self.pad_id, jnp.int32),
-            "logprobs": jnp.zeros((m, Tg), jnp.float32),
-            "versions": jnp.full((m, Tg), -1, jnp.int32),
-            "injected": jnp.zeros((m, Tg), bool),
+            "kv_start": pool.kv_start[source_s],
+            "tokens": jnp.full((S, Tg), self.pad_id, jnp.int32),
+            "logprobs": jnp.zeros((S, Tg), jnp.float32),
+            "versions": jnp.full((S, Tg), -1, jnp.int32),
+            "injected": jnp.zeros((S, Tg), bool),
             "last_token": prompts[:, -1],
             "step": zeros,
-            "limit": limits,
-            "done": jnp.zeros((m,), bool),
+            "limit": limits_s,
+            "done": jnp.zeros((S,), bool),
             "finish": zeros + int(FinishReason.RUNNING),
-            "truncated": jnp.zeros((m,), bool),
+            "truncated": jnp.zeros((S,), bool),
             "lengths": zeros,
             "phase": zeros + THINK,
             "phase_pos": zeros,
             "interrupt_at": interrupt_at,
-            "keys": row_keys(key, row_ids),
-            "group_ids": group_ids,
-            "row_ids": row_ids,
-            "real": jnp.ones((m,), bool),
+            "keys": jax.random.key_data(row_keys(key, row_ids_s)),
+            "group_ids": group_ids_s,
+            "row_ids": row_ids_s,
+            "real": jnp.ones((S,), bool),
         }
 
-        def put(old, x):  # (keys are typed: no cast)
-            x = x if old.dtype == x.dtype else x.astype(old.dtype)
-            return self._rows(old.at[dst].set(x, mode="drop"))
+        def put(old, x):
+            mask = take_s.reshape((S,) + (1,) * (x.ndim - 1))
+            return self._rows(jnp.where(mask, x.astype(old.dtype), old))
 
-        rows = {k: put(getattr(state, k), v) for k, v in fresh.items()}
-        return dataclasses.replace(state, cache=cache, **rows)
+        rows = {k: put(getattr(s, k), v) for k, v in fresh.items()}
+        return EngineState(slots=dataclasses.replace(s, cache=cache, **rows), pool=pool)
 
-    def _prepare_impl(self, params) -> DecodeWeights:
+    def _generate_impl(self, params, state: EngineState, version, refill_at, *, steps: int):
         ops = self.decode_ops
-        C = self._geometry(ops)[0]
-        return DecodeWeights(decode_weights(self.spec, dict(params), C, ops=ops))
-
-    def _generate_impl(self, weights: DecodeWeights, state, version, refill_at, *, steps: int):
-        ops = self.decode_ops
-        return self._over_rows(
+        weights = decode_weights(self.spec, dict(params), self._geometry(ops)[0], ops=ops)
+        typed = dataclasses.replace(state.slots, keys=jax.random.wrap_key_data(state.slots.keys))
+        slots, rows, ran = self._over_rows(
             lambda w, s, v, r, *, manual: self._chunk(ops, w, s, v, r, steps, manual=manual),
-            weights.tree,
-            state,
+            weights,
+            typed,
             jnp.asarray(version, jnp.int32),
             jnp.asarray(refill_at, jnp.int32),
             outs=1,
+            row_outs=1,
         )
+        slots = dataclasses.replace(slots, keys=jax.random.key_data(slots.keys))
+        return dataclasses.replace(state, slots=slots), rows, ran
 
     def _chunk(self, ops: Decode, weights, state, version, refill_at, steps: int, *, manual):
         """Up to `steps` decode steps of every slot, fewer once every slot is done or
         `refill_at` slots are (of this device's rows, in proportion, if `manual`); also
-        the steps run."""
+        the chunk's columns and end flags of every slot and the steps run."""
         greedy = self.cfg.temperature <= 0
         # This chunk's draws of every slot, [S, steps], from each row's own step on: a
         # row active at step i of the chunk is at its step state.step + i.
@@ -357,32 +465,16 @@ class Engine(Decoder):
             return i + 1, self._token_step(ops, weights, s, slot_b, u_b, version, manual=manual)
 
         i, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-        return out, self._all_devices_max(i, manual)
+        cols = jnp.minimum(state.step[:, None] + jnp.arange(steps), self.gen_len - 1)
+        rows = {k: jnp.take_along_axis(getattr(out, k), cols, axis=1) for k in _COLUMNS}
+        rows.update({k: getattr(out, k) for k in _SLOT_VALUES}, start=state.step)
+        return out, rows, self._all_devices_max(i, manual)
 
-    # ---- the four verbs -------------------------------------------------------------------
+    # ---- the verbs ------------------------------------------------------------------------
 
-    def init(self) -> SamplerState:
-        """S empty slots (every one free)."""
+    def init(self) -> EngineState:
+        """S empty slots (every one free) and an empty prefix pool."""
         return self._init()
-
-    def prefill(self, params: Params | Transformer, prompt_ids: Sequence[Sequence[int]]) -> Prefix:
-        """Each prompt's KV cache, computed once (for all of its samples): up to
-        `prefill_prompts` prompts (padded with one-token prompts), in the length bucket of
-        the longest. A prompt's KV depends only on it and on that bucket."""
-        P = len(prompt_ids)
-        if not 0 < P <= self.prefill_prompts:
-            raise ValueError(f"prefill takes 1 to {self.prefill_prompts} prompts, got {P}")
-        self._check_prompts(prompt_ids)
-        rows = self.prefill_prompts
-        packed, lens_p = pack_prompts(
-            prompt_ids, rows=rows, bucket=self.length_bucket, max_len=0, pad_id=self.pad_id
-        )
-        bucket = packed.shape[1]
-        prompt_pt = np.full((rows, self.prompt_len), self.pad_id, np.int32)
-        prompt_pt[:, self.prompt_len - bucket :] = packed
-        return self._prefill(
-            self._as_params(params), *self._put_rows(prompt_pt, lens_p), bucket=bucket
-        )
 
     @property
     def length_bucket(self) -> int:
@@ -397,80 +489,96 @@ class Engine(Decoder):
                     f"{self.prompt_len}: raise sampling.max_prompt_len or shorten the prompt"
                 )
 
-    def insert(
+    def prefill_insert(
         self,
-        state: SamplerState,
-        prefix: Prefix,
-        src: Sequence[int],
+        params: Params | Transformer,
+        state: EngineState,
+        prompts: Sequence[Sequence[int]],
+        into: Sequence[int],
         slots: Sequence[int],
+        sources: Sequence[int],
         row_ids: Sequence[int],
         group_ids: Sequence[int],
         *,
         key: jax.Array,
         limits: Sequence[int] | None = None,
-    ) -> SamplerState:
-        """Rows into free slots: row j samples prompt src[j] of `prefix` in slot
-        slots[j], its draws keyed by fold_in(key, row_ids[j]); limits[j] its
-        max new tokens (default cfg.max_new_tokens). `state` is donated."""
-        m = len(src)
-        if not 0 < m <= self.slots or not len(slots) == len(row_ids) == len(group_ids) == m:
-            raise ValueError(f"insert needs 1 to {self.slots} rows, with one slot and id each")
+    ) -> EngineState:
+        """Prefill up to `prefill_prompts` prompts (each computed once, for all of its
+        rows; none: no prefill) into pool entries `into` (of `pool_size`), in the length
+        bucket of the longest; then rows into free slots: row j samples the prompt of
+        pool entry sources[j] in slot slots[j], its draws keyed by fold_in(key,
+        row_ids[j]); limits[j] its max new tokens (default cfg.max_new_tokens). A
+        prompt's KV depends only on it and on its bucket. `state` is donated."""
+        P, Q, S = self.prefill_prompts, self.pool_size, self.slots
+        if len(prompts) > P or len(into) != len(prompts):
+            raise ValueError(f"prefill takes 0 to {P} prompts with a pool entry each")
+        m = len(slots)
+        if not m <= S or not len(sources) == len(row_ids) == len(group_ids) == m:
+            raise ValueError(f"insert takes 0 to {S} rows, with one source and id each")
         lim = np.full((m,), self.cfg.max_new_tokens) if limits is None else np.asarray(limits)
-        if lim.shape != (m,) or lim.min() < 1 or lim.max() > self.cfg.max_new_tokens:
+        if m and (lim.shape != (m,) or lim.min() < 1 or lim.max() > self.cfg.max_new_tokens):
             raise ValueError(
                 f"limits: {m} values in [1, {self.cfg.max_new_tokens}] (max_new_tokens)"
             )
-        mb = self.slots if self.fixed_shapes else min(_pow2(m), self.slots)
-        pad = mb - m
-
-        def arr(x, fill):
-            return np.concatenate([np.asarray(x, np.int32), np.full((pad,), fill, np.int32)])
-
-        return self._insert(
-            state,
-            prefix,
-            arr(src, 0),
-            arr(slots, self.slots),  # padding rows go past the last slot: dropped
-            arr(row_ids, 0),
-            arr(group_ids, 0),
-            arr(lim, 1),
-            key,
+        bad = [i for i in (*into, *sources) if not 0 <= i < Q]
+        if bad or len(set(slots)) != m or any(not 0 <= s < S for s in slots):
+            raise ValueError(f"pool entries are in [0, {Q}), slots distinct in [0, {S})")
+        prompt_pt = np.full((P, self.prompt_len), self.pad_id, np.int32)
+        lens_p = np.ones((P,), np.int32)
+        into_p = np.full((P,), Q, np.int32)  # padding prompts go past the pool: dropped
+        if prompts:
+            self._check_prompts(prompts)
+            packed, lens = pack_prompts(
+                prompts, rows=P, bucket=self.length_bucket, max_len=0, pad_id=self.pad_id
+            )
+            self._last_bucket = packed.shape[1]
+            prompt_pt[:, self.prompt_len - packed.shape[1] :] = packed
+            lens_p[:] = lens
+            into_p[: len(into)] = into
+        take = np.zeros((S,), bool)
+        source_s, row_s, group_s = (np.zeros((S,), np.int32) for _ in range(3))
+        limit_s = np.ones((S,), np.int32)
+        take[slots] = True
+        source_s[slots], row_s[slots], group_s[slots], limit_s[slots] = (
+            sources,
+            row_ids,
+            group_ids,
+            lim,
         )
-
-    def prepare(self, params: Params | Transformer) -> DecodeWeights:
-        """The weights in the decode layout, for `generate` (once per version)."""
-        return self._prepare(self._as_params(params))
+        return self._prefill_insert(
+            self._as_params(params),
+            state,
+            *self._put_rows(prompt_pt, lens_p, into_p),
+            np.bool_(bool(prompts)),
+            *self._put_rows(take, source_s, row_s, group_s, limit_s),
+            key,
+            bucket=self._last_bucket,
+        )
 
     def generate(
         self,
-        params: Params | Transformer | DecodeWeights,
-        state: SamplerState,
+        params: Params | Transformer,
+        state: EngineState,
         *,
         version: int = 0,
         refill_at: int | None = None,
-    ) -> tuple[SamplerState, int]:
+    ) -> tuple[EngineState, ChunkOut]:
         """`chunk` decode steps of every slot, fewer if every slot ends first, or once
         `refill_at` slots are done (time to refill them); tokens sampled here carry
-        `version`. Returns the state (`state` is donated) and the steps run (one small
-        device-to-host read)."""
-        weights = params if isinstance(params, DecodeWeights) else self.prepare(params)
+        `version`. Returns the state (`state` is donated) and the chunk's `ChunkOut`
+        (one small device-to-host read)."""
         at = self.slots + 1 if refill_at is None else int(refill_at)
-        state, steps = self._generate(
-            weights, state, np.int32(version), np.int32(at), steps=self.chunk
+        state, rows, steps = self._generate(
+            self._as_params(params), state, np.int32(version), np.int32(at), steps=self.chunk
         )
-        return state, int(steps)
+        rows, steps = to_host((rows, steps))
+        return state, ChunkOut(steps=int(steps), **rows)
 
-    def finished(self, state: SamplerState, among=None) -> dict[str, np.ndarray]:
-        """The rows that have ended (`done` and `real`), on the host: `slot` their slot
-        indices and each row field of the state (tokens, log-probs, versions, flags).
-        `among`: only these slots (default all)."""
-        done = to_host(state.done & state.real)
-        if among is not None:
-            done = done & np.isin(np.arange(self.slots), among)
-        idx = np.flatnonzero(done)
-        names = [f.name for f in dataclasses.fields(state) if f.name not in _NOT_ROWS]
-        rows = to_host({k: getattr(state, k)[idx] for k in names}) if len(idx) else {}
-        return {"slot": idx, **rows}
+    @staticmethod
+    def finished(out: ChunkOut) -> np.ndarray:
+        """The slots whose rows have ended (done slots that were free stay done: the
+        host knows which slots hold rows)."""
+        return np.flatnonzero(out.done)
 
     # ---- the host loop --------------------------------------------------------------------
 
@@ -491,12 +599,13 @@ class Engine(Decoder):
     ) -> tuple[Rollouts, RunStats]:
         """Sample n rollouts of each prompt: R = P * n rows, row r = p * n + s of prompt
         p, its draws keyed by fold_in(key, row_ids[r]) (default r). Rows enter free
-        slots in `order` (a permutation of range(R), default in order); each prompt is
-        prefilled once, when its first row enters. `weights(chunk)` -> (params, version) gives the
-        weights of each chunk (default: `params`, `version` throughout).
-        `max_new_tokens`: one limit for all rows or one per row. A chunk ends early
-        once `refill_min` slots are free while rows wait (default S / 64). Returns the
-        rollouts in row order and the run's `RunStats`."""
+        slots in `order` (a permutation of range(R), default in order; a row whose prompt
+        waits for room in the prefix pool lets later rows of pooled prompts pass); each
+        prompt is prefilled once, when its first row enters. `weights(chunk)` ->
+        (params, version) gives the weights of each chunk (default: `params`, `version`
+        throughout). `max_new_tokens`: one limit for all rows or one per row. A chunk
+        ends early once `refill_min` slots are free while rows wait (default S / 64).
+        Returns the rollouts in row order and the run's `RunStats`."""
         G = self.cfg.n if n is None else int(n)
         P = len(prompt_ids)
         if P == 0 or G < 1:
@@ -506,7 +615,7 @@ class Engine(Decoder):
             np.asarray(self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens), (R,)
         )
         self._check_prompts(prompt_ids)
-        queue = collections.deque(range(R) if order is None else [int(r) for r in order])
+        queue = list(range(R)) if order is None else [int(r) for r in order]
         if sorted(queue) != list(range(R)):
             raise ValueError(f"order must be a permutation of range({R})")
         key = jax.random.key(seed) if key is None else key
@@ -516,97 +625,154 @@ class Engine(Decoder):
         loop = _HostLoop(self, prompt_ids, G, key, limits, queue, ids)
         refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
         state = self.init()
-        chunk, prepared = 0, (None, None)
-        while queue or loop.busy():
+        chunk = 0
+        while loop.queue or loop.busy():
             if weights is not None:  # this chunk's weights prefill its new rows too
                 params, version = weights(chunk)
-            if prepared[0] is not params:  # a new version: its decode layout, once
-                prepared = (params, self.prepare(params))
             state = loop.refill(params, state)
-            at = refill_min if queue else None
-            state, steps = self.generate(prepared[1], state, version=version, refill_at=at)
+            at = refill_min if loop.queue else None
+            state, out = self.generate(params, state, version=version, refill_at=at)
             chunk += 1
-            loop.slot_steps += self.slots * steps
-            loop.collect(self.finished(state, among=np.flatnonzero(loop.slot_row >= 0)))
+            loop.collect(out)
         return loop.rollouts(), loop.stats(chunk)
 
 
 class _HostLoop:
-    """The host side of `Engine.run`: which row is in which slot, prefixes waiting for
-    their prompt's remaining rows, rows collected."""
+    """The host side of `Engine.run`: which row is in which slot, which prompt in which
+    pool entry, and every row's columns as the chunks bring them."""
 
     def __init__(self, engine: Engine, prompt_ids, G: int, key, limits, queue, row_ids):
         self.engine, self.prompts, self.G = engine, prompt_ids, G
         self.key, self.limits, self.row_ids = key, limits, row_ids
-        self.queue = queue
-        self.slot_row = np.full((engine.slots,), -1)
+        self.queue = collections.deque(queue)
+        S, Q = engine.slots, engine.pool_size
+        self.slot_row = np.full((S,), -1)
         self.left = collections.Counter(r // G for r in queue)  # rows not yet inserted
-        self.prefixes: dict[int, tuple[Prefix, int]] = {}  # prompt -> (prefix, index)
-        self.rows: dict[int, dict] = {}
+        self.pooled: dict[int, int] = {}  # prompt -> pool entry
+        self.free_entries = list(range(Q))
+        R, Tg = len(queue), engine.gen_len
+        self.tokens = np.full((R, Tg), engine.pad_id, np.int32)
+        self.logprobs = np.zeros((R, Tg), np.float32)
+        self.versions = np.full((R, Tg), -1, np.int32)
+        self.injected = np.zeros((R, Tg), bool)
+        self.ends = {k: np.zeros((R,), np.int32) for k in ("lengths", "finish", "truncated")}
+        self.collected = np.zeros((R,), bool)
         self.slot_steps = self.prefills = self.prefilled = 0
 
     def busy(self) -> bool:
         return bool((self.slot_row >= 0).any())
 
-    def refill(self, params, state: SamplerState) -> SamplerState:
-        free = np.flatnonzero(self.slot_row < 0)
-        take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-        if not take:
-            return state
-        new = list(dict.fromkeys(r // self.G for r in take if r // self.G not in self.prefixes))
-        bucket = self.engine.length_bucket
-        by_bucket = collections.defaultdict(list)  # each prompt in its own length bucket
-        for p in new:
-            by_bucket[round_up(len(self.prompts[p]), bucket)].append(p)
-        per_call = self.engine.prefill_prompts
-        for group in by_bucket.values():
-            for at in range(0, len(group), per_call):
-                part = group[at : at + per_call]
-                prefix = self.engine.prefill(params, [self.prompts[p] for p in part])
-                self.prefills += 1
-                self.prefilled += len(part)
-                self.prefixes.update({p: (prefix, i) for i, p in enumerate(part)})
-        by_prefix: dict[int, tuple[Prefix, list]] = {}
-        for r, slot in zip(take, free, strict=False):
-            prefix, i = self.prefixes[r // self.G]
-            by_prefix.setdefault(id(prefix), (prefix, []))[1].append((i, int(slot), r))
-            self.slot_row[slot] = r
-            self.left[r // self.G] -= 1
-            if self.left[r // self.G] == 0:
-                del self.prefixes[r // self.G]
-        for prefix, rows in by_prefix.values():
-            src, slots, rs = (list(c) for c in zip(*rows, strict=True))
-            state = self.engine.insert(
+    def _pick(self, free: int) -> tuple[list[int], list[int], list[int]]:
+        """Rows for up to `free` slots, in queue order, and the new prompts they need
+        (at most a prefill's, of one length bucket, while pool entries are free)."""
+        eng = self.engine
+        taken, new, bucket = [], [], None
+        skipped = False
+        for at, r in enumerate(self.queue):
+            if len(taken) == free:
+                break
+            p = r // self.G
+            if p not in self.pooled and p not in new:
+                b = round_up(len(self.prompts[p]), eng.length_bucket)
+                room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
+                if not room or (bucket is not None and b != bucket):
+                    skipped = True
+                    continue
+                bucket = b
+                new.append(p)
+            taken.append(at)
+        if skipped:
+            rows = [self.queue[at] for at in taken]
+            keep = set(taken)
+            self.queue = collections.deque(r for at, r in enumerate(self.queue) if at not in keep)
+        else:
+            rows = [self.queue.popleft() for _ in taken]
+        return rows, new
+
+    def refill(self, params, state: EngineState) -> EngineState:
+        """Fill free slots from the queue: one prefill_insert call per group of new
+        prompts (one, unless prompts of several buckets or over a prefill's count
+        enter), with the rows whose prompts are pooled."""
+        while self.queue:
+            free = np.flatnonzero(self.slot_row < 0)
+            if not len(free):
+                break
+            rows, new = self._pick(len(free))
+            if not rows:
+                break
+            into = [self.free_entries.pop(0) for _ in new]
+            self.pooled.update(zip(new, into, strict=True))
+            slots = free[: len(rows)]
+            state = self.engine.prefill_insert(
+                params,
                 state,
-                prefix,
-                src,
-                slots,
-                [int(self.row_ids[r]) for r in rs],
-                [r // self.G for r in rs],
+                [self.prompts[p] for p in new],
+                into,
+                slots.tolist(),
+                [self.pooled[r // self.G] for r in rows],
+                [int(self.row_ids[r]) for r in rows],
+                [r // self.G for r in rows],
                 key=self.key,
-                limits=[int(self.limits[r]) for r in rs],
+                limits=[int(self.limits[r]) for r in rows],
             )
+            self.prefills += bool(new)
+            self.prefilled += len(new)
+            self.slot_row[slots] = rows
+            for r in rows:  # a prompt whose rows all entered frees its pool entry
+                p = r // self.G
+                self.left[p] -= 1
+                if self.left[p] == 0:
+                    self.free_entries.append(self.pooled.pop(p))
         return state
 
-    def collect(self, done: dict[str, np.ndarray]) -> None:
-        for j, slot in enumerate(done["slot"]):
-            r = int(self.slot_row[slot])
-            if r < 0:
-                continue  # already collected; the slot waits for a row
-            self.rows[r] = {k: v[j] for k, v in done.items() if k != "slot"}
-            self.slot_row[slot] = -1
+    def collect(self, out: ChunkOut) -> None:
+        """The chunk's columns into each row's buffers; ended rows free their slots."""
+        self.slot_steps += self.engine.slots * out.steps
+        held = np.flatnonzero(self.slot_row >= 0)
+        rows = self.slot_row[held]
+        k = out.tokens.shape[1]
+        cols = out.start[held, None] + np.arange(k)[None, :]
+        ok = cols < self.engine.gen_len
+        r_idx = np.broadcast_to(rows[:, None], cols.shape)[ok]
+        c_idx = cols[ok]
+        for name in _COLUMNS:
+            getattr(self, name)[r_idx, c_idx] = getattr(out, name)[held][ok]
+        ended = held[out.done[held]]
+        for name in self.ends:
+            self.ends[name][self.slot_row[ended]] = getattr(out, name)[ended]
+        self.collected[self.slot_row[ended]] = True
+        self.slot_row[ended] = -1
 
     def rollouts(self) -> Rollouts:
-        rows = [self.rows[r] for r in range(len(self.rows))]
-        return state_rollouts({k: np.stack([row[k] for row in rows]) for k in rows[0]})
+        eng = self.engine
+        R, Tp = len(self.collected), eng.prompt_len
+        lens = np.array([len(self.prompts[r // self.G]) for r in range(R)], np.int32)
+        prompt_tokens = np.full((R, Tp), eng.pad_id, np.int32)
+        for r in range(R):
+            prompt_tokens[r, Tp - lens[r] :] = self.prompts[r // self.G]
+        return state_rollouts(
+            {
+                "prompt_tokens": prompt_tokens,
+                "kv_start": Tp - lens,
+                "tokens": self.tokens,
+                "logprobs": self.logprobs,
+                "versions": self.versions,
+                "injected": self.injected,
+                "lengths": self.ends["lengths"],
+                "finish": self.ends["finish"],
+                "truncated": self.ends["truncated"].astype(bool),
+                "group_ids": np.arange(R, dtype=np.int32) // self.G,
+                "row_ids": self.row_ids.astype(np.int32),
+            }
+        )
 
     def stats(self, chunks: int) -> RunStats:
-        kept = sum(int((~row["injected"][: row["lengths"]]).sum()) for row in self.rows.values())
+        within = np.arange(self.tokens.shape[1])[None, :] < self.ends["lengths"][:, None]
         return RunStats(
             chunks=chunks,
             slot_steps=self.slot_steps,
-            kept_tokens=kept,
-            decoded_tokens=sum(int(row["lengths"]) for row in self.rows.values()),
+            kept_tokens=int((within & ~self.injected).sum()),
+            decoded_tokens=int(self.ends["lengths"].sum()),
             prefills=self.prefills,
             prompts_prefilled=self.prefilled,
         )
