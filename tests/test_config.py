@@ -81,6 +81,9 @@ def test_run_id_stable_and_sensitive():
     assert run_id(apply_overrides(a, ["train.seed=1"])) != run_id(a)
     assert run_id(apply_overrides(a, ["loss.eps_max=4.0"])) != run_id(a)
     assert len(run_id(a)) == 12
+    # the engine or the Sampler, any slot count: the same tokens, the same run
+    sampler = apply_overrides(a, ["sampling.engine=false", "sampling.engine_slots=8"])
+    assert a.sampling.engine and run_id(sampler) == run_id(a)
 
 
 def test_knobs_added_later_keep_old_run_ids_at_their_default():

@@ -62,11 +62,13 @@ def test_one_step_sharded_equals_single_device(tmp_path):
             "mesh.data=2",
             "mesh.fsdp=2",
             "mesh.tensor=2",
+            "sampling.engine=false",
             "eval.every=0",
             "eval.at_start=false",
         ),
         quiet=True,
     )
+    assert eight.parts.engine is None
     s8 = eight.run_loop()
     assert s1["version"] == s8["version"] == 1
     p1, p8 = _params(one), _params(eight)

@@ -237,6 +237,11 @@ _NON_SEMANTIC = (
     "checkpoint.async_save",
     "checkpoint.compress",
     "checkpoint.resume",
+    # The engine and the batch Sampler draw the same tokens from the same keys
+    # (tests/test_engine.py, tests/test_train_loop.py): how rows are scheduled onto
+    # decode slots, not what they compute.
+    "sampling.engine",
+    "sampling.engine_slots",
 )
 
 
@@ -244,8 +249,6 @@ _NON_SEMANTIC = (
 # their default, so runs made before they existed keep their ids (and resume).
 _LATER_KNOB_DEFAULTS = {
     "mesh.sampler_devices": 0,
-    "sampling.engine": False,
-    "sampling.engine_slots": 0,
     "mesh.cpu_devices": 0,
     "data.chat_template": True,
     "data.system_prompt": "",

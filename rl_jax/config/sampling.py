@@ -45,11 +45,10 @@ class SamplingConfig:
     answer_budget: int = knob(0, help="policy tokens allowed after the injected text")
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
     engine: bool = knob(
-        False,
+        True,
         help="on_policy / ppo_off_policy batches and evaluation generate through the "
         "continuous-batching engine (false: the batch Sampler; pipeline and split mode "
-        "always use the Sampler). Off by default: its five programs cost more start-up "
-        "than the Sampler's two (docs/performance.md)",
+        "use the Sampler either way). Not part of a run's id: the same tokens either way",
     )
     engine_slots: int = knob(
         0,

@@ -192,7 +192,9 @@ def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len
     engine = None
     ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
     rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
-    if cfg.sampling.engine and cfg.train.off_policy != "pipeline":
+    # Pipeline and split mode decode waves on the Sampler (no engine to build).
+    waves = cfg.train.off_policy == "pipeline" or cfg.mesh.sampler_devices > 0
+    if cfg.sampling.engine and not waves:
         engine = make_sampler(
             spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
         )
