@@ -33,6 +33,11 @@ steps or as soon as --refill-min slots are free. Keys: occupancy / occupancy_wav
 tokens_per_s / tokens_per_s_wave (kept tokens per second over the whole workload,
 median of the repeats, the two alternating), speedup_vs_wave.
 
+The reference workload also times the engine as the trainer builds it (a slot per
+row, one chunk to the end, fixed shapes), alternating with the Sampler on the same
+prompts and seeds: keys engine_tokens_per_s and engine_vs_sampler (its tokens/s over
+the Sampler's); --no-engine skips it.
+
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
 --dtype sets both models' parameter and compute dtype.
@@ -70,6 +75,9 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
+    p.add_argument(
+        "--no-engine", action="store_true", help="reference workload: skip the engine's timing"
+    )
     p.add_argument(
         "--lengths",
         default="fixed",
@@ -209,6 +217,27 @@ def main() -> int:
     ours(0)
     first_call = time.perf_counter() - t
 
+    engine_run = None
+    if not a.no_engine:
+        engine = Engine(
+            spec,
+            cfg,
+            slots=rows,
+            chunk=a.new_tokens,
+            prefill_prompts=a.prompts,
+            fixed_shapes=True,
+            mesh=mesh,
+            eos_id=None,
+            pad_id=0,
+            rules="dp",
+        )
+
+        def engine_run(seed: int):
+            out, _ = engine.run(params, prompt_list, seed=seed)
+            assert (out.lengths == a.new_tokens).all()
+
+        engine_run(0)
+
     xla_run = None
     if a.vs_xla:
         plain = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
@@ -228,11 +257,15 @@ def main() -> int:
             hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
             hf_run(0)  # warm-up
 
-    ours_t, hf_t, xla_t = [], [], []
+    ours_t, hf_t, xla_t, eng_t = [], [], [], []
     for r in range(a.repeats):
         t = time.perf_counter()
         ours(r + 1)
         ours_t.append(time.perf_counter() - t)
+        if engine_run is not None:
+            t = time.perf_counter()
+            engine_run(r + 1)
+            eng_t.append(time.perf_counter() - t)
         if xla_run is not None:
             t = time.perf_counter()
             xla_run(r + 1)
@@ -255,6 +288,8 @@ def main() -> int:
         "speedup": round(statistics.median(hf_t) / ours_s, 3) if hf_t else None,
         "xla_tokens_per_s": round(tokens / statistics.median(xla_t), 1) if xla_t else None,
         "kernel_speedup": round(statistics.median(xla_t) / ours_s, 3) if xla_t else None,
+        "engine_tokens_per_s": round(tokens / statistics.median(eng_t), 1) if eng_t else None,
+        "engine_vs_sampler": round(ours_s / statistics.median(eng_t), 3) if eng_t else None,
         "flops_fraction": round(flops / ours_s / peak, 4),
         "seconds": round(ours_s, 4),
         "hf_seconds": round(statistics.median(hf_t), 4) if hf_t else None,
