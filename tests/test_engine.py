@@ -222,6 +222,29 @@ def test_fixed_shapes_same_rollouts(params_a):
     assert out[True].lengths.min() > 0
 
 
+def test_evaluation_slots_bound_its_cache():
+    """Evaluation (on the engine by default) holds a slot per row, or
+    sampling.engine_slots: its KV cache is that many rows, however many it samples."""
+    from rl_jax.config import apply_overrides, load_recipe
+    from rl_jax.train.evaluation import make_eval_sampler
+
+    class Tok:
+        eos_id, pad_id = 1, 0
+
+        def encode(self, text):
+            return [2, 3]
+
+    small = ["sampling.max_new_tokens=8", "sampling.length_control=truncate"]
+    cfg = load_recipe("scalerl", [*small, "eval.num_prompts=8", "eval.k=2"])
+    full = make_eval_sampler(SPEC, cfg, Tok(), mesh=None, prompt_len=16)
+    capped = make_eval_sampler(
+        SPEC, apply_overrides(cfg, ["sampling.engine_slots=4"]), Tok(), mesh=None, prompt_len=16
+    )
+    assert isinstance(full, Engine) and (full.slots, capped.slots) == (16, 4)
+    for engine in (full, capped):
+        assert jax.eval_shape(engine._init_impl).slots.cache[1].shape[1] == engine.slots
+
+
 def test_engine_errors():
     with pytest.raises(ValueError, match="max_prompt_len"):
         Engine(SPEC, SamplingConfig(), slots=2)
