@@ -320,3 +320,28 @@ class EngineStream:
                 for g in complete:
                     self.book.complete(g)
                 self.cond.notify_all()
+
+
+def trainer_stream(parts, data, first_step: int) -> EngineStream:
+    """The trainer's stream on `parts.engine`: group g is prompt g % B_p of the prompts
+    drawn for step g // B_p (drawn from `data` when that step's first group enters),
+    its rows keyed as the waves' rows of that step (`phases.row_ids`)."""
+    from rl_jax.train import phases
+    from rl_jax.train.accounting import num_waves
+
+    P, G = parts.P, parts.G
+    drawn: dict[int, tuple[list, list[list[int]]]] = {}  # step -> (problems, prompt ids)
+
+    def source(g: int):
+        step, i = divmod(g, P)
+        if step not in drawn:
+            problems = data.draw()
+            drawn[step] = (problems, phases.prompt_ids(parts, problems))
+        problems, ids = drawn[step]
+        rows = phases.row_ids(parts, step, P)[i * G : (i + 1) * G]
+        if i == P - 1:
+            del drawn[step]
+        return problems[i], ids[i], rows, None
+
+    book = StreamBook(P=P, W=num_waves(parts.cfg), first_step=first_step)
+    return EngineStream(parts.engine, book, n=G, key=phases.sample_key(parts), source=source)
