@@ -235,7 +235,8 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.devices(8)
-def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path, sampler):
     k = 2
     tr = RLTrainer(
         _cfg(
@@ -248,10 +249,13 @@ def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_pa
             "sampling.decode_chunk=2",
             "eval.every=0",
             "eval.at_start=false",
+            *SAMPLERS[sampler],
         ),
         quiet=True,
     )
     assert tr.split
+    if sampler == "engine":  # the engine's cache lives on the sampler's devices
+        assert set(tr.parts.engine.mesh.devices.flat) == set(tr.sample_mesh.devices.flat)
     sample_devs = set(tr.sample_mesh.devices.flat)
     train_devs = set(tr.mesh.devices.flat)
     assert len(sample_devs) == 4 and len(train_devs) == 4 and not sample_devs & train_devs
@@ -312,16 +316,24 @@ def _split_cfg(tmp_path, *extra):
     )
 
 
+def _started(worker, P: int) -> int:
+    """Steps whose sampling has started: waves, or the stream's groups (P a step)."""
+    if hasattr(worker, "stream"):
+        return -(-worker.stream.book.admitted // P)
+    return worker._next_step
+
+
 @pytest.mark.devices(8)
-def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path, sampler):
     class Crash(Exception):
         pass
 
-    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
     started = []
 
     def hook(t):
-        started.append((t.step, t.split_sampler._next_step))
+        started.append((t.step, _started(t.split_sampler, t.P)))
         if t.step == 3:
             raise Crash  # after the checkpoint at step 2
 
@@ -336,7 +348,7 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     assert first.ckpt.steps() == [2]
     first.close()
     # The same command again resumes from the step-2 checkpoint and finishes.
-    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
     summary = again.run_loop()
     assert summary["steps"] == 5 and summary["version"] == 5
     rows = read_jsonl(again.run.metrics_path)
@@ -344,13 +356,20 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.devices(8)
-def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
-    tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path, sampler):
+    tr = RLTrainer(
+        _split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0", *SAMPLERS[sampler]),
+        quiet=True,
+    )
 
     def broken(*a, **k):
         raise ValueError("decode exploded")
 
-    tr.sampler.decode = broken
+    if sampler == "engine":
+        tr.parts.engine.generate = broken
+    else:
+        tr.sampler.decode = broken
     with pytest.raises(RuntimeError, match="sampler thread failed") as err:
         tr.run_loop()
     assert "decode exploded" in str(err.value.__cause__)

@@ -32,7 +32,7 @@ import jax
 from rl_jax.sampling import Rollouts
 from rl_jax.train import phases
 from rl_jax.train.accounting import decode_chunk, num_waves
-from rl_jax.train.split import SplitSampler
+from rl_jax.train.split import SplitSampler, SplitStream
 from rl_jax.train.state import Pending
 from rl_jax.train.stream import trainer_stream
 
@@ -133,6 +133,8 @@ def pipeline_stream(tr, bar) -> None:
 
 def split(tr, bar) -> None:
     """PipelineRL-k with the sampler on its own devices (rl_jax.train.split)."""
+    if tr.parts.engine is not None:
+        return split_stream(tr, bar)
     cfg, parts = tr.cfg, tr.parts
     worker = SplitSampler(
         parts.sampler,
@@ -161,6 +163,33 @@ def split(tr, bar) -> None:
             worker.done()
             worker.train_intervals.append((t1, time.perf_counter()))
             _finish(tr, state, m, wait_s, t1, bar)  # sample_s: the wait for rollouts
+            worker.allow(min(cfg.train.steps, tr.next_boundary()))
+    finally:
+        worker.close()
+
+
+def split_stream(tr, bar) -> None:
+    """Split mode on the engine: PipelineRL's stream in the sampler thread, on the
+    sampler's devices (rl_jax.train.split.SplitStream)."""
+    cfg, parts = tr.cfg, tr.parts
+    stream = trainer_stream(parts, tr.state.data, tr.state.step)
+    tr.state = tr.state.replace(stream=stream)
+    worker = SplitStream(stream, weights=tr.sampler_weights())
+    tr.split_sampler = worker
+    try:
+        worker.allow(min(cfg.train.steps, tr.next_boundary()))
+        while tr.state.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            problems, ro = worker.take()
+            tr.state = phases.account_sampling(parts, tr.state, ro)
+            wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            state, m = _train(tr, ro, problems)
+            tr.state = state
+            # Push before `trained`: groups admitted after it sample with these weights.
+            worker.push(tr.sampler_weights())
+            worker.trained()
+            worker.train_intervals.append((t1, time.perf_counter()))
+            _finish(tr, state, m, wait_s, t1, bar)
             worker.allow(min(cfg.train.steps, tr.next_boundary()))
     finally:
         worker.close()
