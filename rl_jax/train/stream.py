@@ -257,9 +257,14 @@ class EngineStream:
         if self._prepared is None or self._prepared[0] != version:
             self._prepared = None  # the old layout goes before the new one is made
             self._prepared = (version, engine.prepare(params))
+        # End the chunk early to refill slots only when there is something to put in
+        # them: rows waiting, or a group that may enter.
+        with self.cond:
+            refill = bool(self.queue) or self.book.can_admit()
         idle = int((self.slot_row < 0).sum())
+        at = idle + self.refill_min if refill else None
         self.state, steps = engine.generate(
-            self._prepared[1], self.state, version=version, refill_at=idle + self.refill_min
+            self._prepared[1], self.state, version=version, refill_at=at
         )
         self.chunks += 1
         self.slot_steps += engine.slots * steps
