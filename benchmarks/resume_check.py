@@ -16,7 +16,8 @@ The run is the tests' tiny ScaleRL run (tests/_workers/train_even_first.py: a
 verifier that gives a random policy a learning signal), 8 steps, evaluated
 every 2 steps.
 
-    python benchmarks/resume_check.py [--kills 10] [--modes on_policy,ppo_off_policy,pipeline]
+    python benchmarks/resume_check.py [--kills 10]
+        [--modes on_policy,ppo_off_policy,pipeline,pipeline_engine]
                                       [--every 2,3] [--seed 0]
 """
 
@@ -49,6 +50,13 @@ MODES = {
     "on_policy": ["train.off_policy=on_policy", "train.off_policy_k=1"],
     "ppo_off_policy": ["train.off_policy=ppo_off_policy", "train.off_policy_k=2"],
     "pipeline": ["train.off_policy=pipeline", "train.off_policy_k=2", "sampling.decode_chunk=2"],
+    # PipelineRL as a continuous stream on the engine (it drains at every checkpoint).
+    "pipeline_engine": [
+        "train.off_policy=pipeline",
+        "train.off_policy_k=2",
+        "sampling.decode_chunk=2",
+        "sampling.stream=true",
+    ],
 }
 DROP = ("time/", "device_seconds", "eval_device_seconds")
 

@@ -1,6 +1,7 @@
 """The RL loop end to end on the tiny model: sharding equivalence, resume, NaN, staleness."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -76,7 +77,12 @@ def test_one_step_sharded_equals_single_device(tmp_path):
         np.testing.assert_allclose(p1[k], p8[k], atol=1e-5, rtol=1e-5, err_msg=k)
 
 
-def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
+# PipelineRL's waves on the batch Sampler, and its continuous stream on the engine.
+SAMPLERS = {"waves": ["sampling.stream=false"], "engine": ["sampling.stream=true"]}
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, sampler):
     k = 2
     tr = RLTrainer(
         _cfg(
@@ -88,13 +94,21 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
             "sampling.decode_chunk=2",
             "eval.every=0",
             "eval.at_start=false",
+            *SAMPLERS[sampler],
         ),
         quiet=True,
     )
     assert schedules.num_waves(tr.cfg) == k + 1
-    seen = []
+    assert (tr.parts.engine is not None) == (sampler == "engine")
+    seen, compiled = [], []
     tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
-    summary = tr.run_loop()
+    tr.step_hooks.append(lambda t: compiled.append(len(xla.records)))
+    xla = _XlaCompiles()
+    with jax.log_compiles(True), xla:
+        summary = tr.run_loop()
+    # No XLA compile between step 1's end and step 5's (hooks run before the final
+    # evaluation, which compiles its own programs).
+    assert compiled[0] > 0 and compiled[-1] == compiled[0], "\n".join(xla.records[compiled[0] :])
     hist = {int(s): n for s, n in summary["staleness_hist"].items()}
     assert max(hist) <= k  # never more than k versions behind the oldest token
     assert max(hist) >= 1  # and the waves really were in flight across updates
@@ -109,10 +123,16 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
     final = tr.compile_counts()
     assert seen[0]["train_step"] == 1
     for name, n in seen[0].items():
-        if n:  # compiled during step 1: never again
+        # The engine's state comes back from `generate` with row specs P(None, None)
+        # where `insert` gives P(): equal shardings, one XLA program (checked above), but
+        # a second entry of jit's dispatch cache, which these counts count.
+        if n and not name.startswith("engine_"):  # compiled during step 1: never again
             assert final[name] == n, (name, seen[0], final)
     evals = {k: n for k, n in final.items() if k.startswith("eval_")}
     assert evals and set(evals.values()) == {1}, evals  # the final evaluation, once each
+    if sampler == "engine":  # the stream: batches of complete groups, slots kept busy
+        assert tr.state.stream is not None and tr.state.idle
+        assert all(0 < r["train/slot_occupancy"] <= 1 for r in rows if "train/loss" in r)
 
 
 def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
@@ -137,6 +157,32 @@ def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
     assert tr.ckpt.steps() == [tr.step]
     # skipped updates left the parameters finite
     assert all(np.isfinite(v).all() for v in _params(tr).values())
+
+
+class _XlaCompiles(logging.Handler):
+    """The XLA compiles of programs jax logs (under jax.log_compiles) while in use:
+    jitted functions, not eager ops (a lax primitive or jax's helpers applied to arrays
+    outside jit compile once per shape: the engine's `finished` gathers its ended rows)."""
+
+    EAGER = frozenset(dir(jax.lax)) | {"_broadcast_arrays", "_threefry_seed", "stage"}
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+        self.logger = logging.getLogger("jax._src.interpreters.pxla")
+
+    def emit(self, record):
+        msg = record.getMessage()
+        name = msg.removeprefix("Compiling jit(").split(")")[0]
+        if msg.startswith("Compiling jit(") and name not in self.EAGER:
+            self.records.append(name)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
 
 
 def _strip(rows):
@@ -191,7 +237,8 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.devices(8)
-def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path, sampler):
     k = 2
     tr = RLTrainer(
         _cfg(
@@ -204,10 +251,13 @@ def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_pa
             "sampling.decode_chunk=2",
             "eval.every=0",
             "eval.at_start=false",
+            *SAMPLERS[sampler],
         ),
         quiet=True,
     )
     assert tr.split
+    if sampler == "engine":  # the engine's cache lives on the sampler's devices
+        assert set(tr.parts.engine.mesh.devices.flat) == set(tr.sample_mesh.devices.flat)
     sample_devs = set(tr.sample_mesh.devices.flat)
     train_devs = set(tr.mesh.devices.flat)
     assert len(sample_devs) == 4 and len(train_devs) == 4 and not sample_devs & train_devs
@@ -268,16 +318,24 @@ def _split_cfg(tmp_path, *extra):
     )
 
 
+def _started(worker, P: int) -> int:
+    """Steps whose sampling has started: waves, or the stream's groups (P a step)."""
+    if hasattr(worker, "stream"):
+        return -(-worker.stream.book.admitted // P)
+    return worker._next_step
+
+
 @pytest.mark.devices(8)
-def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path, sampler):
     class Crash(Exception):
         pass
 
-    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
     started = []
 
     def hook(t):
-        started.append((t.step, t.split_sampler._next_step))
+        started.append((t.step, _started(t.split_sampler, t.P)))
         if t.step == 3:
             raise Crash  # after the checkpoint at step 2
 
@@ -292,7 +350,7 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     assert first.ckpt.steps() == [2]
     first.close()
     # The same command again resumes from the step-2 checkpoint and finishes.
-    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
+    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
     summary = again.run_loop()
     assert summary["steps"] == 5 and summary["version"] == 5
     rows = read_jsonl(again.run.metrics_path)
@@ -300,13 +358,20 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.devices(8)
-def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
-    tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path, sampler):
+    tr = RLTrainer(
+        _split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0", *SAMPLERS[sampler]),
+        quiet=True,
+    )
 
     def broken(*a, **k):
         raise ValueError("decode exploded")
 
-    tr.sampler.decode = broken
+    if sampler == "engine":
+        tr.parts.engine.generate = broken
+    else:
+        tr.sampler.decode = broken
     with pytest.raises(RuntimeError, match="sampler thread failed") as err:
         tr.run_loop()
     assert "decode exploded" in str(err.value.__cause__)

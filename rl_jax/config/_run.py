@@ -250,6 +250,7 @@ _NON_SEMANTIC = (
 _LATER_KNOB_DEFAULTS = {
     "mesh.sampler_devices": 0,
     "mesh.cpu_devices": 0,
+    "sampling.stream": False,
     "data.chat_template": True,
     "data.system_prompt": "",
     "data.answer_instruction": "auto",

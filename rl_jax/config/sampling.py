@@ -48,7 +48,15 @@ class SamplingConfig:
         True,
         help="on_policy / ppo_off_policy batches and evaluation generate through the "
         "continuous-batching engine (false: the batch Sampler; pipeline and split mode "
-        "use the Sampler either way). Not part of a run's id: the same tokens either way",
+        "use the Sampler unless sampling.stream). Not part of a run's id: the same tokens "
+        "either way",
+    )
+    stream: bool = knob(
+        False,
+        help="PipelineRL and split mode generate as a continuous stream of groups on the "
+        "engine (needs sampling.engine): a batch is the next B_p complete groups, instead "
+        "of waves on the batch Sampler. Part of a run's id: it changes which policy version "
+        "samples each token",
     )
     engine_slots: int = knob(
         0,
@@ -77,6 +85,10 @@ class SamplingConfig:
             raise ConfigError(
                 "sampling.length_control='interrupt' needs sampling.answer_budget >= 1 (tokens "
                 f"the model may answer with after the injected text), got {self.answer_budget}"
+            )
+        if self.stream and not self.engine:
+            raise ConfigError(
+                "sampling.stream=true runs on the engine: it needs sampling.engine=true"
             )
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:

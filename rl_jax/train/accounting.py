@@ -110,6 +110,12 @@ def num_waves(cfg: RunConfig, *, updates: int | None = None) -> int:
     return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
 
 
+def decode_chunk(cfg: RunConfig) -> int:
+    """PipelineRL's decode steps between weight swaps (sampling.decode_chunk, else a
+    quarter of the generation budget)."""
+    return cfg.sampling.decode_chunk or max(1, -(-cfg.sampling.max_new_tokens // 4))
+
+
 def step_flops(
     spec: Any,
     cfg: RunConfig,

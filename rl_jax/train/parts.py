@@ -20,6 +20,7 @@ from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
+from rl_jax.train.accounting import decode_chunk, num_waves
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
@@ -48,8 +49,8 @@ class Parts:
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
-    sampler: Sampler  # pipeline and split mode's waves
-    engine: Engine | None  # on_policy / ppo_off_policy batches (sampling.engine), else None
+    sampler: Sampler  # pipeline's waves; every batch when sampling.engine is off
+    engine: Engine | None  # sampling.engine: synchronous batches (sampling.stream: pipeline's)
     eval_sampler: Engine | Sampler
     # The compiled programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
@@ -186,24 +187,31 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
 
 
 def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
-    """Parts' sampler (pipeline and split mode's waves), engine (on_policy /
-    ppo_off_policy batches, sampling.engine; by default a slot for every row the schedule
-    generates at once: B_p x n, x k for ppo_off_policy's k batches) and eval_sampler."""
+    """Parts' sampler (the batch Sampler: pipeline and split mode's waves unless
+    sampling.stream, every batch when sampling.engine is off), engine (sampling.engine:
+    on_policy and ppo_off_policy batches, and pipeline's as a stream with sampling.stream; by default a slot for every row the schedule has in flight at once:
+    B_p x n, x k for ppo_off_policy's k batches, x W for pipeline's W) and
+    eval_sampler."""
     engine = None
-    ppo = cfg.train.off_policy == "ppo_off_policy" and not cfg.data.dynamic_sampling
-    rows = (cfg.train.off_policy_k if ppo else 1) * cfg.data.prompts_per_batch * cfg.sampling.n
-    # Pipeline and split mode decode waves on the Sampler (no engine to build).
-    waves = cfg.train.off_policy == "pipeline" or cfg.mesh.sampler_devices > 0
+    off = cfg.train.off_policy
+    ppo = off == "ppo_off_policy" and not cfg.data.dynamic_sampling
+    batches = cfg.train.off_policy_k if ppo else num_waves(cfg) if off == "pipeline" else 1
+    rows = batches * cfg.data.prompts_per_batch * cfg.sampling.n
+    # Pipeline and split mode decode waves on the Sampler unless sampling.stream.
+    waves = (off == "pipeline" or cfg.mesh.sampler_devices > 0) and not cfg.sampling.stream
     if cfg.sampling.engine and not waves:
+        sampling = cfg.sampling
+        if off == "pipeline":  # the stream swaps weights between chunks of this many steps
+            sampling = dataclasses.replace(sampling, decode_chunk=decode_chunk(cfg))
         engine = make_sampler(
-            spec, cfg.sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
+            spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
         )
     return {
         # The batch Sampler: pipeline and split mode's waves, and every batch when
         # sampling.engine is off.
         "sampler": make_sampler(
             spec,
-            dataclasses.replace(cfg.sampling, engine=False),
+            dataclasses.replace(cfg.sampling, engine=False, stream=False),
             cfg,
             tokenizer,
             mesh=mesh,

@@ -224,12 +224,37 @@ def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, 
 # ---- update -------------------------------------------------------------------------------
 
 
+class StalenessError(RuntimeError):
+    """A token is more than PipelineRL's k versions older than an update that trains on it."""
+
+
+def check_staleness(versions_bt, mask_bt, version: int, updates: int, k: int) -> int:
+    """The largest staleness of any token of a batch: its updates run at versions
+    `version` .. version + updates - 1 on tokens sampled at `versions_bt` [B, Tg]
+    (`mask_bt`: the tokens sampled by the policy). StalenessError if any token is more
+    than k versions behind the last update."""
+    versions = np.asarray(versions_bt)
+    mask = np.asarray(mask_bt, bool)
+    if not mask.any():
+        return 0
+    last = version + updates - 1
+    stale_bt = np.where(mask, last - versions, 0)
+    worst = int(stale_bt.max())
+    if worst > k:
+        b, t = np.unravel_index(int(np.argmax(stale_bt)), stale_bt.shape)
+        raise StalenessError(
+            f"PipelineRL staleness {worst} exceeds k={k}: row {b} token {t} was sampled at "
+            f"version {int(versions[b, t])}, trained by the update at version {last}"
+        )
+    return worst
+
+
 def update(
     parts: Parts, state: TrainerState, batch: Batch, oldest: int
 ) -> tuple[TrainerState, dict[str, float]]:
     """The step's M optimizer updates, one per minibatch of P / M prompts, in one jitted
     program; `oldest` is the policy version of the batch's oldest token."""
-    cfg, M = parts.cfg, parts.M
+    M = parts.M
     host = dict(batch.host)
     for k, v in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
         if v is not None:
@@ -239,8 +264,6 @@ def update(
     hist = dict(state.staleness_hist)
     for j in range(M):
         stale = state.version + j - oldest
-        if cfg.train.off_policy == "pipeline" and stale > cfg.train.off_policy_k:
-            raise AssertionError(f"PipelineRL staleness {stale} exceeds k={cfg.train.off_policy_k}")
         hist[stale] = hist.get(stale, 0) + 1
     params, opt_state, m = parts.update_fn(state.params, state.opt_state, stacked)
     m = jax.device_get(m)  # {name: [M]}
@@ -265,6 +288,9 @@ def train_on(
     versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
     oldest = int(versions.min()) if ro.completion_mask.any() else state.version
     if keep_p.any():
+        if parts.cfg.train.off_policy == "pipeline":
+            k = parts.cfg.train.off_policy_k
+            check_staleness(ro.versions, ro.completion_mask, state.version, parts.M, k)
         batch = advantages(parts, state, ro, scores, keep_p)
         state, metrics = update(parts, state, batch, oldest)
         tp = ro.prompt_mask.sum(axis=1)[::G]

@@ -10,6 +10,10 @@
                   with the new weights on a stale KV cache, every token records
                   the policy version that sampled it. W = (k + 1) // M keeps
                   every update within k versions of the oldest token it trains on.
+                  With sampling.stream the waves give way to a continuous stream
+                  on the engine: a batch is the next B_p complete groups, and
+                  finished rows' slots take new groups at once
+                  (`rl_jax.train.stream`).
   split           pipeline with the sampler on its own devices, decoding in a
                   background thread while the rest train (`rl_jax.train.split`).
 
@@ -21,17 +25,16 @@ hooks, evaluation, checkpoints), which advances the step.
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import jax
 
-from rl_jax.config import RunConfig
 from rl_jax.sampling import Rollouts
 from rl_jax.train import phases
-from rl_jax.train.accounting import num_waves
-from rl_jax.train.split import SplitSampler
+from rl_jax.train.accounting import decode_chunk, num_waves
+from rl_jax.train.split import SplitSampler, SplitStream
 from rl_jax.train.state import Pending
+from rl_jax.train.stream import trainer_stream
 
 
 def on_policy(tr, bar) -> None:
@@ -76,6 +79,8 @@ def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
 
 
 def pipeline(tr, bar) -> None:
+    if tr.parts.engine is not None:
+        return pipeline_stream(tr, bar)
     cfg, parts = tr.cfg, tr.parts
     W, chunk = num_waves(cfg), decode_chunk(cfg)
     while tr.state.step < cfg.train.steps:
@@ -103,8 +108,33 @@ def pipeline(tr, bar) -> None:
         _finish(tr, state, m, sample_s, t1, bar)
 
 
+def pipeline_stream(tr, bar) -> None:
+    """PipelineRL-k as a continuous stream on the engine (rl_jax.train.stream): the
+    trainer takes the next B_p complete groups; the groups in flight continue with the
+    new weights."""
+    cfg, parts = tr.cfg, tr.parts
+    if tr.state.stream is None:  # a fresh run, or resumed: nothing in flight
+        tr.state = tr.state.replace(stream=trainer_stream(parts, tr.state.data, tr.state.step))
+    stream = tr.state.stream
+    while tr.state.step < cfg.train.steps:
+        t0 = time.perf_counter()
+        # Groups only for steps before the next checkpoint: the stream drains there.
+        stream.allow(min(cfg.train.steps, tr.next_boundary()))
+        if stream.idle:  # drained (the start, a checkpoint): counted afresh, as on resume
+            stream.kept_tokens = stream.slot_steps = 0
+        problems, ro = stream.next_batch(tr.sampler_weights)
+        tr.state = phases.account_sampling(parts, tr.state, ro)
+        sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        state, m = _train(tr, ro, problems)
+        stream.trained()
+        m["train/slot_occupancy"] = stream.occupancy  # since the stream last drained
+        _finish(tr, state, m, sample_s, t1, bar)
+
+
 def split(tr, bar) -> None:
     """PipelineRL-k with the sampler on its own devices (rl_jax.train.split)."""
+    if tr.parts.engine is not None:
+        return split_stream(tr, bar)
     cfg, parts = tr.cfg, tr.parts
     worker = SplitSampler(
         parts.sampler,
@@ -138,12 +168,35 @@ def split(tr, bar) -> None:
         worker.close()
 
 
+def split_stream(tr, bar) -> None:
+    """Split mode on the engine: PipelineRL's stream in the sampler thread, on the
+    sampler's devices (rl_jax.train.split.SplitStream)."""
+    cfg, parts = tr.cfg, tr.parts
+    stream = trainer_stream(parts, tr.state.data, tr.state.step)
+    tr.state = tr.state.replace(stream=stream)
+    worker = SplitStream(stream, weights=tr.sampler_weights())
+    tr.split_sampler = worker
+    try:
+        worker.allow(min(cfg.train.steps, tr.next_boundary()))
+        while tr.state.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            problems, ro = worker.take()
+            tr.state = phases.account_sampling(parts, tr.state, ro)
+            wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            state, m = _train(tr, ro, problems)
+            tr.state = state
+            # Push before `trained`: groups admitted after it sample with these weights.
+            worker.push(tr.sampler_weights())
+            worker.trained()
+            worker.train_intervals.append((t1, time.perf_counter()))
+            _finish(tr, state, m, wait_s, t1, bar)
+            worker.allow(min(cfg.train.steps, tr.next_boundary()))
+    finally:
+        worker.close()
+
+
 # train.off_policy -> its schedule (split mode, mesh.sampler_devices > 0, runs `split`).
 SCHEDULES = {"on_policy": on_policy, "ppo_off_policy": ppo_off_policy, "pipeline": pipeline}
-
-
-def decode_chunk(cfg: RunConfig) -> int:
-    return cfg.sampling.decode_chunk or max(1, math.ceil(cfg.sampling.max_new_tokens / 4))
 
 
 def _train(tr, ro: Rollouts, problems):

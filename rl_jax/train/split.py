@@ -15,6 +15,12 @@ slot). Its updates run at versions j * M .. j * M + M - 1, so no token is more
 than W * M - 1 <= k versions older than the update that trains on it. The
 trainer asserts this on every update (`rl_jax.train.phases.update`).
 
+With sampling.stream the sampler thread runs PipelineRL's continuous stream
+instead (`SplitStream`, rl_jax.train.stream): the engine on the sampler's
+devices, groups admitted as its slots free up, a batch the next B_p complete
+groups; its bound is the stream's (admission when t batches are trained, with
+weights of version >= t x M: the trainer pushes before its locked `trained`).
+
 Unlike the colocated modes, which weights a decode chunk sees depends on
 timing, so split runs are not bitwise reproducible; the bound always holds.
 One process only: under `jax.distributed` every process would have to issue
@@ -32,38 +38,11 @@ from typing import Any
 Weights = tuple[Any, int]  # (params in the sampler's layout, policy version)
 
 
-class SplitSampler:
-    """The sampling half of split mode; the trainer drives it with push / allow / take / done.
+class _Worker:
+    """A sampler thread handing finished batches to the trainer through a queue (an
+    exception raised in the thread reaches the trainer's `take`)."""
 
-    start_wave(step, problems, weights) -> Wave and draw() -> problems come from the
-    trainer (`draw` is called under `lock`, which the trainer also holds while it
-    updates the curriculum that prompt draws read).
-    """
-
-    def __init__(
-        self,
-        sampler,
-        *,
-        waves: int,
-        chunk: int,
-        first_step: int,
-        weights: Weights,
-        start_wave: Callable,
-        draw: Callable[[], list],
-        lock: threading.Lock,
-    ):
-        self.sampler = sampler
-        self.waves_max = waves
-        self.chunk = chunk
-        self._start_wave = start_wave
-        self._draw = draw
-        self.lock = lock
-        self._cond = threading.Condition()
-        self._weights = weights
-        self._outstanding = 0  # waves started and not yet trained
-        self._limit = first_step  # waves may start for steps < limit
-        self._next_step = first_step
-        self._stop = False
+    def _start(self) -> None:
         self._ready: queue.Queue = queue.Queue()
         # (start, end) of each sampler round and of each trainer batch: how much the
         # two overlapped is the point of split mode (benchmarks and tests read these).
@@ -72,27 +51,9 @@ class SplitSampler:
         self._thread = threading.Thread(target=self._run, name="rl_jax-sampler", daemon=True)
         self._thread.start()
 
-    # ---- the trainer's side ---------------------------------------------------------------
-
-    def push(self, weights: Weights) -> None:
-        """Newer weights for every later chunk and wave."""
-        with self._cond:
-            self._weights = weights
-
-    def allow(self, limit: int) -> None:
-        """Waves may start for steps below `limit` (the next checkpoint, or the last step)."""
-        with self._cond:
-            self._limit = max(self._limit, limit)
-            self._cond.notify_all()
-
-    def done(self) -> None:
-        """The trainer finished a wave's updates (and pushed the weights): a slot is free."""
-        with self._cond:
-            self._outstanding -= 1
-            self._cond.notify_all()
-
     def take(self) -> tuple[Any, Any]:
-        """The oldest finished wave and its Rollouts; blocks until there is one."""
+        """The oldest finished batch (its problems or wave, and its Rollouts); blocks
+        until there is one."""
         while True:
             try:
                 item = self._ready.get(timeout=1.0)
@@ -128,16 +89,73 @@ class SplitSampler:
             self._cond.notify_all()
         self._thread.join()
 
-    # ---- the sampler thread ---------------------------------------------------------------
-
-    def _can_start(self) -> bool:
-        return self._outstanding < self.waves_max and self._next_step < self._limit
-
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException as e:  # handed to the trainer, which re-raises it
             self._ready.put(e)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class SplitSampler(_Worker):
+    """The sampling half of split mode; the trainer drives it with push / allow / take / done.
+
+    start_wave(step, problems, weights) -> Wave and draw() -> problems come from the
+    trainer (`draw` is called under `lock`, which the trainer also holds while it
+    updates the curriculum that prompt draws read).
+    """
+
+    def __init__(
+        self,
+        sampler,
+        *,
+        waves: int,
+        chunk: int,
+        first_step: int,
+        weights: Weights,
+        start_wave: Callable,
+        draw: Callable[[], list],
+        lock: threading.Lock,
+    ):
+        self.sampler = sampler
+        self.waves_max = waves
+        self.chunk = chunk
+        self._start_wave = start_wave
+        self._draw = draw
+        self.lock = lock
+        self._cond = threading.Condition()
+        self._weights = weights
+        self._outstanding = 0  # waves started and not yet trained
+        self._limit = first_step  # waves may start for steps < limit
+        self._next_step = first_step
+        self._stop = False
+        self._start()
+
+    # ---- the trainer's side ---------------------------------------------------------------
+
+    def push(self, weights: Weights) -> None:
+        """Newer weights for every later chunk and wave."""
+        with self._cond:
+            self._weights = weights
+
+    def allow(self, limit: int) -> None:
+        """Waves may start for steps below `limit` (the next checkpoint, or the last step)."""
+        with self._cond:
+            self._limit = max(self._limit, limit)
+            self._cond.notify_all()
+
+    def done(self) -> None:
+        """The trainer finished a wave's updates (and pushed the weights): a slot is free."""
+        with self._cond:
+            self._outstanding -= 1
+            self._cond.notify_all()
+
+    # ---- the sampler thread ---------------------------------------------------------------
+
+    def _can_start(self) -> bool:
+        return self._outstanding < self.waves_max and self._next_step < self._limit
 
     def _loop(self) -> None:
         waves: list = []
@@ -170,4 +188,43 @@ class SplitSampler:
             if self.sampler.done(oldest.state):
                 waves.pop(0)
                 self._ready.put((oldest, self.sampler.result(oldest.state)))
+            self.intervals.append((t0, time.perf_counter()))
+
+
+class SplitStream(_Worker):
+    """Split mode on the engine: the stream (`EngineStream`, on the sampler's devices)
+    decodes in the sampler thread; the trainer drives it with push / allow / take /
+    trained (push before trained: the bound relies on that order)."""
+
+    def __init__(self, stream, *, weights: Weights):
+        self.stream = stream
+        self._cond = stream.cond  # one lock for the book, the weights and stopping
+        self._weights = weights
+        self._stop = False
+        self._start()
+
+    def push(self, weights: Weights) -> None:
+        """Newer weights for every later chunk and admission."""
+        with self._cond:
+            self._weights = weights
+
+    def allow(self, limit: int) -> None:
+        """Groups may enter for steps below `limit` (the next checkpoint, or the last)."""
+        self.stream.allow(limit)
+
+    def trained(self) -> None:
+        """The trainer finished a batch's updates (and pushed the weights)."""
+        self.stream.trained()
+
+    def _loop(self) -> None:
+        stream = self.stream
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or stream.has_work())
+                if self._stop:
+                    return
+            t0 = time.perf_counter()
+            stream.step(lambda: self._weights)  # reads the weights under the lock
+            while (got := stream.take()) is not None:
+                self._ready.put(got)
             self.intervals.append((t0, time.perf_counter()))

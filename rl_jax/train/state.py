@@ -7,10 +7,12 @@ Phases take a state and return a new one (`dataclasses.replace`); the loop keeps
 the newest.
 
 In-flight sampler work is part of the state too (PipelineRL waves being decoded,
-the sampled-but-untrained batches of a PPO-off-policy-k group) and is never in a
-checkpoint: every schedule saves only where there is none (pipeline waves never
-straddle a checkpoint step; a PPO group checkpoints at its end), so a resume
-samples those rows again from (seed, step) exactly as the first run did.
+the engine's stream of groups, the sampled-but-untrained batches of a
+PPO-off-policy-k group) and is never in a checkpoint: every schedule saves only
+where there is none (pipeline waves never straddle a checkpoint step; the stream
+admits no group past the next checkpoint, so it drains there; a PPO group
+checkpoints at its end), so a resume samples those rows again from (seed, step)
+exactly as the first run did.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class TrainerState:
     # In flight, never checkpointed (see the module docstring).
     waves: tuple[Wave, ...] = ()  # pipeline: oldest first, for steps step, step + 1, ...
     pending: tuple[Pending, ...] = ()  # ppo_off_policy: the group's untrained batches
+    stream: Any = None  # pipeline on the engine: its EngineStream (rl_jax.train.stream)
 
     def replace(self, **changes) -> TrainerState:
         return dataclasses.replace(self, **changes)
@@ -108,7 +111,7 @@ class TrainerState:
     @property
     def idle(self) -> bool:
         """No sampler work in flight: a checkpoint of this state resumes exactly."""
-        return not self.waves and not self.pending
+        return not self.waves and not self.pending and (self.stream is None or self.stream.idle)
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -144,4 +147,5 @@ class TrainerState:
             staleness_hist={int(k): v for k, v in meta["staleness_hist"].items()},
             waves=(),
             pending=(),
+            stream=None,
         )
