@@ -189,9 +189,9 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
 def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
     """Parts' sampler (the batch Sampler: pipeline and split mode's waves unless
     sampling.stream, every batch when sampling.engine is off), engine (sampling.engine:
-    on_policy and ppo_off_policy batches, and pipeline's as a stream with sampling.stream; by default a slot for every row the schedule has in flight at once:
-    B_p x n, x k for ppo_off_policy's k batches, x W for pipeline's W) and
-    eval_sampler."""
+    on_policy and ppo_off_policy batches, and pipeline's as a stream with sampling.stream;
+    by default a slot for every row the schedule has in flight at once: B_p x n, x k for
+    ppo_off_policy's k batches, x W for pipeline's W) and eval_sampler."""
     engine = None
     off = cfg.train.off_policy
     ppo = off == "ppo_off_policy" and not cfg.data.dynamic_sampling

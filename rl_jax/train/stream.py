@@ -36,7 +36,17 @@ from typing import Any
 import numpy as np
 
 from rl_jax.sampling import Engine, Rollouts
-from rl_jax.sampling._decoder import state_rollouts
+from rl_jax.sampling._decoder import round_up, state_rollouts
+from rl_jax.sampling._engine import ChunkOut
+
+# A row's columns, as generate returns them for a chunk: dtype and the value of a
+# column the row has not reached (None: the engine's pad id).
+_COLUMNS = {
+    "tokens": (np.int32, None),
+    "logprobs": (np.float32, 0.0),
+    "versions": (np.int32, -1),
+    "injected": (np.bool_, False),
+}
 
 Weights = tuple[Any, int]  # (params in the sampler's layout, policy version)
 
@@ -148,8 +158,8 @@ Source = Callable[[int], tuple[Any, list[int], np.ndarray, np.ndarray | None]]
 
 
 class EngineStream:
-    """The stream's host loop over the Engine's verbs (prefill, insert, generate,
-    finished): admits groups from `source` into free slots, decodes a chunk at a time
+    """The stream's host loop over the Engine's verbs (prefill_insert, generate):
+    admits groups from `source` into free slots, decodes a chunk at a time
     with the newest weights, and hands out batches of B_p complete groups.
 
     `cond` guards the book: split mode's trainer calls `trained` and `allow` from its
@@ -170,13 +180,18 @@ class EngineStream:
         self.key, self.source = key, source
         self.refill_min = max(1, engine.slots // 64) if refill_min is None else int(refill_min)
         self.cond = threading.Condition(threading.RLock())
-        self.state = None  # the engine's SamplerState, made at the first step
-        self.slot_row = np.full((engine.slots,), -1, np.int64)  # slot -> g * n + s, -1 free
+        self.state = None  # the engine's EngineState, made at the first step
+        S, Tg = engine.slots, engine.gen_len
+        self.slot_row = np.full((S,), -1, np.int64)  # slot -> g * n + s, -1 free
         self.queue: list[tuple[int, int]] = []  # (group, sample) rows waiting for a slot
         self.prompts: dict[int, tuple[Any, list[int], np.ndarray, np.ndarray | None]] = {}
-        self.prefixes: dict[int, tuple[Any, int, int]] = {}  # group -> (prefix, index, rows left)
+        self.pooled: dict[int, int] = {}  # group -> its prompt's prefix pool entry
+        self.left: dict[int, int] = {}  # pooled group -> its rows not yet in a slot
+        self.free_entries = list(range(engine.pool_size))
         self.rows: dict[int, dict[int, dict]] = {}  # group -> sample -> the row's fields
-        self._prepared: tuple[int, Any] | None = None  # (version, DecodeWeights)
+        # Each slot's row as the chunks bring its columns ([S, Tg]).
+        self.cols = {k: np.empty((S, Tg), d) for k, (d, _) in _COLUMNS.items()}
+        self.blank = {k: engine.pad_id if v is None else v for k, (_, v) in _COLUMNS.items()}
         # Occupancy: kept tokens / slot-steps run.
         self.slot_steps = self.kept_tokens = self.chunks = 0
 
@@ -254,67 +269,102 @@ class EngineStream:
         self._refill(params)
         if not (self.slot_row >= 0).any():
             return False
-        if self._prepared is None or self._prepared[0] != version:
-            self._prepared = None  # the old layout goes before the new one is made
-            self._prepared = (version, engine.prepare(params))
         # End the chunk early to refill slots only when there is something to put in
         # them: rows waiting, or a group that may enter.
         with self.cond:
             refill = bool(self.queue) or self.book.can_admit()
         idle = int((self.slot_row < 0).sum())
         at = idle + self.refill_min if refill else None
-        self.state, steps = engine.generate(
-            self._prepared[1], self.state, version=version, refill_at=at
-        )
+        self.state, out = engine.generate(params, self.state, version=version, refill_at=at)
         self.chunks += 1
-        self.slot_steps += engine.slots * steps
-        self._collect(engine.finished(self.state, among=np.flatnonzero(self.slot_row >= 0)))
+        self.slot_steps += engine.slots * out.steps
+        self._collect(out)
         return True
 
+    def _pick(self, free: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Rows for up to `free` slots, in queue order, and the groups whose prompts they
+        need prefilled (at most a prefill's, of one length bucket, while pool entries
+        are free: a prompt's KV depends only on it and its bucket)."""
+        eng = self.engine
+        taken, new, bucket = [], [], None
+        for at, (g, _) in enumerate(self.queue):
+            if len(taken) == free:
+                break
+            if g not in self.pooled and g not in new:
+                b = round_up(len(self.prompts[g][1]), eng.length_bucket)
+                room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
+                if not room or (bucket is not None and b != bucket):
+                    continue
+                bucket = b
+                new.append(g)
+            taken.append(at)
+        keep = set(taken)
+        rows = [self.queue[at] for at in taken]
+        self.queue = [r for at, r in enumerate(self.queue) if at not in keep]
+        return rows, new
+
     def _refill(self, params) -> None:
+        """Free slots from the queue: one prefill_insert call per set of new prompts."""
         engine = self.engine
-        free = np.flatnonzero(self.slot_row < 0)
-        take, self.queue = self.queue[: len(free)], self.queue[len(free) :]
-        if not take:
-            return
-        new = list(dict.fromkeys(g for g, _ in take if g not in self.prefixes))
-        per_call = engine.prefill_prompts
-        for at in range(0, len(new), per_call):
-            part = new[at : at + per_call]
-            prefix = engine.prefill(params, [self.prompts[g][1] for g in part])
-            self.prefixes.update({g: (prefix, i, self.G) for i, g in enumerate(part)})
-        by_prefix: dict[int, tuple[Any, list]] = {}
-        for (g, s), slot in zip(take, free, strict=False):
-            prefix, i, left = self.prefixes[g]
-            by_prefix.setdefault(id(prefix), (prefix, []))[1].append((i, int(slot), g, s))
-            self.slot_row[slot] = g * self.G + s
-            if left == 1:
-                del self.prefixes[g]
-            else:
-                self.prefixes[g] = (prefix, i, left - 1)
-        for prefix, rows in by_prefix.values():
-            limits = [self.prompts[g][3] for _, _, g, _ in rows]
-            self.state = engine.insert(
+        while self.queue:
+            free = np.flatnonzero(self.slot_row < 0)
+            if not len(free):
+                return
+            rows, new = self._pick(len(free))
+            if not rows:
+                return
+            into = [self.free_entries.pop(0) for _ in new]
+            self.pooled.update(zip(new, into, strict=True))
+            self.left.update({g: self.G for g in new})
+            slots = free[: len(rows)]
+            limits = [self.prompts[g][3] for g, _ in rows]
+            self.state = engine.prefill_insert(
+                params,
                 self.state,
-                prefix,
-                [i for i, _, _, _ in rows],
-                [slot for _, slot, _, _ in rows],
-                [int(self.prompts[g][2][s]) for _, _, g, s in rows],
-                [g for _, _, g, _ in rows],
+                [self.prompts[g][1] for g in new],
+                into,
+                slots.tolist(),
+                [self.pooled[g] for g, _ in rows],
+                [int(self.prompts[g][2][s]) for g, s in rows],
+                [g for g, _ in rows],
                 key=self.key,
                 limits=None
                 if any(lim is None for lim in limits)
-                else [int(self.prompts[g][3][s]) for _, _, g, s in rows],
+                else [int(self.prompts[g][3][s]) for g, s in rows],
             )
+            for (g, s), slot in zip(rows, slots, strict=True):
+                self.slot_row[slot] = g * self.G + s
+                for k, v in self.blank.items():
+                    self.cols[k][slot] = v
+                self.left[g] -= 1
+                if self.left[g] == 0:  # every row of the group entered: free its entry
+                    del self.left[g]
+                    self.free_entries.append(self.pooled.pop(g))
 
-    def _collect(self, done: dict[str, np.ndarray]) -> None:
+    def _collect(self, out: ChunkOut) -> None:
+        """The chunk's columns into each slot's row; ended rows leave their slots."""
+        Tp, Tg = self.engine.prompt_len, self.engine.gen_len
+        held = np.flatnonzero(self.slot_row >= 0)
+        cols = out.start[held, None] + np.arange(out.tokens.shape[1])[None, :]
+        ok = cols < Tg
+        s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
+        for k in _COLUMNS:
+            self.cols[k][s_idx, c_idx] = getattr(out, k)[held][ok]
         complete = []
-        for j, slot in enumerate(done["slot"]):
-            r = int(self.slot_row[slot])
-            if r < 0:
-                continue
-            g, s = divmod(r, self.G)
-            row = {k: v[j] for k, v in done.items() if k != "slot"}
+        for slot in held[out.done[held]]:
+            g, s = divmod(int(self.slot_row[slot]), self.G)
+            prompt = self.prompts[g][1]
+            prompt_tokens = np.full((Tp,), self.engine.pad_id, np.int32)
+            prompt_tokens[Tp - len(prompt) :] = prompt
+            row = {k: self.cols[k][slot].copy() for k in _COLUMNS}
+            row.update(
+                prompt_tokens=prompt_tokens,
+                kv_start=np.int32(Tp - len(prompt)),
+                lengths=np.int32(out.lengths[slot]),
+                finish=np.int32(out.finish[slot]),
+                truncated=bool(out.truncated[slot]),
+                row_ids=np.int32(self.prompts[g][2][s]),
+            )
             self.kept_tokens += int((~row["injected"][: row["lengths"]]).sum())
             self.rows.setdefault(g, {})[s] = row
             self.slot_row[slot] = -1
