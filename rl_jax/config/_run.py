@@ -226,8 +226,9 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Keys that name where a run writes, not what it computes: excluded from run ids.
-# (checkpoint.every stays in: PipelineRL drains in-flight batches at checkpoints.)
+# Keys that name where a run writes, or how many rows it works on at a time, not what
+# it computes: excluded from run ids. (checkpoint.every stays in: PipelineRL drains
+# in-flight batches at checkpoints.)
 _NON_SEMANTIC = (
     "name",
     "out_dir",
@@ -237,6 +238,7 @@ _NON_SEMANTIC = (
     "checkpoint.async_save",
     "checkpoint.compress",
     "checkpoint.resume",
+    "eval.batch_rows",
 )
 
 
