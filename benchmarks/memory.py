@@ -14,8 +14,9 @@ memory at its end:
   imports  python, jax, rl_jax
   load     tokenizer, model read and converted, optimizer state, programs built
   eval     the evaluation before the first step (the eval sampler compiled and run)
-  step1    the first step (the sampler and the train step compiled and run)
-  steps    the later steps
+  sample   every step but its update: the rollouts sampled (the sampler compiled in
+           the first) and scored, the batch built, the metrics logged
+  update   every step's update (the train step; compiled in the first)
   eval_end the evaluation after the last step
   save     the final checkpoint (orbax) until it is on disk
 and `compile`: the largest RSS sampled (every 20 ms) while XLA compiled a program
@@ -39,6 +40,7 @@ set to a warm cache measures runs after the first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -143,14 +145,18 @@ def worker(steps: int, overrides: list[str]) -> None:
         now = time.perf_counter()
         times.append(now - t[0])
         t[0] = now
-        if tr.step == 1:
-            ph.mark("step1")
 
-    evaluate, save = trainer.evaluate, trainer.save
+    evaluate, save, update = trainer.evaluate, trainer.save, trainer.parts.update_fn
+
+    def update_marked(*args):
+        ph.mark("sample")
+        out = jax.block_until_ready(update(*args))
+        ph.mark("update")
+        return out
 
     def evaluate_marked():
         if trainer.step == steps:
-            ph.mark("steps")
+            ph.mark("sample")  # the last step's bookkeeping
         m = evaluate()
         if trainer.step == 0:
             ph.mark("eval")
@@ -164,6 +170,7 @@ def worker(steps: int, overrides: list[str]) -> None:
         ph.mark("save")
 
     trainer.evaluate, trainer.save = evaluate_marked, save_marked
+    trainer.parts = dataclasses.replace(trainer.parts, update_fn=update_marked)
     trainer.step_hooks.append(hook)
     trainer.run_loop()
 
