@@ -14,14 +14,18 @@ memory at its end:
   imports  python, jax, rl_jax
   load     tokenizer, model read and converted, optimizer state, programs built
   eval     the evaluation before the first step (the eval sampler compiled and run)
-  step1    the first step (the sampler and the train step compiled and run)
-  steps    the later steps and the final evaluation
+  sample   every step but its update: the rollouts sampled (the sampler compiled in
+           the first) and scored, the batch built, the metrics logged
+  update   every step's update (the train step; compiled in the first)
+  eval_end the evaluation after the last step
   save     the final checkpoint (orbax) until it is on disk
 and `compile`: the largest RSS sampled (every 20 ms) while XLA compiled a program
 (the intervals of jax.monitoring's backend-compile events; a warm persistent
 compilation cache skips them). Also: peak_rss_mb (the largest phase peak: resetting
 VmHWM resets ru_maxrss too),
-weights_mb, opt_mb, step_s, and at the top level load_avg_1m.
+weights_mb, opt_mb, step_s, the run's numbers (`metrics`: per step the train loss,
+gradient norm and pass@1, and val pass@1 of each evaluation, which a memory change
+must leave as they were), and at the top level load_avg_1m.
 
 Variants (the same run, one memory knob changed):
   recipe    the recipe as shipped
@@ -36,8 +40,10 @@ set to a warm cache measures runs after the first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,12 +145,18 @@ def worker(steps: int, overrides: list[str]) -> None:
         now = time.perf_counter()
         times.append(now - t[0])
         t[0] = now
-        if tr.step == 1:
-            ph.mark("step1")
 
-    evaluate, save = trainer.evaluate, trainer.save
+    evaluate, save, update = trainer.evaluate, trainer.save, trainer.parts.update_fn
+
+    def update_marked(*args):
+        ph.mark("sample")
+        out = jax.block_until_ready(update(*args))
+        ph.mark("update")
+        return out
 
     def evaluate_marked():
+        if trainer.step == steps:
+            ph.mark("sample")  # the last step's bookkeeping
         m = evaluate()
         if trainer.step == 0:
             ph.mark("eval")
@@ -152,14 +164,22 @@ def worker(steps: int, overrides: list[str]) -> None:
         return m
 
     def save_marked(**kw):
-        ph.mark("steps")
+        ph.mark("eval_end")
         save(**kw)
         trainer.ckpt.wait()
         ph.mark("save")
 
     trainer.evaluate, trainer.save = evaluate_marked, save_marked
+    trainer.parts = dataclasses.replace(trainer.parts, update_fn=update_marked)
     trainer.step_hooks.append(hook)
     trainer.run_loop()
+
+    rows = trainer.run.metrics()
+    metrics = {
+        k: [r[k] for r in rows if k in r]
+        for k in ("train/loss", "train/grad_norm", "train/pass@1", "val/pass@1")
+    }
+    shutil.rmtree(out, ignore_errors=True)
 
     def mb(tree) -> float:
         return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)) / 2**20
@@ -174,6 +194,7 @@ def worker(steps: int, overrides: list[str]) -> None:
             "weights_mb": round(mb(trainer.params), 1),
             "opt_mb": round(mb(trainer.state.opt_state), 1),
             "step_s": [round(x, 2) for x in times],
+            "metrics": metrics,
         }
     )
 

@@ -154,3 +154,15 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     rows = rd.metrics()
     assert rows[0]["step"] == 1 and rows[0]["loss"] == 0.5
     assert any(p.name.startswith("events.out.tfevents") for p in rd.events_dir.iterdir())
+
+
+def test_tensorboard_does_not_load_torch(tmp_path):
+    """tensorboardX imports torch when it can (~180 MB of resident memory); the logger's
+    writer does without it, and torch still imports afterwards."""
+    code = (
+        "import sys; from rl_jax.runs.metrics import summary_writer_class as w; "
+        f"w()({str(tmp_path)!r}).add_scalar('x', 1.0, 0); "
+        "print('torch' in sys.modules); import torch; print(torch.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "torch"]

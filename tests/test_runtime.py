@@ -53,3 +53,29 @@ def test_second_process_loads_from_the_cache(tmp_path):
     assert first["y"] == second["y"]
     assert first["trim"] is True
     assert first["hits"] == 0 and second["hits"] >= 1
+
+
+def test_cpu_scheduler_keeps_results():
+    """The memory-minimizing scheduler orders instructions; the numbers are XLA's default
+    schedule's, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+
+    opts = runtime.xla_options()
+    assert opts["xla_cpu_scheduler_type"] == runtime.CPU_SCHEDULER
+
+    def f(w, x):
+        for _ in range(3):
+            x = jnp.tanh(x @ w) + jnp.sin(x).sum(axis=0)
+        return x, jax.nn.log_softmax(x @ w.T, axis=-1).sum()
+
+    w = jax.random.normal(jax.random.key(0), (48, 48))
+    x = jax.random.normal(jax.random.key(1), (16, 48))
+    ref = jax.jit(f)(w, x)
+    out = jax.jit(f, compiler_options={"xla_cpu_scheduler_type": runtime.CPU_SCHEDULER})(w, x)
+    for a, b in zip(out, ref, strict=True):
+        assert (a == b).all()
+
+
+def test_freed_buffers_go_back_to_the_os():
+    assert runtime.unmap_freed_buffers() is True  # glibc (Linux)

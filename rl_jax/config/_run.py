@@ -226,8 +226,9 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Keys that name where a run writes, not what it computes: excluded from run ids.
-# (checkpoint.every stays in: PipelineRL drains in-flight batches at checkpoints.)
+# Keys that name where a run writes, or how many rows it works on at a time, not what
+# it computes: excluded from run ids. (checkpoint.every stays in: PipelineRL drains
+# in-flight batches at checkpoints.)
 _NON_SEMANTIC = (
     "name",
     "out_dir",
@@ -242,6 +243,7 @@ _NON_SEMANTIC = (
     # decode slots, not what they compute.
     "sampling.engine",
     "sampling.engine_slots",
+    "eval.batch_rows",
 )
 
 

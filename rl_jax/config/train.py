@@ -94,6 +94,11 @@ class EvalConfig:
     num_prompts: int = knob(64, help="validation prompts per evaluation")
     temperature: float = knob(1.0, help="validation sampling temperature")
     at_start: bool = knob(True, help="evaluate before the first step (R0)")
+    batch_rows: int = knob(
+        0,
+        help="rows (prompts x k) sampled at a time, whole prompts per batch; 0 = all at "
+        "once. Memory only: every row's draws are its own, so the results do not change",
+    )
 
     def __post_init__(self):
         check_numbers("eval", self)
@@ -101,6 +106,7 @@ class EvalConfig:
         check_range("eval", "every", self.every, lo=0)
         check_range("eval", "num_prompts", self.num_prompts, lo=1)
         check_range("eval", "temperature", self.temperature, lo=0.0)
+        check_range("eval", "batch_rows", self.batch_rows, lo=0)
 
 
 @dataclass(frozen=True, kw_only=True)

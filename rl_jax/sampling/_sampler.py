@@ -41,9 +41,16 @@ __all__ = ["Sampler", "pack_prompts", "round_up"]
 
 
 def pack_prompts(
-    prompt_ids: Sequence[Sequence[int]], *, rows: int, bucket: int, max_len: int, pad_id: int
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    rows: int,
+    bucket: int,
+    max_len: int,
+    pad_id: int,
+    min_len: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad prompts into [rows, Tp] (Tp a multiple of `bucket`); also their lengths [rows].
+    """Left-pad prompts into [rows, Tp] (Tp the longest prompt, at least `min_len`, rounded
+    up to a multiple of `bucket`); also their lengths [rows].
 
     Rows past len(prompt_ids) hold a one-token dummy prompt (padding rows).
     """
@@ -56,7 +63,7 @@ def pack_prompts(
                 f"prompt {i} has {n} tokens, more than sampling.max_prompt_len={max_len}; "
                 "raise sampling.max_prompt_len or shorten the prompt"
             )
-    tp = round_up(max(lens), bucket)
+    tp = round_up(max(*lens, min_len), bucket)
     tokens = np.full((rows, tp), pad_id, np.int32)
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompt_ids):
@@ -207,6 +214,7 @@ class Sampler(Decoder):
         seed: int = 0,
         row_ids: Sequence[int] | None = None,
         max_new_tokens: int | Sequence[int] | None = None,
+        prompt_len: int = 0,
     ) -> SamplerState:
         """Prefill P prompts once and give each of its G = n samples a copy: B = P * G rows.
 
@@ -214,6 +222,8 @@ class Sampler(Decoder):
         `key` (default `jax.random.key(seed)`), its row id (default b) and the step.
         `max_new_tokens` overrides `cfg.max_new_tokens` for this batch (bucketed), or
         for each row (a sequence of B limits: a row ends at its own, as LENGTH).
+        `prompt_len`: prompts are left-padded to at least this many tokens (bucketed;
+        0: the longest prompt's bucket), so batches cut from a larger one run its shapes.
         """
         cfg = self.cfg
         G = cfg.n if n is None else int(n)
@@ -235,6 +245,7 @@ class Sampler(Decoder):
             bucket=cfg.length_bucket,
             max_len=cfg.max_prompt_len,
             pad_id=self.pad_id,
+            min_len=prompt_len,
         )
         longest = int(lens_p.max()) + limit
         if longest > self.spec.max_position:
@@ -338,6 +349,7 @@ class Sampler(Decoder):
         version: int = 0,
         row_ids: Sequence[int] | None = None,
         max_new_tokens: int | Sequence[int] | None = None,
+        prompt_len: int = 0,
     ) -> Rollouts:
         """start + decode to completion (in `cfg.decode_chunk` chunks if set) + result."""
         params = self._as_params(params)
@@ -349,6 +361,7 @@ class Sampler(Decoder):
             seed=seed,
             row_ids=row_ids,
             max_new_tokens=max_new_tokens,
+            prompt_len=prompt_len,
         )
         chunk = self.cfg.decode_chunk or None
         state = self.decode(params, state, max_steps=chunk, version=version)

@@ -22,16 +22,24 @@ def eval_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), EVAL_KEY_SALT)
 
 
+def eval_prompts_per_batch(num_prompts: int, k: int, batch_rows: int) -> int:
+    """Prompts sampled at a time in an evaluation of `num_prompts` prompts x k samples:
+    whole prompts, at most `batch_rows` rows (eval.batch_rows; at least one prompt;
+    0: all at once)."""
+    if batch_rows <= 0:
+        return num_prompts
+    return max(1, min(num_prompts, batch_rows // k))
+
+
 def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
     """The validation sampler of run config `cfg`: its sampling settings with eval.k
     samples per prompt at eval.temperature, decoded in one piece. The engine
-    (sampling.engine) with a slot for every row (eval.num_prompts x eval.k, or
-    sampling.engine_slots), its prompts up to `prompt_len` tokens (0:
-    sampling.max_prompt_len); else the batch Sampler."""
-    sampling = dataclasses.replace(
-        cfg.sampling, n=cfg.eval.k, temperature=cfg.eval.temperature, decode_chunk=0
-    )
-    rows = cfg.eval.num_prompts * cfg.eval.k
+    (sampling.engine) with a slot for every row of a batch (eval.batch_rows, whole
+    prompts, else eval.num_prompts x eval.k; or sampling.engine_slots), its prompts up
+    to `prompt_len` tokens (0: sampling.max_prompt_len); else the batch Sampler."""
+    ev = cfg.eval
+    sampling = dataclasses.replace(cfg.sampling, n=ev.k, temperature=ev.temperature, decode_chunk=0)
+    rows = eval_prompts_per_batch(ev.num_prompts, ev.k, ev.batch_rows) * ev.k
     return make_sampler(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
 
 
@@ -76,6 +84,35 @@ def generate_rows(sampler, params, prompt_ids, *, n: int, key, version: int, row
         ro, _ = sampler.run(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
         return ro
     return sampler.generate(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
+
+
+def generate_in_batches(sampler, params, prompt_ids, *, n: int, key, version: int, prompts: int):
+    """generate_rows of every prompt, `prompts` prompts at a time: the same rows.
+
+    The engine refills its slots by itself (its slot count bounds its memory). The
+    Sampler runs one batch after another: the batches are about equal (at most two
+    shapes to compile), each row keeps its id (p * n + s, its draws) and every batch
+    pads its prompts to the longest of all, as one batch would."""
+    from rl_jax.sampling import Engine
+    from rl_jax.train.phases import concat_groups
+
+    P = len(prompt_ids)
+    if isinstance(sampler, Engine) or prompts >= P:
+        return generate_rows(sampler, params, prompt_ids, n=n, key=key, version=version)
+    longest = max(len(p) for p in prompt_ids)
+    groups = []
+    for idx in np.array_split(np.arange(P), -(-P // prompts)):
+        ro = sampler.generate(
+            params,
+            [prompt_ids[p] for p in idx],
+            n=n,
+            key=key,
+            version=version,
+            row_ids=(idx[:, None] * n + np.arange(n)).reshape(-1),
+            prompt_len=longest,
+        )
+        groups += [(ro, g) for g in range(len(idx))]
+    return concat_groups(groups, n)
 
 
 def correctness_fn(rewards_cfg, task, reward_fn=None):
@@ -136,11 +173,16 @@ def evaluate_policy(
     k: int,
     key: jax.Array,
     version: int = 0,
+    batch_rows: int = 0,
 ) -> tuple[dict[str, float], object]:
-    """Sample k completions per validation problem, score them with the 0/1 verifier
+    """Sample k completions per validation problem, `batch_rows` rows at a time (whole
+    prompts; 0: all at once, the same results), score them with the 0/1 verifier
     `correct_fn`, and return (`pass_metrics`, the rollouts)."""
     prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-    ro = generate_rows(sampler, params, prompt_ids, n=k, key=key, version=version)
+    prompts = eval_prompts_per_batch(len(problems), k, batch_rows)
+    ro = generate_in_batches(
+        sampler, params, prompt_ids, n=k, key=key, version=version, prompts=prompts
+    )
     texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
     answers = [problems[g].answer for g in ro.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)

@@ -341,6 +341,7 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
         k=k,
         key=eval_key(parts.cfg.train.seed),
         version=state.version,
+        batch_rows=parts.cfg.eval.batch_rows,
     )
     state = state.count(
         eval_flops=forward_flops(parts.spec, ro.prompt_mask.sum(axis=1)[::k], ro.lengths, k),
