@@ -4,6 +4,7 @@ The reference for every comparison is a float32 run from the same (bfloat16-roun
 initial weights on the same batch.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -56,9 +57,16 @@ def _batch():
     return put_batch(host, None)
 
 
-def _deltas(param_dtype, compute_dtype, precision, *, tx, steps=3):
-    """(trained weights after `steps` updates minus before, as float32; final state)."""
+# The optimizers of these tests, by name, so that runs can be cached across tests.
+_TX = {"sgd": lambda: optax.sgd(1e-4), "adamw": lambda: optax.adamw(1e-6)}
+
+
+@functools.cache
+def _run(param_dtype, compute_dtype, precision, tx_name, steps=3):
+    """The weights' change after each of `steps` updates (as float32), and the final state
+    and optimizer state. Cached: several tests compare the same runs."""
     spec = _spec(param_dtype, compute_dtype)
+    tx = _TX[tx_name]()
     # Every run starts from the same weights: the init rounded to bfloat16.
     w0 = init_params(_spec("bfloat16", "float32"), jax.random.key(0))
     plan = ParamPlan(param_dtype=param_dtype, precision=precision)
@@ -77,10 +85,19 @@ def _deltas(param_dtype, compute_dtype, precision, *, tx, steps=3):
         plan=plan,
     )
     batch = _batch()
+    deltas = []
     for _ in range(steps):
         state, opt, m = step(state, opt, batch)
         assert float(m["nonfinite"]) == 0
-    return {k: np.asarray(v, np.float32) - start[k] for k, v in state.items()}, state, opt
+        deltas.append({k: np.asarray(v, np.float32) - start[k] for k, v in state.items()})
+    return deltas, state, opt
+
+
+def _deltas(param_dtype, compute_dtype, precision, *, tx, steps=3):
+    """(the weights' change after `steps` updates, as float32; the state and optimizer
+    state after all of the cached run's updates)."""
+    deltas, state, opt = _run(param_dtype, compute_dtype, precision, tx)
+    return deltas[steps - 1], state, opt
 
 
 def _rel_diff(d, ref):
@@ -96,7 +113,7 @@ def test_bf16_compute_on_float32_masters_updates_as_float32_does():
     """SGD (an update linear in the gradient): bf16 compute on float32 masters moves the
     weights as a float32 run does, up to bf16's activation noise (measured 0.50% after 3
     steps; 0.51% before gradients were added in float32)."""
-    tx = optax.sgd(1e-4)
+    tx = "sgd"
     ref, _, _ = _deltas("float32", "float32", "fp32_master", tx=tx)
     master, state, _ = _deltas("bfloat16", "bfloat16", "fp32_master", tx=tx)
     assert all(v.dtype == jnp.float32 for v in state.values())
@@ -113,7 +130,7 @@ def test_bf16_weights_with_float32_compute_get_the_float32_gradient():
     in bfloat16 it was 0.25% off, with signs flipped where the uses cancel (an Adam update
     2.2% off). Later updates differ by the bfloat16 view, which cannot hold the masters'
     1e-6 steps (measured 0.80% and 1.17% at steps 2 and 3)."""
-    tx = optax.adamw(1e-6)
+    tx = "adamw"
     ref, _, _ = _deltas("float32", "float32", "fp32_master", tx=tx, steps=1)
     got, _, _ = _deltas("bfloat16", "float32", "fp32_master", tx=tx, steps=1)
     for k in ref:
@@ -126,8 +143,10 @@ def test_adam_updates_under_bf16_compute_differ_only_where_gradients_vanish():
     it, and each flip moves an element by 2 lr: 8.3% of the update vector after 3 steps
     (float32 runs with the rows of each group permuted: 1e-5). Weighted by the float32
     gradient, what the loss sees of an update, the difference is 0.02%."""
-    tx = optax.adamw(1e-6)
-    g, _, _ = _deltas("float32", "float32", "fp32_master", tx=optax.sgd(1.0), steps=1)
+    tx = "adamw"
+    # The gradient, up to scale (what the weighting below is invariant to): the
+    # first SGD step of the float32 run.
+    g, _, _ = _deltas("float32", "float32", "fp32_master", tx="sgd", steps=1)
     ref, _, _ = _deltas("float32", "float32", "fp32_master", tx=tx)
     got, _, _ = _deltas("bfloat16", "bfloat16", "fp32_master", tx=tx)
     weighted = _rel_diff({k: g[k] * got[k] for k in g}, {k: g[k] * ref[k] for k in g})
@@ -140,7 +159,7 @@ def test_small_adam_steps_survive_in_masters_and_vanish_in_bf16_weights():
     """lr 1e-6 moves a 0.02 weight by ~2^-14 of itself, below half a bfloat16 bit: rounded
     into bf16 weights (pure, or fp32_moments) almost every update is lost; float32
     masters keep them all."""
-    tx = optax.adamw(1e-6)
+    tx = "adamw"
     master, state, opt = _deltas("bfloat16", "bfloat16", "fp32_master", tx=tx)
     assert all(v.dtype == jnp.float32 for v in state.values())
     assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(opt) if m.ndim)
