@@ -12,13 +12,15 @@ them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))
 """
 
 from rl_jax.sampling._dist import logprob_temperature, sample_logits
-from rl_jax.sampling._engine import Engine, Prefix, RunStats
+from rl_jax.sampling._engine import ChunkOut, Engine, EngineState, Prefix, RunStats
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._sampler import Sampler, pack_prompts
 from rl_jax.sampling._state import SamplerState
 
 __all__ = [
+    "ChunkOut",
     "Engine",
+    "EngineState",
     "Prefix",
     "RunStats",
     "FinishReason",

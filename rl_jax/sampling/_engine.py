@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,10 +214,10 @@ class Engine(Decoder):
         pin = {} if state_sh is None else {"out_shardings": state_sh}
         # (Without a mesh, on the default device: committed there, as the calls'
         # results are, else the first call would compile a program of its own.)
-        self._init = jax.jit(
-            self._init_impl,
-            compiler_options=opts,
-            out_shardings=SingleDeviceSharding(jax.devices()[0]) if state_sh is None else state_sh,
+        self._init = _fill_program(
+            self._empty_geometry(),
+            SingleDeviceSharding(jax.devices()[0]) if state_sh is None else state_sh,
+            tuple(sorted(opts.items())),
         )
         self._prefill_insert = jax.jit(
             self._prefill_insert_impl,
@@ -275,43 +277,32 @@ class Engine(Decoder):
 
     def _init_impl(self) -> EngineState:
         """Empty slots (done, not real) and an empty pool: a fill, no model code."""
-        S, Q, Tp, Tg = self.slots, self.pool_size, self.prompt_len, self.gen_len
+        return _empty_state(self._empty_geometry())
+
+    def _empty_geometry(self) -> _Empty:
         ops = self.decode_ops
         C, block, W, _ = self._geometry(ops)
         spec = self.spec
         dt = dtype_of(spec.compute_dtype)
-        L, K, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        empty = KVCache(*(jnp.zeros((L, S, K, C, hd), dt) for _ in range(2)))
-        zeros = jnp.zeros((S,), jnp.int32)
-        slots = SamplerState(
-            cache=tuple(ops.from_model_cache(empty, block)),
-            prompt_tokens=jnp.full((S, Tp), self.pad_id, jnp.int32),
-            kv_start=zeros,
-            tokens=jnp.full((S, Tg), self.pad_id, jnp.int32),
-            logprobs=jnp.zeros((S, Tg), jnp.float32),
-            versions=jnp.full((S, Tg), -1, jnp.int32),
-            injected=jnp.zeros((S, Tg), bool),
-            last_token=zeros + self.pad_id,
-            step=zeros,
-            limit=zeros + 1,
-            done=jnp.ones((S,), bool),
-            finish=zeros + int(FinishReason.RUNNING),
-            truncated=jnp.zeros((S,), bool),
-            lengths=zeros,
-            phase=zeros + THINK,
-            phase_pos=zeros,
-            interrupt_at=zeros + _NO_INTERRUPT,
-            keys=jax.random.key_data(row_keys(jax.random.key(0), zeros)),
-            group_ids=zeros,
-            row_ids=zeros,
-            real=jnp.zeros((S,), bool),
+        L, S, K, hd = spec.num_layers, self.slots, spec.num_kv_heads, spec.head_dim
+        # Zeros made in the decode layout's shapes, not laid out from the model's (XLA
+        # would fold the layout's transposes of constants: most of a second to compile).
+        layout = jax.eval_shape(
+            lambda: ops.from_model_cache(
+                KVCache(*(jnp.zeros((L, S, K, C, hd), dt) for _ in range(2))), block
+            )
         )
-        pool = Prefix(
-            cache=KVCache(*(jnp.zeros((L, Q, K, W, hd), dt) for _ in range(2))),
-            prompt_tokens=jnp.full((Q, Tp), self.pad_id, jnp.int32),
-            kv_start=jnp.zeros((Q,), jnp.int32),
+        key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        return _Empty(
+            slots=S,
+            prompt_len=self.prompt_len,
+            gen_len=self.gen_len,
+            pad_id=self.pad_id,
+            cache=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in layout),
+            pool=(L, self.pool_size, K, W, hd),
+            dtype=jnp.dtype(dt).name,
+            key=(tuple(key_data.shape), jnp.dtype(key_data.dtype).name),
         )
-        return EngineState(slots=slots, pool=pool)
 
     def _prefill(self, params, prompt_pt, lens_p, bucket: int) -> Prefix:
         """Prompts [P, prompt_len] left-padded, of at most `bucket` tokens: every token but
@@ -635,6 +626,64 @@ class Engine(Decoder):
             chunk += 1
             loop.collect(out)
         return loop.rollouts(), loop.stats(chunk)
+
+
+class _Empty(NamedTuple):
+    """What an engine's empty state depends on (hashable: engines of one geometry share
+    one compiled fill, `_fill_program`)."""
+
+    slots: int
+    prompt_len: int
+    gen_len: int
+    pad_id: int
+    cache: tuple  # the decode cache's (shape, dtype) of keys and values
+    pool: tuple  # the pool's cache shape (L, Q, K, W, hd)
+    dtype: str  # the pool's dtype
+    key: tuple  # a key's data (shape, dtype)
+
+
+def _empty_state(g: _Empty) -> EngineState:
+    S, Q, Tp, Tg, pad = g.slots, g.pool[1], g.prompt_len, g.gen_len, g.pad_id
+    zeros = jnp.zeros((S,), jnp.int32)
+    slots = SamplerState(
+        cache=tuple(jnp.zeros(shape, dtype) for shape, dtype in g.cache),
+        prompt_tokens=jnp.full((S, Tp), pad, jnp.int32),
+        kv_start=zeros,
+        tokens=jnp.full((S, Tg), pad, jnp.int32),
+        logprobs=jnp.zeros((S, Tg), jnp.float32),
+        versions=jnp.full((S, Tg), -1, jnp.int32),
+        injected=jnp.zeros((S, Tg), bool),
+        last_token=zeros + pad,
+        step=zeros,
+        limit=zeros + 1,
+        done=jnp.ones((S,), bool),
+        finish=zeros + int(FinishReason.RUNNING),
+        truncated=jnp.zeros((S,), bool),
+        lengths=zeros,
+        phase=zeros + THINK,
+        phase_pos=zeros,
+        interrupt_at=zeros + _NO_INTERRUPT,
+        keys=jnp.zeros((S, *g.key[0]), g.key[1]),
+        group_ids=zeros,
+        row_ids=zeros,
+        real=jnp.zeros((S,), bool),
+    )
+    pool = Prefix(
+        cache=KVCache(*(jnp.zeros(g.pool, g.dtype) for _ in range(2))),
+        prompt_tokens=jnp.full((Q, Tp), pad, jnp.int32),
+        kv_start=jnp.zeros((Q,), jnp.int32),
+    )
+    return EngineState(slots=slots, pool=pool)
+
+
+@functools.lru_cache(maxsize=64)
+def _fill_program(g: _Empty, shardings, options: tuple):
+    """The jitted fill of an empty state, one per geometry and layout in a process: a
+    trainer's engines (and its tests') compile it once, not once per engine (~0.3 s of
+    XLA:CPU each, under the persistent cache's threshold)."""
+    return jax.jit(
+        functools.partial(_empty_state, g), out_shardings=shardings, compiler_options=dict(options)
+    )
 
 
 class _HostLoop:

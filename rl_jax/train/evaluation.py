@@ -47,7 +47,7 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
     """A sampler of `sampling` for batches of up to `rows` rows: the engine when
     sampling.engine (slots: sampling.engine_slots, else `rows`; one chunk decodes to
     the end unless sampling.decode_chunk; `fixed_shapes`, so a run compiles one
-    prefill and one insert program), else the batch Sampler."""
+    prefill_insert and one generate program), else the batch Sampler."""
     from rl_jax.sampling import Engine, Sampler
     from rl_jax.sharding import num_batch_shards
 
