@@ -35,9 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.sampling import Engine, Rollouts
+from rl_jax.sampling import ChunkOut, Engine, Rollouts
 from rl_jax.sampling._decoder import round_up, state_rollouts
-from rl_jax.sampling._engine import ChunkOut
 
 # A row's columns, as generate returns them for a chunk: dtype and the value of a
 # column the row has not reached (None: the engine's pad id).
