@@ -13,7 +13,7 @@ them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))
 
 from rl_jax.sampling._dist import logprob_temperature, sample_logits
 from rl_jax.sampling._engine import ChunkOut, Engine, EngineState, Prefix, RunStats
-from rl_jax.sampling._rollouts import FinishReason, Rollouts
+from rl_jax.sampling._rollouts import FinishReason, Rollouts, concat_groups
 from rl_jax.sampling._sampler import Sampler, pack_prompts
 from rl_jax.sampling._state import SamplerState
 
@@ -27,6 +27,7 @@ __all__ = [
     "Rollouts",
     "Sampler",
     "SamplerState",
+    "concat_groups",
     "logprob_temperature",
     "pack_prompts",
     "sample_logits",

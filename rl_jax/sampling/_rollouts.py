@@ -53,3 +53,25 @@ class Rollouts:
     def completion(self, row: int) -> list[int]:
         """Token ids of one row's completion (injected tokens included)."""
         return self.completion_tokens[row, : int(self.lengths[row])].tolist()
+
+
+def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
+    """One Rollouts of the groups (rollouts, group index), renumbered 0..len-1.
+
+    Prompt arrays are left-padded and completion arrays right-padded to the widest."""
+    tp = max(ro.prompt_tokens.shape[1] for ro, _ in groups)
+    tg = max(ro.completion_tokens.shape[1] for ro, _ in groups)
+    parts: dict[str, list] = {}
+    for new_g, (ro, g) in enumerate(groups):
+        rows = slice(g * G, (g + 1) * G)
+        for f in dataclasses.fields(ro):
+            v = getattr(ro, f.name)[rows]
+            if f.name.startswith("prompt_"):
+                v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
+            elif v.ndim == 2:
+                fill = -1 if f.name == "versions" else 0
+                v = np.pad(v, ((0, 0), (0, tg - v.shape[1])), constant_values=fill)
+            if f.name == "group_ids":
+                v = np.full_like(v, new_g)
+            parts.setdefault(f.name, []).append(v)
+    return Rollouts(**{k: np.concatenate(v) for k, v in parts.items()})

@@ -93,8 +93,7 @@ def generate_in_batches(sampler, params, prompt_ids, *, n: int, key, version: in
     Sampler runs one batch after another: the batches are about equal (at most two
     shapes to compile), each row keeps its id (p * n + s, its draws) and every batch
     pads its prompts to the longest of all, as one batch would."""
-    from rl_jax.sampling import Engine
-    from rl_jax.train.phases import concat_groups
+    from rl_jax.sampling import Engine, concat_groups
 
     P = len(prompt_ids)
     if isinstance(sampler, Engine) or prompts >= P:

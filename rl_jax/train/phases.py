@@ -20,7 +20,7 @@ import numpy as np
 
 from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance_groups
 from rl_jax.rewards import score_batch, shape_rewards
-from rl_jax.sampling import Rollouts
+from rl_jax.sampling import Rollouts, concat_groups
 from rl_jax.train.accounting import forward_flops, step_flops
 from rl_jax.train.evaluation import eval_key, evaluate_policy, generate_rows
 from rl_jax.train.parts import Parts
@@ -352,28 +352,6 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
 
 
 # ---- batches of rows ----------------------------------------------------------------------
-
-
-def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
-    """One Rollouts of the groups (rollouts, group index), renumbered 0..len-1.
-
-    Prompt arrays are left-padded and completion arrays right-padded to the widest."""
-    tp = max(ro.prompt_tokens.shape[1] for ro, _ in groups)
-    tg = max(ro.completion_tokens.shape[1] for ro, _ in groups)
-    parts: dict[str, list] = {}
-    for new_g, (ro, g) in enumerate(groups):
-        rows = slice(g * G, (g + 1) * G)
-        for f in dataclasses.fields(ro):
-            v = getattr(ro, f.name)[rows]
-            if f.name.startswith("prompt_"):
-                v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
-            elif v.ndim == 2:
-                fill = -1 if f.name == "versions" else 0
-                v = np.pad(v, ((0, 0), (0, tg - v.shape[1])), constant_values=fill)
-            if f.name == "group_ids":
-                v = np.full_like(v, new_g)
-            parts.setdefault(f.name, []).append(v)
-    return Rollouts(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
 def rows_of(ro: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:
