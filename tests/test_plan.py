@@ -179,6 +179,49 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     assert layers == pytest.approx(TRAIN_PASSES * fwd / 4, rel=0.25)
 
 
+def test_peeled_loop_counts_each_iteration():
+    """A `loops.scan` counted peeled (one iteration, then two: a body's cost times the trip
+    count, as `rl-jax plan` counts it) matches XLA's count of the loop unrolled, forward
+    and backward; run as a loop, XLA counts its body once."""
+    _libtpu()
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rl_jax.kernels import loops
+    from rl_jax.plan import topology_devices
+
+    one_chip = NamedSharding(
+        Mesh(np.array(topology_devices("v5e:2x2")[:1]), ("x",)), PartitionSpec()
+    )
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=one_chip)
+    xs = jax.ShapeDtypeStruct((8, 128, 256), jnp.float32, sharding=one_chip)
+
+    def fn(w, xs):
+        def body(c, x):
+            y = jnp.tanh(x @ w + c)
+            return y, jnp.sum(y @ w)
+
+        c, ys = loops.scan(body, jnp.zeros((128, 256)), xs, name="chunks")
+        return jnp.sum(c) + jnp.sum(ys)
+
+    def flops(ctx):
+        with ctx as count:
+            done = jax.jit(jax.grad(lambda *a: fn(*a))).trace(w, xs).lower().compile()
+        return done.cost_analysis()["flops"], count
+
+    unrolled, _ = flops(loops.unrolled())
+    one, count = flops(loops.counting())
+    assert count.trips == {("chunks", 8, False): 8}
+    two, _ = flops(loops.counting([("chunks", 8, False)]))
+    assert one + 7 * (two - one) == pytest.approx(unrolled, rel=0.01)
+    rolled, _ = flops(contextlib.nullcontext())
+    assert rolled < 0.5 * unrolled
+
+
 @pytest.mark.slow  # six compiles for a v5e: 100 s on the loaded 2-core box
 def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
     """Attention's block pairs and the LM head's chunks stay loops in the plan's cost

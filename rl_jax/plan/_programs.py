@@ -146,6 +146,7 @@ def plan_run(
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
     t0 = time.perf_counter()
     costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
     cost_s = time.perf_counter() - t0
@@ -257,7 +258,7 @@ def plan_run(
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour,
         },
-        "cost_compile_s": cost_s,  # the 1- and 2-layer unrolled programs' compiles
+        "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
