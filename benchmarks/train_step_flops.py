@@ -5,10 +5,11 @@ optimizer) costs. Compiled from this host (libtpu, no TPU).
 
     python benchmarks/train_step_flops.py RECIPE --topology v5e:2x2 [key=value ...]
 
-As `rl-jax plan` counts it: the update program built with 1 and 2 layers and one
-minibatch, every scan unrolled (XLA counts a loop's body once), c(L) = c(1) +
-(L - 1) (c(2) - c(1)), times the minibatches; two compiles of the train step only.
-Prints one JSON object; FLOPs are per chip.
+As `rl-jax plan` counts it (`_depth_costs`): the update program built with 1 and 2
+layers and one minibatch, the layer scan unrolled (XLA counts a loop's body once),
+attention's block pairs and the LM head's chunks peeled (one iteration, plus one
+compile per loop with two: a body's cost times its trip count), c(L) = c(1) +
+(L - 1) (c(2) - c(1)), times the minibatches. Prints one JSON object; FLOPs are per chip.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 from rl_jax.config import load_recipe
 from rl_jax.plan._flops import train_flops
-from rl_jax.plan._programs import _build, _compile, _cost, _unrolled_scans, plan_target
+from rl_jax.plan._programs import _depth_costs, plan_target
 
 
 def main() -> None:
@@ -35,12 +36,11 @@ def main() -> None:
     )
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     chips, L = len(devices), spec.num_layers
-    compiled, want = [], []
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, P, tp, tg, programs=("train_step",))
+    compiled = [M * float(c["train_step"][0]) for c in (c1, c2)]
+    want = []
     for layers in (1, 2):
         s = dataclasses.replace(spec, num_layers=layers)
-        with _unrolled_scans():
-            b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=P, tp=tp, tg=tg)
-            compiled.append(M * _cost(_compile(b.update, *b.update_args))[0])
         want.append({k: v / chips for k, v in train_flops(s, P, G, tp, tg).items()})
 
     def split(c1, c2):  # per layer, the rest, and all L layers

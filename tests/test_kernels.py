@@ -238,3 +238,34 @@ def test_flash_attention_temporaries_are_a_block_of_scores():
     # blockwise 18 MB (a block's scores, probabilities and their gradients: 4 x 4 MB).
     scores, block_scores = B * H * T * T * 4, B * H * T * 128 * 4
     assert dense >= 3 * scores and blockwise < 5 * block_scores, (dense, blockwise)
+
+
+def test_flash_attention_computes_only_the_causal_block_pairs():
+    """Query block i meets key blocks 0 .. the block of its last query's slot: 36 of the
+    64 pairs of 64 causal keys in blocks of 8, and the forward's FLOPs follow (XLA's
+    count of the loop unrolled, against dense attention's every pair)."""
+    from rl_jax.kernels import loops
+
+    i, j = xla.causal_pairs(64, 64, 0, 8)
+    assert len(i) == 36 and np.all(j <= i) and len(set(zip(i, j, strict=True))) == 36
+    # Completions at slot 16 of 32 keys; 11 queries over 12 keys (partial blocks).
+    assert len(xla.causal_pairs(16, 32, 16, 8)[0]) == 3 + 4
+    assert len(xla.causal_pairs(11, 12, 0, 4)[0]) == 1 + 2 + 3
+
+    B, T, H, K, hd = 1, 32, 2, 1, 64
+    q = jnp.ones((B, T, H, hd))
+    kv = jnp.ones((B, K, T, hd))
+    mask = xla.AttentionMask()
+
+    def flops(fn):
+        with loops.unrolled():
+            return jax.jit(fn).lower(q, kv, kv).compile().cost_analysis()["flops"]
+
+    def flash(q, k, v):
+        return xla.flash_attention(q, k, v, mask, scale=0.1, block=8)
+
+    dense = flops(lambda q, k, v: xla.attention(q, k, v, mask.block(T, 0, T), scale=0.1))
+    assert flops(flash) < 0.75 * dense  # 10 of 16 block pairs: 0.625 of the products
+    with loops.counting() as count:  # forward and backward: one loop key, 10 steps
+        jax.jit(jax.grad(lambda *a: jnp.sum(flash(*a)))).lower(q, kv, kv)
+    assert count.trips == {("flash_attention", 10, False): 10}

@@ -129,6 +129,7 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     import jax
 
     from rl_jax.config import load_recipe
+    from rl_jax.kernels import loops
     from rl_jax.plan import _programs as pp
     from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
 
@@ -154,7 +155,7 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
         c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
         b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
         scanned = pp._cost(pp._compile(b.update, *b.update_args))
-        with pp._unrolled_scans():
+        with pp._unrolled_scans(), loops.unrolled():
             b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
             truth = {
                 "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
@@ -176,6 +177,98 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     fwd = forward_flops(spec4, [tp] * 4, [tg] * 8, 2) - forward_flops(spec2, [tp] * 4, [tg] * 8, 2)
     layers = c4["train_step"][0] - c2["train_step"][0]
     assert layers == pytest.approx(TRAIN_PASSES * fwd / 4, rel=0.25)
+
+
+def test_peeled_loop_counts_each_iteration():
+    """A `loops.scan` counted peeled (one iteration, then two: a body's cost times the trip
+    count, as `rl-jax plan` counts it) matches XLA's count of the loop unrolled, forward
+    and backward; run as a loop, XLA counts its body once."""
+    _libtpu()
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rl_jax.kernels import loops
+    from rl_jax.plan import topology_devices
+
+    one_chip = NamedSharding(
+        Mesh(np.array(topology_devices("v5e:2x2")[:1]), ("x",)), PartitionSpec()
+    )
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=one_chip)
+    xs = jax.ShapeDtypeStruct((8, 128, 256), jnp.float32, sharding=one_chip)
+
+    def fn(w, xs):
+        def body(c, x):
+            y = jnp.tanh(x @ w + c)
+            return y, jnp.sum(y @ w)
+
+        c, ys = loops.scan(body, jnp.zeros((128, 256)), xs, name="chunks")
+        return jnp.sum(c) + jnp.sum(ys)
+
+    def flops(ctx):
+        with ctx as count:
+            done = jax.jit(jax.grad(lambda *a: fn(*a))).trace(w, xs).lower().compile()
+        return done.cost_analysis()["flops"], count
+
+    unrolled, _ = flops(loops.unrolled())
+    one, count = flops(loops.counting())
+    assert count.trips == {("chunks", 8, False): 8}
+    two, _ = flops(loops.counting([("chunks", 8, False)]))
+    assert one + 7 * (two - one) == pytest.approx(unrolled, rel=0.01)
+    rolled, _ = flops(contextlib.nullcontext())
+    assert rolled < 0.5 * unrolled
+
+
+@pytest.mark.slow  # six compiles for a v5e: 100 s on the loaded 2-core box
+def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
+    """Attention's block pairs and the LM head's chunks stay loops in the plan's cost
+    programs, counted peeled (one body's cost times the trip count, one more compile per
+    loop): within 1% of the program with every loop unrolled."""
+    _libtpu()
+    import jax
+
+    from rl_jax.config import load_recipe
+    from rl_jax.kernels import loops
+    from rl_jax.plan import _programs as pp
+
+    peeled, peel = [], pp._peeled_costs
+
+    def recording(*args):
+        peeled.append(args[5])  # the keys run twice
+        return peel(*args)
+
+    monkeypatch.setattr(pp, "_peeled_costs", recording)
+    # Heads 64 wide, so that attention's matmuls outweigh its masks and softmax as at
+    # real sizes (those elementwise ops differ between a loop's body and the unrolled
+    # program, where XLA folds and shares them).
+    knobs = ["model.attention=blockwise", "model.attention_block=16", "model.logprob_chunk=4"]
+    knobs.append("model.head_dim=64")
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
+    try:
+        cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
+            load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
+        )
+        kw = dict(wave_prompts=4, tp=tp, tg=tg)
+        got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
+        with pp._unrolled_scans(), loops.unrolled():
+            b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
+            truth = pp._cost(pp._compile(b.update, *b.update_args))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    # 16 prompt keys in one block: no loop; 16 completions after them over 32 keys in
+    # blocks of 16: 2 causal block pairs; 16 completions' LM head in chunks of 4. Each
+    # loop once more.
+    assert sorted(peeled) == [
+        (),
+        (),
+        (("flash_attention", 2, True),),
+        (("lm_head_chunks", 4, False),),
+    ]
+    assert got["train_step"][0] == pytest.approx(truth[0], rel=0.01)
 
 
 def _tiny_attention() -> tuple[int, int]:

@@ -41,6 +41,10 @@ Implementations:
   subclass of `xla.Decode` (its cache layout, attention, matmuls) registered
   with `register("tpu", decode=factory)`.
 
+Loops over blocks or chunks that stay rolled in a run (flash attention's block pairs,
+the LM head's chunks) go through `loops.scan` (`loops.py`), so that `rl-jax plan`
+counts every iteration of them without unrolling them.
+
 The platform comes from the mesh's devices (`rl_jax.runtime.mesh_platform`), not
 from the process's default backend: a CPU host compiling for a TPU topology
 (`rl-jax plan`) gets the TPU program.

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_jax.kernels import loops
+
 # Finite, so a row with every key masked (a pad query) gives a uniform softmax
 # instead of NaNs that would poison gradients through the masked-out loss.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -473,30 +475,51 @@ class AttentionMask(NamedTuple):
     q_segment_bt: jax.Array | None = None
     kv_segment_bs: jax.Array | None = None
 
-    def block(self, T: int, start: jax.Array | int, size: int) -> jax.Array:
-        """Visibility of key slots start .. start + size - 1 to the T queries: [B or 1, T, size]
-        (slots at or past the keys' end: read clamped, callers drop them)."""
+    def block(
+        self, T: int, start: jax.Array | int, size: int, q_start: jax.Array | int = 0
+    ) -> jax.Array:
+        """Visibility of key slots start .. start + size - 1 to queries q_start ..
+        q_start + T - 1: [B or 1, T, size] (slots at or past the keys' end: read
+        clamped, callers drop them)."""
         k_slot = start + jnp.arange(size)
-        mask = (k_slot[None, :] <= self.offset + jnp.arange(T)[:, None])[None]
+        q_slot = self.offset + q_start + jnp.arange(T)
+        mask = (k_slot[None, :] <= q_slot[:, None])[None]
         if self.kv_valid_bs is not None:
             valid = jax.lax.dynamic_slice_in_dim(self.kv_valid_bs, start, size, axis=1)
             mask = mask & valid[:, None, :].astype(bool)
         if self.q_segment_bt is not None:
             seg = jax.lax.dynamic_slice_in_dim(self.kv_segment_bs, start, size, axis=1)
-            mask = mask & (self.q_segment_bt[:, :, None] == seg[:, None, :])
+            q_seg = jax.lax.dynamic_slice_in_dim(self.q_segment_bt, q_start, T, axis=1)
+            mask = mask & (q_seg[:, :, None] == seg[:, None, :])
         return mask
 
-    def padded(self, pad: int) -> AttentionMask:
-        """The same mask over keys padded with `pad` slots at the end (never visible)."""
-        if pad == 0:
-            return self
+    def padded(self, pad: int, q_pad: int = 0) -> AttentionMask:
+        """The same mask over keys padded with `pad` slots at the end (never visible)
+        and queries padded with `q_pad` (dropped by the caller)."""
 
-        def grow(a):
-            return None if a is None else jnp.pad(a, ((0, 0), (0, pad)))
+        def grow(a, n):
+            return None if a is None or n == 0 else jnp.pad(a, ((0, 0), (0, n)))
 
         return self._replace(
-            kv_valid_bs=grow(self.kv_valid_bs), kv_segment_bs=grow(self.kv_segment_bs)
+            kv_valid_bs=grow(self.kv_valid_bs, pad) if pad else self.kv_valid_bs,
+            kv_segment_bs=grow(self.kv_segment_bs, pad) if pad else self.kv_segment_bs,
+            q_segment_bt=grow(self.q_segment_bt, q_pad) if q_pad else self.q_segment_bt,
         )
+
+
+def causal_pairs(T: int, S: int, offset: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (query block i, key block j) pairs causality lets see each other, the ones
+    `flash_attention` computes: query block i (queries i * block ..) sees key blocks
+    0 .. j_i, the block of its last query's slot offset + t; S keys (a multiple of
+    `block`). (i [n], j [n]) int32, each query block's pairs in key order."""
+    nq, nk = -(-T // block), S // block
+    pairs = [
+        (i, j)
+        for i in range(nq)
+        for j in range(min(nk, (offset + min((i + 1) * block, T) - 1) // block + 1))
+    ]
+    i, j = np.asarray(pairs, np.int32).T
+    return i, j
 
 
 def flash_attention(
@@ -509,93 +532,134 @@ def flash_attention(
     block: int = 512,
     einsum=einsum_f32,
 ) -> jax.Array:
-    """`attention` with the mask described (`AttentionMask`) and keys read `block` slots
-    at a time: an online softmax forward (flash attention) and a backward that
-    recomputes each block's probabilities from the saved softmax statistics. Neither keeps
-    more than [B, H, T, block] scores alive, instead of the [B, H, T, S] of `attention`.
-    Equal to `attention` with `mask`'s dense form up to float32 rounding, also for
-    rows that see no key (a uniform average, as there). [B, T, H, hd]."""
+    """`attention` with the mask described (`AttentionMask`), queries and keys taken
+    `block` slots at a time: an online softmax forward (flash attention) and a backward
+    that recomputes each block's probabilities from the saved softmax statistics.
+    Only the (query block, key block) pairs on or below the causal diagonal are
+    computed (`causal_pairs`), one pair per step of a `loops.scan`: about half of
+    T x S, as the model's causal count, and neither pass keeps more than a
+    [B, H, block, block] block of scores alive. Equal to `attention` with `mask`'s
+    dense form up to float32 rounding, also for rows that see no key (a uniform
+    average of all S values, as there). [B, T, H, hd]."""
     B, T, H, hd = q_bthk.shape
     K, S = k_bksh.shape[1], k_bksh.shape[2]
     block = min(block, S)
-    pad = -S % block
+    pad, q_pad = -S % block, -T % block
     k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
     v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    q = q_bthk.reshape(B, T, K, H // K, hd)
-    out = _flash(q, k, v, tuple(mask.padded(pad)), S, scale, block, einsum)
-    return out.reshape(B, T, H, hd).astype(q_bthk.dtype)
+    q = jnp.pad(q_bthk, ((0, 0), (0, q_pad), (0, 0), (0, 0))).reshape(B, T + q_pad, K, H // K, hd)
+    m = mask.padded(pad, q_pad)
+    arrays = (m.kv_valid_bs, m.q_segment_bt, m.kv_segment_bs)
+    args = (int(m.offset), T, S, scale, block, einsum, loops.mode())
+    out = _flash(q, k, v, arrays, *args)
+    return out[:, :T].reshape(B, T, H, hd).astype(q_bthk.dtype)
 
 
-def _flash_scores(q, k, v, mask, j, S, scale, block, einsum):
-    """Block j's keys and values [B, K, block, hd], its scaled and masked scores
-    [B, K, R, T, block] (MASK_VALUE where hidden, -inf at padding slots past S) and
-    its visibility [B or 1, 1, 1, T, block]."""
-    start = j * block
-    kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
-    vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
-    seen = AttentionMask(*mask).block(q.shape[1], start, block)[:, None, None]
-    s = einsum("btkrh,bksh->bkrts", q, kb)
+def _flash_pair(q, k, v, arrays, offset, S, scale, block, einsum, i, j):
+    """Pair (query block i, key block j): the queries [B, bq, K, R, hd], keys and values
+    [B, K, bk, hd], the scaled and masked scores [B, K, R, bq, bk] (MASK_VALUE where
+    hidden, -inf at padding slots past S) and visibility [B or 1, 1, 1, bq, bk]."""
+    qb = jax.lax.dynamic_slice_in_dim(q, i * block, block, axis=1)
+    kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=2)
+    vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=2)
+    mask = AttentionMask(offset, *arrays)
+    seen = mask.block(block, j * block, block, q_start=i * block)[:, None, None]
+    s = einsum("btkrh,bksh->bkrts", qb, kb)
     s = jnp.where(seen, s * scale, MASK_VALUE)
     # Padding slots take no weight at all (a masked real slot takes MASK_VALUE's, as
     # in `attention`); every block holds a real slot, so the running max is finite.
-    s = jnp.where(start + jnp.arange(block) < S, s, -jnp.inf)
-    return kb, vb, s, seen
+    s = jnp.where(j * block + jnp.arange(block) < S, s, -jnp.inf)
+    return qb, kb, vb, s, seen
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _flash(q, k, v, mask, S, scale, block, einsum):
-    return _flash_fwd(q, k, v, mask, S, scale, block, einsum)[0]
+def _rows(a, i, block):
+    """Query block i of a [B, K, R, Tq, ...] statistic."""
+    return jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=3)
 
 
-def _flash_fwd(q, k, v, mask, S, scale, block, einsum):
-    B, T, K, R, hd = q.shape
+def _set_rows(a, x, i, block):
+    return jax.lax.dynamic_update_slice_in_dim(a, x, i * block, axis=3)
 
-    def body(carry, j):
-        m, l, acc = carry
-        _, vb, s, _ = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
-        m_new = jnp.maximum(m, s.max(axis=-1))
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _flash(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
+    return _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode)[0]
+
+
+def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
+    B, Tq, K, R, hd = q.shape
+
+    def body(carry, ij):
+        m, l, acc = carry  # [B, K, R, Tq] (acc: x hd), set query block by query block
+        i, j = ij
+        _, _, vb, s, _ = _flash_pair(q, k, v, arrays, offset, S, scale, block, einsum, i, j)
+        m_old, l_old, acc_old = (_rows(a, i, block) for a in (m, l, acc))
+        m_new = jnp.maximum(m_old, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
+        corr = jnp.exp(m_old - m_new)
         pv = einsum("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
-        return (m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv), None
+        l_new = l_old * corr + p.sum(axis=-1)
+        acc_new = acc_old * corr[..., None] + pv
+        return (
+            _set_rows(m, m_new, i, block),
+            _set_rows(l, l_new, i, block),
+            _set_rows(acc, acc_new, i, block),
+        ), None
 
     init = (
-        jnp.full((B, K, R, T), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, R, T), jnp.float32),
-        jnp.zeros((B, K, R, T, hd), jnp.float32),
+        jnp.full((B, K, R, Tq), -jnp.inf, jnp.float32),
+        jnp.zeros((B, K, R, Tq), jnp.float32),
+        jnp.zeros((B, K, R, Tq, hd), jnp.float32),
     )
-    # `jax.lax.scan` (not fori_loop): `rl-jax plan` unrolls these to count every block.
-    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(k.shape[2] // block))
-    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, hd]
+    pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
+    (m, l, acc), _ = loops.scan(body, init, pairs, name="flash_attention", mode=mode)
+    # A row that sees no key (m stays MASK_VALUE) averages all S values, as `attention`'s
+    # uniform softmax does; the blocks causality skips would have been part of it.
+    none = m <= MASK_VALUE
+    mean_v = v[:, :, :S].astype(jnp.float32).mean(axis=2)[:, :, None, None, :]
+    out = jnp.where(none[..., None], mean_v, acc / l[..., None])  # [B, K, R, Tq, hd]
     # m and l apart, not log-sum-exp m + log(l): for a row that sees no key, m is
     # MASK_VALUE, which absorbs log(l) in float32.
-    return out, (q, k, v, mask, out, m, l)
+    return out.transpose(0, 3, 1, 2, 4), (q, k, v, arrays, out, m, l)
 
 
-def _flash_bwd(S, scale, block, einsum, res, d_out):
-    q, k, v, mask, out, m, l = res
-    d_out = d_out.astype(jnp.float32)
+def _flash_bwd(offset, T, S, scale, block, einsum, mode, res, d_out):
+    q, k, v, arrays, out, m, l = res
+    do_stat = d_out.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, K, R, Tq, hd], as out
     # Row sums of dP * P, one per query: softmax's backward without P whole.
-    delta = jnp.einsum("btkrh,btkrh->bkrt", d_out, out, precision=precision(out))
+    delta = jnp.einsum("bkrth,bkrth->bkrt", do_stat, out, precision=precision(out))
+    none = m <= MASK_VALUE
     do = d_out.astype(v.dtype)
 
-    def body(dq, j):
-        kb, vb, s, seen = _flash_scores(q, k, v, mask, j, S, scale, block, einsum)
-        p = jnp.exp(s - m[..., None]) / l[..., None]
-        dv = einsum("bkrts,btkrh->bksh", p.astype(do.dtype), do)
-        dp = einsum("btkrh,bksh->bkrts", do, vb)
-        ds = jnp.where(seen, p * (dp - delta[..., None]), 0.0) * scale
-        dq = dq + einsum("bkrts,bksh->btkrh", ds.astype(kb.dtype), kb)
-        dk = einsum("bkrts,btkrh->bksh", ds.astype(q.dtype), q)
-        return dq, (dk, dv)
+    def body(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij
+        qb, kb, vb, s, seen = _flash_pair(q, k, v, arrays, offset, S, scale, block, einsum, i, j)
+        m_i, l_i, delta_i, none_i = (_rows(a, i, block) for a in (m, l, delta, none))
+        # Rows that see no key take nothing from here (their uniform average: below).
+        p = jnp.where(none_i[..., None], 0.0, jnp.exp(s - m_i[..., None]) / l_i[..., None])
+        dob = jax.lax.dynamic_slice_in_dim(do, i * block, block, axis=1)
+        dv_j = einsum("bkrts,btkrh->bksh", p.astype(dob.dtype), dob)
+        dp = einsum("btkrh,bksh->bkrts", dob, vb)
+        ds = jnp.where(seen, p * (dp - delta_i[..., None]), 0.0) * scale
+        dq_i = einsum("bkrts,bksh->btkrh", ds.astype(kb.dtype), kb)
+        dk_j = einsum("bkrts,btkrh->bksh", ds.astype(qb.dtype), qb)
 
-    n = k.shape[2] // block
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
+        def add(a, x, start, axis):
+            old = jax.lax.dynamic_slice_in_dim(a, start, block, axis=axis)
+            return jax.lax.dynamic_update_slice_in_dim(a, old + x, start, axis=axis)
 
-    def unblock(d, like):  # [n, B, K, block, hd] -> [B, K, n * block, hd]
-        return d.transpose(1, 2, 0, 3, 4).reshape(like.shape).astype(like.dtype)
+        dq = add(dq, dq_i, i * block, 1)
+        return (dq, add(dk, dk_j, j * block, 2), add(dv, dv_j, j * block, 2)), None
 
-    return dq.astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+    init = tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
+    pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
+    (dq, dk, dv), _ = loops.scan(body, init, pairs, name="flash_attention", mode=mode)
+    # Rows that see no key: out = the mean of the S values, so each value gets 1 / S of
+    # their output gradient.
+    d_mean = jnp.where(none[..., None], do_stat, 0.0).sum(axis=(2, 3)) / S  # [B, K, hd]
+    dv = dv + jnp.where((jnp.arange(k.shape[2]) < S)[:, None], d_mean[:, :, None, :], 0.0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

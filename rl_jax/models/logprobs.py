@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rl_jax.kernels import loops
 from rl_jax.knobs import ConfigError
 from rl_jax.models.layers import logprobs_from_logits
 from rl_jax.models.transformer import Transformer, lm_logits
@@ -68,8 +69,10 @@ def logprobs_from_hidden(
     tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     h = h.reshape(B, n, chunk, D).swapaxes(0, 1)  # [n, B, c, D]
     tg = tg.reshape(B, n, chunk).swapaxes(0, 1)  # [n, B, c]
-    # `jax.lax.scan` (not lax.map): `rl-jax plan` unrolls it to count every chunk.
-    _, (logp, ent) = jax.lax.scan(lambda _, a: (None, jax.checkpoint(one)(*a)), None, (h, tg))
+    # `loops.scan`: rolled in a run, and `rl-jax plan` counts every chunk.
+    _, (logp, ent) = loops.scan(
+        lambda _, a: (None, jax.checkpoint(one)(*a)), None, (h, tg), name="lm_head_chunks"
+    )
     logp = logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     ent = ent.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     return logp, ent

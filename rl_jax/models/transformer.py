@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax import kernels as kernel_ops
-from rl_jax.kernels import Kernels
+from rl_jax.kernels import Kernels, loops
 from rl_jax.kernels.xla import AttentionMask, matmul, normed_logits
 from rl_jax.models.layers import (
     apply_rope,
@@ -520,6 +520,9 @@ REMAT_POLICIES = {
 
 
 def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:
+    """A layer scan's body under `model.remat`; loops traced in it count once per layer
+    in a plan (`loops.layer_body`)."""
+    body = loops.layer_body(body)
     if spec.remat == "none":
         return body
     return jax.checkpoint(body, policy=REMAT_POLICIES[spec.remat])

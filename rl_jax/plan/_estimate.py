@@ -72,8 +72,10 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
 
     rows_mb = math.ceil(P // M * G / shards)
     per_token_layer = cdt * (4 * D + 2 * _split(H + 2 * K, tensor) * hd + 3 * _split(F, tensor))
-    # Attention's fp32 probabilities: every key's (dense), or one block's (blockwise).
-    keys = min(T, spec.attention_block) if uses_blockwise(spec, T) else T
+    # Attention's fp32 probabilities per row and head: [T, T] (dense), or one (query
+    # block, key block) pair's [block, block] (blockwise: `kernels.flash_attention`).
+    block = min(T, spec.attention_block)
+    keys = block * block / T if uses_blockwise(spec, T) else T
     per_token_layer += 4 * _split(H, tensor) * keys
     # Kept for the backward, per token and layer: everything (none), the layer's input
     # (full), or its input and its weight matmuls' outputs (save_dots); the layer being

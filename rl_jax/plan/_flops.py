@@ -8,8 +8,10 @@ blocks, padding, work XLA duplicates). What each knob recomputes in the backward
 * `model.remat=full`: every layer's forward (weights and attention) once more;
 * `model.remat=save_dots`: the layers' attention (its products have batch dimensions,
   the policy keeps only the weight matmuls' outputs);
-* blockwise attention (`kernels.flash_attention`): each block's scores q.k, half of
-  the attention's forward FLOPs, whatever the remat policy;
+* blockwise attention (`kernels.flash_attention`): each block pair's scores q.k, half
+  of the attention's forward FLOPs, whatever the remat policy (it computes only the
+  block pairs on or below the causal diagonal, so its forward is the causal count plus
+  the diagonal blocks' hidden half: waste, left out here);
 * the chunked LM head (`model.logprob_chunk`): each chunk's logits, one more LM head
   forward over the completions.
 """

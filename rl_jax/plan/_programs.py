@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax.config import RunConfig, resolved
+from rl_jax.kernels import loops
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
@@ -145,6 +146,7 @@ def plan_run(
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
     t0 = time.perf_counter()
     costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
     cost_s = time.perf_counter() - t0
@@ -256,7 +258,7 @@ def plan_run(
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour,
         },
-        "cost_compile_s": cost_s,  # the 1- and 2-layer unrolled programs' compiles
+        "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
@@ -370,7 +372,8 @@ def _scalar(mesh) -> jax.ShapeDtypeStruct:
 @contextlib.contextmanager
 def _unrolled_scans():
     """Every `jax.lax.scan` traced inside unrolls whole: its program has no while loop,
-    so XLA's cost analysis counts each iteration (it counts a loop's body once)."""
+    so XLA's cost analysis counts each iteration (it counts a loop's body once). The
+    loops of `rl_jax.kernels.loops` run as its mode says."""
     scan = jax.lax.scan
 
     @functools.wraps(scan)
@@ -385,33 +388,77 @@ def _unrolled_scans():
         jax.lax.scan = scan
 
 
-def _layer_costs(cfg, spec, mesh, rules, *, M, wave_prompts, tp, tg) -> dict[str, tuple]:
-    """Per program, (FLOPs, bytes accessed) per chip of the `spec.num_layers`-layer
-    program with every iteration of its scans counted: the same programs built with 1
-    and 2 layers and one minibatch, compiled with their scans unrolled, extrapolated
-    linearly in depth; the update's M minibatch updates cost M times one. Decode's
-    token loop stays a loop: its count is one token's step plus what runs once per call."""
+PROGRAMS = ("train_step", "logprob", "prefill", "decode")
+
+
+def _layer_costs(
+    cfg, spec, mesh, rules, *, M, wave_prompts, tp, tg, programs=PROGRAMS
+) -> dict[str, tuple]:
+    """Per program of `programs`, (FLOPs, bytes accessed) per chip of the
+    `spec.num_layers`-layer program with every iteration of its loops counted: the
+    1- and 2-layer counts of `_depth_costs` extrapolated linearly in depth,
+    c(L) = c(1) + (L - 1) (c(2) - c(1)); the update's M minibatch updates cost M times
+    one. Decode's token loop stays a loop: its count is one token's step plus what runs
+    once per call."""
     L = spec.num_layers
-    per: list[dict[str, tuple]] = []
-    for layers in (1, 2):
-        s = dataclasses.replace(spec, num_layers=layers)
-        with _unrolled_scans():
-            b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=wave_prompts, tp=tp, tg=tg)
-            start = _compile(b.start_fn, *b.start_args, **b.start_kw)
-            c = {"train_step": _cost(_compile(b.update, *b.update_args), M)}
-            if b.logprob is not None:
-                c["logprob"] = _cost(_compile(b.logprob, *b.logprob_args))
-            c["prefill"] = _cost(start)
-            if isinstance(start, OutOfMemory):
-                c["decode"] = _cost(start)
-            else:
-                args = (b.weights, _state(b, mesh, start[0]), _scalar(mesh), _scalar(mesh))
-                c["decode"] = _cost(_compile(b.sampler.decode_program, *args))
-        per.append(c)
-    one, two = per
-    return {
-        n: tuple(a + (L - 1) * (b - a) for a, b in zip(one[n], two[n], strict=True)) for n in one
-    }
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, wave_prompts, tp, tg, programs)
+    scale = {"train_step": M}
+    total = {n: c1[n] + (L - 1) * (c2[n] - c1[n]) for n in c1}
+    return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
+
+
+def _depth_costs(cfg, spec, mesh, rules, wave_prompts, tp, tg, programs=PROGRAMS):
+    """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
+    one minibatch, every iteration of its scans and loops counted.
+
+    The layer and minibatch scans: unrolled. Blocks and chunks (`rl_jax.kernels.loops`):
+    peeled, one iteration; a loop key's body costs the difference with the 1-layer
+    program that runs that key's loops twice (one more compile per key), and counts
+    (trip count - 1) more times, per layer for loops inside a layer."""
+    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), wave_prompts, tp, tg, programs)
+    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), wave_prompts, tp, tg, programs)
+    c1 = {n: np.asarray(c) for n, c in one.items()}
+    c2 = {n: np.asarray(c) for n, c in two.items()}
+    for key in sorted({k for t in trips.values() for k, n in t.items() if n > 1}):
+        _, n, in_layer = key
+        names = tuple(p for p in one if key in trips[p])
+        twice, _ = _peeled_costs(cfg, spec, mesh, rules, 1, (key,), wave_prompts, tp, tg, names)
+        for p in names:
+            body = (n - 1) * (np.asarray(twice[p]) - np.asarray(one[p]))
+            c1[p], c2[p] = c1[p] + body, c2[p] + (2 if in_layer else 1) * body
+    return c1, c2
+
+
+def _peeled_costs(cfg, spec, mesh, rules, layers, twice, wave_prompts, tp, tg, programs):
+    """({program: (FLOPs, bytes)}, {program: {loop key: trip count}}) of `programs` built
+    with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys in
+    `twice` run two iterations)."""
+    s = dataclasses.replace(spec, num_layers=layers)
+    costs, trips = {}, {}
+
+    def compile_(name, fn, *args, **kw):
+        with loops.counting(twice) as count:
+            done = _compile(fn, *args, **kw)
+        costs[name], trips[name] = _cost(done), count.trips
+        return done
+
+    with _unrolled_scans():
+        b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=wave_prompts, tp=tp, tg=tg)
+        if "train_step" in programs:
+            compile_("train_step", b.update, *b.update_args)
+        if "logprob" in programs and b.logprob is not None:
+            compile_("logprob", b.logprob, *b.logprob_args)
+        if {"prefill", "decode"} & set(programs):
+            start = compile_("prefill", b.start_fn, *b.start_args, **b.start_kw)
+            if "decode" in programs:
+                if isinstance(start, OutOfMemory):
+                    costs["decode"], trips["decode"] = costs["prefill"], {}
+                else:
+                    args = (b.weights, _state(b, mesh, start[0]), _scalar(mesh), _scalar(mesh))
+                    compile_("decode", b.sampler.decode_program, *args)
+            if "prefill" not in programs:
+                del costs["prefill"], trips["prefill"]
+    return costs, trips
 
 
 def _cost(done, times: int = 1) -> tuple[float, float]:
