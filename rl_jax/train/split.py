@@ -51,6 +51,12 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name="rl_jax-sampler", daemon=True)
         self._thread.start()
 
+    def push(self, weights: Weights) -> None:
+        """Newer weights for every later chunk (and wave or admission); a subclass
+        holds them as `_weights` under its condition `_cond`."""
+        with self._cond:
+            self._weights = weights
+
     def take(self) -> tuple[Any, Any]:
         """The oldest finished batch (its problems or wave, and its Rollouts); blocks
         until there is one."""
@@ -135,11 +141,6 @@ class SplitSampler(_Worker):
 
     # ---- the trainer's side ---------------------------------------------------------------
 
-    def push(self, weights: Weights) -> None:
-        """Newer weights for every later chunk and wave."""
-        with self._cond:
-            self._weights = weights
-
     def allow(self, limit: int) -> None:
         """Waves may start for steps below `limit` (the next checkpoint, or the last step)."""
         with self._cond:
@@ -202,11 +203,6 @@ class SplitStream(_Worker):
         self._weights = weights
         self._stop = False
         self._start()
-
-    def push(self, weights: Weights) -> None:
-        """Newer weights for every later chunk and admission."""
-        with self._cond:
-            self._weights = weights
 
     def allow(self, limit: int) -> None:
         """Groups may enter for steps below `limit` (the next checkpoint, or the last)."""
