@@ -44,7 +44,6 @@ whatever the prompts' lengths.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -66,6 +65,7 @@ from rl_jax.sampling._decoder import Decoder, Params, round_up, state_rollouts, 
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, row_step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
 from rl_jax.sampling._sampler import pack_prompts
+from rl_jax.sampling._slots import COLUMNS, SlotBook
 from rl_jax.sampling._state import THINK, SamplerState
 from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
 
@@ -74,7 +74,7 @@ from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_sp
 _PREFIX_UNIT = 16
 _NO_INTERRUPT = np.iinfo(np.int32).max
 # The columns of the chunk `generate` returns, and the per-slot values.
-_COLUMNS = ("tokens", "logprobs", "versions", "injected")
+_COLUMNS = tuple(COLUMNS)
 _SLOT_VALUES = ("done", "lengths", "finish", "truncated")
 
 
@@ -617,11 +617,11 @@ class Engine(Decoder):
         refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
         state = self.init()
         chunk = 0
-        while loop.queue or loop.busy():
+        while loop.slots.queue or loop.slots.busy():
             if weights is not None:  # this chunk's weights prefill its new rows too
                 params, version = weights(chunk)
-            state = loop.refill(params, state)
-            at = refill_min if loop.queue else None
+            state = loop.slots.refill(params, state)
+            at = refill_min if loop.slots.queue else None
             state, out = self.generate(params, state, version=version, refill_at=at)
             chunk += 1
             loop.collect(out)
@@ -687,114 +687,36 @@ def _fill_program(g: _Empty, shardings, options: tuple):
 
 
 class _HostLoop:
-    """The host side of `Engine.run`: which row is in which slot, which prompt in which
-    pool entry, and every row's columns as the chunks bring them."""
+    """The host side of `Engine.run`: its slots (`SlotBook`, rows r = p * n + s of
+    prompt p) and every row's columns once it has ended."""
 
     def __init__(self, engine: Engine, prompt_ids, G: int, key, limits, queue, row_ids):
-        self.engine, self.prompts, self.G = engine, prompt_ids, G
-        self.key, self.limits, self.row_ids = key, limits, row_ids
-        self.queue = collections.deque(queue)
-        S, Q = engine.slots, engine.pool_size
-        self.slot_row = np.full((S,), -1)
-        self.left = collections.Counter(r // G for r in queue)  # rows not yet inserted
-        self.pooled: dict[int, int] = {}  # prompt -> pool entry
-        self.free_entries = list(range(Q))
+        self.engine, self.prompts, self.G, self.row_ids = engine, prompt_ids, G, row_ids
+        self.slots = SlotBook(
+            engine,
+            n=G,
+            key=key,
+            prompt=prompt_ids.__getitem__,
+            row_id=row_ids.__getitem__,
+            limit=lambda r: int(limits[r]),
+        )
+        self.slots.add(queue)
         R, Tg = len(queue), engine.gen_len
-        self.tokens = np.full((R, Tg), engine.pad_id, np.int32)
-        self.logprobs = np.zeros((R, Tg), np.float32)
-        self.versions = np.full((R, Tg), -1, np.int32)
-        self.injected = np.zeros((R, Tg), bool)
+        blank = self.slots.blank
+        self.cols = {k: np.full((R, Tg), blank[k], dtype) for k, (dtype, _) in COLUMNS.items()}
         self.ends = {k: np.zeros((R,), np.int32) for k in ("lengths", "finish", "truncated")}
-        self.collected = np.zeros((R,), bool)
-        self.slot_steps = self.prefills = self.prefilled = 0
-
-    def busy(self) -> bool:
-        return bool((self.slot_row >= 0).any())
-
-    def _pick(self, free: int) -> tuple[list[int], list[int], list[int]]:
-        """Rows for up to `free` slots, in queue order, and the new prompts they need
-        (at most a prefill's, of one length bucket, while pool entries are free)."""
-        eng = self.engine
-        taken, new, bucket = [], [], None
-        skipped = False
-        for at, r in enumerate(self.queue):
-            if len(taken) == free:
-                break
-            p = r // self.G
-            if p not in self.pooled and p not in new:
-                b = round_up(len(self.prompts[p]), eng.length_bucket)
-                room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
-                if not room or (bucket is not None and b != bucket):
-                    skipped = True
-                    continue
-                bucket = b
-                new.append(p)
-            taken.append(at)
-        if skipped:
-            rows = [self.queue[at] for at in taken]
-            keep = set(taken)
-            self.queue = collections.deque(r for at, r in enumerate(self.queue) if at not in keep)
-        else:
-            rows = [self.queue.popleft() for _ in taken]
-        return rows, new
-
-    def refill(self, params, state: EngineState) -> EngineState:
-        """Fill free slots from the queue: one prefill_insert call per group of new
-        prompts (one, unless prompts of several buckets or over a prefill's count
-        enter), with the rows whose prompts are pooled."""
-        while self.queue:
-            free = np.flatnonzero(self.slot_row < 0)
-            if not len(free):
-                break
-            rows, new = self._pick(len(free))
-            if not rows:
-                break
-            into = [self.free_entries.pop(0) for _ in new]
-            self.pooled.update(zip(new, into, strict=True))
-            slots = free[: len(rows)]
-            state = self.engine.prefill_insert(
-                params,
-                state,
-                [self.prompts[p] for p in new],
-                into,
-                slots.tolist(),
-                [self.pooled[r // self.G] for r in rows],
-                [int(self.row_ids[r]) for r in rows],
-                [r // self.G for r in rows],
-                key=self.key,
-                limits=[int(self.limits[r]) for r in rows],
-            )
-            self.prefills += bool(new)
-            self.prefilled += len(new)
-            self.slot_row[slots] = rows
-            for r in rows:  # a prompt whose rows all entered frees its pool entry
-                p = r // self.G
-                self.left[p] -= 1
-                if self.left[p] == 0:
-                    self.free_entries.append(self.pooled.pop(p))
-        return state
 
     def collect(self, out: ChunkOut) -> None:
-        """The chunk's columns into each row's buffers; ended rows free their slots."""
-        self.slot_steps += self.engine.slots * out.steps
-        held = np.flatnonzero(self.slot_row >= 0)
-        rows = self.slot_row[held]
-        k = out.tokens.shape[1]
-        cols = out.start[held, None] + np.arange(k)[None, :]
-        ok = cols < self.engine.gen_len
-        r_idx = np.broadcast_to(rows[:, None], cols.shape)[ok]
-        c_idx = cols[ok]
-        for name in _COLUMNS:
-            getattr(self, name)[r_idx, c_idx] = getattr(out, name)[held][ok]
-        ended = held[out.done[held]]
-        for name in self.ends:
-            self.ends[name][self.slot_row[ended]] = getattr(out, name)[ended]
-        self.collected[self.slot_row[ended]] = True
-        self.slot_row[ended] = -1
+        """The rows the chunk ended into their buffers."""
+        ended = self.slots.collect(out)
+        for k, v in ended.columns.items():
+            self.cols[k][ended.rows] = v
+        for k in self.ends:
+            self.ends[k][ended.rows] = getattr(ended, k)
 
     def rollouts(self) -> Rollouts:
         eng = self.engine
-        R, Tp = len(self.collected), eng.prompt_len
+        R, Tp = len(self.row_ids), eng.prompt_len
         lens = np.array([len(self.prompts[r // self.G]) for r in range(R)], np.int32)
         prompt_tokens = np.full((R, Tp), eng.pad_id, np.int32)
         for r in range(R):
@@ -803,10 +725,7 @@ class _HostLoop:
             {
                 "prompt_tokens": prompt_tokens,
                 "kv_start": Tp - lens,
-                "tokens": self.tokens,
-                "logprobs": self.logprobs,
-                "versions": self.versions,
-                "injected": self.injected,
+                **self.cols,
                 "lengths": self.ends["lengths"],
                 "finish": self.ends["finish"],
                 "truncated": self.ends["truncated"].astype(bool),
@@ -816,12 +735,12 @@ class _HostLoop:
         )
 
     def stats(self, chunks: int) -> RunStats:
-        within = np.arange(self.tokens.shape[1])[None, :] < self.ends["lengths"][:, None]
+        within = np.arange(self.engine.gen_len)[None, :] < self.ends["lengths"][:, None]
         return RunStats(
             chunks=chunks,
-            slot_steps=self.slot_steps,
-            kept_tokens=int((within & ~self.injected).sum()),
+            slot_steps=self.slots.slot_steps,
+            kept_tokens=int((within & ~self.cols["injected"]).sum()),
             decoded_tokens=int(self.ends["lengths"].sum()),
-            prefills=self.prefills,
-            prompts_prefilled=self.prefilled,
+            prefills=self.slots.prefills,
+            prompts_prefilled=self.slots.prefilled,
         )

@@ -121,7 +121,7 @@ def pipeline_stream(tr, bar) -> None:
         # Groups only for steps before the next checkpoint: the stream drains there.
         stream.allow(min(cfg.train.steps, tr.next_boundary()))
         if stream.idle:  # drained (the start, a checkpoint): counted afresh, as on resume
-            stream.kept_tokens = stream.slot_steps = 0
+            stream.count_afresh()
         problems, ro = stream.next_batch(tr.sampler_weights)
         tr.state = phases.account_sampling(parts, tr.state, ro)
         sample_s, t1 = time.perf_counter() - t0, time.perf_counter()

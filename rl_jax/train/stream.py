@@ -36,16 +36,8 @@ from typing import Any
 import numpy as np
 
 from rl_jax.sampling import ChunkOut, Engine, Rollouts
-from rl_jax.sampling._decoder import round_up, state_rollouts
-
-# A row's columns, as generate returns them for a chunk: dtype and the value of a
-# column the row has not reached (None: the engine's pad id).
-_COLUMNS = {
-    "tokens": (np.int32, None),
-    "logprobs": (np.float32, 0.0),
-    "versions": (np.int32, -1),
-    "injected": (np.bool_, False),
-}
+from rl_jax.sampling._decoder import state_rollouts
+from rl_jax.sampling._slots import COLUMNS, SlotBook
 
 Weights = tuple[Any, int]  # (params in the sampler's layout, policy version)
 
@@ -180,19 +172,25 @@ class EngineStream:
         self.refill_min = max(1, engine.slots // 64) if refill_min is None else int(refill_min)
         self.cond = threading.Condition(threading.RLock())
         self.state = None  # the engine's EngineState, made at the first step
-        S, Tg = engine.slots, engine.gen_len
-        self.slot_row = np.full((S,), -1, np.int64)  # slot -> g * n + s, -1 free
-        self.queue: list[tuple[int, int]] = []  # (group, sample) rows waiting for a slot
         self.prompts: dict[int, tuple[Any, list[int], np.ndarray, np.ndarray | None]] = {}
-        self.pooled: dict[int, int] = {}  # group -> its prompt's prefix pool entry
-        self.left: dict[int, int] = {}  # pooled group -> its rows not yet in a slot
-        self.free_entries = list(range(engine.pool_size))
+        G = self.G
+
+        def limit(r: int) -> int | None:
+            lim = self.prompts[r // G][3]
+            return None if lim is None else int(lim[r % G])
+
+        # The slots; rows g * n + s (group g, sample s).
+        self.slots = SlotBook(
+            engine,
+            n=G,
+            key=key,
+            prompt=lambda g: self.prompts[g][1],
+            row_id=lambda r: self.prompts[r // G][2][r % G],
+            limit=limit,
+        )
         self.rows: dict[int, dict[int, dict]] = {}  # group -> sample -> the row's fields
-        # Each slot's row as the chunks bring its columns ([S, Tg]).
-        self.cols = {k: np.empty((S, Tg), d) for k, (d, _) in _COLUMNS.items()}
-        self.blank = {k: engine.pad_id if v is None else v for k, (_, v) in _COLUMNS.items()}
         # Occupancy: kept tokens / slot-steps run.
-        self.slot_steps = self.kept_tokens = self.chunks = 0
+        self.kept_tokens = self.chunks = 0
 
     # ---- the trainer's side (locked) ------------------------------------------------------
 
@@ -213,13 +211,21 @@ class EngineStream:
             return self.book.idle
 
     @property
+    def slot_steps(self) -> int:
+        return self.slots.slot_steps
+
+    @property
     def occupancy(self) -> float:
         return self.kept_tokens / max(self.slot_steps, 1)
+
+    def count_afresh(self) -> None:
+        """Occupancy from here on (the stream drained: as a resumed run counts it)."""
+        self.kept_tokens = self.slots.slot_steps = 0
 
     # ---- the sampler's side ---------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool((self.slot_row >= 0).any() or self.queue)
+        return bool(self.slots.busy() or self.slots.queue)
 
     def has_work(self) -> bool:
         """Rows to decode, or a group that may enter (call under `cond`)."""
@@ -258,115 +264,47 @@ class EngineStream:
             # Weights and admissions in one critical section: a group admitted when t
             # batches are trained samples with weights of version >= t x M.
             params, version = weights()
-            free = int((self.slot_row < 0).sum())
-            while len(self.queue) < free and self.book.can_admit():
+            slots = self.slots
+            while len(slots.queue) < slots.free() and self.book.can_admit():
                 g = self.book.admit()
                 self.prompts[g] = self.source(g)
-                self.queue.extend((g, s) for s in range(self.G))
+                slots.add(g * self.G + s for s in range(self.G))
         if self.state is None:
             self.state = engine.init()
-        self._refill(params)
-        if not (self.slot_row >= 0).any():
+        self.state = slots.refill(params, self.state)
+        if not slots.busy():
             return False
         # End the chunk early to refill slots only when there is something to put in
         # them: rows waiting, or a group that may enter.
         with self.cond:
-            refill = bool(self.queue) or self.book.can_admit()
-        idle = int((self.slot_row < 0).sum())
-        at = idle + self.refill_min if refill else None
+            refill = bool(slots.queue) or self.book.can_admit()
+        at = slots.free() + self.refill_min if refill else None
         self.state, out = engine.generate(params, self.state, version=version, refill_at=at)
         self.chunks += 1
-        self.slot_steps += engine.slots * out.steps
         self._collect(out)
         return True
 
-    def _pick(self, free: int) -> tuple[list[tuple[int, int]], list[int]]:
-        """Rows for up to `free` slots, in queue order, and the groups whose prompts they
-        need prefilled (at most a prefill's, of one length bucket, while pool entries
-        are free: a prompt's KV depends only on it and its bucket)."""
-        eng = self.engine
-        taken, new, bucket = [], [], None
-        for at, (g, _) in enumerate(self.queue):
-            if len(taken) == free:
-                break
-            if g not in self.pooled and g not in new:
-                b = round_up(len(self.prompts[g][1]), eng.length_bucket)
-                room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
-                if not room or (bucket is not None and b != bucket):
-                    continue
-                bucket = b
-                new.append(g)
-            taken.append(at)
-        keep = set(taken)
-        rows = [self.queue[at] for at in taken]
-        self.queue = [r for at, r in enumerate(self.queue) if at not in keep]
-        return rows, new
-
-    def _refill(self, params) -> None:
-        """Free slots from the queue: one prefill_insert call per set of new prompts."""
-        engine = self.engine
-        while self.queue:
-            free = np.flatnonzero(self.slot_row < 0)
-            if not len(free):
-                return
-            rows, new = self._pick(len(free))
-            if not rows:
-                return
-            into = [self.free_entries.pop(0) for _ in new]
-            self.pooled.update(zip(new, into, strict=True))
-            self.left.update({g: self.G for g in new})
-            slots = free[: len(rows)]
-            limits = [self.prompts[g][3] for g, _ in rows]
-            self.state = engine.prefill_insert(
-                params,
-                self.state,
-                [self.prompts[g][1] for g in new],
-                into,
-                slots.tolist(),
-                [self.pooled[g] for g, _ in rows],
-                [int(self.prompts[g][2][s]) for g, s in rows],
-                [g for g, _ in rows],
-                key=self.key,
-                limits=None
-                if any(lim is None for lim in limits)
-                else [int(self.prompts[g][3][s]) for g, s in rows],
-            )
-            for (g, s), slot in zip(rows, slots, strict=True):
-                self.slot_row[slot] = g * self.G + s
-                for k, v in self.blank.items():
-                    self.cols[k][slot] = v
-                self.left[g] -= 1
-                if self.left[g] == 0:  # every row of the group entered: free its entry
-                    del self.left[g]
-                    self.free_entries.append(self.pooled.pop(g))
-
     def _collect(self, out: ChunkOut) -> None:
-        """The chunk's columns into each slot's row; ended rows leave their slots."""
-        Tp, Tg = self.engine.prompt_len, self.engine.gen_len
-        held = np.flatnonzero(self.slot_row >= 0)
-        cols = out.start[held, None] + np.arange(out.tokens.shape[1])[None, :]
-        ok = cols < Tg
-        s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
-        for k in _COLUMNS:
-            self.cols[k][s_idx, c_idx] = getattr(out, k)[held][ok]
+        """The rows the chunk ended, as fields of their groups; complete groups to the book."""
+        Tp = self.engine.prompt_len
+        ended = self.slots.collect(out)
         complete = []
-        for slot in held[out.done[held]]:
-            g, s = divmod(int(self.slot_row[slot]), self.G)
+        for i, r in enumerate(ended.rows):
+            g, s = divmod(int(r), self.G)
             prompt = self.prompts[g][1]
             prompt_tokens = np.full((Tp,), self.engine.pad_id, np.int32)
             prompt_tokens[Tp - len(prompt) :] = prompt
-            row = {k: self.cols[k][slot].copy() for k in _COLUMNS}
+            row = {k: ended.columns[k][i] for k in COLUMNS}
             row.update(
                 prompt_tokens=prompt_tokens,
                 kv_start=np.int32(Tp - len(prompt)),
-                lengths=np.int32(out.lengths[slot]),
-                finish=np.int32(out.finish[slot]),
-                truncated=bool(out.truncated[slot]),
+                lengths=np.int32(ended.lengths[i]),
+                finish=np.int32(ended.finish[i]),
+                truncated=bool(ended.truncated[i]),
                 row_ids=np.int32(self.prompts[g][2][s]),
             )
             self.kept_tokens += int((~row["injected"][: row["lengths"]]).sum())
             self.rows.setdefault(g, {})[s] = row
-            self.slot_row[slot] = -1
             if len(self.rows[g]) == self.G:
                 complete.append(g)
         if complete:

@@ -1,0 +1,175 @@
+"""The host side of an engine's slots, shared by `Engine.run` and the trainer's stream
+(`rl_jax.train.stream.EngineStream`): rows wait in a queue, enter free slots (their
+group's prompt prefilled once into the prefix pool, for all of the group's rows), and
+bring their columns chunk by chunk (`ChunkOut`) until they end.
+
+Rows are numbered r = g * n + s (group g, sample s); the caller says what each group's
+prompt is and each row's id (the key of its draws) and limit.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from rl_jax.sampling._decoder import round_up
+
+if TYPE_CHECKING:
+    from rl_jax.sampling._engine import ChunkOut, Engine, EngineState
+
+# A row's columns, as `generate` returns them for a chunk: dtype and the value of a
+# column the row has not reached (None: the engine's pad id).
+COLUMNS = {
+    "tokens": (np.int32, None),
+    "logprobs": (np.float32, 0.0),
+    "versions": (np.int32, -1),
+    "injected": (np.bool_, False),
+}
+
+
+class Ended(NamedTuple):
+    """The rows a chunk ended ([E], in slot order), their columns ([E, gen_len], one
+    dict entry per `COLUMNS` name) and end values ([E])."""
+
+    rows: np.ndarray
+    columns: dict[str, np.ndarray]
+    lengths: np.ndarray
+    finish: np.ndarray
+    truncated: np.ndarray
+
+
+class SlotBook:
+    """Which row is in which slot, which group's prompt in which prefix pool entry, the
+    rows waiting, and each slot's row as the chunks bring its columns.
+
+    prompt(g): group g's prompt token ids; row_id(r): row r's id; limit(r): its max new
+    tokens, or None for the engine's `cfg.max_new_tokens` (for every row of a refill, if
+    any row's is None).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        n: int,
+        key,
+        prompt: Callable[[int], Sequence[int]],
+        row_id: Callable[[int], int],
+        limit: Callable[[int], int | None],
+    ):
+        self.engine, self.G, self.key = engine, int(n), key
+        self.prompt, self.row_id, self.limit = prompt, row_id, limit
+        S, Tg = engine.slots, engine.gen_len
+        self.slot_row = np.full((S,), -1, np.int64)  # slot -> row, -1 free
+        self.queue: collections.deque[int] = collections.deque()  # rows waiting for a slot
+        self.pooled: dict[int, int] = {}  # group -> its prompt's pool entry
+        self.left: dict[int, int] = {}  # pooled group -> its rows not yet in a slot
+        self.free_entries = list(range(engine.pool_size))
+        self.cols = {k: np.empty((S, Tg), d) for k, (d, _) in COLUMNS.items()}  # [S, Tg]
+        self.blank = {k: engine.pad_id if v is None else v for k, (_, v) in COLUMNS.items()}
+        self.slot_steps = self.prefills = self.prefilled = 0
+
+    def add(self, rows: Iterable[int]) -> None:
+        """Rows to the end of the queue (a group's rows all enter it before any slot)."""
+        self.queue.extend(rows)
+
+    def free(self) -> int:
+        return int((self.slot_row < 0).sum())
+
+    def busy(self) -> bool:
+        """Whether any slot holds a row."""
+        return bool((self.slot_row >= 0).any())
+
+    def _pick(self, free: int) -> tuple[list[int], list[int]]:
+        """Rows for up to `free` slots, in queue order, and the groups whose prompts they
+        need prefilled (at most a prefill's, of one length bucket, while pool entries
+        are free: a prompt's KV depends only on it and its bucket). A row whose prompt
+        cannot enter now lets later rows of pooled prompts pass."""
+        eng = self.engine
+        taken, new, bucket = [], [], None
+        skipped = False
+        for at, r in enumerate(self.queue):
+            if len(taken) == free:
+                break
+            g = r // self.G
+            if g not in self.pooled and g not in new:
+                b = round_up(len(self.prompt(g)), eng.length_bucket)
+                room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
+                if not room or (bucket is not None and b != bucket):
+                    skipped = True
+                    continue
+                bucket = b
+                new.append(g)
+            taken.append(at)
+        if skipped:
+            rows = [self.queue[at] for at in taken]
+            keep = set(taken)
+            self.queue = collections.deque(r for at, r in enumerate(self.queue) if at not in keep)
+        else:
+            rows = [self.queue.popleft() for _ in taken]
+        return rows, new
+
+    def refill(self, params, state: EngineState) -> EngineState:
+        """Fill free slots from the queue: one prefill_insert call per set of new prompts
+        (one, unless prompts of several buckets or over a prefill's count enter), with
+        the rows whose prompts are pooled."""
+        while self.queue:
+            free = np.flatnonzero(self.slot_row < 0)
+            if not len(free):
+                break
+            rows, new = self._pick(len(free))
+            if not rows:
+                break
+            into = [self.free_entries.pop(0) for _ in new]
+            self.pooled.update(zip(new, into, strict=True))
+            self.left.update({g: self.G for g in new})
+            slots = free[: len(rows)]
+            limits = [self.limit(r) for r in rows]
+            state = self.engine.prefill_insert(
+                params,
+                state,
+                [self.prompt(g) for g in new],
+                into,
+                slots.tolist(),
+                [self.pooled[r // self.G] for r in rows],
+                [int(self.row_id(r)) for r in rows],
+                [r // self.G for r in rows],
+                key=self.key,
+                limits=None if any(x is None for x in limits) else [int(x) for x in limits],
+            )
+            self.prefills += bool(new)
+            self.prefilled += len(new)
+            self.slot_row[slots] = rows
+            for k, v in self.blank.items():
+                self.cols[k][slots] = v
+            for r in rows:  # a group whose rows all entered frees its pool entry
+                g = r // self.G
+                self.left[g] -= 1
+                if self.left[g] == 0:
+                    del self.left[g]
+                    self.free_entries.append(self.pooled.pop(g))
+        return state
+
+    def collect(self, out: ChunkOut) -> Ended:
+        """The chunk's columns into each slot's row; the rows that ended leave their
+        slots and come back."""
+        self.slot_steps += self.engine.slots * out.steps
+        held = np.flatnonzero(self.slot_row >= 0)
+        cols = out.start[held, None] + np.arange(out.tokens.shape[1])[None, :]
+        ok = cols < self.engine.gen_len
+        s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
+        for k in COLUMNS:
+            self.cols[k][s_idx, c_idx] = getattr(out, k)[held][ok]
+        ended = held[out.done[held]]
+        got = Ended(
+            rows=self.slot_row[ended].copy(),
+            columns={k: self.cols[k][ended] for k in COLUMNS},
+            lengths=out.lengths[ended],
+            finish=out.finish[ended],
+            truncated=out.truncated[ended],
+        )
+        self.slot_row[ended] = -1
+        return got
