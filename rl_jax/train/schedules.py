@@ -132,64 +132,42 @@ def pipeline_stream(tr, bar) -> None:
 
 
 def split(tr, bar) -> None:
-    """PipelineRL-k with the sampler on its own devices (rl_jax.train.split)."""
-    if tr.parts.engine is not None:
-        return split_stream(tr, bar)
+    """PipelineRL-k with the sampler on its own devices (rl_jax.train.split): waves on
+    the batch Sampler (`SplitSampler`), or the stream on the engine with
+    sampling.stream (`SplitStream`); the trainer drives either the same way."""
     cfg, parts = tr.cfg, tr.parts
-    worker = SplitSampler(
-        parts.sampler,
-        waves=num_waves(cfg),
-        chunk=decode_chunk(cfg),
-        first_step=tr.state.step,
-        weights=tr.sampler_weights(),
-        start_wave=functools.partial(phases.start_wave, parts),
-        draw=tr.state.data.draw,
-        lock=tr.state.data.lock,
-    )
+    if parts.engine is not None:
+        stream = trainer_stream(parts, tr.state.data, tr.state.step)
+        tr.state = tr.state.replace(stream=stream)
+        worker = SplitStream(stream, weights=tr.sampler_weights())
+    else:
+        worker = SplitSampler(
+            parts.sampler,
+            waves=num_waves(cfg),
+            chunk=decode_chunk(cfg),
+            first_step=tr.state.step,
+            weights=tr.sampler_weights(),
+            start_wave=functools.partial(phases.start_wave, parts),
+            draw=tr.state.data.draw,
+            lock=tr.state.data.lock,
+        )
     tr.split_sampler = worker
     try:
         worker.allow(min(cfg.train.steps, tr.next_boundary()))
         while tr.state.step < cfg.train.steps:
             t0 = time.perf_counter()
-            wave, ro = worker.take()
-            assert wave.step == tr.state.step, (wave.step, tr.state.step)
-            tr.state = phases.account_sampling(parts, tr.state, ro)
-            wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            state, m = _train(tr, ro, wave.problems)
-            tr.state = state
-            # Push before freeing the slot: the next wave starts on these weights
-            # (the staleness bound in rl_jax.train.split relies on that order).
-            worker.push(tr.sampler_weights())
-            worker.done()
-            worker.train_intervals.append((t1, time.perf_counter()))
-            _finish(tr, state, m, wait_s, t1, bar)  # sample_s: the wait for rollouts
-            worker.allow(min(cfg.train.steps, tr.next_boundary()))
-    finally:
-        worker.close()
-
-
-def split_stream(tr, bar) -> None:
-    """Split mode on the engine: PipelineRL's stream in the sampler thread, on the
-    sampler's devices (rl_jax.train.split.SplitStream)."""
-    cfg, parts = tr.cfg, tr.parts
-    stream = trainer_stream(parts, tr.state.data, tr.state.step)
-    tr.state = tr.state.replace(stream=stream)
-    worker = SplitStream(stream, weights=tr.sampler_weights())
-    tr.split_sampler = worker
-    try:
-        worker.allow(min(cfg.train.steps, tr.next_boundary()))
-        while tr.state.step < cfg.train.steps:
-            t0 = time.perf_counter()
-            problems, ro = worker.take()
+            step, problems, ro = worker.take()
+            assert step == tr.state.step, (step, tr.state.step)
             tr.state = phases.account_sampling(parts, tr.state, ro)
             wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
             state, m = _train(tr, ro, problems)
             tr.state = state
-            # Push before `trained`: groups admitted after it sample with these weights.
+            # Push before `trained`: the next wave, or a group admitted after it, samples
+            # with these weights (the staleness bounds in rl_jax.train.split rely on it).
             worker.push(tr.sampler_weights())
             worker.trained()
             worker.train_intervals.append((t1, time.perf_counter()))
-            _finish(tr, state, m, wait_s, t1, bar)
+            _finish(tr, state, m, wait_s, t1, bar)  # sample_s: the wait for rollouts
             worker.allow(min(cfg.train.steps, tr.next_boundary()))
     finally:
         worker.close()

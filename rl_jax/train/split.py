@@ -57,9 +57,9 @@ class _Worker:
         with self._cond:
             self._weights = weights
 
-    def take(self) -> tuple[Any, Any]:
-        """The oldest finished batch (its problems or wave, and its Rollouts); blocks
-        until there is one."""
+    def take(self) -> tuple[int, Any, Any]:
+        """The oldest finished batch: (the step it is for, its problems, its Rollouts);
+        blocks until there is one."""
         while True:
             try:
                 item = self._ready.get(timeout=1.0)
@@ -106,7 +106,8 @@ class _Worker:
 
 
 class SplitSampler(_Worker):
-    """The sampling half of split mode; the trainer drives it with push / allow / take / done.
+    """The sampling half of split mode; the trainer drives it with push / allow / take /
+    trained.
 
     start_wave(step, problems, weights) -> Wave and draw() -> problems come from the
     trainer (`draw` is called under `lock`, which the trainer also holds while it
@@ -147,7 +148,7 @@ class SplitSampler(_Worker):
             self._limit = max(self._limit, limit)
             self._cond.notify_all()
 
-    def done(self) -> None:
+    def trained(self) -> None:
         """The trainer finished a wave's updates (and pushed the weights): a slot is free."""
         with self._cond:
             self._outstanding -= 1
@@ -188,7 +189,7 @@ class SplitSampler(_Worker):
             oldest = waves[0]
             if self.sampler.done(oldest.state):
                 waves.pop(0)
-                self._ready.put((oldest, self.sampler.result(oldest.state)))
+                self._ready.put((oldest.step, oldest.problems, self.sampler.result(oldest.state)))
             self.intervals.append((t0, time.perf_counter()))
 
 
@@ -222,5 +223,7 @@ class SplitStream(_Worker):
             t0 = time.perf_counter()
             stream.step(lambda: self._weights)  # reads the weights under the lock
             while (got := stream.take()) is not None:
-                self._ready.put(got)
+                # Batches are formed for steps first_step, first_step + 1, ... in turn
+                # (`formed` changes only here, in this thread).
+                self._ready.put((stream.book.formed - 1, *got))
             self.intervals.append((t0, time.perf_counter()))
