@@ -433,3 +433,110 @@ def test_expected_train_flops_add_what_each_knob_recomputes():
     assert extra(remat="save_dots") == pytest.approx(attn)
     assert extra(attention="blockwise") == pytest.approx(attn / 2)
     assert extra(logprob_chunk=2) == pytest.approx(head * P * G * tg)
+
+
+# on_policy (scalerl's off_policy_k=8 is PipelineRL's): it samples on the engine.
+ON_POLICY = ["train.off_policy=on_policy", "train.off_policy_k=1"]
+
+
+def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(monkeypatch):
+    """on_policy samples on the engine (sampling.engine, the default): the plan compiles
+    its prefill_insert and generate at the trainer's slot count, chunk and prefill size,
+    in place of the Sampler's prefill and decode, and counts its slots' KV cache."""
+    _libtpu()
+    import collections
+
+    import jax
+
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import _programs as pp
+
+    # The train step is the v5e test's: a stand-in program here, and only generate's
+    # costs counted layer by layer (XLA's own count for the others), to compile little.
+    monkeypatch.setattr(pp, "make_update", lambda *a, **k: jax.jit(lambda p, o, b: (p, o)))
+    layer_costs = pp._layer_costs
+
+    def generate_costs(*args, **kw):
+        return collections.defaultdict(
+            lambda: None, layer_costs(*args, **kw, programs=("generate",))
+        )
+
+    monkeypatch.setattr(pp, "_layer_costs", generate_costs)
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
+    try:
+        cfg = load_recipe("scalerl", [*TINY, *ON_POLICY, "sampling.engine_slots=4"])
+        plan = pp.plan_run(cfg, "v5e:2x2")
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    progs = {p["name"]: p for p in plan["programs"]}
+    assert set(progs) == {"train_step", "prefill_insert", "generate"}
+    # 4 slots (one per batch shard) for the step's 4 x 2 rows; a chunk decodes to the
+    # end (no sampling.decode_chunk); a prefill holds a refill's 4 / 2 prompts, in
+    # whole batch shards.
+    assert plan["sampler"] == "engine"
+    assert plan["engine"] == {"slots": 4, "chunk": 16, "prefill_prompts": 4}
+    for name in ("prefill_insert", "generate"):
+        p = progs[name]
+        assert p["fits"] and p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_s"] > 0
+        assert 0 < p["hbm_gb"]["arguments"] and 0 < p["hbm_total_gb"] < plan["hbm_capacity_gb"]
+    # KV cache per chip: the slots', one per chip: K and V, 2 layers, 16 + 16 slots, f32.
+    kv_heads, head_dim = _tiny_attention()
+    kv = 2 * 2 * (4 // 4) * kv_heads * (16 + 16) * head_dim * 4
+    assert plan["kv_cache_gb"] * 1e9 == pytest.approx(kv)
+    assert plan["sampler_state_gb"] > plan["kv_cache_gb"]  # rows and the prompts' pool
+    gen, pre = progs["generate"], progs["prefill_insert"]
+    # The 8 rows of 16 tokens take 32 steps of the 4 slots; the 4 prompts one prefill.
+    assert gen["calls"] == 32 and pre["calls"] == 1
+    # Nothing but the optimizer state beside the engine's programs (their state is an
+    # argument) and beside the train step (on_policy frees the engine's state).
+    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"])
+    assert progs["train_step"]["hbm_gb"]["resident"] == 0
+    # One step of every slot, each attending on average to the prompt and half the
+    # generation; bandwidth-bound on the weights and the slots' cache.
+    assert 0.9 < gen["flops_ratio"] < 3, gen
+    assert gen["bytes_analytic"] > kv
+    v5e = CHIPS["v5e"]
+    bound = max(gen["flops"] / v5e.bf16_flops, gen["bytes_analytic"] / v5e.hbm_bandwidth)
+    assert gen["roofline_s"] == pytest.approx(bound)
+
+
+def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
+    """The engine where the trainer samples on it (on_policy, ppo_off_policy, pipeline's
+    stream), the Sampler's waves elsewhere; the estimate counts the engine's slots and
+    pool, and the stream's beside the update."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._estimate import estimate
+    from rl_jax.train.accounting import samples_on_engine
+
+    def cfg(*knobs):
+        return resolved(load_recipe("scalerl", [*TINY, *knobs]))
+
+    assert not samples_on_engine(cfg())  # pipeline's waves
+    assert samples_on_engine(cfg("sampling.stream=true"))
+    assert samples_on_engine(cfg(*ON_POLICY))
+    assert not samples_on_engine(cfg(*ON_POLICY, "sampling.engine=false"))
+
+    mesh, chip = {"data": 2, "fsdp": 2, "tensor": 1}, CHIPS["v5e"]
+
+    def est(*knobs):
+        c = cfg(*knobs)
+        return estimate(resolve_spec(c.model), c, mesh, chip)
+
+    kv_heads, head_dim = _tiny_attention()
+    kv_row = 2 * 2 * kv_heads * head_dim * 4  # K and V, 2 layers, f32: per cache slot
+    # on_policy: 4 x 2 rows over 4 batch shards, 16 + 16 cache slots; the engine's pool
+    # holds 4 prompts (one per shard) of 16 tokens.
+    wave = est(*ON_POLICY, "sampling.engine=false")
+    engine = est(*ON_POLICY)
+    assert wave["sampler_kv_bytes"] == kv_row * 2 * 32
+    assert engine["sampler_kv_bytes"] == kv_row * 2 * 32 + kv_row * 1 * 16
+    # Half the slots: half the cache, twice the decode steps, each reading the weights.
+    half = est(*ON_POLICY, "sampling.engine_slots=4")
+    assert half["sampler_kv_bytes"] == kv_row * 1 * 32 + kv_row * 1 * 16
+    assert half["step_s"] > engine["step_s"] == pytest.approx(wave["step_s"])
+    # PipelineRL-8's 9 waves, or the stream's slots for them (sampling.engine_slots=0).
+    waves, stream = est(), est("sampling.stream=true")
+    assert waves["sampler_kv_bytes"] == 9 * kv_row * 2 * 32
+    assert stream["sampler_kv_bytes"] == 9 * kv_row * 2 * 32 + kv_row * 9 * 16

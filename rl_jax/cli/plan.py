@@ -1,5 +1,6 @@
 """`rl-jax plan RECIPE [key=value ...] --topology NAME [--search]`: compile a run's
-programs (train step, log-prob pass, the sampler's prefill and decode) for a TPU
+programs (train step, log-prob pass, the sampler's: the engine's prefill_insert and
+generate, or the batch Sampler's prefill and decode) for a TPU
 topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
 step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
 mesh shapes, remat, micro-batches and PipelineRL waves by rollouts per hour."""
@@ -97,34 +98,48 @@ def format_plan(plan: dict) -> str:
         f" mesh {mesh}; model {plan['model']['params'] / 1e9:.3g}B params,"
         f" {plan['model']['layers']} layers, remat {plan['model']['remat']}",
         f"batch {b['prompts']} prompts x {b['samples']} samples, {b['updates']} minibatches"
-        f" (grad_accum {b['grad_accum']}), {b['prompt_len']}+{b['gen_len']} tokens;"
-        f" sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
-        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip per wave",
-        f"{'program':<11} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
+        f" (grad_accum {b['grad_accum']}), {b['prompt_len']}+{b['gen_len']} tokens; "
+        + _sampler_line(plan),
+        f"{'program':<14} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
         f"{'GFLOP':>9} {'useful':>6} {'x exp':>5} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
     ]
     for r in plan["programs"]:
         g = r["hbm_gb"]
         if "error" in r:  # XLA refused it: more HBM than the chip has
-            lines.append(f"{r['name']:<11} {r['hbm_total_gb']:>7.2f}  does not fit: {r['error']}")
+            lines.append(f"{r['name']:<14} {r['hbm_total_gb']:>7.2f}  does not fit: {r['error']}")
             continue
         lines.append(
-            f"{r['name']:<11} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
+            f"{r['name']:<14} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
             f"{g['temporaries']:>7.2f} {g['resident']:>7.2f} {'yes' if r['fits'] else 'NO':>4} "
             f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['flops_expected_ratio']:>5.2f}"
             f" {r['roofline_s']:>10.4g} "
             f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
     lines += [
-        "(per chip; other = buffers live beside the program: optimizer state, other waves;"
-        " useful = model FLOPs / compiled FLOPs; x exp = compiled / (model + what remat,"
-        " blockwise attention and the chunked LM head recompute); decode's row is one"
-        " token per row)",
+        "(per chip; other = buffers live beside the program: optimizer state, other waves"
+        " or the stream's engine state; useful = model FLOPs / compiled FLOPs; x exp ="
+        " compiled / (model + what remat, blockwise attention and the chunked LM head"
+        " recompute); decode's and generate's row is one token per row or slot)",
         f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
         f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
         f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
     ]
     return "\n".join(lines)
+
+
+def _sampler_line(plan: dict) -> str:
+    b = plan["batch"]
+    if plan["sampler"] == "engine":
+        e = plan["engine"]
+        return (
+            f"sampler: the engine, {e['slots']} slots, chunks of {e['chunk']} steps,"
+            f" {e['prefill_prompts']} prompts a prefill; KV cache {plan['kv_cache_gb']:.2f}"
+            " GB/chip (its slots)"
+        )
+    return (
+        f"sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
+        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip per wave"
+    )
 
 
 def _useful(r: dict) -> float:

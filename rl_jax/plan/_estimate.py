@@ -19,7 +19,15 @@ from rl_jax.models.logprobs import chunk_size
 from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip
-from rl_jax.train.accounting import extra_forwards, forward_flops, num_waves
+from rl_jax.sampling._decoder import round_up
+from rl_jax.train.accounting import (
+    extra_forwards,
+    forward_flops,
+    num_waves,
+    sampler_rows,
+    samples_on_engine,
+)
+from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.params import ParamPlan, tree_bytes
 
 
@@ -34,8 +42,9 @@ def _split(n: int, ways: int) -> float:
 
 
 def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str, float]:
-    """{"hbm_bytes": the largest program's per-chip bytes, "step_s": roofline seconds of an
-    RL step, "rollouts_per_hour"} for a resolved RunConfig on a data x fsdp x tensor mesh.
+    """{"hbm_bytes": the largest program's per-chip bytes, "sampler_kv_bytes": the
+    sampler's KV caches per chip, "step_s": roofline seconds of an RL step,
+    "rollouts_per_hour"} for a resolved RunConfig on a data x fsdp x tensor mesh.
 
     Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
     rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
@@ -43,9 +52,10 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     is not the state itself, the minibatch's activations (all layers, or one
     layer's input each with full remat, its input and weight matmuls' outputs with
     save_dots, plus one layer live), fp32 logits of the completion,
-    and the sampler's KV caches (all of PipelineRL's waves). Time: train, log-prob and
-    prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of the sampler's
-    weights and the whole cache per token."""
+    and the sampler's KV caches (the engine's slots and prefilled prompts where the
+    trainer samples on the engine, else all of PipelineRL's waves). Time: train,
+    log-prob and prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of
+    the sampler's weights and the whole cache per decode step."""
     data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
     chips = data * fsdp * tensor
     shards = data * fsdp
@@ -92,25 +102,39 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
-    wave_rows = (P * k if off == "ppo_off_policy" else P) * G
-    waves = num_waves(cfg) if off == "pipeline" else 1
-    kv = 2 * L * math.ceil(wave_rows / shards) * _split(K, tensor) * hd * T * cdt
-    in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
+    kv_row = 2 * L * _split(K, tensor) * hd * cdt  # per cache slot of one row
+    if samples_on_engine(cfg):
+        # The engine's slots, each a row's cache, and its pool of prefilled prompts; the
+        # stream keeps them beside the update. Every step's P x n rows decode S at a time.
+        shape = engine_shape(cfg.sampling, rows=sampler_rows(cfg), shards=shards)
+        slots, prompts = shape["slots"], round_up(shape["prefill_prompts"], shards)
+        kv = kv_row * slots / shards * T
+        sampler_kv = kv + kv_row * prompts / shards * tp
+        in_flight = sampler_kv if off == "pipeline" else 0.0
+        steps = P * G * tg / slots
+    else:
+        wave_rows = (P * k if off == "ppo_off_policy" else P) * G
+        waves = num_waves(cfg) if off == "pipeline" else 1
+        kv = kv_row * math.ceil(wave_rows / shards) * T
+        sampler_kv = kv * waves  # PipelineRL's waves, each with its cache
+        in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
+        steps = tg * (1 / k if off == "ppo_off_policy" else 1)
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 
     # The view is made for sampling and dropped before the updates.
     train = params + opt + grads + acts + logits + in_flight + ref
-    decode = params + view + sampler_weights + kv * waves + opt + ref
+    decode = params + view + sampler_weights + sampler_kv + opt + ref
     hbm = max(train, decode)
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     train_fl = train_flops(spec, P, G, tp, tg)["expected"] + extra_forwards(cfg) * fwd
     train_s = train_fl / chips / chip.bf16_flops
-    decode_bytes = (sampler_weights + kv) * tg * (1 / k if off == "ppo_off_policy" else 1)
+    decode_bytes = (sampler_weights + kv) * steps  # per step: the weights and every cache
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
     step_s = train_s + sample_s
     return {
         "hbm_bytes": float(hbm),
+        "sampler_kv_bytes": float(sampler_kv),
         "step_s": float(step_s),
         "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
     }

@@ -31,12 +31,21 @@ from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import param_shardings
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, parse_topology
-from rl_jax.sampling import Sampler
+from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
 from rl_jax.sharding.rules import Rules
-from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops, num_waves
+from rl_jax.train.accounting import (
+    TRAIN_PASSES,
+    extra_forwards,
+    forward_flops,
+    num_waves,
+    sampler_rows,
+    samples_on_engine,
+)
+from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
+from rl_jax.train.parts import engine_sampling
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_update
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
@@ -102,7 +111,9 @@ def plan_run(
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
-    the recipe needs one, and the sampler's prefill and decode. The plan as a JSON-able
+    the recipe needs one, and the sampler's: the engine's prefill_insert and generate
+    where the trainer samples on the engine (`samples_on_engine`), else the batch
+    Sampler's prefill and decode. The plan as a JSON-able
     dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
     roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
     chip, _ = parse_topology(topology)
@@ -128,11 +139,15 @@ def plan_run(
     wave_prompts = P * k if off == "ppo_off_policy" else P
     waves = num_waves(cfg) if off == "pipeline" else 1
     b = _build(cfg, spec, mesh, rules, minibatches=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
-    params, opt, sampler = b.params, b.opt, b.sampler
+    params, opt, sampler, engine = b.params, b.opt, b.sampler, b.engine
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
     ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
-    start = _compile(b.start_fn, *b.start_args, **b.start_kw)
-    if isinstance(start, OutOfMemory):
+    start = None
+    if engine is not None:
+        # The engine's state is laid out by its own constraints, known before compiling.
+        state = engine.abstract_state()
+        state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
+    elif isinstance(start := _compile(b.start_fn, *b.start_args, **b.start_kw), OutOfMemory):
         # No layout from the compiler: every array of the state split over the batch
         # shards, as the sampler lays out its rows and caches.
         state = jax.eval_shape(functools.partial(b.start_fn, **b.start_kw), *b.start_args)
@@ -153,8 +168,15 @@ def plan_run(
 
     programs = []
     # While the trainer updates, PipelineRL's other waves wait in HBM with their caches
-    # (the finished one is dropped first: train.schedules.pipeline).
-    in_flight = state_bytes * (waves - 1) if off == "pipeline" else 0
+    # (the finished one is dropped first: train.schedules.pipeline), or the stream's
+    # engine state with its rows in flight; on_policy's and ppo_off_policy's engine
+    # state is gone once their batches are sampled (`Engine.run`).
+    if off != "pipeline":
+        in_flight = 0
+    elif engine is not None:
+        in_flight = state_bytes
+    else:
+        in_flight = state_bytes * (waves - 1)
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
     # One call of the trainer's update program: the RL step's M minibatch updates.
@@ -183,44 +205,71 @@ def plan_run(
             )
         )
     # Sampler programs run while the optimizer state (and the reference) stay resident,
-    # with the other waves' states beside the one being decoded.
+    # with the other waves' states beside the one being decoded (the engine: its one
+    # state is the programs' argument).
     # The state the view is made from stays too, unless the view is the state itself.
     state_resident = param_bytes if b.state_resident else 0
-    beside = opt_bytes + ref_bytes + state_resident + state_bytes * (waves - 1)
-    per_wave = 1 / k if off == "ppo_off_policy" else 1.0  # waves started per RL step
-    prefill_flops = wave_prompts * _prefill_flops(spec, tp - 1)
-    programs.append(
-        report(
+    beside = opt_bytes + ref_bytes + state_resident
+    if engine is None:
+        beside += state_bytes * (waves - 1)
+    decoder = sampler if engine is None else engine
+    weight_bytes = _chip_bytes(
+        {
+            n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
+            for n, a in _resharded(b.weights, decoder.param_shardings()).items()
+        }
+    )
+    if engine is None:
+        per_wave = 1 / k if off == "ppo_off_policy" else 1.0  # waves started per RL step
+        prefill = report(
             "prefill",
             start,
             None,
-            prefill_flops,
+            wave_prompts * _prefill_flops(spec, tp - 1),
             resident=beside,
             calls=per_wave,
             cost=costs["prefill"],
         )
-    )
-    # One decode iteration samples one token for every row of a wave and reads every
-    # weight and the whole cache: the token loop's cost is its body's, once per call.
-    rows = wave_prompts * G
-    decode_flops = rows * spec.flops_per_token(tp + (tg + 1) / 2)
-    weight_bytes = _chip_bytes(
-        {
-            n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-            for n, a in _resharded(b.weights, sampler.param_shardings()).items()
-        }
-    )
-    scalar = _scalar(mesh)
+        # One decode iteration samples one token for every row of a wave and reads every
+        # weight and the whole cache: the token loop's cost is its body's, once per call.
+        slots, steps = wave_prompts * G, tg * per_wave
+        scalar = _scalar(mesh)
+        decode = ("decode", start if isinstance(start, OutOfMemory) else sampler.decode_program)
+        decode_args = (b.weights, state, scalar, scalar)
+    else:
+        # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
+        # the engine's slots (full occupancy: the least it takes). A generate call runs
+        # `chunk` of those steps; its cost, like decode's, is one step's (the step loop's
+        # body once) plus what runs once per call.
+        slots, steps = engine.slots, P * G * tg / engine.slots
+        fn, args, kw = b.engine_programs["prefill_insert"]
+        # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
+        # P / prefill_prompts calls per step. The stream admits groups as slots free up,
+        # a call per generate call with new groups: at most one per group.
+        calls = P / engine.prefill_prompts
+        if off == "pipeline":
+            calls = min(P, max(calls, steps / engine.chunk))
+        prefill = report(
+            "prefill_insert",
+            _compile(fn, *args, **kw),
+            None,
+            engine.prefill_prompts * _prefill_flops(spec, tp - 1),
+            resident=beside,
+            calls=calls,
+            cost=costs["prefill_insert"],
+        )
+        fn, args, kw = b.engine_programs["generate"]
+        decode, decode_args = ("generate", _compile(fn, *args, **kw)), None
+    programs.append(prefill)
     programs.append(
         report(
-            "decode",
-            start if isinstance(start, OutOfMemory) else sampler.decode_program,
-            (b.weights, state, scalar, scalar),
-            decode_flops,
+            *decode,
+            decode_args,
+            slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
             resident=beside,
-            calls=tg * per_wave,
+            calls=steps,
             bytes_analytic=weight_bytes + kv_bytes,
-            cost=costs["decode"],
+            cost=costs[decode[0]],
         )
     )
     step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
@@ -246,6 +295,18 @@ def plan_run(
             "wave_prompts": wave_prompts,
             "waves": waves,
         },
+        "sampler": "sampler" if engine is None else "engine",
+        **(
+            {}
+            if engine is None
+            else {
+                "engine": {
+                    "slots": engine.slots,
+                    "chunk": engine.chunk,
+                    "prefill_prompts": engine.prefill_prompts,
+                }
+            }
+        ),
         "kv_cache_gb": kv_bytes / 1e9,
         "sampler_state_gb": state_bytes / 1e9,
         "optimizer_gb": opt_bytes / 1e9,
@@ -285,12 +346,16 @@ class _Built:
     logprob_args: tuple | None
     kl: bool
     needs_old: bool
+    engine: Engine | None  # the trainer's engine, where it samples on one
+    engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
 
 
 def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Built:
     """The trainer's update program (`make_update`: `minibatches` minibatch updates
-    scanned in one program), the log-prob pass where the recipe needs one, and the
-    sampler's prefill and decode, for `spec` on `mesh`."""
+    scanned in one program), the log-prob pass where the recipe needs one, the
+    sampler's prefill and decode, and the engine's programs where the trainer samples
+    on it (as `rl_jax.train.parts` makes it: its slots, chunk and prefill), for `spec`
+    on `mesh`."""
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     shardings = param_shardings(spec, mesh, rules)
     # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params); the
@@ -320,6 +385,21 @@ def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Bui
     start_fn, start_args, start_kw = sampler.start_program(
         weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
     )
+    engine, engine_programs = None, {}
+    if samples_on_engine(cfg):
+        sampling = engine_sampling(cfg)
+        engine = Engine(
+            spec,
+            sampling,
+            mesh=mesh,
+            eos_id=0,
+            interrupt_ids=[0],
+            rules=cfg.mesh.rules,
+            prompt_len=tp,
+            fixed_shapes=True,
+            **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
+        )
+        engine_programs = engine.programs(weights)
     update = make_update(
         spec,
         rules,
@@ -356,6 +436,8 @@ def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Bui
         logprob_args,
         kl,
         needs_old,
+        engine,
+        engine_programs,
     )
 
 
@@ -388,7 +470,7 @@ def _unrolled_scans():
         jax.lax.scan = scan
 
 
-PROGRAMS = ("train_step", "logprob", "prefill", "decode")
+PROGRAMS = ("train_step", "logprob", "prefill", "decode", "prefill_insert", "generate")
 
 
 def _layer_costs(
@@ -448,7 +530,10 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, wave_prompts, tp, tg, p
             compile_("train_step", b.update, *b.update_args)
         if "logprob" in programs and b.logprob is not None:
             compile_("logprob", b.logprob, *b.logprob_args)
-        if {"prefill", "decode"} & set(programs):
+        for name, (fn, args, kw) in b.engine_programs.items():
+            if name in programs:
+                compile_(name, fn, *args, **kw)
+        if b.engine is None and {"prefill", "decode"} & set(programs):
             start = compile_("prefill", b.start_fn, *b.start_args, **b.start_kw)
             if "decode" in programs:
                 if isinstance(start, OutOfMemory):

@@ -238,6 +238,43 @@ class Engine(Decoder):
             **pin,
         )
 
+    def abstract_state(self) -> EngineState:
+        """The state's shapes and dtypes, with the layouts the programs give it on the
+        mesh (none without one): what `init` would allocate."""
+        shapes = jax.eval_shape(self._init_impl)
+        shardings = self._state_shardings()
+        if shardings is None:
+            return shapes
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings
+        )
+
+    def programs(self, params) -> dict[str, tuple[Callable, tuple, dict]]:
+        """{name: (jitted program, abstract arguments, static arguments)} of
+        `prefill_insert` (a whole prefill of `prefill_prompts` prompts at `prompt_len`,
+        and rows into every slot) and `generate` (a chunk), for `params` (abstract arrays)
+        and laid out as the verbs lay out theirs: `rl_jax.plan` compiles them ahead of
+        time for hardware this host does not have."""
+        P, S, Tp = self.prefill_prompts, self.slots, self.prompt_len
+
+        def arr(shape, dtype=jnp.int32):  # rows over the batch axes; scalars replicated
+            sh = None if self.mesh is None else NamedSharding(self.mesh, self._row_spec(len(shape)))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+        key = jax.eval_shape(jax.random.key, 0)
+        state = self.abstract_state()
+        # take, source, row id, group id, limit of every slot
+        rows = (arr((S,), jnp.bool_), *(arr((S,)) for _ in range(4)))
+        prefill = (arr((P, Tp)), arr((P,)), arr((P,)), arr((), jnp.bool_))
+        return {
+            "prefill_insert": (
+                self._prefill_insert,
+                (params, state, *prefill, *rows, arr(key.shape, key.dtype)),
+                {"bucket": Tp},
+            ),
+            "generate": (self._generate, (params, state, arr(()), arr(())), {"steps": self.chunk}),
+        }
+
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per program (a test of bounded compiles)."""
         fns = {"prefill_insert": self._prefill_insert, "generate": self._generate}

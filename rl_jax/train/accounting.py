@@ -110,6 +110,22 @@ def num_waves(cfg: RunConfig, *, updates: int | None = None) -> int:
     return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
 
 
+def sampler_rows(cfg: RunConfig) -> int:
+    """Rows the schedule has in flight at once: B_p x n, x k for ppo_off_policy's k
+    batches (sampled together unless data.dynamic_sampling), x W for pipeline's W."""
+    off = cfg.train.off_policy
+    ppo = off == "ppo_off_policy" and not cfg.data.dynamic_sampling
+    batches = cfg.train.off_policy_k if ppo else num_waves(cfg) if off == "pipeline" else 1
+    return batches * cfg.data.prompts_per_batch * cfg.sampling.n
+
+
+def samples_on_engine(cfg: RunConfig) -> bool:
+    """Whether the trainer's batches generate on the engine: with sampling.engine,
+    except pipeline and split mode's waves (on the batch Sampler unless sampling.stream)."""
+    waves = cfg.train.off_policy == "pipeline" or cfg.mesh.sampler_devices > 0
+    return cfg.sampling.engine and not (waves and not cfg.sampling.stream)
+
+
 def decode_chunk(cfg: RunConfig) -> int:
     """PipelineRL's decode steps between weight swaps (sampling.decode_chunk, else a
     quarter of the generation budget)."""

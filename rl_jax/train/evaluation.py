@@ -61,18 +61,26 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
     if not sampling.engine:
         return Sampler(spec, sampling, **common)
     shards = 1 if mesh is None else num_batch_shards(mesh)
-    slots = -(-(sampling.engine_slots or rows) // shards) * shards
     return Engine(
         spec,
         sampling,
-        slots=slots,
-        chunk=sampling.decode_chunk or sampling.max_new_tokens,
         prompt_len=prompt_len or sampling.max_prompt_len,
-        # A refill's new prompts in one prefill call.
-        prefill_prompts=-(-slots // sampling.n),
         fixed_shapes=True,
+        **engine_shape(sampling, rows=rows, shards=shards),
         **common,
     )
+
+
+def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
+    """The trainer's engine's slots (sampling.engine_slots, else `rows`, in whole batch
+    shards), decode steps per generate call (sampling.decode_chunk, else to the end)
+    and prompts per prefill (a refill's new prompts in one call), as `Engine` takes them."""
+    slots = -(-(sampling.engine_slots or rows) // shards) * shards
+    return {
+        "slots": slots,
+        "chunk": sampling.decode_chunk or sampling.max_new_tokens,
+        "prefill_prompts": -(-slots // sampling.n),
+    }
 
 
 def generate_rows(sampler, params, prompt_ids, *, n: int, key, version: int, row_ids=None):

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rl_jax.config import RunConfig
+from rl_jax.config import RunConfig, SamplingConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
-from rl_jax.train.accounting import decode_chunk, num_waves
+from rl_jax.train.accounting import decode_chunk, sampler_rows, samples_on_engine
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
@@ -193,18 +193,10 @@ def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len
     by default a slot for every row the schedule has in flight at once: B_p x n, x k for
     ppo_off_policy's k batches, x W for pipeline's W) and eval_sampler."""
     engine = None
-    off = cfg.train.off_policy
-    ppo = off == "ppo_off_policy" and not cfg.data.dynamic_sampling
-    batches = cfg.train.off_policy_k if ppo else num_waves(cfg) if off == "pipeline" else 1
-    rows = batches * cfg.data.prompts_per_batch * cfg.sampling.n
-    # Pipeline and split mode decode waves on the Sampler unless sampling.stream.
-    waves = (off == "pipeline" or cfg.mesh.sampler_devices > 0) and not cfg.sampling.stream
-    if cfg.sampling.engine and not waves:
-        sampling = cfg.sampling
-        if off == "pipeline":  # the stream swaps weights between chunks of this many steps
-            sampling = dataclasses.replace(sampling, decode_chunk=decode_chunk(cfg))
+    rows = sampler_rows(cfg)
+    if samples_on_engine(cfg):
         engine = make_sampler(
-            spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
+            spec, engine_sampling(cfg), cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
         )
     return {
         # The batch Sampler: pipeline and split mode's waves, and every batch when
@@ -220,6 +212,14 @@ def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len
         "engine": engine,
         "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
     }
+
+
+def engine_sampling(cfg: RunConfig) -> SamplingConfig:
+    """The trainer's engine's sampling settings: the run's, with pipeline's decode chunk
+    (the stream swaps weights between chunks of this many steps)."""
+    if cfg.train.off_policy == "pipeline":
+        return dataclasses.replace(cfg.sampling, decode_chunk=decode_chunk(cfg))
+    return cfg.sampling
 
 
 def adapter_key(cfg: RunConfig) -> jax.Array:
