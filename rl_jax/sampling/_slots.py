@@ -73,7 +73,8 @@ class SlotBook:
         self.slot_steps = self.prefills = self.prefilled = 0
 
     def add(self, rows: Iterable[int]) -> None:
-        """Rows to the end of the queue (a group's rows all enter it before any slot)."""
+        """Rows to the end of the queue. Every row of a group must be queued before any
+        of them takes a slot: a pooled group counts n rows left to enter."""
         self.queue.extend(rows)
 
     def free(self) -> int:

@@ -72,7 +72,8 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
 
 
 def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
-    """The trainer's engine's slots (sampling.engine_slots, else `rows`, in whole batch
+    """A run's engine for batches of `rows` rows (the trainer's, evaluation's; and the
+    plan's of them): its slots (sampling.engine_slots, else `rows`, in whole batch
     shards), decode steps per generate call (sampling.decode_chunk, else to the end)
     and prompts per prefill (a refill's new prompts in one call), as `Engine` takes them."""
     slots = -(-(sampling.engine_slots or rows) // shards) * shards
