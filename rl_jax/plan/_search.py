@@ -10,7 +10,8 @@ Dimensions, each a knob the trainer has:
                 x m with train.grad_accum x m: the same optimizer updates from
                 smaller programs, plus the old policy's log-prob pass m > 1 needs)
   waves         PipelineRL only (train.pipeline_waves): batches in flight, each
-                holding its KV cache; fewer waves bound staleness tighter. The
+                holding its KV cache (on the stream, W x B_p x n engine slots unless
+                sampling.engine_slots); fewer waves bound staleness tighter. The
                 trainer keeps (k + 1) // updates per batch at most, so micro-batches
                 (more updates per batch) leave fewer waves to choose from
 
