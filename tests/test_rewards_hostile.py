@@ -137,13 +137,15 @@ def _check_pooled(fn, answer, items):
 @pytest.mark.skipif(not _math.available(), reason="math-verify not installed")
 def test_math_verify_survives_hostile_output(tmp_path):
     marker = tmp_path / "executed"
+    # The pool starts (workers spawn and import the verifier) under a limit that a loaded
+    # machine cannot miss; the short limit then holds for calls to running workers.
+    patient = rewards.get("math", scale="01", timeout_s=10.0, workers=2)
+    assert patient("\\boxed{46}", "46") == 1.0
     fn = rewards.get("math", scale="01", timeout_s=TIMEOUT_S, workers=2)
-    assert fn("\\boxed{46}", "46") == 1.0  # also starts the pool outside the timed calls
     _check_pooled(fn, "46", hostile(str(marker)))
     assert fn.pool.timeouts > 0  # some inputs did spin and were cut off
     # and the pool still answers: the same shared pool, asked with a time limit that a
     # loaded CI machine (a respawned worker, another test process) cannot miss
-    patient = rewards.get("math", scale="01", timeout_s=10.0, workers=2)
     assert patient("\\boxed{46}", "46") == 1.0
     assert not marker.exists()
 
@@ -155,7 +157,8 @@ def test_reasoning_gym_scorer_survives_hostile_output(tmp_path):
     marker = tmp_path / "executed"
     entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=3)[0]
     answer = rewards.encode_gym_answer("basic_arithmetic", entry)
+    patient = rewards.get("gym", scale="01", timeout_s=10.0, workers=2)  # starts the pool
+    assert patient(f"<answer>{entry['answer']}</answer>", answer) == 1.0
     fn = rewards.get("gym", scale="01", timeout_s=TIMEOUT_S, workers=2)
-    assert fn(f"<answer>{entry['answer']}</answer>", answer) == 1.0
     _check_pooled(fn, answer, hostile(str(marker)))
     assert not marker.exists()
