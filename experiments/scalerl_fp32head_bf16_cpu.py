@@ -28,8 +28,10 @@ confound in neither arm's favour but noise in both.
 Both arms of a seed start from the same supervised warm-up, the float32 one of
 `scalerl_study_cpu` (`warm_start_overrides`): a warm-up in each arm's own
 precision would stop at a different greedy pass rate per arm (0.55-0.75 across
-seeds in the study), and that difference would swamp the head's. The study's
-budget, evaluations and eval size, 3 seeds:
+seeds in the study), and that difference would swamp the head's. Each seed's two
+runs thus share their start (the warm-up and the sampling seed), and the report
+compares them seed by seed (`ReportSpec(paired=True)`), decided before the runs.
+The study's budget, evaluations and eval size, 3 seeds:
 
     rl-jax grid scalerl_fp32head_bf16_cpu --jobs 2 --out grids
     rl-jax study scalerl_fp32head_bf16_cpu --from grids/scalerl_fp32head_bf16_cpu \\
@@ -50,6 +52,7 @@ def grid():
         axes=pair.axes,
         # The float32 warm-up of scalerl_study_cpu's baseline, for both arms.
         warm_start_overrides={"model.compute_dtype": "float32", "model.fp32_lm_head": True},
-        report=dataclasses.replace(study.report, paper=pair.report.paper),
+        # Each seed's two runs share the warm-up and the sampling seed: compared seed by seed.
+        report=dataclasses.replace(study.report, paper=pair.report.paper, paired=True),
         description=pair.description,
     )

@@ -183,6 +183,9 @@ class ReportSpec:
     # compare: what a paper reports for each axis point against the baseline (rl-jax study
     # puts its own classification beside it)
     paper: tuple[tuple[str, PaperFinding], ...] | Mapping[str, PaperFinding] = ()
+    # compare: differences taken seed by seed (rl_jax.scaling.analyse_study), for grids whose
+    # recipes share each seed's start (the warm-up and the sampling seed)
+    paired: bool = False
 
     def __post_init__(self):
         if self.kind not in REPORT_KINDS:
