@@ -169,15 +169,18 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert cli_main(["study", str(tmp_path / "missing.py"), "--out", str(out)]) == 2
 
 
-def test_committed_study_regenerates_bit_for_bit(tmp_path):
-    """The committed CPU study's report is what today's fitting code makes of its curves."""
+@pytest.mark.parametrize(
+    "spec, sub", [("scalerl_study_cpu", ""), ("scalerl_fp32head_bf16_cpu", "fp32head_bf16")]
+)
+def test_committed_study_regenerates_bit_for_bit(tmp_path, spec, sub):
+    """The committed CPU studies' reports are what today's fitting code makes of their curves."""
     from pathlib import Path
 
-    root = Path(__file__).parents[1] / "experiments/results/scalerl_cpu"
+    root = Path(__file__).parents[1] / "experiments/results/scalerl_cpu" / sub
     out = tmp_path / "study"
     out.mkdir()
     (out / "curves.jsonl").write_bytes((root / "curves.jsonl").read_bytes())
-    assert cli_main(["study", "scalerl_study_cpu", "--out", str(out), "--no-plots"]) == 0
+    assert cli_main(["study", spec, "--out", str(out), "--no-plots"]) == 0
     for name in ("study.json", "report.md"):
         assert (out / name).read_text() == (root / name).read_text(), name
 
