@@ -31,7 +31,9 @@ precision would stop at a different greedy pass rate per arm (0.55-0.75 across
 seeds in the study), and that difference would swamp the head's. Each seed's two
 runs thus share their start (the warm-up and the sampling seed), and the report
 compares them seed by seed (`ReportSpec(paired=True)`), decided before the runs.
-The study's budget, evaluations and eval size, 3 seeds:
+The study's budget, evaluations and eval size, 3 seeds (59.5 min with --jobs 2
+on the loaded 2-core machine; a bfloat16 step costs about twice a float32 one
+here, experiments/results/scalerl_cpu/README.md):
 
     rl-jax grid scalerl_fp32head_bf16_cpu --jobs 2 --out grids
     rl-jax study scalerl_fp32head_bf16_cpu --from grids/scalerl_fp32head_bf16_cpu \\
