@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_backend(a: argparse.Namespace, spec: GridSpec):
-    train_cmd = shlex.split(a.train_cmd) if a.train_cmd else train_cmd_for(spec.warm_start)
+    train_cmd = (
+        shlex.split(a.train_cmd)
+        if a.train_cmd
+        else train_cmd_for(spec.warm_start, warm_overrides=spec.warm_start_overrides)
+    )
     if a.backend == "local":
         return LocalBackend(jobs=a.jobs, train_cmd=train_cmd)
     if a.backend == "ray":
@@ -90,7 +94,13 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
         version=a.tpu_version,
         remote_out=a.tpu_remote_out,
     )
-    return TpuBackend(grid=spec.name, options=opts, dry_run=a.dry_run, warm_start=spec.warm_start)
+    return TpuBackend(
+        grid=spec.name,
+        options=opts,
+        dry_run=a.dry_run,
+        warm_start=spec.warm_start,
+        warm_overrides=spec.warm_start_overrides,
+    )
 
 
 def main(argv: list[str]) -> int:

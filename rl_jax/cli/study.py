@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
             n_boot=rep.n_boot,
             r0=rep.r0,
             fit_start=rep.fit_start,
+            paired=rep.paired,
         )
     except FitError as e:
         print(f"rl-jax study: {dest}: {e}", file=sys.stderr)

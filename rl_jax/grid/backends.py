@@ -27,10 +27,17 @@ TPU_SETUP = REPO_ROOT / "tpu_setup"
 DEFAULT_TRAIN_CMD = (sys.executable, "-m", "rl_jax.cli", "train")
 
 
-def train_cmd_for(warm_start: float, python: str = sys.executable) -> list[str]:
-    """`rl-jax train`, or the warm-started trainer for specs with warm_start > 0."""
+def train_cmd_for(
+    warm_start: float,
+    python: str = sys.executable,
+    *,
+    warm_overrides: Sequence[tuple[str, Any]] = (),
+) -> list[str]:
+    """`rl-jax train`, or the warm-started trainer for specs with warm_start > 0 (its
+    warm-up run with `warm_overrides`, GridSpec.warm_start_overrides)."""
     if warm_start > 0:
-        return [python, "-m", "rl_jax.cli.warm_train", "--target", repr(warm_start)]
+        warm_set = [a for k, v in warm_overrides for a in ("--warm-set", format_override(k, v))]
+        return [python, "-m", "rl_jax.cli.warm_train", "--target", repr(warm_start), *warm_set]
     return [python, "-m", "rl_jax.cli", "train"]
 
 
@@ -329,12 +336,15 @@ class TpuBackend(LocalBackend):
         options: TpuOptions,
         dry_run: bool = False,
         warm_start: float = 0.0,
+        warm_overrides: Sequence[tuple[str, Any]] = (),
         **kw,
     ):
         super().__init__(jobs=options.slices, **kw)
         # The hosts' venv python (launch.sh puts it first on PATH).
         self.remote_train_cmd = (
-            train_cmd_for(warm_start, "python") if warm_start > 0 else ["rl-jax", "train"]
+            train_cmd_for(warm_start, "python", warm_overrides=warm_overrides)
+            if warm_start > 0
+            else ["rl-jax", "train"]
         )
         self.grid = grid
         self.opts = options

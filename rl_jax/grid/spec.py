@@ -25,6 +25,9 @@ from rl_jax.scaling import FitError, PaperFinding, SigmoidOptions, parse_fit_sta
 # the report can put the same unit on its x axis.
 UNITS = ("rollouts", "generated_tokens", "flops")
 REPORT_KINDS = ("compare", "isocompute")
+# What GridSpec.warm_start_overrides may change: how the model computes, not the weights it
+# holds or is initialized with, so the warm-up starts from the run's own initial weights.
+WARM_START_KNOBS = ("model.compute_dtype", "model.fp32_lm_head")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9._+=-]+$")
 
 
@@ -180,6 +183,9 @@ class ReportSpec:
     # compare: what a paper reports for each axis point against the baseline (rl-jax study
     # puts its own classification beside it)
     paper: tuple[tuple[str, PaperFinding], ...] | Mapping[str, PaperFinding] = ()
+    # compare: differences taken seed by seed (rl_jax.scaling.analyse_study), for grids whose
+    # recipes share each seed's start (the warm-up and the sampling seed)
+    paired: bool = False
 
     def __post_init__(self):
         if self.kind not in REPORT_KINDS:
@@ -265,6 +271,10 @@ class GridSpec:
     # > 0: each run starts from the CPU demo's supervised warm-up, stopped at this greedy
     # pass rate (rl_jax.cli.warm_train): the tiny model's random init cannot learn by RL.
     warm_start: float = 0.0
+    # Knobs the warm-up runs with instead of the run's own: only how the model computes
+    # (WARM_START_KNOBS), so that e.g. both arms of a precision ablation start from the
+    # same float32 warm-up (rl_jax.cli.warm_train --warm-set).
+    warm_start_overrides: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
     resources: Resources = field(default_factory=Resources)
     report: ReportSpec = field(default_factory=ReportSpec)
     early_stop: EarlyStop | None = None
@@ -275,6 +285,8 @@ class GridSpec:
             raise ConfigError(f"grid name {self.name!r} must use only letters, digits, _ . -")
         if not isinstance(self.base, tuple):
             object.__setattr__(self, "base", _pairs(self.base))
+        if not isinstance(self.warm_start_overrides, tuple):
+            object.__setattr__(self, "warm_start_overrides", _pairs(self.warm_start_overrides))
         object.__setattr__(self, "axes", tuple(self.axes))
         object.__setattr__(self, "constraints", tuple(self.constraints))
         object.__setattr__(self, "seeds", tuple(self.seeds))
@@ -290,6 +302,18 @@ class GridSpec:
             raise ConfigError(f"grid {self.name!r}: max_attempts={self.max_attempts} must be >= 1")
         if not 0.0 <= self.warm_start < 1.0:
             raise ConfigError(f"grid {self.name!r}: warm_start={self.warm_start} must be in [0, 1)")
+        for k, _ in self.warm_start_overrides:
+            if k not in WARM_START_KNOBS:
+                raise ConfigError(
+                    f"grid {self.name!r}: warm_start_overrides key {k!r} is not one of"
+                    f" {list(WARM_START_KNOBS)} (the warm-up must start from the run's own"
+                    " initial weights)"
+                )
+        if self.warm_start_overrides and not self.warm_start:
+            raise ConfigError(
+                f"grid {self.name!r}: warm_start_overrides needs warm_start > 0 (there is no"
+                " warm-up to override)"
+            )
         for k in ("evals_per_run", "checkpoints_per_run"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"grid {self.name!r}: {k}={getattr(self, k)} must be >= 0")

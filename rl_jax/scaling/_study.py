@@ -21,6 +21,12 @@ from the per-seed fits:
   baseline's bit for bit (the component cannot act in this setting); 'not
   resolved (A unpinned)' when a run's fit puts A on its upper bound without
   the curve reaching it (such runs are also left out of the seed noise of A);
+- paired=True, for designs whose recipes share each seed's start (the same
+  warm-up, the same sampling seed): the differences are taken seed by seed,
+  variant minus baseline, with a t interval from their spread (seeds - 1
+  degrees of freedom), and the classes come from those intervals. A seed's
+  start then cancels out of the difference; with few seeds the wider t
+  quantile can cost more than that gains;
 - half-budget extrapolation for every run and for the baseline's seed-mean
   curve (rl_jax.scaling.extrapolation_check).
 
@@ -93,6 +99,11 @@ class Effect:
     b_exceeds_noise: bool
     paper: PaperFinding | None
     verdict: str
+    # paired: the seeds compared (in both recipes); dA and dB above are means of per-seed
+    # differences, and these are the pooled (unpaired) intervals, for comparison
+    paired_seeds: int = 0
+    dA_interval_unpaired: tuple[float, float] | None = None
+    dB_interval_unpaired: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -107,6 +118,7 @@ class Study:
     baseline_mean: Extrapolation | None
     baseline_mean_note: str
     notes: list[str] = field(default_factory=list)
+    paired: bool = False
 
 
 def _t_interval(diff: float, se: float, df: int, level: float) -> tuple[float, float]:
@@ -190,6 +202,15 @@ def mean_curve(curves: Sequence[Curve]) -> tuple[np.ndarray, np.ndarray]:
     return np.mean(xs, axis=0), np.mean(ys, axis=0)
 
 
+def _diff_interval(d: Sequence[float], level: float) -> tuple[float, float, tuple]:
+    """Mean of paired differences, its standard error and t interval (n - 1 df)."""
+    d = np.asarray(d, float)
+    if d.size < 2:
+        return (float(d.mean()) if d.size else math.nan), math.nan, (-math.inf, math.inf)
+    se = float(d.std(ddof=1)) / math.sqrt(d.size)
+    return float(d.mean()), se, _t_interval(float(d.mean()), se, d.size - 1, level)
+
+
 def _effect(
     group: str,
     base: list[SeedFit],
@@ -202,6 +223,7 @@ def _effect(
     a_tol: float,
     identical: bool,
     paper: PaperFinding | None,
+    paired: bool = False,
 ) -> Effect:
     a_b = np.array([s.fit.A for s in base])
     a_v = np.array([s.fit.A for s in var])
@@ -209,13 +231,14 @@ def _effect(
     se_a = sd_a * math.sqrt(1 / len(a_v) + 1 / len(a_b))
     a_ci = _t_interval(d_a, se_a, df_a, level)
     common = (pooled[group].A + pooled[base[0].group].A) / 2
-    b_b, b_v = [], []
-    for out, fits in ((b_b, base), (b_v, var)):
-        for s in fits:
-            try:
-                out.append(refit(s.fit, a_fixed=common).B)
-            except FitError:
-                continue  # the run's R0 lies above the common A: it says nothing about B there
+    b_at: dict[str, float] = {}  # run_id -> B refitted at the common A
+    for s in (*base, *var):
+        try:
+            b_at[s.run_id] = refit(s.fit, a_fixed=common).B
+        except FitError:
+            continue  # the run's R0 lies above the common A: it says nothing about B there
+    b_b = [b_at[s.run_id] for s in base if s.run_id in b_at]
+    b_v = [b_at[s.run_id] for s in var if s.run_id in b_at]
     if b_b and b_v:
         d_b = float(np.mean(b_v) - np.mean(b_b))
         sd_b, df_b = _pooled_sd([b_b, b_v])
@@ -223,6 +246,21 @@ def _effect(
         b_ci = _t_interval(d_b, se_b, df_b, level)
     else:
         d_b, se_b, b_ci = math.nan, math.nan, (-math.inf, math.inf)
+    extra: dict[str, Any] = {}
+    if paired:
+        by_seed = {s.seed: s for s in base}
+        pairs = [(by_seed[v.seed], v) for v in var if v.seed in by_seed]
+        unpaired = {"dA_interval_unpaired": a_ci, "dB_interval_unpaired": b_ci}
+        d_a, se_a, a_ci = _diff_interval([v.fit.A - b.fit.A for b, v in pairs], level)
+        d_b, se_b, b_ci = _diff_interval(
+            [
+                b_at[v.run_id] - b_at[b.run_id]
+                for b, v in pairs
+                if {b.run_id, v.run_id} <= b_at.keys()
+            ],
+            level,
+        )
+        extra = {"paired_seeds": len(pairs), **unpaired}
     if identical:
         a_class = b_class = "identical"
     elif not all(s.a_pinned for s in (*base, *var)):
@@ -240,10 +278,11 @@ def _effect(
         dB_interval=b_ci,
         a_class=a_class,
         b_class=b_class,
-        a_exceeds_noise=bool(abs(d_a) > 2 * se_a),
+        a_exceeds_noise=bool(math.isfinite(se_a) and abs(d_a) > 2 * se_a),
         b_exceeds_noise=bool(math.isfinite(se_b) and abs(d_b) > 2 * se_b),
         paper=paper,
         verdict=verdict(a_class, b_class, paper),
+        **extra,
     )
 
 
@@ -259,11 +298,12 @@ def analyse_study(
     seed: int = 0,
     r0: str | float = "first",
     fit_start: float | str | None = None,
+    paired: bool = False,
 ) -> Study:
     """Fit a seeded LOO study: curves are grouped by Curve.group, seeds from the `seed` column.
 
     r0, fit_start: the sigmoid options of every fit (fit_start: a compute, or 'P%' of each
-    run's last compute)."""
+    run's last compute). paired: differences seed by seed (recipes share each seed's start)."""
     groups = group_curves(curves)
     if baseline not in groups:
         raise FitError(f"baseline {baseline!r} has no curves; groups: {sorted(groups)}")
@@ -326,6 +366,7 @@ def analyse_study(
                 a_tol=a_tol,
                 identical=_identical(groups[g], groups[baseline]),
                 paper=(paper or {}).get(g),
+                paired=paired,
             )
         )
     mean_ext, mean_note = None, ""
@@ -349,4 +390,5 @@ def analyse_study(
         baseline_mean=mean_ext,
         baseline_mean_note=mean_note,
         notes=notes,
+        paired=paired,
     )

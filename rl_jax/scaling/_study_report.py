@@ -27,6 +27,15 @@ def _signed(v, digits=3) -> str:
 
 
 def _effect_json(e: Effect) -> dict[str, Any]:
+    paired = (
+        {
+            "paired_seeds": e.paired_seeds,
+            "dA_interval_unpaired": list(e.dA_interval_unpaired or ()),
+            "dB_interval_unpaired": list(e.dB_interval_unpaired or ()),
+        }
+        if e.paired_seeds
+        else {}
+    )
     return {
         "group": e.group,
         "seeds": e.seeds,
@@ -41,6 +50,7 @@ def _effect_json(e: Effect) -> dict[str, Any]:
         "B_exceeds_noise": e.b_exceeds_noise,
         "paper": None if e.paper is None else {"A": e.paper.a, "B": e.paper.b},
         "verdict": e.verdict,
+        **paired,
     }
 
 
@@ -94,6 +104,7 @@ def study_json(study: Study) -> dict[str, Any]:
     return _jsonable(
         {
             "baseline": study.baseline,
+            **({"paired": True} if study.paired else {}),
             "level": study.level,
             "a_tol": study.a_tol,
             "settings": study.report.settings,
@@ -211,6 +222,37 @@ def _extrapolation_md(study: Study, summary: dict[str, Any], rows) -> list[str]:
     return lines
 
 
+def _differences_text(study: Study) -> str:
+    lvl = f"{study.level:.0%}"
+    if not study.paired:
+        return (
+            f"dA: variant's seed-mean A minus the baseline's, {lvl} t interval from the pooled "
+            "seed variance. dB: both recipes' runs refitted at their common A (the mean of their "
+            f"pooled A), seed-mean B difference, {lvl} t interval from their seeds. `*`: the "
+            "difference exceeds two standard errors of the seed noise. "
+        )
+    return (
+        "Paired by seed (each seed's runs share their start: the warm-up and the sampling "
+        f"seed). dA: the mean over seeds of the variant's A minus the baseline's, {lvl} t "
+        "interval from the spread of those differences (seeds - 1 degrees of freedom). dB: "
+        "both recipes' runs refitted at their common A (the mean of their pooled A), the mean "
+        f"of the per-seed B differences, {lvl} t interval likewise. `*`: the difference exceeds "
+        "two standard errors of the per-seed differences. "
+    )
+
+
+def _unpaired_lines(study: Study) -> list[str]:
+    if not study.paired:
+        return []
+    lines = ["Unpaired, as the seeds-pooled study computes them (for comparison):", ""]
+    for e in study.effects:
+        lines.append(
+            f"- {e.group}: dA {_ci(e.dA_interval_unpaired)} (pooled seed variance), "
+            f"dB {_ci(e.dB_interval_unpaired)}"
+        )
+    return [*lines, ""]
+
+
 def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
     s = study.report.settings
     noise = study.noise
@@ -246,16 +288,14 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
         "",
         "## Leave-one-out effects against the paper",
         "",
-        f"dA: variant's seed-mean A minus the baseline's, {lvl} t interval from the pooled seed "
-        "variance. dB: both recipes' runs refitted at their common A (the mean of their pooled "
-        f"A), seed-mean B difference, {lvl} t interval from their seeds. `*`: the difference "
-        "exceeds two standard errors of the seed noise. Classes: A `higher`/`lower` (interval "
+        _differences_text(study) + "Classes: A `higher`/`lower` (interval "
         f"excludes 0 and |dA| > {study.a_tol:g}), `tie` (interval inside +-{study.a_tol:g}), "
         "`differs within band`, `not resolved`; B `higher`/`lower` (interval excludes 0) or "
         "`not resolved`; `identical`: every seed's curve equals the baseline's.",
         "",
         *_effects_table(study),
         "",
+        *_unpaired_lines(study),
     ]
     n_a = sum(e.a_exceeds_noise for e in study.effects)
     n_b = sum(e.b_exceeds_noise for e in study.effects)
