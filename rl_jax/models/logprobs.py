@@ -56,10 +56,14 @@ def logprobs_from_hidden(
     chunk = chunk_size(spec.logprob_chunk if chunk is None else chunk, T, spec.vocab_size)
     norm_w, head_vd = model.final_norm[...], model.head_weight()
 
-    def one(h_btd, tgt_bt):
+    def head(h_btd, tgt_bt):
         logits = lm_logits(spec, norm_w, head_vd, h_btd, kernels=model.kernels)
         logits = model.constrain(logits, ("batch", "seq", "vocab"))
         return logprobs_from_logits(logits, tgt_bt, temperature)
+
+    def one(h_btd, tgt_bt):
+        # The entropy with the log-probs, while the forward holds the logits (`together`).
+        return model.kernels.together(head, h_btd, tgt_bt)
 
     if chunk == 0:
         return one(hidden_btd, targets_bt)
