@@ -56,17 +56,15 @@ def logprobs_from_hidden(
     chunk = chunk_size(spec.logprob_chunk if chunk is None else chunk, T, spec.vocab_size)
     norm_w, head_vd = model.final_norm[...], model.head_weight()
 
-    def head(h_btd, tgt_bt):
+    def one(h_btd, tgt_bt):
         logits = lm_logits(spec, norm_w, head_vd, h_btd, kernels=model.kernels)
         logits = model.constrain(logits, ("batch", "seq", "vocab"))
         return logprobs_from_logits(logits, tgt_bt, temperature)
 
-    def one(h_btd, tgt_bt):
-        # The entropy with the log-probs, while the forward holds the logits (`together`).
-        return model.kernels.together(head, h_btd, tgt_bt)
-
     if chunk == 0:
-        return one(hidden_btd, targets_bt)
+        # The entropy with the log-probs, while the forward holds the logits (`together`;
+        # a chunk's are confined to its iteration of the map below).
+        return model.kernels.together(one, hidden_btd, targets_bt)
     n = -(-T // chunk)
     pad = n * chunk - T
     h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
