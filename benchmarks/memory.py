@@ -22,10 +22,15 @@ memory at its end:
 and `compile`: the largest RSS sampled (every 20 ms) while XLA compiled a program
 (the intervals of jax.monitoring's backend-compile events; a warm persistent
 compilation cache skips them). Also: peak_rss_mb (the largest phase peak: resetting
-VmHWM resets ru_maxrss too),
+VmHWM resets ru_maxrss too), `step_peak_mb` (each step's sample and update peaks: a
+long run's drift), `phase_end_kinds_mb` (the resident memory at each phase's end by
+kind: anon, the process's own; file, mapped files such as shared libraries),
 weights_mb, opt_mb, step_s, the run's numbers (`metrics`: per step the train loss,
 gradient norm and pass@1, and val pass@1 of each evaluation, which a memory change
 must leave as they were), and at the top level load_avg_1m.
+
+The worker's environment is the command's: JAX picks its platforms as `rl-jax train`
+lets it (rl_jax.runtime.setup), unless JAX_PLATFORMS is set here.
 
 Variants (the same run, one memory knob changed):
   recipe    the recipe as shipped
@@ -70,6 +75,17 @@ def status_mb(key: str) -> float:
     raise KeyError(key)
 
 
+def status_kinds_mb() -> dict[str, float]:
+    """Resident memory by kind (RssAnon, RssFile, RssShmem) in MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                key = line.split(":")[0][3:].lower()
+                out[key] = round(int(line.split()[1]) / 1024.0, 1)
+    return out
+
+
 def reset_peak() -> None:
     """Start a new high-water mark (VmHWM := VmRSS); Linux >= 4.0."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -82,6 +98,8 @@ class Phases:
     def __init__(self):
         self.peak: dict[str, float] = {}
         self.end: dict[str, float] = {}
+        self.end_kinds: dict[str, dict[str, float]] = {}
+        self.steps: dict[str, list[float]] = {"sample": [], "update": []}
         self.samples: list[tuple[float, float]] = []  # (time, rss MiB)
         self.compiles: list[tuple[float, float]] = []  # (start, end)
         self._stop = threading.Event()
@@ -100,8 +118,12 @@ class Phases:
 
     def mark(self, name: str) -> None:
         """End phase `name` now: record its peak and end RSS, start the next phase."""
-        self.peak[name] = max(self.peak.get(name, 0.0), status_mb("VmHWM"))
+        peak = status_mb("VmHWM")
+        self.peak[name] = max(self.peak.get(name, 0.0), peak)
+        if name in self.steps:
+            self.steps[name].append(round(peak, 1))
         self.end[name] = status_mb("VmRSS")
+        self.end_kinds[name] = status_kinds_mb()
         reset_peak()
 
     def compile_peak(self) -> float | None:
@@ -190,6 +212,9 @@ def worker(steps: int, overrides: list[str]) -> None:
             "phase_peak_mb": {k: round(v, 1) for k, v in ph.peak.items()},
             "compile_peak_mb": ph.compile_peak(),
             "phase_end_mb": {k: round(v, 1) for k, v in ph.end.items()},
+            "phase_end_kinds_mb": ph.end_kinds,
+            "step_peak_mb": ph.steps,
+            "platform": jax.default_backend(),
             "compiles": len(ph.compiles),
             "weights_mb": round(mb(trainer.params), 1),
             "opt_mb": round(mb(trainer.state.opt_state), 1),
@@ -202,7 +227,10 @@ def worker(steps: int, overrides: list[str]) -> None:
 def run_variant(name: str, steps: int, overrides: list[str]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(steps)]
     cmd += ["--", *VARIANTS[name], *overrides]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True)
+    env = worker_env()
+    if "JAX_PLATFORMS" not in os.environ:  # as the command runs (worker_env pins the CPU)
+        env.pop("JAX_PLATFORMS", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(TAG)]
     if proc.returncode or not lines:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-5:]}

@@ -1,6 +1,7 @@
 """Process-wide JAX settings of the `rl-jax` commands: a persistent compilation cache,
-giving the compiler's freed heap back to the OS, and large host buffers that go back
-to the OS when freed; and the per-program XLA options of CPU programs.
+giving the compiler's freed heap back to the OS, large host buffers that go back
+to the OS when freed, and no accelerator runtime loaded on a host without the
+accelerator; and the per-program XLA options of CPU programs.
 
 The first two matter most for short runs (CPU demos, grid runs, tests): a second process
 that compiles the same train step loads it from the cache instead (seconds ->
@@ -10,7 +11,9 @@ keep the compiler's few hundred MB of freed heap for the rest of its life.
 
 from __future__ import annotations
 
+import glob
 import os
+import sys
 from pathlib import Path
 
 # Every compilation is written, however short: a warm start otherwise recompiles the
@@ -44,6 +47,13 @@ CPU_SCHEDULER = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 # go back to the OS at once.
 MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+# What an accelerator shows on a Linux host: the device files of TPUs (/dev/accel*,
+# /dev/vfio/* on newer generations), NVIDIA GPUs (as jax's hardware_utils checks them)
+# and AMD GPUs (ROCm's /dev/kfd), and Google's PCI vendor id (TPU chips).
+_ACCELERATOR_FILES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_PCI_VENDOR_FILES = "/sys/bus/pci/devices/*/vendor"
 
 
 def mesh_platform(mesh=None) -> str:
@@ -144,8 +154,49 @@ def unmap_freed_buffers() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def accelerator_visible() -> bool:
+    """Whether this host shows an accelerator's device file or a Google PCI function
+    (see _ACCELERATOR_FILES); True off Linux, where there is nothing to look at."""
+    if not sys.platform.startswith("linux"):
+        return True
+    if any(glob.glob(pattern) for pattern in _ACCELERATOR_FILES):
+        return True
+    for vendor in glob.glob(_PCI_VENDOR_FILES):
+        try:
+            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def cpu_without_accelerators() -> bool:
+    """Start only JAX's CPU backend (jax_platforms='cpu') when the user chose no
+    platforms (JAX_PLATFORMS) and the host shows no accelerator; returns whether it did.
+    Call before JAX's backends start (the first device query or computation).
+
+    With no platforms chosen, JAX tries every backend whose plugin is installed. Where
+    libtpu is installed (rl-jax plan compiles for TPU topologies with it) that loads and
+    initialises the 660 MiB library even on a host without a TPU: it fails (the
+    "could not determine TPU accelerator type" lines) and JAX runs on the CPU, the same
+    devices as here, having spent 94 MiB of resident memory on it for the rest of the
+    process (89 MiB of the library's pages; docs/performance.md). JAX skips CUDA the
+    same way when no NVIDIA device file exists. A host with any accelerator visible, or
+    JAX_FORCE_TPU_INIT set, keeps JAX's own choice.
+    """
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return False
+    if "JAX_FORCE_TPU_INIT" in os.environ or accelerator_visible():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def setup() -> None:
     """All of the above, for a command about to compile."""
+    cpu_without_accelerators()
     enable_compile_cache()
     trim_heap_after_compiles()
     unmap_freed_buffers()

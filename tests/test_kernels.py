@@ -2,6 +2,7 @@
 a platform against the portable reference (`xla`), and the forward scanned over layers."""
 
 import dataclasses
+import functools
 import types
 from pathlib import Path
 
@@ -269,3 +270,50 @@ def test_flash_attention_computes_only_the_causal_block_pairs():
     with loops.counting() as count:  # forward and backward: one loop key, 10 steps
         jax.jit(jax.grad(lambda *a: jnp.sum(flash(*a)))).lower(q, kv, kv)
     assert count.trips == {("flash_attention", 10, False): 10}
+
+
+def _sgd_step(together, params, x_btd, tgt_bt, c_bt):
+    """A train step's shape: layers, the LM head (a loss of the log-probs, the entropy a
+    metric only), the backward, an update that reads every gradient."""
+
+    def loss(params):
+        h = x_btd
+        for w in params["layers"]:
+            h = jnp.tanh(h @ w)
+
+        def head(h, t):
+            return layers.logprobs_from_logits(jnp.einsum("btd,dv->btv", h, params["head"]), t)
+
+        logp, ent = together(head, h, tgt_bt)
+        return (logp * c_bt).sum(), (logp, ent)
+
+    grads, (logp, ent) = jax.grad(loss, has_aux=True)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), logp, ent
+
+
+def test_cpu_together_keeps_the_values_and_frees_the_logits_sooner():
+    """cpu.together (a conditional) gives the plain call's log-probs, entropy and
+    updated weights bit for bit, and the step holds fewer temporaries: the entropy is
+    computed with the log-probs instead of after the backward, with the logits kept
+    for it. (A reduction of the outputs may round differently: fused with their
+    producer or not.)"""
+    assert kernels.for_platform("cpu").together is cpu.together
+    assert kernels.for_platform("tpu").together is xla.together
+    keys = jax.random.split(jax.random.key(0), 8)
+    params = {
+        "layers": [jax.random.normal(k, (256, 256)) / 16 for k in keys[:4]],
+        "head": jax.random.normal(keys[4], (256, 4096)) / 16,
+    }
+    x = jax.random.normal(keys[5], (8, 16, 256))
+    tgt = jax.random.randint(keys[6], (8, 16), 0, 4096)
+    c = jax.random.normal(keys[7], (8, 16))
+    opts = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    out, temps = [], []
+    for together in (xla.together, cpu.together):
+        fn = jax.jit(functools.partial(_sgd_step, together, x_btd=x, tgt_bt=tgt, c_bt=c))
+        out.append(fn(params))
+        compiled = fn.lower(params).compile(compiler_options=opts)
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert temps[1] < temps[0], temps

@@ -2,6 +2,7 @@
 process reuses what the first compiled."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -79,3 +80,56 @@ def test_cpu_scheduler_keeps_results():
 
 def test_freed_buffers_go_back_to_the_os():
     assert runtime.unmap_freed_buffers() is True  # glibc (Linux)
+
+
+def test_accelerator_visible_reads_device_files_and_pci_vendors(monkeypatch, tmp_path):
+    monkeypatch.setattr(runtime.sys, "platform", "linux")
+    monkeypatch.setattr(runtime, "_ACCELERATOR_FILES", (str(tmp_path / "dev" / "accel*"),))
+    monkeypatch.setattr(runtime, "_PCI_VENDOR_FILES", str(tmp_path / "pci" / "*" / "vendor"))
+    nic = tmp_path / "pci" / "0000:00:04.0"
+    nic.mkdir(parents=True)
+    (nic / "vendor").write_text("0x1af4\n")  # a virtio device
+    assert runtime.accelerator_visible() is False
+    tpu = tmp_path / "pci" / "0000:00:05.0"
+    tpu.mkdir()
+    (tpu / "vendor").write_text("0x1ae0\n")  # Google's: a TPU chip
+    assert runtime.accelerator_visible() is True
+    (tpu / "vendor").unlink()
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "accel0").touch()
+    assert runtime.accelerator_visible() is True
+    monkeypatch.setattr(runtime.sys, "platform", "darwin")  # nothing to look at: keep JAX's
+    (tmp_path / "dev" / "accel0").unlink()
+    assert runtime.accelerator_visible() is True
+
+
+def test_a_chosen_platform_is_kept(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(runtime, "accelerator_visible", lambda: False)
+    assert runtime.cpu_without_accelerators() is False
+
+
+_PLATFORM_CHILD = r"""
+import json
+from rl_jax import runtime
+started = runtime.cpu_without_accelerators()
+import jax, jax.numpy as jnp
+jnp.ones(2).block_until_ready()
+maps = open("/proc/self/maps").read()
+print(json.dumps({"started": started, "visible": runtime.accelerator_visible(),
+                  "backend": jax.default_backend(), "libtpu": "libtpu" in maps}))
+"""
+
+
+def test_a_host_without_accelerators_starts_only_the_cpu_backend():
+    """No JAX_PLATFORMS and no accelerator visible: JAX runs on the CPU, as it would
+    after failing to start an installed accelerator plugin, without loading it."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PLATFORM_CHILD], capture_output=True, text=True, check=True, env=env
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["started"] is (not got["visible"])
+    if got["started"]:
+        assert got["backend"] == "cpu"
+        assert got["libtpu"] is False

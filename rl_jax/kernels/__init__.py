@@ -17,6 +17,8 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 * `dense(x, w)`: x [..., D] times w [D, ...], a projection.
 * `einsum_f32(spec, a, b)`: a two-operand contraction accumulated in float32 (the
   LM head, attention's products).
+* `together(fn, *args)`: `fn(*args)` with every output computed before any is read
+  (the LM head's log-probs and entropy: its logits then die with the forward).
 * `decode(platform, *, compute_dtype, head_dim, local, threads, attention=True,
   matmul=True)`: the ops of the one-token decode step (`rl_jax.models.decode`) as
   an object, `xla.Decode` or a subclass: the weights' and the KV cache's layouts
@@ -32,8 +34,9 @@ Implementations:
 * `xla` (`xla.py`): plain JAX, used on every platform for every op a platform
   does not register; the reference the tests compare every other one against.
 * `cpu` (`cpu.py`): XLA:CPU's contractions with half-precision operands upcast
-  (its dot kernel has no bf16 x bf16 -> f32), and the decode step in C++ kernels
-  (XLA FFI; `cpu.Decode`, where `cpu.available()`).
+  (its dot kernel has no bf16 x bf16 -> f32), `together` as a conditional (its
+  scheduler otherwise defers what only a metric reads), and the decode step in C++
+  kernels (XLA FFI; `cpu.Decode`, where `cpu.available()`).
 * `tpu`, `gpu`: not registered yet; they get `xla`. A Pallas kernel (e.g.
   splash attention for `attention`, ragged paged attention for
   `attention_cached`) registers here with `register("tpu", attention=fn)`, and
@@ -59,7 +62,15 @@ from collections.abc import Callable
 from rl_jax.kernels import cpu, xla
 from rl_jax.runtime import mesh_platform
 
-OPS = ("attention", "attention_cached", "dense", "einsum_f32", "flash_attention", "decode")
+OPS = (
+    "attention",
+    "attention_cached",
+    "dense",
+    "einsum_f32",
+    "flash_attention",
+    "decode",
+    "together",
+)
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
 
@@ -77,6 +88,7 @@ class Kernels:
     einsum_f32: Callable
     flash_attention: Callable
     decode: Callable
+    together: Callable
 
     def decode_ops(self, **conditions) -> xla.Decode:
         """The decode step's ops on this platform under `conditions` (see `decode`)."""
@@ -116,6 +128,7 @@ register(
     einsum_f32=xla.einsum_f32,
     flash_attention=xla.flash_attention,
     decode=xla.decode_ops,
+    together=xla.together,
 )
 register(
     "cpu",
@@ -124,6 +137,7 @@ register(
     einsum_f32=cpu.einsum_f32,
     flash_attention=functools.partial(xla.flash_attention, einsum=cpu.einsum_f32),
     decode=cpu.decode_ops,
+    together=cpu.together,
 )
 
 __all__ = ["OPS", "PLATFORMS", "Kernels", "for_mesh", "for_platform", "register"]

@@ -73,6 +73,13 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.reshape(*lead, *w.shape[1:])
 
 
+def together(fn, *args):
+    """`fn(*args)`, every output computed before any is read (the reference: a plain
+    call; where elementwise work fuses into reductions, as on accelerators, XLA's
+    scheduler has no reason to defer one output of the LM head past the backward)."""
+    return fn(*args)
+
+
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`jnp.einsum` of two operands accumulated in float32 (float32 result), in the
     operands' own dtype (accelerators multiply half precision and accumulate in float32)."""

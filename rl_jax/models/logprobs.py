@@ -62,7 +62,9 @@ def logprobs_from_hidden(
         return logprobs_from_logits(logits, tgt_bt, temperature)
 
     if chunk == 0:
-        return one(hidden_btd, targets_bt)
+        # The entropy with the log-probs, while the forward holds the logits (`together`;
+        # a chunk's are confined to its iteration of the map below).
+        return model.kernels.together(one, hidden_btd, targets_bt)
     n = -(-T // chunk)
     pad = n * chunk - T
     h = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
