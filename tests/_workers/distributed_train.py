@@ -9,7 +9,10 @@ import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if pid < 0 else 2}"
+# The session's other XLA flags (its compile settings) carry over; the device count is ours.
+flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+count = 4 if pid < 0 else 2
+os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
