@@ -1,4 +1,5 @@
-"""PipelineRL's sampling as a continuous stream on the engine against waves; one JSON line.
+"""PipelineRL's sampling as the trainer runs it, a continuous stream on the engine, against
+waves on the batch Sampler as a baseline built here; one JSON line.
 
 A PipelineRL-k run's sampling with an instant trainer (every batch trained the
 moment it is formed, the version advancing by one): --steps batches of --prompts
@@ -7,11 +8,13 @@ ended at a length drawn from a lognormal of median --new-tokens / 8 (sigma
 --sigma, clipped to [1, --new-tokens]; the same lengths for both, as per-row
 limits, which end a row as a stop token would).
 
-  waves   sampling.stream=false (the default): --waves waves of --prompts x
-          --samples rows on the batch Sampler, decoded round robin --chunk steps at a
-          time; each wave holds its rows until its longest ends (W x B_p x n rows).
-  stream  rl_jax.train.stream on an engine of --slots slots (default W x B_p x n):
-          groups enter as slots free up, a batch is the next B_p complete groups.
+  stream  rl_jax.train.stream on an engine of --slots slots (default W x B_p x n),
+          how train.off_policy=pipeline samples: groups enter as slots free up, a
+          batch is the next B_p complete groups.
+  waves   the baseline (the trainer's PipelineRL sampler until 2e07bd6, gone from
+          it since): --waves waves of --prompts x --samples rows on the batch
+          Sampler, decoded round robin --chunk steps at a time; each wave holds its
+          rows until its longest ends (W x B_p x n rows).
 
 Keys: occupancy / occupancy_wave (kept tokens over slot-steps: slots, or a wave's
 rows, x decode steps run), tokens_per_s / tokens_per_s_wave (kept tokens per second,
@@ -76,8 +79,8 @@ def main(argv=None) -> int:
     engine = Engine(spec, cfg, slots=slots, chunk=a.chunk, pad_id=0, fixed_shapes=True)
 
     def waves(seed: int) -> tuple[int, int]:
-        """PipelineRL's waves (schedules.pipeline): up to W started, decoded round robin
-        until the oldest ends; that batch trains at once (the version advances)."""
+        """The waves baseline: up to W started, decoded round robin until the oldest
+        ends; that batch trains at once (the version advances)."""
         key = jax.random.key(seed)
         kept = slot_steps = version = 0
         started, inflight = 0, []

@@ -17,7 +17,7 @@ verifier that gives a random policy a learning signal), 8 steps, evaluated
 every 2 steps.
 
     python benchmarks/resume_check.py [--kills 10]
-        [--modes on_policy,ppo_off_policy,pipeline,pipeline_engine]
+        [--modes on_policy,ppo_off_policy,pipeline]
                                       [--every 2,3] [--seed 0]
 """
 
@@ -49,14 +49,8 @@ WORKER = ROOT / "tests" / "_workers" / "train_even_first.py"
 MODES = {
     "on_policy": ["train.off_policy=on_policy", "train.off_policy_k=1"],
     "ppo_off_policy": ["train.off_policy=ppo_off_policy", "train.off_policy_k=2"],
+    # PipelineRL: a continuous stream on the engine (it drains at every checkpoint).
     "pipeline": ["train.off_policy=pipeline", "train.off_policy_k=2", "sampling.decode_chunk=2"],
-    # PipelineRL as a continuous stream on the engine (it drains at every checkpoint).
-    "pipeline_engine": [
-        "train.off_policy=pipeline",
-        "train.off_policy_k=2",
-        "sampling.decode_chunk=2",
-        "sampling.stream=true",
-    ],
 }
 DROP = ("time/", "device_seconds", "eval_device_seconds")
 

@@ -71,8 +71,8 @@ def overrides(a, placement: str) -> list[str]:
         "train.off_policy=pipeline",
         f"train.off_policy_k={a.k}",
         f"train.steps={a.warmup + a.steps}",
-        # The colocated pipeline interleaves waves chunk by chunk; one chunk per wave
-        # keeps its decode loop as long as the on-policy sampler's.
+        # The stream swaps weights every quarter of the generation budget (the default,
+        # `accounting.decode_chunk`), colocated or split.
         "sampling.decode_chunk=0",
     ]
     if placement == "colocated_1":

@@ -133,6 +133,35 @@ def test_logging_every_is_gone_and_old_configs_still_load(capsys):
     assert from_dict(old) == RunConfig()
 
 
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (
+            ["train.off_policy=pipeline", "sampling.engine=false"],
+            ["train.off_policy", "sampling.engine"],
+        ),
+        (
+            ["train.off_policy=pipeline", "mesh.sampler_devices=2", "sampling.engine=false"],
+            ["mesh.sampler_devices", "sampling.engine"],
+        ),
+        (["sampling.stream=false"], ["sampling.stream", "stream on the engine"]),
+    ],
+)
+def test_pipeline_runs_only_as_the_stream_on_the_engine(capsys, no_trainer, overrides, names):
+    # PipelineRL and split mode have no batch-Sampler path: refused before the trainer.
+    assert_refused(*run(capsys, "train", RECIPE, *overrides), *names)
+
+
+def test_sampling_stream_true_is_accepted_and_ignored_and_old_configs_still_load(capsys):
+    rc = main(["config", RECIPE, "sampling.stream=true", "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and "stream" not in out["config"]["sampling"]
+    assert apply_overrides(RunConfig(), ["sampling.stream=true"]) == RunConfig()
+    old = to_dict(RunConfig())
+    old["sampling"]["stream"] = False  # a waves-era config.json
+    assert from_dict(old) == RunConfig()
+
+
 # ---- check_range / the generic pass ----------------------------------------------------------
 
 

@@ -63,8 +63,8 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     assert plan["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
     progs = {p["name"]: p for p in plan["programs"]}
     # scalerl: one update per batch, truncated IS against the sampler, no KL: no
-    # log-prob pass; the sampler's two programs beside the train step.
-    assert set(progs) == {"train_step", "prefill", "decode"}
+    # log-prob pass; PipelineRL's stream samples on the engine: its two programs.
+    assert set(progs) == {"train_step", "prefill_insert", "generate"}
     step = progs["train_step"]
     assert step["fits"] and 0 < step["hbm_total_gb"] < 1
     # XLA's count of the compiled program against the model's: the tiny model's step has
@@ -77,26 +77,32 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
         assert p["fits"] and p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_s"] > 0
         assert 0 <= p["hbm_total_gb"] < plan["hbm_capacity_gb"] and p["calls"] > 0
 
-    # KV cache per chip: K and V, every layer, the wave's 4 x 2 rows over 4 batch
-    # shards, 16 + 16 slots, float32 (the tiny preset's compute dtype).
+    # PipelineRL-8, one update per batch: 9 batches untrained at once, a slot for each
+    # of their 9 x 4 x 2 rows; chunks of a quarter of the 16 new tokens.
     b = plan["batch"]
-    assert b["wave_prompts"] == 4 and b["waves"] == 9  # PipelineRL-8, one update per batch
+    assert b["batch_prompts"] == 4 and b["batches_in_flight"] == 9
+    assert plan["sampler"] == "engine"
+    assert plan["engine"] == {"slots": 72, "chunk": 4, "prefill_prompts": 36}
+    # KV cache per chip: K and V, every layer, the 72 slots over 4 batch shards,
+    # 16 + 16 cache slots, float32 (the tiny preset's compute dtype).
     spec_kv_heads, head_dim = _tiny_attention()
-    kv = 2 * 2 * (4 * 2 // 4) * spec_kv_heads * (16 + 16) * head_dim * 4
+    kv = 2 * 2 * (72 // 4) * spec_kv_heads * (16 + 16) * head_dim * 4
     assert plan["kv_cache_gb"] * 1e9 == pytest.approx(kv)
-    # The other waves wait beside the one being decoded, with the optimizer state.
-    dec = progs["decode"]
-    beside = plan["optimizer_gb"] + 8 * plan["sampler_state_gb"]
-    assert dec["hbm_gb"]["resident"] == pytest.approx(beside)
-    # One decode iteration: one token for each of the wave's 8 rows, attending on
-    # average to the prompt and half the generation; it runs gen_len times per step.
-    assert dec["calls"] == b["gen_len"]
-    assert 0.9 < dec["flops_ratio"] < 3, dec
-    # Bandwidth-bound: per token, the sampler's weights and the whole cache are read.
-    assert dec["bytes_analytic"] > plan["kv_cache_gb"] * 1e9
+    # The stream's engine state (its rows in flight) stays beside the train step; the
+    # engine's programs take it as an argument, with the optimizer state beside them.
+    assert step["hbm_gb"]["resident"] == pytest.approx(plan["sampler_state_gb"])
+    gen = progs["generate"]
+    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"])
+    # A step's 8 rows of 16 tokens: 128 / 72 steps of every slot; a prefill at most
+    # once per generate call with new groups (here: fewer calls than one a chunk).
+    assert gen["calls"] == pytest.approx(4 * 2 * 16 / 72)
+    assert progs["prefill_insert"]["calls"] == pytest.approx(4 * 2 * 16 / 72 / 4)
+    assert 0.9 < gen["flops_ratio"] < 3, gen
+    # Bandwidth-bound: per step, the sampler's weights and the slots' whole cache are read.
+    assert gen["bytes_analytic"] > plan["kv_cache_gb"] * 1e9
     v5e = CHIPS["v5e"]
-    bound = max(dec["flops"] / v5e.bf16_flops, dec["bytes_analytic"] / v5e.hbm_bandwidth)
-    assert dec["roofline_s"] == pytest.approx(bound)
+    bound = max(gen["flops"] / v5e.bf16_flops, gen["bytes_analytic"] / v5e.hbm_bandwidth)
+    assert gen["roofline_s"] == pytest.approx(bound)
     st = plan["step"]
     assert st["roofline_s"] == pytest.approx(
         sum(p["roofline_s"] * p["calls"] for p in plan["programs"])
@@ -147,9 +153,11 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
     try:
-        cfg = load_recipe("scalerl", [*TINY, "train.updates_per_batch=2"])
+        # The batch Sampler's prefill (sampling.engine=false, on_policy's batch).
+        knobs = [*TINY, *ON_POLICY, "sampling.engine=false", "train.updates_per_batch=2"]
+        cfg = load_recipe("scalerl", knobs)
         cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
-        kw = dict(wave_prompts=4, tp=tp, tg=tg)
+        kw = dict(batch_prompts=4, tp=tp, tg=tg)
         spec4 = dataclasses.replace(spec2, num_layers=4)
         c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
         c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
@@ -252,7 +260,7 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
         cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
             load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
         )
-        kw = dict(wave_prompts=4, tp=tp, tg=tg)
+        kw = dict(batch_prompts=4, tp=tp, tg=tg)
         got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
         with pp._unrolled_scans(), loops.unrolled():
             b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
@@ -383,8 +391,9 @@ def test_estimate_counts_the_trainers_state_as_train_precision_and_lora_hold_it(
 
 
 def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
-    """Candidates span none / save_dots / full, and a candidate's waves are what the
-    trainer would keep with its updates per batch (micro-batches leave fewer), each once."""
+    """Candidates span none / save_dots / full, and a candidate's "waves" (W, the
+    batches PipelineRL keeps untrained: train.pipeline_waves) are what the trainer
+    would keep with its updates per batch (micro-batches leave fewer), each once."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.plan._search import apply, candidates
     from rl_jax.train.accounting import num_waves
@@ -394,7 +403,7 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     assert {c["remat"] for c in cands} == {"none", "save_dots", "full"}
     assert {c["micro"] for c in cands} == {1, 2, 4, 8}
     assert all(num_waves(resolved(apply(cfg, c))) == c["waves"] for c in cands)
-    # PipelineRL-8: 9 waves with one update per batch, then halvings; 1 with 8 updates.
+    # PipelineRL-8: W = 9 with one update per batch, then halvings; 1 with 8 updates.
     assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]
     assert {c["waves"] for c in cands if c["micro"] == 8} == {1}
     keys = [(tuple(c["mesh"].values()), c["remat"], c["micro"], c["waves"]) for c in cands]
@@ -502,21 +511,15 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(monk
 
 
 def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
-    """The engine where the trainer samples on it (on_policy, ppo_off_policy, pipeline's
-    stream), the Sampler's waves elsewhere; the estimate counts the engine's slots and
-    pool, and the stream's beside the update."""
+    """The engine where the trainer samples on it (sampling.engine: every mode, pipeline's
+    stream always), the batch Sampler's batch with sampling.engine=false; the estimate
+    counts the engine's slots and pool."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec
     from rl_jax.plan._estimate import estimate
-    from rl_jax.train.accounting import samples_on_engine
 
     def cfg(*knobs):
         return resolved(load_recipe("scalerl", [*TINY, *knobs]))
-
-    assert not samples_on_engine(cfg())  # pipeline's waves
-    assert samples_on_engine(cfg("sampling.stream=true"))
-    assert samples_on_engine(cfg(*ON_POLICY))
-    assert not samples_on_engine(cfg(*ON_POLICY, "sampling.engine=false"))
 
     mesh, chip = {"data": 2, "fsdp": 2, "tensor": 1}, CHIPS["v5e"]
 
@@ -536,7 +539,11 @@ def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
     half = est(*ON_POLICY, "sampling.engine_slots=4")
     assert half["sampler_kv_bytes"] == kv_row * 1 * 32 + kv_row * 1 * 16
     assert half["step_s"] > engine["step_s"] == pytest.approx(wave["step_s"])
-    # PipelineRL-8's 9 waves, or the stream's slots for them (sampling.engine_slots=0).
-    waves, stream = est(), est("sampling.stream=true")
-    assert waves["sampler_kv_bytes"] == 9 * kv_row * 2 * 32
+    # PipelineRL-8's stream: a slot for each row of its 9 untrained batches
+    # (sampling.engine_slots=0), a pool of 9 x 4 prompts over the 4 shards.
+    stream = est()
     assert stream["sampler_kv_bytes"] == 9 * kv_row * 2 * 32 + kv_row * 9 * 16
+    # Fewer slots than rows in flight: a smaller cache, more steps of the slots.
+    few = est("sampling.engine_slots=8")
+    assert few["sampler_kv_bytes"] == kv_row * 2 * 32 + kv_row * 1 * 16
+    assert few["step_s"] > stream["step_s"] and few["hbm_bytes"] < stream["hbm_bytes"]

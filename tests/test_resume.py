@@ -123,7 +123,7 @@ def test_silently_damaged_checkpoint_is_detected_and_set_aside(tmp_path, ppo_ref
     assert again.ckpt.steps() == [6, 8]
 
 
-def test_pipeline_stream_drains_at_checkpoints_and_resumes_exactly(tmp_path):
+def test_pipeline_drains_at_checkpoints_and_resumes_exactly(tmp_path):
     # PipelineRL's stream on the engine admits no group past the next checkpoint, so
     # nothing is in flight there: a crash after step 3 resumes from step 2's checkpoint
     # and writes the rows of the run that never stopped.
@@ -132,7 +132,6 @@ def test_pipeline_stream_drains_at_checkpoints_and_resumes_exactly(tmp_path):
         "train.off_policy=pipeline",
         "train.off_policy_k=2",
         "sampling.decode_chunk=2",
-        "sampling.stream=true",
         "checkpoint.every=2",
     )
     _run(tmp_path, "ref", *extra)

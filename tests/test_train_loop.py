@@ -15,7 +15,7 @@ import pytest
 
 from rl_jax.config import load_recipe
 from rl_jax.runs import read_jsonl
-from rl_jax.train import schedules
+from rl_jax.train.accounting import num_waves
 from rl_jax.train.loop import NonFiniteError, RLTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,12 +77,7 @@ def test_one_step_sharded_equals_single_device(tmp_path):
         np.testing.assert_allclose(p1[k], p8[k], atol=1e-5, rtol=1e-5, err_msg=k)
 
 
-# PipelineRL's waves on the batch Sampler, and its continuous stream on the engine.
-SAMPLERS = {"waves": ["sampling.stream=false"], "engine": ["sampling.stream=true"]}
-
-
-@pytest.mark.parametrize("sampler", list(SAMPLERS))
-def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, sampler):
+def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
     k = 2
     tr = RLTrainer(
         _cfg(
@@ -94,12 +89,11 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, sampler):
             "sampling.decode_chunk=2",
             "eval.every=0",
             "eval.at_start=false",
-            *SAMPLERS[sampler],
         ),
         quiet=True,
     )
-    assert schedules.num_waves(tr.cfg) == k + 1
-    assert (tr.parts.engine is not None) == (sampler == "engine")
+    assert num_waves(tr.cfg) == k + 1  # W batches untrained at once
+    assert tr.parts.engine is not None and tr.parts.sampler is None  # the stream only
     seen, compiled = [], []
     tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
     tr.step_hooks.append(lambda t: compiled.append(len(xla.records)))
@@ -111,7 +105,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, sampler):
     assert compiled[0] > 0 and compiled[-1] == compiled[0], "\n".join(xla.records[compiled[0] :])
     hist = {int(s): n for s, n in summary["staleness_hist"].items()}
     assert max(hist) <= k  # never more than k versions behind the oldest token
-    assert max(hist) >= 1  # and the waves really were in flight across updates
+    assert max(hist) >= 1  # and batches really were in flight across updates
     rows = read_jsonl(tr.run.metrics_path)
     assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
     # The logged learning rate is the schedule's at the update that produced the row.
@@ -130,9 +124,9 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, sampler):
             assert final[name] == n, (name, seen[0], final)
     evals = {k: n for k, n in final.items() if k.startswith("eval_")}
     assert evals and set(evals.values()) == {1}, evals  # the final evaluation, once each
-    if sampler == "engine":  # the stream: batches of complete groups, slots kept busy
-        assert tr.state.stream is not None and tr.state.idle
-        assert all(0 < r["train/slot_occupancy"] <= 1 for r in rows if "train/loss" in r)
+    # The stream: batches of complete groups, slots kept busy, drained at the end.
+    assert tr.state.stream is not None and tr.state.idle
+    assert all(0 < r["train/slot_occupancy"] <= 1 for r in rows if "train/loss" in r)
 
 
 def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
@@ -237,8 +231,7 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("sampler", list(SAMPLERS))
-def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path, sampler):
+def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
     k = 2
     tr = RLTrainer(
         _cfg(
@@ -251,13 +244,12 @@ def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_pa
             "sampling.decode_chunk=2",
             "eval.every=0",
             "eval.at_start=false",
-            *SAMPLERS[sampler],
         ),
         quiet=True,
     )
     assert tr.split
-    if sampler == "engine":  # the engine's cache lives on the sampler's devices
-        assert set(tr.parts.engine.mesh.devices.flat) == set(tr.sample_mesh.devices.flat)
+    # The stream's engine, its cache, lives on the sampler's devices.
+    assert set(tr.parts.engine.mesh.devices.flat) == set(tr.sample_mesh.devices.flat)
     sample_devs = set(tr.sample_mesh.devices.flat)
     train_devs = set(tr.mesh.devices.flat)
     assert len(sample_devs) == 4 and len(train_devs) == 4 and not sample_devs & train_devs
@@ -319,19 +311,16 @@ def _split_cfg(tmp_path, *extra):
 
 
 def _started(worker, P: int) -> int:
-    """Steps whose sampling has started: waves, or the stream's groups (P a step)."""
-    if hasattr(worker, "stream"):
-        return -(-worker.stream.book.admitted // P)
-    return worker._next_step
+    """Steps whose sampling has started: the stream's groups admitted, P a step."""
+    return -(-worker.stream.book.admitted // P)
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("sampler", list(SAMPLERS))
-def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path, sampler):
+def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     class Crash(Exception):
         pass
 
-    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
+    first = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
     started = []
 
     def hook(t):
@@ -342,15 +331,15 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path, sampler):
     first.step_hooks.append(hook)
     with pytest.raises(Crash):
         first.run_loop()
-    # No wave started past the next checkpoint step before the trainer reached it:
-    # while step s trains, waves may start below the boundary after step s - 1.
+    # No group admitted past the next checkpoint step before the trainer reached it:
+    # while step s trains, groups may enter below the boundary after step s - 1.
     assert [s for s, _ in started] == [1, 2, 3]
     for s, next_step in started:
         assert s <= next_step <= ((s - 1) // 2 + 1) * 2, started
     assert first.ckpt.steps() == [2]
     first.close()
     # The same command again resumes from the step-2 checkpoint and finishes.
-    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5", *SAMPLERS[sampler]), quiet=True)
+    again = RLTrainer(_split_cfg(tmp_path, "train.steps=5"), quiet=True)
     summary = again.run_loop()
     assert summary["steps"] == 5 and summary["version"] == 5
     rows = read_jsonl(again.run.metrics_path)
@@ -358,20 +347,13 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path, sampler):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("sampler", list(SAMPLERS))
-def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path, sampler):
-    tr = RLTrainer(
-        _split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0", *SAMPLERS[sampler]),
-        quiet=True,
-    )
+def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
+    tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
 
     def broken(*a, **k):
         raise ValueError("decode exploded")
 
-    if sampler == "engine":
-        tr.parts.engine.generate = broken
-    else:
-        tr.sampler.decode = broken
+    tr.parts.engine.generate = broken
     with pytest.raises(RuntimeError, match="sampler thread failed") as err:
         tr.run_loop()
     assert "decode exploded" in str(err.value.__cause__)

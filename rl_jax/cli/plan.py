@@ -3,7 +3,8 @@ programs (train step, log-prob pass, the sampler's: the engine's prefill_insert 
 generate, or the batch Sampler's prefill and decode) for a TPU
 topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
 step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
-mesh shapes, remat, micro-batches and PipelineRL waves by rollouts per hour."""
+mesh shapes, remat, micro-batches and PipelineRL's batches in flight (W,
+train.pipeline_waves) by rollouts per hour."""
 
 from __future__ import annotations
 
@@ -116,8 +117,8 @@ def format_plan(plan: dict) -> str:
             f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
     lines += [
-        "(per chip; other = buffers live beside the program: optimizer state, other waves"
-        " or the stream's engine state; useful = model FLOPs / compiled FLOPs; x exp ="
+        "(per chip; other = buffers live beside the program: optimizer state, the"
+        " stream's engine state; useful = model FLOPs / compiled FLOPs; x exp ="
         " compiled / (model + what remat, blockwise attention and the chunked LM head"
         " recompute); decode's and generate's row is one token per row or slot)",
         f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
@@ -131,14 +132,19 @@ def _sampler_line(plan: dict) -> str:
     b = plan["batch"]
     if plan["sampler"] == "engine":
         e = plan["engine"]
+        stream = (
+            f" (PipelineRL's stream: {b['batches_in_flight']} batches untrained at once)"
+            if b["batches_in_flight"] > 1
+            else ""
+        )
         return (
-            f"sampler: the engine, {e['slots']} slots, chunks of {e['chunk']} steps,"
+            f"sampler: the engine, {e['slots']} slots{stream}, chunks of {e['chunk']} steps,"
             f" {e['prefill_prompts']} prompts a prefill; KV cache {plan['kv_cache_gb']:.2f}"
             " GB/chip (its slots)"
         )
     return (
-        f"sampler waves of {b['wave_prompts']} prompts, {b['waves']} in flight;"
-        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip per wave"
+        f"sampler: the batch Sampler, {b['batch_prompts']} prompts at once;"
+        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip"
     )
 
 

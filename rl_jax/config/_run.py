@@ -71,6 +71,20 @@ class RunConfig:
                 "_ . , + = @ - (not starting with '.', at most 255 characters); "
                 "set out_dir for where runs go"
             )
+        # PipelineRL and split mode sample only as a stream on the engine (the batch
+        # Sampler has no stream): refused here, before any device work.
+        if not self.sampling.engine:
+            if self.mesh.sampler_devices > 0:
+                raise ConfigError(
+                    f"mesh.sampler_devices={self.mesh.sampler_devices} (split mode) runs the "
+                    "stream on the engine: it needs sampling.engine=true, got false"
+                )
+            if self.train.off_policy == "pipeline":
+                raise ConfigError(
+                    "train.off_policy='pipeline' runs as a stream on the engine: it needs "
+                    "sampling.engine=true, got false (sampling.engine=false serves on_policy "
+                    "and ppo_off_policy)"
+                )
 
 
 _NAME_OK = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]{0,254}")
@@ -115,6 +129,7 @@ def _suggest(key: str) -> str:
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply dotted `key=value` overrides with type checks, then re-validate."""
     known = all_keys()
+    overrides = [o for o in overrides if not _retired_override(o)]
     for item in overrides:
         if "=" not in item:
             raise OverrideError(f"override {item!r} is not of the form key=value")
@@ -199,7 +214,34 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
 
 
 # Knobs that were removed: a config.json written while they existed still loads.
-_RETIRED = (("logging", "every"),)
+_RETIRED = (("logging", "every"), ("sampling", "stream"))
+# Removed knobs an override may still name: key -> (the value it is accepted with and
+# ignored, since it is now how every run behaves; the error for any other value).
+_RETIRED_OVERRIDES = {
+    "sampling.stream": (
+        True,
+        "sampling.stream was removed: PipelineRL and split mode always run as a "
+        "continuous stream on the engine (the waves on the batch Sampler are gone); "
+        "drop the key (sampling.stream=true is accepted and ignored)",
+    ),
+}
+
+
+def _retired_override(item: str) -> bool:
+    """Whether `item` sets a removed knob to the value every run now has (dropped);
+    OverrideError if it sets one to any other value."""
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if key not in _RETIRED_OVERRIDES:
+        return False
+    keep, message = _RETIRED_OVERRIDES[key]
+    try:
+        parsed = OmegaConf.from_dotlist([f"v={value.strip()}"]).v
+    except Exception:  # noqa: BLE001 - YAML's errors are not OmegaConf's
+        parsed = None
+    if parsed is not keep:
+        raise OverrideError(f"{key}={value.strip()!r}: {message}")
+    return True
 
 
 def _drop_retired(d: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +294,6 @@ _NON_SEMANTIC = (
 _LATER_KNOB_DEFAULTS = {
     "mesh.sampler_devices": 0,
     "mesh.cpu_devices": 0,
-    "sampling.stream": False,
     "data.chat_template": True,
     "data.system_prompt": "",
     "data.answer_instruction": "auto",
@@ -326,6 +367,12 @@ def run_id(cfg: RunConfig) -> str:
         if not any(k.startswith(p) for p in _NON_SEMANTIC)
         and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
     }
+    if cfg.train.off_policy == "pipeline":
+        # PipelineRL (and split mode, which is PipelineRL) samples as a stream on the
+        # engine, which draws tokens under other policy versions than the waves that
+        # came before it: hashed as the removed sampling.stream=true, so a waves-era run
+        # is never resumed as a stream's, and a stream run from then keeps its id.
+        flat["sampling.stream"] = True
     blob = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -46,22 +46,16 @@ class SamplingConfig:
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
     engine: bool = knob(
         True,
-        help="on_policy / ppo_off_policy batches and evaluation generate through the "
-        "continuous-batching engine (false: the batch Sampler; pipeline and split mode "
-        "use the Sampler unless sampling.stream). Not part of a run's id: the same tokens "
+        help="batches and evaluation generate through the continuous-batching engine "
+        "(false: the batch Sampler, for on_policy and ppo_off_policy only: PipelineRL and "
+        "split mode run as a stream on the engine). Not part of a run's id: the same tokens "
         "either way",
-    )
-    stream: bool = knob(
-        False,
-        help="PipelineRL and split mode generate as a continuous stream of groups on the "
-        "engine (needs sampling.engine): a batch is the next B_p complete groups, instead "
-        "of waves on the batch Sampler. Part of a run's id: it changes which policy version "
-        "samples each token",
     )
     engine_slots: int = knob(
         0,
         help="the engine's decode slots (0 = every row of a batch: B_p x n, x k for "
-        "ppo_off_policy; evaluation: eval.num_prompts x eval.k)",
+        "ppo_off_policy, x W for PipelineRL's W batches in flight; evaluation: "
+        "eval.num_prompts x eval.k)",
     )
 
     def __post_init__(self):
@@ -85,10 +79,6 @@ class SamplingConfig:
             raise ConfigError(
                 "sampling.length_control='interrupt' needs sampling.answer_budget >= 1 (tokens "
                 f"the model may answer with after the injected text), got {self.answer_budget}"
-            )
-        if self.stream and not self.engine:
-            raise ConfigError(
-                "sampling.stream=true runs on the engine: it needs sampling.engine=true"
             )
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:

@@ -24,7 +24,9 @@ class TrainConfig:
     off_policy: str = knob("on_policy", help=f"off-policy mode, one of {OFF_POLICY}")
     off_policy_k: int = knob(1, help="k of PPO-off-policy-k / PipelineRL-k (max staleness)")
     pipeline_waves: int = knob(
-        0, help="PipelineRL: batches in flight (0 = the most the staleness bound allows)"
+        0,
+        help="PipelineRL: W, batches untrained at once (W x B_p groups in flight on the "
+        "stream; 0 = the most the staleness bound allows)",
     )
     lr: float = knob(1e-6, help="peak learning rate")
     lr_sqrt_batch_ref: int = knob(0, help="if > 0: lr *= sqrt(B_p * n / this) (IsoCompute)")
@@ -79,7 +81,8 @@ class TrainConfig:
                 f"train.off_policy_k={self.off_policy_k} needs train.off_policy in "
                 f"{OFF_POLICY[1:]}, got 'on_policy'"
             )
-        # Only PipelineRL has waves; elsewhere the knob would be ignored yet change the run id.
+        # Only PipelineRL keeps W batches in flight; elsewhere the knob would be ignored
+        # yet change the run id.
         if self.off_policy != "pipeline" and self.pipeline_waves != 0:
             raise ConfigError(
                 f"train.pipeline_waves={self.pipeline_waves} needs train.off_policy='pipeline', "

@@ -20,13 +20,7 @@ from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip
 from rl_jax.sampling._decoder import round_up
-from rl_jax.train.accounting import (
-    extra_forwards,
-    forward_flops,
-    num_waves,
-    sampler_rows,
-    samples_on_engine,
-)
+from rl_jax.train.accounting import extra_forwards, forward_flops, sampler_rows
 from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.params import ParamPlan, tree_bytes
 
@@ -52,8 +46,9 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     is not the state itself, the minibatch's activations (all layers, or one
     layer's input each with full remat, its input and weight matmuls' outputs with
     save_dots, plus one layer live), fp32 logits of the completion,
-    and the sampler's KV caches (the engine's slots and prefilled prompts where the
-    trainer samples on the engine, else all of PipelineRL's waves). Time: train,
+    and the sampler's KV caches (the engine's slots and prefilled prompts, by default a
+    slot for each row in flight: PipelineRL's W x B_p groups; else the batch Sampler's
+    batch). Time: train,
     log-prob and prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of
     the sampler's weights and the whole cache per decode step."""
     data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
@@ -103,9 +98,10 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
 
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     kv_row = 2 * L * _split(K, tensor) * hd * cdt  # per cache slot of one row
-    if samples_on_engine(cfg):
-        # The engine's slots, each a row's cache, and its pool of prefilled prompts; the
-        # stream keeps them beside the update. Every step's P x n rows decode S at a time.
+    if cfg.sampling.engine:
+        # The engine's slots, each a row's cache, and its pool of prefilled prompts;
+        # PipelineRL's stream keeps them beside the update. Every step's P x n rows
+        # decode S at a time.
         shape = engine_shape(cfg.sampling, rows=sampler_rows(cfg), shards=shards)
         slots, prompts = shape["slots"], round_up(shape["prefill_prompts"], shards)
         kv = kv_row * slots / shards * T
@@ -113,11 +109,11 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
         in_flight = sampler_kv if off == "pipeline" else 0.0
         steps = P * G * tg / slots
     else:
-        wave_rows = (P * k if off == "ppo_off_policy" else P) * G
-        waves = num_waves(cfg) if off == "pipeline" else 1
-        kv = kv_row * math.ceil(wave_rows / shards) * T
-        sampler_kv = kv * waves  # PipelineRL's waves, each with its cache
-        in_flight = kv * (waves - 1) if off == "pipeline" else 0.0  # beside the update
+        # The batch Sampler (on_policy, ppo_off_policy): a step's rows (k steps' for
+        # ppo_off_policy) decode together, their state gone before the update.
+        rows = (P * k if off == "ppo_off_policy" else P) * G
+        kv = sampler_kv = kv_row * math.ceil(rows / shards) * T
+        in_flight = 0.0
         steps = tg * (1 / k if off == "ppo_off_policy" else 1)
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 

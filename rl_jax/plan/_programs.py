@@ -40,7 +40,6 @@ from rl_jax.train.accounting import (
     forward_flops,
     num_waves,
     sampler_rows,
-    samples_on_engine,
 )
 from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.optim import make_optimizer
@@ -112,7 +111,7 @@ def plan_run(
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
     the recipe needs one, and the sampler's: the engine's prefill_insert and generate
-    where the trainer samples on the engine (`samples_on_engine`), else the batch
+    (sampling.engine: every mode; PipelineRL only samples on it), else the batch
     Sampler's prefill and decode. The plan as a JSON-able
     dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
     roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
@@ -133,12 +132,13 @@ def plan_run(
     def report(name, fn, args, analytic, **kw):
         return _report(name, fn, args, analytic, chip, chips, headroom, **kw)
 
-    # The sampler: one wave is every prompt of a step (PPO-off-policy-k: of k steps);
-    # PipelineRL keeps several waves in flight, each holding its KV cache and rows.
+    # The batch Sampler (sampling.engine=false) generates every prompt of a step at once
+    # (PPO-off-policy-k: of its k steps). PipelineRL's stream keeps W batches untrained
+    # (W x B_p groups in flight), by default a slot for each of their rows.
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
-    wave_prompts = P * k if off == "ppo_off_policy" else P
-    waves = num_waves(cfg) if off == "pipeline" else 1
-    b = _build(cfg, spec, mesh, rules, minibatches=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
+    batch_prompts = P * k if off == "ppo_off_policy" else P
+    in_flight_batches = num_waves(cfg) if off == "pipeline" else 1
+    b = _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
     params, opt, sampler, engine = b.params, b.opt, b.sampler, b.engine
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
     ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
@@ -163,20 +163,14 @@ def plan_run(
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
     # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
     t0 = time.perf_counter()
-    costs = _layer_costs(cfg, spec, mesh, rules, M=M, wave_prompts=wave_prompts, tp=tp, tg=tg)
+    costs = _layer_costs(cfg, spec, mesh, rules, M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
     cost_s = time.perf_counter() - t0
 
     programs = []
-    # While the trainer updates, PipelineRL's other waves wait in HBM with their caches
-    # (the finished one is dropped first: train.schedules.pipeline), or the stream's
-    # engine state with its rows in flight; on_policy's and ppo_off_policy's engine
-    # state is gone once their batches are sampled (`Engine.run`).
-    if off != "pipeline":
-        in_flight = 0
-    elif engine is not None:
-        in_flight = state_bytes
-    else:
-        in_flight = state_bytes * (waves - 1)
+    # While the trainer updates, PipelineRL's stream keeps its engine state with the
+    # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
+    # their batches are sampled (`Engine.run`, `Sampler.generate`).
+    in_flight = state_bytes if off == "pipeline" else 0
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
     # One call of the trainer's update program: the RL step's M minibatch updates.
@@ -204,14 +198,11 @@ def plan_run(
                 cost=costs["logprob"],
             )
         )
-    # Sampler programs run while the optimizer state (and the reference) stay resident,
-    # with the other waves' states beside the one being decoded (the engine: its one
-    # state is the programs' argument).
-    # The state the view is made from stays too, unless the view is the state itself.
+    # Sampler programs run while the optimizer state (and the reference) stay resident
+    # (the sampler's state is the programs' argument). The state the view is made from
+    # stays too, unless the view is the state itself.
     state_resident = param_bytes if b.state_resident else 0
     beside = opt_bytes + ref_bytes + state_resident
-    if engine is None:
-        beside += state_bytes * (waves - 1)
     decoder = sampler if engine is None else engine
     weight_bytes = _chip_bytes(
         {
@@ -220,19 +211,20 @@ def plan_run(
         }
     )
     if engine is None:
-        per_wave = 1 / k if off == "ppo_off_policy" else 1.0  # waves started per RL step
+        per_step = 1 / k if off == "ppo_off_policy" else 1.0  # batches started per RL step
         prefill = report(
             "prefill",
             start,
             None,
-            wave_prompts * _prefill_flops(spec, tp - 1),
+            batch_prompts * _prefill_flops(spec, tp - 1),
             resident=beside,
-            calls=per_wave,
+            calls=per_step,
             cost=costs["prefill"],
         )
-        # One decode iteration samples one token for every row of a wave and reads every
-        # weight and the whole cache: the token loop's cost is its body's, once per call.
-        slots, steps = wave_prompts * G, tg * per_wave
+        # One decode iteration samples one token for every row of the batch and reads
+        # every weight and the whole cache: the token loop's cost is its body's, once
+        # per call.
+        slots, steps = batch_prompts * G, tg * per_step
         scalar = _scalar(mesh)
         decode = ("decode", start if isinstance(start, OutOfMemory) else sampler.decode_program)
         decode_args = (b.weights, state, scalar, scalar)
@@ -292,8 +284,8 @@ def plan_run(
             "grad_accum": cfg.train.grad_accum,
             "prompt_len": tp,
             "gen_len": tg,
-            "wave_prompts": wave_prompts,
-            "waves": waves,
+            "batch_prompts": batch_prompts,
+            "batches_in_flight": in_flight_batches,
         },
         "sampler": "sampler" if engine is None else "engine",
         **(
@@ -350,7 +342,7 @@ class _Built:
     engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
 
 
-def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Built:
+def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Built:
     """The trainer's update program (`make_update`: `minibatches` minibatch updates
     scanned in one program), the log-prob pass where the recipe needs one, the
     sampler's prefill and decode, and the engine's programs where the trainer samples
@@ -383,10 +375,10 @@ def _build(cfg, spec, mesh, rules, *, minibatches, wave_prompts, tp, tg) -> _Bui
         rules=cfg.mesh.rules,
     )
     start_fn, start_args, start_kw = sampler.start_program(
-        weights, prompts=wave_prompts, prompt_len=tp, max_new_tokens=tg
+        weights, prompts=batch_prompts, prompt_len=tp, max_new_tokens=tg
     )
     engine, engine_programs = None, {}
-    if samples_on_engine(cfg):
+    if cfg.sampling.engine:
         sampling = engine_sampling(cfg)
         engine = Engine(
             spec,
@@ -474,7 +466,7 @@ PROGRAMS = ("train_step", "logprob", "prefill", "decode", "prefill_insert", "gen
 
 
 def _layer_costs(
-    cfg, spec, mesh, rules, *, M, wave_prompts, tp, tg, programs=PROGRAMS
+    cfg, spec, mesh, rules, *, M, batch_prompts, tp, tg, programs=PROGRAMS
 ) -> dict[str, tuple]:
     """Per program of `programs`, (FLOPs, bytes accessed) per chip of the
     `spec.num_layers`-layer program with every iteration of its loops counted: the
@@ -483,13 +475,13 @@ def _layer_costs(
     one. Decode's token loop stays a loop: its count is one token's step plus what runs
     once per call."""
     L = spec.num_layers
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, wave_prompts, tp, tg, programs)
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs)
     scale = {"train_step": M}
     total = {n: c1[n] + (L - 1) * (c2[n] - c1[n]) for n in c1}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
 
 
-def _depth_costs(cfg, spec, mesh, rules, wave_prompts, tp, tg, programs=PROGRAMS):
+def _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs=PROGRAMS):
     """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
     one minibatch, every iteration of its scans and loops counted.
 
@@ -497,21 +489,21 @@ def _depth_costs(cfg, spec, mesh, rules, wave_prompts, tp, tg, programs=PROGRAMS
     peeled, one iteration; a loop key's body costs the difference with the 1-layer
     program that runs that key's loops twice (one more compile per key), and counts
     (trip count - 1) more times, per layer for loops inside a layer."""
-    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), wave_prompts, tp, tg, programs)
-    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), wave_prompts, tp, tg, programs)
+    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), batch_prompts, tp, tg, programs)
+    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), batch_prompts, tp, tg, programs)
     c1 = {n: np.asarray(c) for n, c in one.items()}
     c2 = {n: np.asarray(c) for n, c in two.items()}
     for key in sorted({k for t in trips.values() for k, n in t.items() if n > 1}):
         _, n, in_layer = key
         names = tuple(p for p in one if key in trips[p])
-        twice, _ = _peeled_costs(cfg, spec, mesh, rules, 1, (key,), wave_prompts, tp, tg, names)
+        twice, _ = _peeled_costs(cfg, spec, mesh, rules, 1, (key,), batch_prompts, tp, tg, names)
         for p in names:
             body = (n - 1) * (np.asarray(twice[p]) - np.asarray(one[p]))
             c1[p], c2[p] = c1[p] + body, c2[p] + (2 if in_layer else 1) * body
     return c1, c2
 
 
-def _peeled_costs(cfg, spec, mesh, rules, layers, twice, wave_prompts, tp, tg, programs):
+def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, programs):
     """({program: (FLOPs, bytes)}, {program: {loop key: trip count}}) of `programs` built
     with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys in
     `twice` run two iterations)."""
@@ -525,7 +517,7 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, wave_prompts, tp, tg, p
         return done
 
     with _unrolled_scans():
-        b = _build(cfg, s, mesh, rules, minibatches=1, wave_prompts=wave_prompts, tp=tp, tg=tg)
+        b = _build(cfg, s, mesh, rules, minibatches=1, batch_prompts=batch_prompts, tp=tp, tg=tg)
         if "train_step" in programs:
             compile_("train_step", b.update, *b.update_args)
         if "logprob" in programs and b.logprob is not None:

@@ -9,11 +9,11 @@ Dimensions, each a knob the trainer has:
   micro-batches the recipe's minibatches each split in m (train.updates_per_batch
                 x m with train.grad_accum x m: the same optimizer updates from
                 smaller programs, plus the old policy's log-prob pass m > 1 needs)
-  waves         PipelineRL only (train.pipeline_waves): batches in flight, each
-                holding its KV cache (on the stream, W x B_p x n engine slots unless
-                sampling.engine_slots); fewer waves bound staleness tighter. The
-                trainer keeps (k + 1) // updates per batch at most, so micro-batches
-                (more updates per batch) leave fewer waves to choose from
+  waves         PipelineRL only (train.pipeline_waves): W, batches untrained at once
+                on the stream (W x B_p groups in flight, W x B_p x n engine slots
+                unless sampling.engine_slots); a smaller W bounds staleness tighter.
+                The trainer keeps (k + 1) // updates per batch at most, so
+                micro-batches (more updates per batch) leave fewer to choose from
 
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
 exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
@@ -59,8 +59,9 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
 
 
 def _waves(cfg: RunConfig, updates: int) -> list[int]:
-    """PipelineRL's choices of waves in flight with `updates` updates per batch: the most
-    the trainer keeps (`num_waves`) and halvings of it; [0] (no such knob) otherwise."""
+    """PipelineRL's choices of W (batches untrained at once) with `updates` updates per
+    batch: the most the trainer keeps (`num_waves`) and halvings of it; [0] (no such
+    knob) otherwise."""
     if cfg.train.off_policy != "pipeline":
         return [0]
     most = num_waves(cfg, updates=updates)
@@ -107,7 +108,7 @@ def search(
         c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
     ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= chip.hbm_bytes]
     # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
-    # most PipelineRL waves, then the least memory.
+    # largest PipelineRL W, then the least memory.
     ok.sort(
         key=lambda c: (
             -c["estimate"]["rollouts_per_hour"],

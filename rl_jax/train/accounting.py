@@ -102,7 +102,8 @@ def extra_forwards(cfg: RunConfig) -> int:
 
 
 def num_waves(cfg: RunConfig, *, updates: int | None = None) -> int:
-    """PipelineRL's batches in flight: W = (k + 1) // M, at least 1 and at most
+    """PipelineRL's W: batches untrained at once (the stream's W x B_p groups in flight,
+    `rl_jax.train.stream`), W = (k + 1) // M, at least 1 and at most
     train.pipeline_waves when set (M: `updates` updates per batch, default the run's
     train.updates_per_batch)."""
     M = cfg.train.updates_per_batch if updates is None else updates
@@ -119,16 +120,9 @@ def sampler_rows(cfg: RunConfig) -> int:
     return batches * cfg.data.prompts_per_batch * cfg.sampling.n
 
 
-def samples_on_engine(cfg: RunConfig) -> bool:
-    """Whether the trainer's batches generate on the engine: with sampling.engine,
-    except pipeline and split mode's waves (on the batch Sampler unless sampling.stream)."""
-    waves = cfg.train.off_policy == "pipeline" or cfg.mesh.sampler_devices > 0
-    return cfg.sampling.engine and not (waves and not cfg.sampling.stream)
-
-
 def decode_chunk(cfg: RunConfig) -> int:
-    """PipelineRL's decode steps between weight swaps (sampling.decode_chunk, else a
-    quarter of the generation budget)."""
+    """PipelineRL's decode steps between weight swaps: the stream's generate chunk
+    (sampling.decode_chunk, else a quarter of the generation budget)."""
     return cfg.sampling.decode_chunk or max(1, -(-cfg.sampling.max_new_tokens // 4))
 
 

@@ -43,7 +43,7 @@ from rl_jax.train.parts import (
     copy_params,
     init_opt_state,
 )
-from rl_jax.train.split import SplitSampler, SplitStream
+from rl_jax.train.split import SplitStream
 from rl_jax.train.state import DataStream, TrainerState
 
 
@@ -101,7 +101,7 @@ class RLTrainer:
             compress=cfg.checkpoint.compress,
         )
         self.weights = SamplerWeights(self.parts)  # the sampler's copies of the policy
-        self.split_sampler: SplitSampler | SplitStream | None = None
+        self.split_sampler: SplitStream | None = None
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
         self._closed = False
         self._resumed: bool | None = None  # try_resume's answer, once asked

@@ -20,7 +20,7 @@ from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
-from rl_jax.train.accounting import decode_chunk, sampler_rows, samples_on_engine
+from rl_jax.train.accounting import decode_chunk, sampler_rows
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
@@ -49,8 +49,8 @@ class Parts:
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
-    sampler: Sampler  # pipeline's waves; every batch when sampling.engine is off
-    engine: Engine | None  # sampling.engine: synchronous batches (sampling.stream: pipeline's)
+    sampler: Sampler | None  # every batch when sampling.engine is off, else None
+    engine: Engine | None  # sampling.engine: every batch (pipeline's as a stream), else None
     eval_sampler: Engine | Sampler
     # The compiled programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
@@ -121,7 +121,8 @@ class SamplerWeights:
         if not self.parts.split:
             return self.policy(params, version), version
         if self._pushed is None or self._pushed[1] != version:
-            self._pushed = (self.parts.sampler.reshard(self.policy(params, version)), version)
+            decoder = self.parts.engine or self.parts.sampler  # split mode: the engine
+            self._pushed = (decoder.reshard(self.policy(params, version)), version)
             self._viewed = None  # the trainer's devices keep no copy of the view
         return self._pushed
 
@@ -187,29 +188,18 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
 
 
 def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
-    """Parts' sampler (the batch Sampler: pipeline and split mode's waves unless
-    sampling.stream, every batch when sampling.engine is off), engine (sampling.engine:
-    on_policy and ppo_off_policy batches, and pipeline's as a stream with sampling.stream;
-    by default a slot for every row the schedule has in flight at once: B_p x n, x k for
-    ppo_off_policy's k batches, x W for pipeline's W) and eval_sampler."""
-    engine = None
+    """Parts' engine (sampling.engine: every batch; by default a slot for every row the
+    schedule has in flight at once: B_p x n, x k for ppo_off_policy's k batches, x W
+    for pipeline's W), or else the batch Sampler (on_policy and ppo_off_policy only),
+    and eval_sampler."""
     rows = sampler_rows(cfg)
-    if samples_on_engine(cfg):
-        engine = make_sampler(
-            spec, engine_sampling(cfg), cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
-        )
+    sampler = make_sampler(
+        spec, engine_sampling(cfg), cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
+    )
+    on_engine = isinstance(sampler, Engine)
     return {
-        # The batch Sampler: pipeline and split mode's waves, and every batch when
-        # sampling.engine is off.
-        "sampler": make_sampler(
-            spec,
-            dataclasses.replace(cfg.sampling, engine=False, stream=False),
-            cfg,
-            tokenizer,
-            mesh=mesh,
-            rows=rows,
-        ),
-        "engine": engine,
+        "sampler": None if on_engine else sampler,
+        "engine": sampler if on_engine else None,
         "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
     }
 

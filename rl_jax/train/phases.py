@@ -24,7 +24,7 @@ from rl_jax.sampling import Rollouts, concat_groups
 from rl_jax.train.accounting import forward_flops, step_flops
 from rl_jax.train.evaluation import eval_key, evaluate_policy, generate_rows
 from rl_jax.train.parts import Parts
-from rl_jax.train.state import TrainerState, Wave
+from rl_jax.train.state import TrainerState
 from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
 
 # ---- rollout ------------------------------------------------------------------------------
@@ -55,29 +55,6 @@ def generate(parts: Parts, params, version: int, step: int, problems) -> Rollout
         version=version,
         row_ids=row_ids(parts, step, len(problems)),
     )
-
-
-def start_wave(parts: Parts, step: int, problems, weights: tuple[Any, int]) -> Wave:
-    """A PipelineRL wave: the prompts of `step` prefilled with `weights` (params, version)."""
-    state = parts.sampler.start(
-        weights[0],
-        prompt_ids(parts, problems),
-        n=parts.G,
-        key=sample_key(parts),
-        row_ids=row_ids(parts, step, len(problems)),
-    )
-    return Wave(state=state, problems=list(problems), step=step)
-
-
-def decode_until_oldest_done(parts: Parts, state: TrainerState, chunk: int, weights) -> None:
-    """Decode the waves round robin, `chunk` tokens at a time with the current policy
-    (`weights`: the sampler's copy of `state`'s), until the oldest is done (the waves'
-    sampler states advance in place)."""
-    sampler, oldest = parts.sampler, state.waves[0]
-    while not sampler.done(oldest.state):
-        for w in state.waves:
-            if not sampler.done(w.state):
-                w.state = sampler.decode(weights, w.state, max_steps=chunk, version=state.version)
 
 
 def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> TrainerState:

@@ -3,19 +3,16 @@
   on_policy       generate B_p x n rows with the current weights, take M updates.
   ppo_off_policy  generate k batches with the current weights, then train on
                   them one after another (k x M updates on increasingly stale data).
-  pipeline        PipelineRL-k: up to W "waves" (sampler states, each B_p x n
-                  rows) decode in chunks, round robin. Whenever the oldest wave
-                  finishes, the trainer takes its M updates and the new weights
-                  are used by every later chunk: sequences in flight continue
-                  with the new weights on a stale KV cache, every token records
-                  the policy version that sampled it. W = (k + 1) // M keeps
-                  every update within k versions of the oldest token it trains on.
-                  With sampling.stream the waves give way to a continuous stream
-                  on the engine: a batch is the next B_p complete groups, and
-                  finished rows' slots take new groups at once
-                  (`rl_jax.train.stream`).
-  split           pipeline with the sampler on its own devices, decoding in a
-                  background thread while the rest train (`rl_jax.train.split`).
+  pipeline        PipelineRL-k as a continuous stream of groups on the engine
+                  (`rl_jax.train.stream`): a group (one prompt, n rows) enters the
+                  engine's slots as they free up, a batch is the next B_p complete
+                  groups, and the trainer's M updates reach every later decode chunk:
+                  rows in flight continue with the new weights on a stale KV cache,
+                  every token records the policy version that sampled it. At most
+                  W = (k + 1) // M batches are untrained at once, which keeps every
+                  update within k versions of the oldest token it trains on.
+  split           pipeline with the engine on the sampler's own devices, decoding in
+                  a background thread while the rest train (`rl_jax.train.split`).
 
 A schedule drives a trainer `tr` (`RLTrainer`): it reads `tr.state`, runs phases,
 sets `tr.state`, and hands every trained batch to `tr.finish_step` (logging,
@@ -24,15 +21,13 @@ hooks, evaluation, checkpoints), which advances the step.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 
 from rl_jax.sampling import Rollouts
 from rl_jax.train import phases
-from rl_jax.train.accounting import decode_chunk, num_waves
-from rl_jax.train.split import SplitSampler, SplitStream
+from rl_jax.train.split import SplitStream
 from rl_jax.train.state import Pending
 from rl_jax.train.stream import trainer_stream
 
@@ -79,36 +74,6 @@ def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
 
 
 def pipeline(tr, bar) -> None:
-    if tr.parts.engine is not None:
-        return pipeline_stream(tr, bar)
-    cfg, parts = tr.cfg, tr.parts
-    W, chunk = num_waves(cfg), decode_chunk(cfg)
-    while tr.state.step < cfg.train.steps:
-        t0 = time.perf_counter()
-        # Drain before a checkpoint: no wave may straddle a checkpointed step, so a
-        # checkpoint never needs an in-flight KV cache and resume is exact.
-        end = min(cfg.train.steps, tr.next_boundary())
-        state = tr.state
-        waves = list(state.waves)  # for steps state.step, state.step + 1, ...
-        while len(waves) < W and state.step + len(waves) < end:
-            step, problems = state.step + len(waves), state.data.draw()
-            waves.append(phases.start_wave(parts, step, problems, tr.sampler_weights()))
-        state = state.replace(waves=tuple(waves))
-        # Decode round robin until the oldest wave is done; new weights are used at once.
-        phases.decode_until_oldest_done(parts, state, chunk, tr.sampler_weights()[0])
-        oldest = state.waves[0]
-        ro = parts.sampler.result(oldest.state)
-        tr.state = phases.account_sampling(parts, state.replace(waves=state.waves[1:]), ro)
-        problems = oldest.problems
-        # The finished wave's sampler state (its KV cache) goes before the update: only
-        # the other waves stay in HBM while the trainer runs (what `rl-jax plan` counts).
-        del state, waves, oldest
-        sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        state, m = _train(tr, ro, problems)
-        _finish(tr, state, m, sample_s, t1, bar)
-
-
-def pipeline_stream(tr, bar) -> None:
     """PipelineRL-k as a continuous stream on the engine (rl_jax.train.stream): the
     trainer takes the next B_p complete groups; the groups in flight continue with the
     new weights."""
@@ -132,25 +97,12 @@ def pipeline_stream(tr, bar) -> None:
 
 
 def split(tr, bar) -> None:
-    """PipelineRL-k with the sampler on its own devices (rl_jax.train.split): waves on
-    the batch Sampler (`SplitSampler`), or the stream on the engine with
-    sampling.stream (`SplitStream`); the trainer drives either the same way."""
+    """PipelineRL-k with the sampler on its own devices (rl_jax.train.split): the stream
+    on the engine decodes in `SplitStream`'s thread while the trainer trains."""
     cfg, parts = tr.cfg, tr.parts
-    if parts.engine is not None:
-        stream = trainer_stream(parts, tr.state.data, tr.state.step)
-        tr.state = tr.state.replace(stream=stream)
-        worker = SplitStream(stream, weights=tr.sampler_weights())
-    else:
-        worker = SplitSampler(
-            parts.sampler,
-            waves=num_waves(cfg),
-            chunk=decode_chunk(cfg),
-            first_step=tr.state.step,
-            weights=tr.sampler_weights(),
-            start_wave=functools.partial(phases.start_wave, parts),
-            draw=tr.state.data.draw,
-            lock=tr.state.data.lock,
-        )
+    stream = trainer_stream(parts, tr.state.data, tr.state.step)
+    tr.state = tr.state.replace(stream=stream)
+    worker = SplitStream(stream, weights=tr.sampler_weights())
     tr.split_sampler = worker
     try:
         worker.allow(min(cfg.train.steps, tr.next_boundary()))
@@ -162,8 +114,8 @@ def split(tr, bar) -> None:
             wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
             state, m = _train(tr, ro, problems)
             tr.state = state
-            # Push before `trained`: the next wave, or a group admitted after it, samples
-            # with these weights (the staleness bounds in rl_jax.train.split rely on it).
+            # Push before `trained`: a group admitted after it samples with these
+            # weights (the staleness bound in rl_jax.train.split relies on it).
             worker.push(tr.sampler_weights())
             worker.trained()
             worker.train_intervals.append((t1, time.perf_counter()))

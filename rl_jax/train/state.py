@@ -6,10 +6,9 @@ counters, the staleness histogram, the prompt stream's and curriculum's state).
 Phases take a state and return a new one (`dataclasses.replace`); the loop keeps
 the newest.
 
-In-flight sampler work is part of the state too (PipelineRL waves being decoded,
-the engine's stream of groups, the sampled-but-untrained batches of a
-PPO-off-policy-k group) and is never in a checkpoint: every schedule saves only
-where there is none (pipeline waves never straddle a checkpoint step; the stream
+In-flight sampler work is part of the state too (PipelineRL's stream of groups on
+the engine, the sampled-but-untrained batches of a PPO-off-policy-k group) and is
+never in a checkpoint: every schedule saves only where there is none (the stream
 admits no group past the next checkpoint, so it drains there; a PPO group
 checkpoints at its end), so a resume samples those rows again from (seed, step)
 exactly as the first run did.
@@ -28,15 +27,6 @@ from rl_jax.data import Curriculum, PromptPipeline
 from rl_jax.train.accounting import ComputeCounters
 
 Params = dict[str, jax.Array]
-
-
-@dataclass
-class Wave:
-    """One batch of rows being sampled (a PipelineRL wave)."""
-
-    state: Any  # SamplerState
-    problems: list  # [P] Problem
-    step: int  # the RL step whose prompts these are
 
 
 @dataclass(frozen=True)
@@ -95,9 +85,8 @@ class TrainerState:
     counters: ComputeCounters = field(default_factory=ComputeCounters)
     staleness_hist: dict[int, int] = field(default_factory=dict)  # {staleness: updates}
     # In flight, never checkpointed (see the module docstring).
-    waves: tuple[Wave, ...] = ()  # pipeline: oldest first, for steps step, step + 1, ...
     pending: tuple[Pending, ...] = ()  # ppo_off_policy: the group's untrained batches
-    stream: Any = None  # pipeline on the engine: its EngineStream (rl_jax.train.stream)
+    stream: Any = None  # pipeline: its EngineStream on the engine (rl_jax.train.stream)
 
     def replace(self, **changes) -> TrainerState:
         return dataclasses.replace(self, **changes)
@@ -111,7 +100,7 @@ class TrainerState:
     @property
     def idle(self) -> bool:
         """No sampler work in flight: a checkpoint of this state resumes exactly."""
-        return not self.waves and not self.pending and (self.stream is None or self.stream.idle)
+        return not self.pending and (self.stream is None or self.stream.idle)
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -145,7 +134,6 @@ class TrainerState:
             counters=ComputeCounters.from_dict(meta["counters"]),
             nonfinite_streak=int(meta["nonfinite_streak"]),
             staleness_hist={int(k): v for k, v in meta["staleness_hist"].items()},
-            waves=(),
             pending=(),
             stream=None,
         )

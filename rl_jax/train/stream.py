@@ -1,10 +1,11 @@
-"""PipelineRL-k as a continuous stream on the engine (`sampling.stream=true`).
+"""PipelineRL-k as a continuous stream on the engine: how `train.off_policy=pipeline`
+(and split mode) samples.
 
 Groups (one prompt, n rows) enter the engine's slots as slots free up, and a batch
 is the next B_p groups to complete; the trainer's updates reach every later chunk,
 rows in flight included (PipelineRL's in-flight update: their stale KV is kept).
-With waves (the batch Sampler), a wave of B_p x n rows holds its rows until its
-longest one ends; here a slot whose row ended takes the next row at once.
+A slot whose row ended takes the next row at once, where a batch decoded as one
+block would hold its slots until its longest row ends.
 
 Staleness bound. W = `accounting.num_waves` batches may be untrained at once: the one
 being formed and (W - 1) x B_p groups ahead of it. A group admitted when t batches
@@ -317,7 +318,7 @@ class EngineStream:
 def trainer_stream(parts, data, first_step: int) -> EngineStream:
     """The trainer's stream on `parts.engine`: group g is prompt g % B_p of the prompts
     drawn for step g // B_p (drawn from `data` when that step's first group enters),
-    its rows keyed as the waves' rows of that step (`phases.row_ids`)."""
+    its rows keyed as that step's rows in every mode (`phases.row_ids`)."""
     from rl_jax.train import phases
     from rl_jax.train.accounting import num_waves
 
