@@ -125,6 +125,20 @@ def test_same_rollouts_on_eight_devices(params_a):
     _assert_same(got, one, exact=False)
 
 
+@pytest.mark.devices(8)
+def test_prefill_blocks_on_eight_devices(params_a):
+    """Prefill blocks of 8 prompts, one per device, on a mesh: 10 new prompts fill two
+    blocks (the second padded), and the rows are one device's."""
+    mesh = make_mesh(MeshConfig(data=8, fsdp=1, tensor=1))
+    prompts = [*PROMPTS, *PROMPTS, *PROMPTS, [5, 6]]
+    kw = dict(slots=16, chunk=3, pad_id=0, prefill_prompts=16, prefill_block=8)
+    eight = Engine(SPEC, SAMPLED, mesh=mesh, **kw)
+    got, stats = eight.run(eight.reshard(params_a), prompts, n=1, seed=9)
+    assert stats.prompts_prefilled == 10 and eight.prefill_block == 8
+    one, _ = Engine(SPEC, SAMPLED, **kw).run(params_a, prompts, n=1, seed=9)
+    _assert_same(got, one, exact=False)
+
+
 def test_forced_interruption_and_per_row_limits(params_a):
     inject = [5, 6, 7]
     cfg = SamplingConfig(
@@ -205,6 +219,31 @@ def test_compiles_stay_bounded(params_a, params_b):
     fixed = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0, fixed_shapes=True)
     fixed.run(params_a, [*prompts, list(range(1, 12))], n=2)
     assert fixed.compile_counts() == {"prefill_insert": 1, "generate": 1}
+
+
+def test_prefill_blocks_compute_the_rows_of_a_whole_prefill(params_a, params_b):
+    """A prefill in blocks of 2 prompts (blocks without a new prompt skipped, the last
+    one padded) gives the rows of prefills of 2 prompts at a time, bit for bit, with 4
+    or 5 prompts a prefill; one prefill_insert and one generate program whatever the
+    refills."""
+    prompts = [*PROMPTS, [5, 6], [9, 10, 11, 12]]  # one bucket of 8
+    runs = {}
+    for prompts_per_prefill, block in ((2, None), (4, 2), (5, 2)):
+        engine = Engine(
+            SPEC,
+            SAMPLED,
+            slots=5,
+            chunk=3,
+            pad_id=0,
+            prefill_prompts=prompts_per_prefill,
+            prefill_block=block,
+        )
+        assert engine.prefill_block == 2
+        runs[prompts_per_prefill] = engine.run(params_a, prompts, n=1, seed=4)[0]
+        engine.run(params_b, prompts[:2], n=3, seed=1)  # refills of fewer prompts
+        assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    for out in runs.values():
+        _assert_same(out, runs[2], exact=True)
 
 
 def test_fixed_shapes_same_rollouts(params_a):

@@ -55,6 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rl_jax.config.sampling import SamplingConfig
+from rl_jax.kernels import loops
 from rl_jax.kernels.xla import Decode
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_weights
@@ -144,10 +145,14 @@ class Engine(Decoder):
 
     slots: S, the decode slots (a multiple of the mesh's batch shards).
     chunk: decode steps per `generate` call (default `cfg.decode_chunk`, else 16).
-    prefill_prompts: prompts per prefill (fewer are padded): a fixed shape, so a
-    prompt's KV does not depend on how many prompts were prefilled with it (XLA:CPU's
+    prefill_prompts: prompts per prefill (fewer are padded); also the prefixes held
+    at once.
+    prefill_block: prompts prefilled together (default: all `prefill_prompts`): a
+    prefill runs in fixed blocks of this many, skipping blocks with no new prompt, so
+    a refill of a few prompts computes their blocks only, and a prompt's KV depends on
+    the block size, never on how many prompts were prefilled with it (XLA:CPU's
     prefill matmuls round differently for different row counts; measured in
-    tests/test_engine.py); also the prefixes held at once.
+    tests/test_engine.py).
     prompt_len: the longest prompt (default `cfg.max_prompt_len`), rounded up to
     `cfg.length_bucket`. Generations are up to `cfg.max_new_tokens` (per-row limits
     may be lower).
@@ -164,6 +169,7 @@ class Engine(Decoder):
         chunk: int | None = None,
         prompt_len: int | None = None,
         prefill_prompts: int = 4,
+        prefill_block: int | None = None,
         fixed_shapes: bool = False,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
@@ -194,6 +200,8 @@ class Engine(Decoder):
         self.slots = int(slots)
         self.chunk = int(chunk or cfg.decode_chunk or 16)
         self.prefill_prompts = round_up(int(prefill_prompts), self.shards)
+        block = round_up(int(prefill_block or self.prefill_prompts), self.shards)
+        self.prefill_block = min(block, self.prefill_prompts)
         # A pool of one prefill: a new prompt enters once an earlier one's rows all
         # have (rows of pooled prompts can always enter, so the queue always moves).
         self.pool_size = self.prefill_prompts
@@ -385,7 +393,7 @@ class Engine(Decoder):
         cfg, ops = self.cfg, self.decode_ops
         S, Q = self.slots, self.pool_size
 
-        def fill(pool: Prefix) -> Prefix:
+        def merge(pool: Prefix, prompt_pt, lens_p, into_p) -> Prefix:
             new = self._prefill(params, prompt_pt, lens_p, bucket)
             hit = into_p[None, :] == jnp.arange(Q)[:, None]  # [Q, P]
             which, got = jnp.argmax(hit, axis=1), jnp.any(hit, axis=1)
@@ -400,6 +408,28 @@ class Engine(Decoder):
                 prompt_tokens=jnp.where(got[:, None], new.prompt_tokens[which], pool.prompt_tokens),
                 kv_start=jnp.where(got, new.kv_start[which], pool.kv_start),
             )
+
+        def fill(pool: Prefix) -> Prefix:
+            q = self.prefill_block
+            nb = -(-prompt_pt.shape[0] // q)
+            if nb == 1:
+                return merge(pool, prompt_pt, lens_p, into_p)
+            # Blocks of q prompts (the last padded: padding goes past the pool); a block
+            # with no new prompt (new prompts come first) is skipped.
+            pad = nb * q - prompt_pt.shape[0]
+            blocks = (
+                jnp.pad(prompt_pt, ((0, pad), (0, 0)), constant_values=self.pad_id),
+                jnp.pad(lens_p, (0, pad), constant_values=1),
+                jnp.pad(into_p, (0, pad), constant_values=Q),
+            )
+            blocks = tuple(x.reshape(nb, q, *x.shape[1:]) for x in blocks)
+
+            def block(pool, x):
+                needed = jnp.any(x[2] < Q)
+                return jax.lax.cond(needed, lambda p: merge(p, *x), lambda p: p, pool), None
+
+            pool, _ = loops.scan(block, pool, blocks, name="prefill_blocks")
+            return pool
 
         pool = jax.lax.cond(prefill, fill, lambda p: p, state.pool)
 

@@ -71,16 +71,24 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
     )
 
 
+# Prompts a run's engine prefills together: a refill computes only the blocks its new
+# prompts fill (PipelineRL's stream admits a few groups at a time into a prefill of
+# W x B_p prompts), and a prompt's KV does not depend on the slot count.
+PREFILL_BLOCK = 16
+
+
 def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
     """A run's engine for batches of `rows` rows (the trainer's, evaluation's; and the
     plan's of them): its slots (sampling.engine_slots, else `rows`, in whole batch
-    shards), decode steps per generate call (sampling.decode_chunk, else to the end)
-    and prompts per prefill (a refill's new prompts in one call), as `Engine` takes them."""
+    shards), decode steps per generate call (sampling.decode_chunk, else to the end),
+    prompts per prefill (a refill's new prompts in one call) and per prefill block
+    (`PREFILL_BLOCK`), as `Engine` takes them."""
     slots = -(-(sampling.engine_slots or rows) // shards) * shards
     return {
         "slots": slots,
         "chunk": sampling.decode_chunk or sampling.max_new_tokens,
         "prefill_prompts": -(-slots // sampling.n),
+        "prefill_block": PREFILL_BLOCK,
     }
 
 
