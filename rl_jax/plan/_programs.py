@@ -237,7 +237,9 @@ def plan_run(
         fn, args, kw = b.engine_programs["prefill_insert"]
         # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
         # P / prefill_prompts calls per step. The stream admits groups as slots free up,
-        # a call per generate call with new groups: at most one per group.
+        # a call per generate call with new groups: at most one per group. Each call is
+        # counted whole, every prefill block computed (an upper bound: the engine skips
+        # the blocks a refill leaves empty).
         calls = P / engine.prefill_prompts
         if off == "pipeline":
             calls = min(P, max(calls, steps / engine.chunk))

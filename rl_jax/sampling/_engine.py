@@ -18,7 +18,8 @@ long-tailed lengths the slots stay busy (benchmarks/sampler.py --lengths longtai
 
 Two compiled programs, as the Sampler has: `prefill_insert` prefills up to
 `prefill_prompts` new prompts into a pool of prefixes (each prompt once, for all of
-its rows; skipped when a refill needs no new prompt) and copies pool entries into
+its rows, in blocks of `prefill_block` prompts; blocks without a new prompt, and the
+whole prefill when a refill needs no new prompt, are skipped) and copies pool entries into
 free slots (a gather and a select over the slots, no scatter); `generate` lays the
 weights out for the decode step and decodes every slot for a chunk of steps. Its
 result carries, besides the state, the chunk's new columns of every slot and the
