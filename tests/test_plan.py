@@ -97,6 +97,8 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     # once per generate call with new groups (here: fewer calls than one a chunk).
     assert gen["calls"] == pytest.approx(4 * 2 * 16 / 72)
     assert progs["prefill_insert"]["calls"] == pytest.approx(4 * 2 * 16 / 72 / 4)
+    # A call counted whole: all 36 prompts prefilled (the run's engine skips blocks).
+    assert 0.9 < progs["prefill_insert"]["flops_ratio"] < 1.5, progs["prefill_insert"]
     assert 0.9 < gen["flops_ratio"] < 3, gen
     # Bandwidth-bound: per step, the sampler's weights and the slots' whole cache are read.
     assert gen["bytes_analytic"] > plan["kv_cache_gb"] * 1e9

@@ -238,8 +238,8 @@ def plan_run(
         # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
         # P / prefill_prompts calls per step. The stream admits groups as slots free up,
         # a call per generate call with new groups: at most one per group. Each call is
-        # counted whole, every prefill block computed (an upper bound: the engine skips
-        # the blocks a refill leaves empty).
+        # counted whole, every prompt prefilled (an upper bound: the run's engine skips
+        # the prefill blocks a refill leaves empty).
         calls = P / engine.prefill_prompts
         if off == "pipeline":
             calls = min(P, max(calls, steps / engine.chunk))
@@ -391,7 +391,14 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
             rules=cfg.mesh.rules,
             prompt_len=tp,
             fixed_shapes=True,
-            **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
+            **{
+                **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
+                # Every prompt prefilled in one block: a call counted whole, the bound
+                # the calls below are counted against (the run's engine prefills in
+                # blocks and skips those a refill leaves empty, which a count of the
+                # compiled program cannot know).
+                "prefill_block": None,
+            },
         )
         engine_programs = engine.programs(weights)
     update = make_update(
