@@ -96,7 +96,7 @@ def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
     """Bit for bit: a row's numbers depend on its key, prompt and weights only. (With
     the prompts prefilled at a varying prompt count they did not: XLA:CPU's prefill
     matmuls round differently for 1 and 4 prompts, ~1e-6 in the log-probs; so
-    `prefill` always takes `prefill_prompts`.)"""
+    the prefill always takes whole blocks of `prefill_block` prompts.)"""
     rng = np.random.default_rng(0)
     order = rng.permutation(len(PROMPTS) * 3)
     runs = {
