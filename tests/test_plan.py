@@ -141,15 +141,15 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
 
     # The 2- and 4-layer plans both compile the same 1- and 2-layer programs: compile
     # each distinct program once (keyed by its lowered module).
-    compiled, compile_fn = {}, pp._compile
+    compiled, compile_fn = {}, pp._compile_lowered
 
-    def compile_once(fn, *args, **static):
-        key = fn.trace(*args, **static).lower().as_text()
+    def compile_once(lowered):
+        key = lowered.as_text()
         if key not in compiled:
-            compiled[key] = compile_fn(fn, *args, **static)
+            compiled[key] = compile_fn(lowered)
         return compiled[key]
 
-    monkeypatch.setattr(pp, "_compile", compile_once)
+    monkeypatch.setattr(pp, "_compile_lowered", compile_once)
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
     try:
@@ -160,7 +160,8 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
         kw = dict(batch_prompts=4, tp=tp, tg=tg)
         spec4 = dataclasses.replace(spec2, num_layers=4)
         c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
-        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
+        with pp.compile_jobs(2):  # the counting programs compiled on two threads
+            c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
         b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
         scanned = pp._cost(pp._compile(b.update, *b.update_args))
         with pp._unrolled_scans(), loops.unrolled():
@@ -348,6 +349,45 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     assert all(c.mesh.data * c.mesh.fsdp * c.mesh.tensor == 4 for c in seen)
     assert replicated not in [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": 1} for c in seen]
     assert any(e["mesh"] == replicated and e["reason"] == "estimate" for e in res["excluded"])
+
+
+def test_compile_jobs_compile_programs_at_once(monkeypatch):
+    """Under `compile_jobs(2)` two submitted programs compile at the same time (each
+    waits for the other at a barrier: one at a time, the first would wait in vain), and
+    their results come back in order; outside, a program compiles when its result is
+    first asked for."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from rl_jax.plan import _programs as pp
+
+    barrier, compiled = threading.Barrier(2, timeout=120), []
+
+    def meet(lowered):
+        barrier.wait()
+        return lowered.as_text(), 0.0
+
+    monkeypatch.setattr(pp, "_compile_lowered", meet)
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    f, g = jax.jit(lambda x: x + 1), jax.jit(lambda x: x * 3)
+    with pp.compile_jobs(2):
+        a, b = pp._submit(f, x), pp._submit(g, x, then=lambda done: done[0])
+        assert "add" in a.result()[0] and "mul" in b.result()
+    monkeypatch.setattr(pp, "_compile_lowered", lambda lowered: compiled.append(1) or (1, 0.0))
+    later = pp._submit(f, x)
+    assert compiled == []
+    assert later.result() == (1, 0.0) and later.result() == (1, 0.0) and compiled == [1]
+    with pytest.raises(ValueError, match="jobs"):
+        with pp.compile_jobs(0):
+            pass
+
+
+def test_bad_jobs_exit_2_before_compiling():
+    r = _plan_cli("scalerl", "--topology", "v5e:2x2", "--jobs", "0", timeout=300)
+    assert r.returncode == 2 and "--jobs=0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bad_keys_exit_2_before_compiling():

@@ -36,6 +36,13 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--top", type=int, default=3, help="--search: candidates to compile")
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="programs compiled at once (threads; each compile of a large model can "
+        "take several GB of host RAM)",
+    )
+    p.add_argument(
         "--budget-rollouts",
         type=float,
         default=None,
@@ -46,6 +53,8 @@ def main(argv: list[str]) -> int:
     parse_topology(a.topology)  # a bad name is refused before JAX starts
     if a.top < 1:
         raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
+    if a.jobs < 1:
+        raise ConfigError(f"--jobs={a.jobs}: compile at least one program at a time (>= 1)")
     if a.budget_rollouts is not None and not a.budget_rollouts > 0:
         raise ConfigError(f"--budget-rollouts={a.budget_rollouts}: must be > 0")
     # Compiling for TPU needs no TPU, but JAX must not claim one as its default backend.
@@ -54,19 +63,20 @@ def main(argv: list[str]) -> int:
 
     import jax
 
-    from rl_jax.plan import SCALERL_BUDGET_ROLLOUTS, plan_run, search
+    from rl_jax.plan import SCALERL_BUDGET_ROLLOUTS, compile_jobs, plan_run, search
 
     # An executable for a topology this host lacks cannot be loaded back from the
     # persistent cache (it needs the TPU client), so a plan neither writes nor reads it.
     jax.config.update("jax_enable_compilation_cache", False)
 
     budget = a.budget_rollouts or SCALERL_BUDGET_ROLLOUTS
-    if a.search:
-        plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
-        text = format_search
-    else:
-        plan = plan_run(cfg, a.topology, budget_rollouts=budget)
-        text = format_plan
+    with compile_jobs(a.jobs):
+        if a.search:
+            plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
+            text = format_search
+        else:
+            plan = plan_run(cfg, a.topology, budget_rollouts=budget)
+            text = format_plan
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         name = "search.json" if a.search else "plan.json"
