@@ -55,7 +55,9 @@ def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     _libtpu()
-    r = _plan_cli("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--out", str(tmp_path))
+    # Two compiles at a time: the numbers are the same (benchmarks/plan_jobs.py).
+    args = ("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--jobs", "2")
+    r = _plan_cli(*args, "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout.strip().splitlines()[-1])
     assert plan == json.loads((tmp_path / "plan.json").read_text())
@@ -110,6 +112,16 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     assert st["rollouts_per_hour"] == pytest.approx(4 * 2 * 3600 / st["roofline_s"])
     bud = plan["budget"]
     assert bud["rollouts"] == 7400 * 48 * 16
+
+    # --memory-only compiles the same programs, without the ones that count FLOPs.
+    r = _plan_cli(*args, "--memory-only")
+    assert r.returncode == 0, r.stderr[-3000:]
+    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not mem["flops_counted"] and plan["flops_counted"]
+    for p, q in zip(plan["programs"], mem["programs"], strict=True):
+        assert (q["name"], q["hbm_gb"], q["fits"]) == (p["name"], p["hbm_gb"], p["fits"])
+        assert q["flops"] is None and q["roofline_s"] is None and q["mfu_estimate"] is None
+    assert mem["step"]["rollouts_per_hour"] is None and mem["budget"]["hours"] is None
     assert bud["hours"] == pytest.approx(bud["rollouts"] / st["rollouts_per_hour"])
     assert bud["chip_hours"] == pytest.approx(4 * bud["hours"])
 
@@ -384,9 +396,12 @@ def test_compile_jobs_compile_programs_at_once(monkeypatch):
             pass
 
 
-def test_bad_jobs_exit_2_before_compiling():
-    r = _plan_cli("scalerl", "--topology", "v5e:2x2", "--jobs", "0", timeout=300)
-    assert r.returncode == 2 and "--jobs=0" in r.stderr
+@pytest.mark.parametrize(
+    "flags, named", [(("--jobs", "0"), "--jobs=0"), (("--memory-only", "--search"), "--search")]
+)
+def test_bad_plan_flags_exit_2_before_compiling(flags, named):
+    r = _plan_cli("scalerl", "--topology", "v5e:2x2", *flags, timeout=300)
+    assert r.returncode == 2 and named in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -10,6 +10,7 @@ run would execute, not estimates.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -110,13 +111,17 @@ def plan_run(
     *,
     headroom: float = HEADROOM,
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
+    count_flops: bool = True,
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
     the recipe needs one, and the sampler's: the engine's prefill_insert and generate
     (sampling.engine: every mode; PipelineRL only samples on it), else the batch
     Sampler's prefill and decode. The plan as a JSON-able
     dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
-    roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
+    roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take.
+    `count_flops=False` compiles the run's programs only, not the counting programs of
+    `_layer_costs` (most of a plan's compiles): memory and `fits`, with FLOPs, bytes and
+    every time derived from them null."""
     chip, _ = parse_topology(topology)
     if cfg.mesh.sampler_devices:
         raise ConfigError(
@@ -174,7 +179,11 @@ def plan_run(
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
     # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
     t0 = time.perf_counter()
-    costs = _layer_costs(cfg, spec, mesh, rules, M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
+    if count_flops:
+        kw = dict(M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
+        costs = _layer_costs(cfg, spec, mesh, rules, **kw)
+    else:  # XLA's own counts of the scanned programs would miss all but one iteration
+        costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
     cost_s = time.perf_counter() - t0
 
     programs = []
@@ -321,6 +330,7 @@ def plan_run(
             "rollouts_per_hour": per_hour,
         },
         "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
+        "flops_counted": count_flops,
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
