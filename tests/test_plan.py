@@ -55,7 +55,9 @@ def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     _libtpu()
-    r = _plan_cli("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--out", str(tmp_path))
+    # Two compiles at a time: the numbers are the same (benchmarks/plan_jobs.py).
+    args = ("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--jobs", "2")
+    r = _plan_cli(*args, "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout.strip().splitlines()[-1])
     assert plan == json.loads((tmp_path / "plan.json").read_text())
@@ -112,6 +114,16 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     assert st["rollouts_per_hour"] == pytest.approx(4 * 2 * 3600 / st["roofline_s"])
     bud = plan["budget"]
     assert bud["rollouts"] == 7400 * 48 * 16
+
+    # --memory-only compiles the same programs, without the ones that count FLOPs.
+    r = _plan_cli(*args, "--memory-only")
+    assert r.returncode == 0, r.stderr[-3000:]
+    mem = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not mem["flops_counted"] and plan["flops_counted"]
+    for p, q in zip(plan["programs"], mem["programs"], strict=True):
+        assert (q["name"], q["hbm_gb"], q["fits"]) == (p["name"], p["hbm_gb"], p["fits"])
+        assert q["flops"] is None and q["roofline_s"] is None and q["mfu_estimate"] is None
+    assert mem["step"]["rollouts_per_hour"] is None and mem["budget"]["hours"] is None
     assert bud["hours"] == pytest.approx(bud["rollouts"] / st["rollouts_per_hour"])
     assert bud["chip_hours"] == pytest.approx(4 * bud["hours"])
 
@@ -143,15 +155,15 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
 
     # The 2- and 4-layer plans both compile the same 1- and 2-layer programs: compile
     # each distinct program once (keyed by its lowered module).
-    compiled, compile_fn = {}, pp._compile
+    compiled, compile_fn = {}, pp._compile_lowered
 
-    def compile_once(fn, *args, **static):
-        key = fn.trace(*args, **static).lower().as_text()
+    def compile_once(lowered):
+        key = lowered.as_text()
         if key not in compiled:
-            compiled[key] = compile_fn(fn, *args, **static)
+            compiled[key] = compile_fn(lowered)
         return compiled[key]
 
-    monkeypatch.setattr(pp, "_compile", compile_once)
+    monkeypatch.setattr(pp, "_compile_lowered", compile_once)
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
     try:
@@ -162,7 +174,8 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
         kw = dict(batch_prompts=4, tp=tp, tg=tg)
         spec4 = dataclasses.replace(spec2, num_layers=4)
         c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
-        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
+        with pp.compile_jobs(2):  # the counting programs compiled on two threads
+            c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
         b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
         scanned = pp._cost(pp._compile(b.update, *b.update_args))
         with pp._unrolled_scans(), loops.unrolled():
@@ -350,6 +363,48 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     assert all(c.mesh.data * c.mesh.fsdp * c.mesh.tensor == 4 for c in seen)
     assert replicated not in [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": 1} for c in seen]
     assert any(e["mesh"] == replicated and e["reason"] == "estimate" for e in res["excluded"])
+
+
+def test_compile_jobs_compile_programs_at_once(monkeypatch):
+    """Under `compile_jobs(2)` two submitted programs compile at the same time (each
+    waits for the other at a barrier: one at a time, the first would wait in vain), and
+    their results come back in order; outside, a program compiles when its result is
+    first asked for."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from rl_jax.plan import _programs as pp
+
+    barrier, compiled = threading.Barrier(2, timeout=120), []
+
+    def meet(lowered):
+        barrier.wait()
+        return lowered.as_text(), 0.0
+
+    monkeypatch.setattr(pp, "_compile_lowered", meet)
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    f, g = jax.jit(lambda x: x + 1), jax.jit(lambda x: x * 3)
+    with pp.compile_jobs(2):
+        a, b = pp._submit(f, x), pp._submit(g, x, then=lambda done: done[0])
+        assert "add" in a.result()[0] and "mul" in b.result()
+    monkeypatch.setattr(pp, "_compile_lowered", lambda lowered: compiled.append(1) or (1, 0.0))
+    later = pp._submit(f, x)
+    assert compiled == []
+    assert later.result() == (1, 0.0) and later.result() == (1, 0.0) and compiled == [1]
+    with pytest.raises(ValueError, match="jobs"):
+        with pp.compile_jobs(0):
+            pass
+
+
+@pytest.mark.parametrize(
+    "flags, named", [(("--jobs", "0"), "--jobs=0"), (("--memory-only", "--search"), "--search")]
+)
+def test_bad_plan_flags_exit_2_before_compiling(flags, named):
+    r = _plan_cli("scalerl", "--topology", "v5e:2x2", *flags, timeout=300)
+    assert r.returncode == 2 and named in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_bad_keys_exit_2_before_compiling():

@@ -36,6 +36,19 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--top", type=int, default=3, help="--search: candidates to compile")
     p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="compile only the run's programs (HBM per chip, fits), not the programs that "
+        "count FLOPs (most of a plan's compiles): no FLOPs, roofline, MFU or hours",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="programs compiled at once (threads; each compile of a large model can "
+        "take several GB of host RAM)",
+    )
+    p.add_argument(
         "--budget-rollouts",
         type=float,
         default=None,
@@ -46,6 +59,13 @@ def main(argv: list[str]) -> int:
     parse_topology(a.topology)  # a bad name is refused before JAX starts
     if a.top < 1:
         raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
+    if a.memory_only and a.search:
+        raise ConfigError(
+            "--memory-only with --search: the search ranks by rollouts per hour, which needs "
+            "the FLOPs --memory-only skips; drop one of them"
+        )
+    if a.jobs < 1:
+        raise ConfigError(f"--jobs={a.jobs}: compile at least one program at a time (>= 1)")
     if a.budget_rollouts is not None and not a.budget_rollouts > 0:
         raise ConfigError(f"--budget-rollouts={a.budget_rollouts}: must be > 0")
     # Compiling for TPU needs no TPU, but JAX must not claim one as its default backend.
@@ -54,19 +74,20 @@ def main(argv: list[str]) -> int:
 
     import jax
 
-    from rl_jax.plan import SCALERL_BUDGET_ROLLOUTS, plan_run, search
+    from rl_jax.plan import SCALERL_BUDGET_ROLLOUTS, compile_jobs, plan_run, search
 
     # An executable for a topology this host lacks cannot be loaded back from the
     # persistent cache (it needs the TPU client), so a plan neither writes nor reads it.
     jax.config.update("jax_enable_compilation_cache", False)
 
     budget = a.budget_rollouts or SCALERL_BUDGET_ROLLOUTS
-    if a.search:
-        plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
-        text = format_search
-    else:
-        plan = plan_run(cfg, a.topology, budget_rollouts=budget)
-        text = format_plan
+    with compile_jobs(a.jobs):
+        if a.search:
+            plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
+            text = format_search
+        else:
+            plan = plan_run(cfg, a.topology, budget_rollouts=budget, count_flops=not a.memory_only)
+            text = format_plan
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         name = "search.json" if a.search else "plan.json"
@@ -123,7 +144,9 @@ def format_plan(plan: dict) -> str:
         " recompute); decode's and generate's row is one token per row or slot)",
         f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
         f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
-        f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
+        f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours"
+        if plan["flops_counted"]
+        else "RL step: FLOPs not counted (--memory-only): no roofline, MFU or hours",
     ]
     return "\n".join(lines)
 

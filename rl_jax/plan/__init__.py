@@ -3,6 +3,7 @@
 from rl_jax.plan._programs import (
     HEADROOM,
     SCALERL_BUDGET_ROLLOUTS,
+    compile_jobs,
     plan_run,
     topology_devices,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "HEADROOM",
     "SCALERL_BUDGET_ROLLOUTS",
     "Chip",
+    "compile_jobs",
     "parse_topology",
     "plan_run",
     "search",

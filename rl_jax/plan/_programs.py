@@ -10,12 +10,15 @@ run would execute, not estimates.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import os
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -108,13 +111,17 @@ def plan_run(
     *,
     headroom: float = HEADROOM,
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
+    count_flops: bool = True,
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
     the recipe needs one, and the sampler's: the engine's prefill_insert and generate
     (sampling.engine: every mode; PipelineRL only samples on it), else the batch
     Sampler's prefill and decode. The plan as a JSON-able
     dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
-    roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take."""
+    roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take.
+    `count_flops=False` compiles the run's programs only, not the counting programs of
+    `_layer_costs` (most of a plan's compiles): memory and `fits`, with FLOPs, bytes and
+    every time derived from them null."""
     chip, _ = parse_topology(topology)
     if cfg.mesh.sampler_devices:
         raise ConfigError(
@@ -142,12 +149,21 @@ def plan_run(
     params, opt, sampler, engine = b.params, b.opt, b.sampler, b.engine
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
     ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
+    # Every program is traced here and compiled where `compile_jobs` says: with a pool,
+    # the run's programs and the counting programs below compile at once.
+    real = {"train_step": _submit(b.update, *b.update_args)}
+    if b.logprob is not None:
+        real["logprob"] = _submit(b.logprob, *b.logprob_args)
+    for name, (fn, args, kw) in b.engine_programs.items():
+        real[name] = _submit(fn, *args, **kw)
     start = None
     if engine is not None:
         # The engine's state is laid out by its own constraints, known before compiling.
         state = engine.abstract_state()
         state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
-    elif isinstance(start := _compile(b.start_fn, *b.start_args, **b.start_kw), OutOfMemory):
+    elif isinstance(
+        start := _submit(b.start_fn, *b.start_args, **b.start_kw).result(), OutOfMemory
+    ):
         # No layout from the compiler: every array of the state split over the batch
         # shards, as the sampler lays out its rows and caches.
         state = jax.eval_shape(functools.partial(b.start_fn, **b.start_kw), *b.start_args)
@@ -163,7 +179,11 @@ def plan_run(
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
     # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
     t0 = time.perf_counter()
-    costs = _layer_costs(cfg, spec, mesh, rules, M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
+    if count_flops:
+        kw = dict(M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
+        costs = _layer_costs(cfg, spec, mesh, rules, **kw)
+    else:  # XLA's own counts of the scanned programs would miss all but one iteration
+        costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
     cost_s = time.perf_counter() - t0
 
     programs = []
@@ -177,8 +197,8 @@ def plan_run(
     programs.append(
         report(
             "train_step",
-            b.update,
-            b.update_args,
+            real["train_step"].result(),
+            None,
             tf["model"],
             expected=tf["expected"],
             resident=in_flight + ref_bytes,
@@ -190,8 +210,8 @@ def plan_run(
         programs.append(
             report(
                 "logprob",
-                b.logprob,
-                b.logprob_args,
+                real["logprob"].result(),
+                None,
                 fwd,
                 resident=opt_bytes + in_flight + ref_bytes,
                 calls=int(b.needs_old) + int(b.kl),
@@ -234,7 +254,6 @@ def plan_run(
         # `chunk` of those steps; its cost, like decode's, is one step's (the step loop's
         # body once) plus what runs once per call.
         slots, steps = engine.slots, P * G * tg / engine.slots
-        fn, args, kw = b.engine_programs["prefill_insert"]
         # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
         # P / prefill_prompts calls per step. The stream admits groups as slots free up,
         # a call per generate call with new groups: at most one per group. Each call is
@@ -245,15 +264,14 @@ def plan_run(
             calls = min(P, max(calls, steps / engine.chunk))
         prefill = report(
             "prefill_insert",
-            _compile(fn, *args, **kw),
+            real["prefill_insert"].result(),
             None,
             engine.prefill_prompts * _prefill_flops(spec, tp - 1),
             resident=beside,
             calls=calls,
             cost=costs["prefill_insert"],
         )
-        fn, args, kw = b.engine_programs["generate"]
-        decode, decode_args = ("generate", _compile(fn, *args, **kw)), None
+        decode, decode_args = ("generate", real["generate"].result()), None
     programs.append(prefill)
     programs.append(
         report(
@@ -314,6 +332,7 @@ def plan_run(
             "rollouts_per_hour": per_hour,
         },
         "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
+        "flops_counted": count_flops,
         "budget": {
             "rollouts": budget_rollouts,
             "hours": hours,
@@ -500,30 +519,39 @@ def _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs=PROGRAM
     (trip count - 1) more times, per layer for loops inside a layer."""
     one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), batch_prompts, tp, tg, programs)
     two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), batch_prompts, tp, tg, programs)
-    c1 = {n: np.asarray(c) for n, c in one.items()}
-    c2 = {n: np.asarray(c) for n, c in two.items()}
-    for key in sorted({k for t in trips.values() for k, n in t.items() if n > 1}):
-        _, n, in_layer = key
+    # Every counting program is submitted before any is waited for (`compile_jobs`).
+    keys = sorted({k for t in trips.values() for k, n in t.items() if n > 1})
+    twice = {}
+    for key in keys:
         names = tuple(p for p in one if key in trips[p])
-        twice, _ = _peeled_costs(cfg, spec, mesh, rules, 1, (key,), batch_prompts, tp, tg, names)
-        for p in names:
-            body = (n - 1) * (np.asarray(twice[p]) - np.asarray(one[p]))
+        args = (cfg, spec, mesh, rules, 1, (key,), batch_prompts, tp, tg, names)
+        twice[key], _ = _peeled_costs(*args)
+    one, c2 = _results(one), _results(two)
+    c1 = dict(one)
+    for key in keys:
+        _, n, in_layer = key
+        for p, c in _results(twice[key]).items():
+            body = (n - 1) * (c - one[p])
             c1[p], c2[p] = c1[p] + body, c2[p] + (2 if in_layer else 1) * body
     return c1, c2
 
 
+def _results(futures: dict) -> dict:
+    return {n: np.asarray(f.result()) for n, f in futures.items()}
+
+
 def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, programs):
-    """({program: (FLOPs, bytes)}, {program: {loop key: trip count}}) of `programs` built
-    with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys in
-    `twice` run two iterations)."""
+    """({program: future of (FLOPs, bytes)}, {program: {loop key: trip count}}) of
+    `programs` built with `layers` layers and one minibatch, scans unrolled, loops peeled
+    (the keys in `twice` run two iterations). The trip counts are known once the programs
+    are traced, before they compile."""
     s = dataclasses.replace(spec, num_layers=layers)
     costs, trips = {}, {}
 
     def compile_(name, fn, *args, **kw):
         with loops.counting(twice) as count:
-            done = _compile(fn, *args, **kw)
-        costs[name], trips[name] = _cost(done), count.trips
-        return done
+            costs[name] = _submit(fn, *args, then=_cost, **kw)
+        trips[name] = count.trips
 
     with _unrolled_scans():
         b = _build(cfg, s, mesh, rules, minibatches=1, batch_prompts=batch_prompts, tp=tp, tg=tg)
@@ -535,7 +563,10 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, 
             if name in programs:
                 compile_(name, fn, *args, **kw)
         if b.engine is None and {"prefill", "decode"} & set(programs):
-            start = compile_("prefill", b.start_fn, *b.start_args, **b.start_kw)
+            # Decode's state is laid out as the compiled prefill returns it.
+            with loops.counting(twice) as count:
+                start = _submit(b.start_fn, *b.start_args, **b.start_kw).result()
+            costs["prefill"], trips["prefill"] = _Done(_cost(start)), count.trips
             if "decode" in programs:
                 if isinstance(start, OutOfMemory):
                     costs["decode"], trips["decode"] = costs["prefill"], {}
@@ -599,11 +630,83 @@ class OutOfMemory:
     required_bytes: float  # what XLA said it needs, NaN when it did not say
 
 
+_jobs = threading.local()  # .pool: the ThreadPoolExecutor of `compile_jobs`, if any
+
+
+@contextlib.contextmanager
+def compile_jobs(jobs: int):
+    """Within: `_submit` compiles on `jobs` threads, so that a plan's programs (the run's
+    and the counting programs of `_depth_costs`: a dozen for a sampler and a train step)
+    compile at once. XLA compiles with the GIL released. Each compile holds its own
+    compiler memory (GBs for a large model at long lengths), so `jobs` is bounded by
+    host RAM as well as cores. 1 (or outside): one at a time, each when its result is
+    first needed, in the calling thread."""
+    if jobs < 1:
+        raise ValueError(f"compile jobs must be >= 1, got {jobs}")
+    prev = getattr(_jobs, "pool", None)
+    if jobs == 1:
+        _jobs.pool = None
+        try:
+            yield
+        finally:
+            _jobs.pool = prev
+        return
+    with ThreadPoolExecutor(jobs, thread_name_prefix="plan-compile") as pool:
+        _jobs.pool = pool
+        try:
+            yield
+        finally:
+            _jobs.pool = prev
+
+
+class _Done:
+    """A result already at hand, read as a future."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
+class _Later:
+    """A compile run when its result is first asked for (no pool: `compile_jobs(1)`)."""
+
+    def __init__(self, run):
+        self._run, self._done = run, None
+
+    def result(self):
+        if self._done is None:
+            self._done = _Done(self._run())
+            self._run = None
+        return self._done.result()
+
+
+def _submit(fn, *args, then=None, **static):
+    """A future of `_compile(fn, *args, **static)` (of `then` of it, if given: the
+    executable can go as soon as its numbers are read). `fn` is traced and lowered here,
+    so contexts that change how it traces (`_unrolled_scans`, `loops.counting`) apply;
+    the compile runs on `compile_jobs`' pool, or lazily in this thread."""
+    lowered = fn.trace(*args, **static).lower()
+
+    def run():
+        done = _compile_lowered(lowered)
+        return done if then is None else then(done)
+
+    pool = getattr(_jobs, "pool", None)
+    return _Later(run) if pool is None else pool.submit(run)
+
+
 def _compile(fn, *args, **static):
     """(the executable for the target, seconds it took), or OutOfMemory."""
+    return _submit(fn, *args, **static).result()
+
+
+def _compile_lowered(lowered):
+    """`_compile` of a lowered program: XLA's compile alone is timed."""
     t0 = time.perf_counter()
     try:
-        compiled = fn.trace(*args, **static).lower().compile()
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
