@@ -124,3 +124,44 @@ def test_fit_spec_drops_non_dividing_axes():
 def test_split_devices_disjoint():
     a, b = split_devices()
     assert len(a) == 4 and len(b) == 4 and not set(a) & set(b)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_optimizer_state_is_sharded_as_its_weights(grad_accum):
+    """FSDP and tensor splits shard the optimizer state too: every moment (and
+    MultiSteps' accumulated gradients) lies as its weight, counts are replicated. XLA
+    alone would put the zeros on one device, and the trainer replicated them: an 8B
+    model's AdamW state whole on every chip."""
+    from rl_jax.config import ModelConfig, TrainConfig
+    from rl_jax.models import init_params, resolve_spec
+    from rl_jax.models.transformer import param_shardings
+    from rl_jax.train.optim import make_optimizer
+    from rl_jax.train.params import ParamPlan
+    from rl_jax.train.parts import init_opt_state
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    spec = resolve_spec(ModelConfig(preset="tiny"))
+    shardings = param_shardings(spec, mesh, get_rules("fsdp_tp"))
+    weights = jax.jit(init_params, static_argnums=0, out_shardings=shardings)(
+        spec, jax.random.key(0)
+    )
+    plan = ParamPlan(param_dtype="bfloat16", precision="fp32_master")
+    state = plan.init_state(weights, key=jax.random.key(1), mesh=mesh)
+    tx, _ = make_optimizer(
+        TrainConfig(grad_accum=grad_accum), prompts_per_batch=4, samples_per_prompt=2
+    )
+    opt = init_opt_state(tx, mesh, state, plan)
+    split = [k for k, s in shardings.items() if any(a is not None for a in s.spec)]
+    assert split  # the tiny model has FSDP- and tensor-split weights
+    seen = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(opt):
+        name = next((k.key for k in path if isinstance(getattr(k, "key", None), str)), None)
+        assert isinstance(leaf.sharding, jax.NamedSharding) and leaf.sharding.mesh == mesh
+        if name in shardings and leaf.shape == state[name].shape:
+            same = leaf.sharding.is_equivalent_to(state[name].sharding, leaf.ndim)
+            assert same, jax.tree_util.keystr(path)
+            seen += name in split
+        else:
+            assert leaf.sharding.spec == P(), jax.tree_util.keystr(path)
+    # mu and nu of every split weight (and the accumulated gradients under MultiSteps)
+    assert seen == len(split) * (2 + (grad_accum > 1))

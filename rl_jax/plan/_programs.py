@@ -381,7 +381,11 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
         if n != LORA_KEY
     }
     tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
-    opt = _compiled_outputs(jax.jit(functools.partial(plan.init_optimizer, tx)), mesh, params)
+    opt = jax.tree.map(
+        _abstract,
+        jax.eval_shape(functools.partial(plan.init_optimizer, tx), params),
+        plan.optimizer_shardings(tx, params, mesh),
+    )
     loss = cfg.loss.resolved()
     temperature = cfg.sampling.temperature or 1.0
     kl = loss.kl_coef > 0

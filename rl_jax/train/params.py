@@ -261,6 +261,29 @@ class ParamPlan:
         trained, _ = self.split(state)
         return tx.init(_cast(trained, self.moment_dtype))
 
+    def optimizer_shardings(self, tx: optax.GradientTransformation, state: State, mesh: Mesh):
+        """Shardings of `init_optimizer(tx, state)` on `mesh`: every parameter-shaped leaf
+        (Adam's moments, MultiSteps' accumulated gradients) as its weight, so that FSDP and
+        tensor splits shard the optimizer state too; counts and other leaves replicated.
+        XLA does not infer this: a moment is zeros, which depend on no input, and jit
+        would return them on one device (and replicated, an 8B model's AdamW state whole
+        on every chip)."""
+        trained, _ = self.split(state)
+        shapes = jax.eval_shape(functools.partial(self.init_optimizer, tx), state)
+        rep = NamedSharding(mesh, PartitionSpec())
+
+        def on_mesh(a):  # a weight not laid out on the mesh: its moments replicated
+            sh = getattr(a, "sharding", None)
+            return sh if isinstance(sh, NamedSharding) and sh.mesh == mesh else rep
+
+        return optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            shapes,
+            jax.tree.map(on_mesh, trained),
+            transform_non_params=lambda _: rep,
+        )
+
     def apply(self, tx: optax.GradientTransformation, grads: State, opt_state, trained: State):
         """One optimizer update of the trained part: (trained, opt_state). The update is
         computed in `moment_dtype` and added to each weight in that dtype before it is

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rl_jax.config import RunConfig, SamplingConfig
 from rl_jax.knobs import ConfigError
@@ -218,19 +218,10 @@ def adapter_key(cfg: RunConfig) -> jax.Array:
 
 
 def init_opt_state(tx, mesh: Mesh, params, plan: ParamPlan):
-    """Optimizer state of the plan's trained part on the mesh: moments inherit their
-    params' shardings (zeros_like), scalars such as Adam's count are placed replicated
-    instead of on device 0."""
-    rep = NamedSharding(mesh, PartitionSpec())
-
-    def on_mesh(x):
-        sh = x.sharding
-        if isinstance(sh, NamedSharding) and sh.mesh == mesh:
-            return x
-        return jax.device_put(x, rep)
-
+    """Optimizer state of the plan's trained part on the mesh: moments sharded as their
+    weights, scalars such as Adam's count replicated (`ParamPlan.optimizer_shardings`)."""
     init = functools.partial(plan.init_optimizer, tx)
-    return jax.tree.map(on_mesh, jax.jit(init)(params))
+    return jax.jit(init, out_shardings=plan.optimizer_shardings(tx, params, mesh))(params)
 
 
 def copy_params(params):
