@@ -136,8 +136,8 @@ def plan_run(
         )
     chips = len(devices)
 
-    def report(name, fn, args, analytic, **kw):
-        return _report(name, fn, args, analytic, chip, chips, headroom, **kw)
+    def report(name, done, analytic, **kw):
+        return _report(name, done, analytic, chip, chips, headroom, **kw)
 
     # The batch Sampler (sampling.engine=false) generates every prompt of a step at once
     # (PPO-off-policy-k: of its k steps). PipelineRL's stream keeps W batches untrained
@@ -169,9 +169,12 @@ def plan_run(
         state = jax.eval_shape(functools.partial(b.start_fn, **b.start_kw), *b.start_args)
         state_bytes = _chip_bytes(state) // num_batch_shards(mesh)
         kv_bytes = _chip_bytes(state.cache) // num_batch_shards(mesh)
+        real["decode"] = _Done(start)  # no state to decode: reported as not fitting too
     else:
         state = _state(b, mesh, start[0])
         state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.cache)
+        scalar = _scalar(mesh)
+        real["decode"] = _submit(sampler.decode_program, b.weights, state, scalar, scalar)
 
     # XLA's cost analysis counts a while loop's body once. The programs scan over the
     # layers (and the update over its minibatches), so their counts come from the same
@@ -198,7 +201,6 @@ def plan_run(
         report(
             "train_step",
             real["train_step"].result(),
-            None,
             tf["model"],
             expected=tf["expected"],
             resident=in_flight + ref_bytes,
@@ -211,7 +213,6 @@ def plan_run(
             report(
                 "logprob",
                 real["logprob"].result(),
-                None,
                 fwd,
                 resident=opt_bytes + in_flight + ref_bytes,
                 calls=int(b.needs_old) + int(b.kl),
@@ -235,7 +236,6 @@ def plan_run(
         prefill = report(
             "prefill",
             start,
-            None,
             batch_prompts * _prefill_flops(spec, tp - 1),
             resident=beside,
             calls=per_step,
@@ -244,10 +244,7 @@ def plan_run(
         # One decode iteration samples one token for every row of the batch and reads
         # every weight and the whole cache: the token loop's cost is its body's, once
         # per call.
-        slots, steps = batch_prompts * G, tg * per_step
-        scalar = _scalar(mesh)
-        decode = ("decode", start if isinstance(start, OutOfMemory) else sampler.decode_program)
-        decode_args = (b.weights, state, scalar, scalar)
+        slots, steps, decode = batch_prompts * G, tg * per_step, "decode"
     else:
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
         # the engine's slots (full occupancy: the least it takes). A generate call runs
@@ -265,23 +262,22 @@ def plan_run(
         prefill = report(
             "prefill_insert",
             real["prefill_insert"].result(),
-            None,
             engine.prefill_prompts * _prefill_flops(spec, tp - 1),
             resident=beside,
             calls=calls,
             cost=costs["prefill_insert"],
         )
-        decode, decode_args = ("generate", real["generate"].result()), None
+        decode = "generate"
     programs.append(prefill)
     programs.append(
         report(
-            *decode,
-            decode_args,
+            decode,
+            real[decode].result(),
             slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
             resident=beside,
             calls=steps,
             bytes_analytic=weight_bytes + kv_bytes,
-            cost=costs[decode[0]],
+            cost=costs[decode],
         )
     )
     step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
@@ -782,8 +778,7 @@ def _batch(
 
 def _report(
     name,
-    fn,
-    args,
+    done,
     analytic_total: float,
     chip: Chip,
     chips: int,
@@ -800,9 +795,8 @@ def _report(
     `resident`: bytes other live buffers hold on each chip while it runs; `calls`: times
     it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline).
     `cost`: its (FLOPs, bytes accessed) per chip with every loop iteration counted
-    (`_layer_costs`), else XLA's count of `fn`. `fn` may be a (compiled, seconds) pair
-    of `_compile` already made."""
-    done = fn if isinstance(fn, tuple | OutOfMemory) else _compile(fn, *args)
+    (`_layer_costs`), else XLA's count of the program. `done`: `_compile`'s result for
+    the program, (compiled, seconds) or OutOfMemory."""
     if isinstance(done, OutOfMemory):
         return _out_of_memory(name, done, chip, calls)
     compiled, compile_s = done

@@ -121,8 +121,8 @@ class SamplerWeights:
         if not self.parts.split:
             return self.policy(params, version), version
         if self._pushed is None or self._pushed[1] != version:
-            decoder = self.parts.engine or self.parts.sampler  # split mode: the engine
-            self._pushed = (decoder.reshard(self.policy(params, version)), version)
+            # Split mode samples on the engine (RunConfig refuses it without one).
+            self._pushed = (self.parts.engine.reshard(self.policy(params, version)), version)
             self._viewed = None  # the trainer's devices keep no copy of the view
         return self._pushed
 
