@@ -10,6 +10,7 @@ and No-Positive-Resampling filters. Paper scale; `scalerl_forward_cpu` is the
 """
 
 from rl_jax.grid import Axis, GridSpec, ReportSpec, load_spec
+from rl_jax.scaling import PaperFinding
 
 BASELINE = {
     "loss.name": "dapo",
@@ -39,6 +40,24 @@ CHANGES = {
     "npr": {"data.no_positive_resampling": True},
 }
 
+# What the paper reports for each choice added to this baseline (PAPERS.md section 1). Its
+# abstract sums the forward ablations up: loss aggregation, normalization, curriculum and
+# the off-policy algorithm mostly move compute efficiency (B), not the asymptote (A); the
+# loss type and the FP32 head are among the choices that move A.
+PAPER = {
+    "loss=cispo": PaperFinding("", "higher", "CISPO vs DAPO: B 2.01 vs 1.77"),
+    "offpolicy=pipeline-k8": PaperFinding(
+        "tie", "higher", "PipelineRL-8 vs PPO-off-policy-8: same A, higher B (less idle time)"
+    ),
+    "fp32head": PaperFinding("higher", "", "FP32 LM head: A 0.52 -> 0.61"),
+    "agg=prompt": PaperFinding("higher", "", "prompt-average aggregation gave the highest A"),
+    "norm=batch": PaperFinding(
+        "tie", "tie", "batch, prompt or no std normalization perform about the same"
+    ),
+    "zerovar": PaperFinding("higher", "", "zero-variance filtering: higher A"),
+    "npr": PaperFinding("higher", "higher", "No-Positive-Resampling: higher A and B"),
+}
+
 
 def grid() -> GridSpec:
     loo = load_spec("scalerl_loo")
@@ -50,6 +69,6 @@ def grid() -> GridSpec:
         budget=loo.budget,
         evals_per_run=loo.evals_per_run,
         checkpoints_per_run=loo.checkpoints_per_run,
-        report=ReportSpec(kind="compare", x="flops", baseline="baseline"),
+        report=ReportSpec(kind="compare", x="flops", baseline="baseline", paper=PAPER),
         description="ScaleRL choices added one at a time to the DAPO-era baseline",
     )
