@@ -16,6 +16,7 @@ from rl_jax.sharding import get_rules
 from rl_jax.train.params import LORA_KEY, ParamPlan
 from rl_jax.train.step import (
     assemble_batch,
+    make_logprob_fn,
     make_train_step,
     make_update,
     put_batch,
@@ -69,6 +70,28 @@ def test_put_minibatches_stacks_prompt_groups_with_renumbered_ids():
     assert mb.group_size == G
     np.testing.assert_array_equal(mb.group_ids, [[0, 0, 1, 1], [0, 0, 1, 1]])
     np.testing.assert_array_equal(mb.tokens[1], host["tokens"][P * G // M :])
+
+
+@pytest.mark.parametrize("on_mesh", [False, True], ids=["no-mesh", "8-devices"])
+def test_logprob_pass_over_stacked_minibatches_equals_the_whole_batch(setup, on_mesh):
+    """The trainer's old/reference log-prob pass takes the update's M minibatches one
+    after another (phases.advantages); row for row it is the whole batch's pass."""
+    if on_mesh and jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    from rl_jax.config import MeshConfig
+    from rl_jax.sharding import make_mesh
+
+    spec = setup[0]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)) if on_mesh else None
+    rules = get_rules("fsdp_tp", purpose="train")
+    fn = make_logprob_fn(spec, rules, mesh, temperature=0.7)
+    host = _host(seed=3)
+    params = init_params(spec, jax.random.key(2))
+    whole = np.asarray(fn(params, put_batch(host, mesh)))
+    for m in (1, M):
+        stacked = np.asarray(fn(params, put_minibatches(host, mesh, num_minibatches=m, groups=P)))
+        assert stacked.shape == (m, P * G // m, TG)
+        np.testing.assert_allclose(stacked.reshape(P * G, TG), whole, rtol=1e-5, atol=1e-6)
 
 
 def test_scanned_update_equals_one_call_per_minibatch(setup):

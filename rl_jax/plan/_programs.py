@@ -439,8 +439,10 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
     logprob, logprob_args = None, None
     if needs_old or kl:
         logprob = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
-        full = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=critic)
-        logprob_args = (params, full)
+        # The update's minibatches, one after another (phases.advantages); the counting
+        # build (minibatches=1) takes the whole batch, the same FLOPs.
+        stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
+        logprob_args = (params, stacked)
     return _Built(
         params,
         weights,

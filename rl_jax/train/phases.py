@@ -163,13 +163,22 @@ def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, 
         group_b,
     )
     kl_reward = cfg.loss.kl_in_reward and state.ref_params is not None
-    on_device = parts.critic or parts.needs_old_logp or state.ref_params is not None
-    full = put_batch(host, parts.mesh) if on_device else None
+    full = put_batch(host, parts.mesh) if parts.critic else None
     old = ref = None
-    if parts.needs_old_logp or kl_reward:
-        old = np.asarray(parts.logprob_fn(state.params, full))
-    if state.ref_params is not None:
-        ref = np.asarray(parts.logprob_fn(state.ref_params, full))
+    if parts.needs_old_logp or state.ref_params is not None:
+        # The log-prob passes take the update's M minibatches one after another (holding
+        # one minibatch's activations, as an update does); minibatch j is rows
+        # [j B / M, (j + 1) B / M), so [M, B / M, Tg] flattens back to the batch's order.
+        stacked = put_minibatches(host, parts.mesh, num_minibatches=parts.M, groups=P)
+
+        def logprobs(params) -> np.ndarray:
+            out = np.asarray(parts.logprob_fn(params, stacked))
+            return out.reshape(-1, out.shape[-1])
+
+        if parts.needs_old_logp or kl_reward:
+            old = logprobs(state.params)
+        if state.ref_params is not None:
+            ref = logprobs(state.ref_params)
     # KL in the reward: behaviour = the policy before this batch's updates, as the
     # trainer computes it (the same forward as the reference's).
     kl = dict(behaviour_logp_bt=old, ref_logp_bt=ref) if kl_reward else {}
