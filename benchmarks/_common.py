@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 
+from rl_jax.runtime import xla_flags_with_device_count
+
 TAG = "@@ "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,11 +30,7 @@ def worker_env(devices: int | None = None) -> dict:
     forces 8, which must not leak into the worker)."""
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    flags = env.get("XLA_FLAGS", "").split()
-    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = xla_flags_with_device_count(env.get("XLA_FLAGS", ""), devices)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -83,6 +83,17 @@ def xla_options(mesh=None, *, eigen_matmuls: bool = False) -> dict:
     return opts
 
 
+def xla_flags_with_device_count(flags: str, count: int | None) -> str:
+    """`flags` (an XLA_FLAGS value) with its fake CPU device count replaced by `count`
+    (dropped for None), the other flags kept: for a child process (a benchmark worker,
+    one process of a multi-process test) that sets its own device count and keeps its
+    parent's compile settings. Set before the child's JAX starts its CPU backend."""
+    kept = [f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if count is not None:
+        kept.append(f"--xla_force_host_platform_device_count={count}")
+    return " ".join(kept)
+
+
 def compile_cache_dir() -> Path | None:
     """JAX_COMPILATION_CACHE_DIR if set; else $XDG_CACHE_HOME/rl_jax/jax (~/.cache by
     default); None when RL_JAX_COMPILE_CACHE=0 turns the cache off."""

@@ -133,3 +133,13 @@ def test_a_host_without_accelerators_starts_only_the_cpu_backend():
     if got["started"]:
         assert got["backend"] == "cpu"
         assert got["libtpu"] is False
+
+
+def test_xla_flags_with_device_count_replaces_only_the_count():
+    f = runtime.xla_flags_with_device_count
+    flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8 --b"
+    assert f(flags, 2) == (
+        "--xla_backend_optimization_level=0 --b --xla_force_host_platform_device_count=2"
+    )
+    assert f(flags, None) == "--xla_backend_optimization_level=0 --b"
+    assert f("", 4) == "--xla_force_host_platform_device_count=4"

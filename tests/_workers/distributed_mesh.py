@@ -3,9 +3,10 @@
 import os
 import sys
 
+from rl_jax.runtime import xla_flags_with_device_count  # imports no jax
+
 # The session's other XLA flags (its compile settings) carry over; the device count is ours.
-flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=2"])
+os.environ["XLA_FLAGS"] = xla_flags_with_device_count(os.environ.get("XLA_FLAGS", ""), 2)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -7,12 +7,13 @@ reference on the same 4 devices. Writes the final parameters to <out_dir>/params
 import os
 import sys
 
+from rl_jax.runtime import xla_flags_with_device_count  # imports no jax
+
 os.environ["JAX_PLATFORMS"] = "cpu"
 pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 # The session's other XLA flags (its compile settings) carry over; the device count is ours.
-flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
 count = 4 if pid < 0 else 2
-os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+os.environ["XLA_FLAGS"] = xla_flags_with_device_count(os.environ.get("XLA_FLAGS", ""), count)
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
