@@ -286,7 +286,7 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
         "",
         *_seed_table(study),
         "",
-        "## Leave-one-out effects against the paper",
+        "## Each variant against the baseline and the paper",
         "",
         _differences_text(study) + "Classes: A `higher`/`lower` (interval "
         f"excludes 0 and |dA| > {study.a_tol:g}), `tie` (interval inside +-{study.a_tol:g}), "
