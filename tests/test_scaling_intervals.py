@@ -124,6 +124,21 @@ def test_bootstrap_over_seeds_sees_run_to_run_spread():
         bootstrap_runs(runs[:1], n_boot=50)
 
 
+def test_bootstrap_over_seeds_takes_runs_of_different_lengths():
+    """Runs of one recipe cut at different points (a grid still running): replicates that
+    draw the longest run every time fit as the others do."""
+    rng = np.random.default_rng(5)
+    full = [
+        synthetic_curve(rng, r0=0.2, a=a, b=2.0, c_mid=1e3, c_max=2e4, noise=0.005)
+        for a in (0.58, 0.6, 0.62)
+    ]
+    runs = [(x[:n], y[:n]) for (x, y), n in zip(full, (40, 25, 12), strict=True)]
+    seeds = bootstrap_runs(runs, n_boot=200, method="lsq")
+    assert seeds.n_failed == 0
+    lo, hi = seeds.interval("A")
+    assert lo <= 0.6 <= hi
+
+
 def test_extrapolation_from_first_half_lands_in_the_interval():
     """Acceptance: fitted on the first half, the end of the run is within the reported interval."""
     rng = np.random.default_rng(4)

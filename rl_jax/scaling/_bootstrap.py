@@ -209,7 +209,9 @@ def bootstrap_runs(
             keep[0] |= first  # R0's evaluation is used whatever the window
             x, y = x[keep], y[keep]
         parts.append((x[1:], y[1:], y[0]) if first else (x, y, np.nan))
-    longest = sum(sorted((p[0].size for p in parts), reverse=True))
+    # A replicate can draw the longest run every time (runs of a grid still running, or
+    # cut short, differ in length).
+    longest = len(runs) * max(p[0].size for p in parts)
     picks = rng.integers(0, len(runs), (n_boot, len(runs)))
     # Replicates pool different runs, hence different lengths: pad with weight-0 points.
     xb = np.full((n_boot, longest), fit.x[-1])
