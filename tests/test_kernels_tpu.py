@@ -139,3 +139,49 @@ def test_tpu_meshes_get_splash_and_counting_programs_the_reference(monkeypatch):
     with loops.unrolled():
         tpu.flash_attention(q, k, v, mask, scale=0.25, block=128)
     assert len(calls) == 2
+
+
+def test_blockwise_train_step_compiles_splash_for_v5e():
+    """A tiny model's train step with model.attention=blockwise, compiled for v5e:2x2
+    through libtpu from this host: its program holds splash's Mosaic kernels (forward,
+    dq and dkv: `tpu_custom_call`); the same step lowered for CPU devices holds none."""
+    from rl_jax.config import load_recipe
+    from rl_jax.knobs import ConfigError
+    from rl_jax.plan import _programs as pp
+    from rl_jax.sharding.mesh import make_mesh
+
+    knobs = [
+        "model.preset=tiny",
+        "model.num_layers=1",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.attention=blockwise",
+        "data.prompts_per_batch=2",
+        "sampling.n=2",
+        "sampling.max_prompt_len=16",
+        "sampling.max_new_tokens=16",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+    ]
+    try:
+        cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
+
+    def update_program(mesh):
+        kw = dict(minibatches=1, batch_prompts=2, tp=tp, tg=tg)
+        b = pp._build(cfg, spec, mesh, rules, **kw)
+        return b.update.trace(*b.update_args).lower()
+
+    try:
+        compiled = update_program(mesh).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    # 2 forwards (prompt, completions) and each one's dq and dkv kernels, more than once
+    # where remat recomputes a forward.
+    assert compiled.as_text().count("tpu_custom_call") >= 6
+    cpu_mesh = make_mesh(cfg.mesh, devices=jax.devices()[:4])
+    assert "tpu_custom_call" not in update_program(cpu_mesh).as_text()
