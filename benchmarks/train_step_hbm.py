@@ -1,12 +1,17 @@
 """The train step's HBM per chip on a TPU topology, compiled from this host (libtpu, no TPU).
 
-    python benchmarks/train_step_hbm.py RECIPE --topology v5e:2x2 [key=value ...]
+    python benchmarks/train_step_hbm.py RECIPE --topology v5e:2x2 [--flash both] [key=value ...]
 
 Builds the trainer's update program as `rl-jax plan` does (`make_update` on abstract
 arrays with the run's shardings) and compiles only it: one compile instead of a
 plan's seven, to compare memory knobs (model.attention, model.remat,
 model.logprob_chunk) at one shape. Prints one JSON object: per chip, the compiled
 program's arguments, outputs, aliased bytes and temporaries (GB), and the compile time.
+
+--flash: which `flash_attention` the TPU program's blockwise attention takes: the
+platform's (`platform`, splash on TPU: `rl_jax.kernels.tpu`), the portable `xla` one,
+or `both`, compiled one after the other at the same shapes (then one entry per kernel
+under "flash").
 """
 
 from __future__ import annotations
@@ -14,8 +19,38 @@ from __future__ import annotations
 import argparse
 import json
 
+from rl_jax import kernels
 from rl_jax.config import load_recipe
+from rl_jax.kernels import tpu, xla
 from rl_jax.plan._programs import OutOfMemory, _build, _compile, plan_target
+
+
+def _memory(cfg, spec, mesh, rules, tp, tg) -> dict:
+    """The update program compiled: its per-chip memory (GB) and compile time."""
+    b = _build(
+        cfg,
+        spec,
+        mesh,
+        rules,
+        minibatches=cfg.train.updates_per_batch,
+        batch_prompts=cfg.data.prompts_per_batch,
+        tp=tp,
+        tg=tg,
+    )
+    done = _compile(b.update, *b.update_args)
+    if isinstance(done, OutOfMemory):
+        return {"out_of_memory": done.message, "required_gb": done.required_bytes / 1e9}
+    compiled, seconds = done
+    m = compiled.memory_analysis()
+    gb = 1e9
+    return dict(
+        arguments_gb=m.argument_size_in_bytes / gb,
+        outputs_gb=m.output_size_in_bytes / gb,
+        aliased_gb=m.alias_size_in_bytes / gb,
+        temporaries_gb=m.temp_size_in_bytes / gb,
+        custom_calls=compiled.as_text().count("tpu_custom_call"),
+        compile_s=round(seconds, 1),
+    )
 
 
 def main() -> None:
@@ -23,42 +58,30 @@ def main() -> None:
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--topology", default="v5e:2x2")
-    args = p.parse_args()
+    p.add_argument("--flash", choices=("platform", "xla", "both"), default="platform")
+    args = p.parse_intermixed_args()
     cfg, _, mesh, spec, rules, tp, tg = plan_target(
         load_recipe(args.recipe, args.overrides), args.topology
     )
     sc, M = cfg.sampling, cfg.train.updates_per_batch
-    b = _build(
-        cfg,
-        spec,
-        mesh,
-        rules,
-        minibatches=M,
-        wave_prompts=cfg.data.prompts_per_batch,
-        tp=tp,
-        tg=tg,
-    )
     out = {
         "topology": args.topology,
         "overrides": args.overrides,
         "rows_per_update": cfg.data.prompts_per_batch // M * sc.n,
         "tokens_per_row": tp + tg,
     }
-    done = _compile(b.update, *b.update_args)
-    if isinstance(done, OutOfMemory):
-        out["out_of_memory"] = done.message
-        out["required_gb"] = done.required_bytes / 1e9
+    if args.flash == "platform":
+        out.update(_memory(cfg, spec, mesh, rules, tp, tg))
     else:
-        compiled, seconds = done
-        m = compiled.memory_analysis()
-        gb = 1e9
-        out.update(
-            arguments_gb=m.argument_size_in_bytes / gb,
-            outputs_gb=m.output_size_in_bytes / gb,
-            aliased_gb=m.alias_size_in_bytes / gb,
-            temporaries_gb=m.temp_size_in_bytes / gb,
-            compile_s=round(seconds, 1),
-        )
+        out["flash"] = {}
+        own = "splash" if kernels.for_mesh(mesh).flash_attention is tpu.flash_attention else "own"
+        for name in (own, "xla") if args.flash == "both" else ("xla",):
+            if name == "xla":  # the TPU registry's flash_attention replaced by the reference
+                kernels.register("tpu", flash_attention=xla.flash_attention)
+            try:
+                out["flash"][name] = _memory(cfg, spec, mesh, rules, tp, tg)
+            finally:
+                kernels.register("tpu", flash_attention=tpu.flash_attention)
     print(json.dumps(out))
 
 

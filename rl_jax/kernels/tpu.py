@@ -127,7 +127,9 @@ def flash_attention(
             return jax.vmap(kernel)(q, k, v, segment_ids=ids)
         return jax.vmap(kernel)(q, k, v)
 
-    if layout is not None and layout.mesh.size > 1:
+    # Inside a shard_map already (manual axes), the arrays are this device's.
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if layout is not None and layout.mesh.size > 1 and not manual:
         batch, heads = layout.q[0], layout.q[2] if len(layout.q) > 2 else None
         kv_heads = layout.kv[1] if len(layout.kv) > 1 else None
         if heads != kv_heads:  # split only where q's groups stay with their kv head
