@@ -1,18 +1,24 @@
 """The train step's HBM per chip on a TPU topology, compiled from this host (libtpu, no TPU).
 
-    python benchmarks/train_step_hbm.py RECIPE --topology v5e:2x2 [key=value ...]
+    python benchmarks/train_step_hbm.py RECIPE --topology v5e:2x2 [--flash both] [key=value ...]
     python benchmarks/train_step_hbm.py RECIPE --program logprob [key=value ...]
 
 Builds the trainer's update program as `rl-jax plan` does (`make_update` on abstract
 arrays with the run's shardings) and compiles only it: one compile instead of a
 plan's seven, to compare memory knobs (model.attention, model.remat,
 model.logprob_chunk) at one shape. Prints one JSON object: per chip, the compiled
-program's arguments, outputs, aliased bytes and temporaries (GB), and the compile time.
+program's arguments, outputs, aliased bytes and temporaries (GB), its Mosaic kernels
+(`tpu_custom_call`) and the compile time.
+
+--flash: which `flash_attention` the TPU program's blockwise attention takes: the
+platform's (`platform`, splash on TPU: `rl_jax.kernels.tpu`), the portable `xla` one,
+or `both`, compiled one after the other at the same shapes (then one entry per kernel
+under "flash").
 
 `--program logprob` compiles the old/reference log-prob pass instead, twice: over the
 update's train.updates_per_batch minibatches one after another, as the trainer runs
-it, and over the whole batch at once (the baseline, as it ran before), one JSON
-object for each.
+it, and over the whole batch at once (the baseline, as it ran before), one entry
+each under "logprob".
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import argparse
 import json
 import sys
 
+from rl_jax import kernels
 from rl_jax.config import load_recipe
+from rl_jax.kernels import tpu, xla
 from rl_jax.plan._programs import OutOfMemory, _batch, _build, _compile, plan_target
 
 
 def _measure(fn, *args) -> dict:
+    """`fn` compiled on `args`: its per-chip memory (GB), Mosaic kernels, compile time."""
     done = _compile(fn, *args)
     if isinstance(done, OutOfMemory):
         return {"out_of_memory": done.message, "required_gb": done.required_bytes / 1e9}
@@ -37,8 +46,25 @@ def _measure(fn, *args) -> dict:
         outputs_gb=m.output_size_in_bytes / gb,
         aliased_gb=m.alias_size_in_bytes / gb,
         temporaries_gb=m.temp_size_in_bytes / gb,
+        custom_calls=compiled.as_text().count("tpu_custom_call"),
         compile_s=round(seconds, 1),
     )
+
+
+def _program(args, cfg, spec, mesh, rules, tp, tg) -> dict:
+    """The chosen program (or both log-prob passes) compiled."""
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+    b = _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=P, tp=tp, tg=tg)
+    if args.program == "train_step":
+        return _measure(b.update, *b.update_args)
+    params, stacked = b.logprob_args
+    whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
+    return {
+        "logprob": {
+            "minibatches": {"rows_per_pass": P * G // M, **_measure(b.logprob, params, stacked)},
+            "whole_batch": {"rows_per_pass": P * G, **_measure(b.logprob, params, whole)},
+        }
+    }
 
 
 def main() -> None:
@@ -47,52 +73,41 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--topology", default="v5e:2x2")
     p.add_argument("--program", choices=("train_step", "logprob"), default="train_step")
+    p.add_argument("--flash", choices=("platform", "xla", "both"), default="platform")
     args = p.parse_intermixed_args()
     cfg, _, mesh, spec, rules, tp, tg = plan_target(
         load_recipe(args.recipe, args.overrides), args.topology
     )
     sc, M = cfg.sampling, cfg.train.updates_per_batch
-    b = _build(
-        cfg,
-        spec,
-        mesh,
-        rules,
-        minibatches=M,
-        batch_prompts=cfg.data.prompts_per_batch,
-        tp=tp,
-        tg=tg,
-    )
-    out = {
-        "topology": args.topology,
-        "overrides": args.overrides,
-        "rows_per_update": cfg.data.prompts_per_batch // M * sc.n,
-        "tokens_per_row": tp + tg,
-    }
-    if args.program == "train_step":
-        print(json.dumps({**out, **_measure(b.update, *b.update_args)}))
-        return
-    if b.logprob is None:
+    P = cfg.data.prompts_per_batch
+    if args.program == "logprob" and (
+        _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=P, tp=tp, tg=tg).logprob is None
+    ):
         print(
             f"--program logprob: recipe {args.recipe} runs no log-prob pass (it needs"
             " train.updates_per_batch > 1, loss.tis or loss.kl_coef > 0)",
             file=sys.stderr,
         )
         sys.exit(2)
-    params, stacked = b.logprob_args
-    P, G = cfg.data.prompts_per_batch, sc.n
-    whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
-    for name, batch in (("minibatches", stacked), ("whole_batch", whole)):
-        rows = P * G // (M if name == "minibatches" else 1)
-        print(
-            json.dumps(
-                {
-                    **out,
-                    "program": f"logprob_{name}",
-                    "rows_per_pass": rows,
-                    **_measure(b.logprob, params, batch),
-                }
-            )
-        )
+    out = {
+        "topology": args.topology,
+        "overrides": args.overrides,
+        "rows_per_update": cfg.data.prompts_per_batch // M * sc.n,
+        "tokens_per_row": tp + tg,
+    }
+    if args.flash == "platform":
+        out.update(_program(args, cfg, spec, mesh, rules, tp, tg))
+    else:
+        out["flash"] = {}
+        own = "splash" if kernels.for_mesh(mesh).flash_attention is tpu.flash_attention else "own"
+        for name in (own, "xla") if args.flash == "both" else ("xla",):
+            if name == "xla":  # the TPU registry's flash_attention replaced by the reference
+                kernels.register("tpu", flash_attention=xla.flash_attention)
+            try:
+                out["flash"][name] = _program(args, cfg, spec, mesh, rules, tp, tg)
+            finally:
+                kernels.register("tpu", flash_attention=tpu.flash_attention)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 
 * `attention(q, k, v, mask, *, scale)`: grouped-query attention for prefill and
   training; q [B, T, H, hd], keys/values [B, K, S, hd], mask [B or 1, T, S].
-* `flash_attention(q, k, v, mask, *, scale, block)`: `attention` for long
-  sequences (training): the mask described (`xla.AttentionMask`), never built
-  [B, T, S], and scores [B, H, T, S] never whole, in the forward and the backward.
+* `flash_attention(q, k, v, mask, *, scale, block, layout=None)`: `attention` for
+  long sequences (training): the mask described (`xla.AttentionMask`), never built
+  [B, T, S], and scores [B, H, T, S] never whole, in the forward and the backward;
+  `layout` (`xla.AttentionLayout`) says how q, k, v are sharded, for kernels that
+  XLA cannot partition.
 * `attention_cached(q, k, v, mask, *, scale, filled)`: the same over a KV cache
   of which the first `filled` slots are written (decode, chunked prefill).
 * `dense(x, w)`: x [..., D] times w [D, ...], a projection.
@@ -37,12 +39,13 @@ Implementations:
   (its dot kernel has no bf16 x bf16 -> f32), `together` as a conditional (its
   scheduler otherwise defers what only a metric reads), and the decode step in C++
   kernels (XLA FFI; `cpu.Decode`, where `cpu.available()`).
-* `tpu`, `gpu`: not registered yet; they get `xla`. A Pallas kernel (e.g.
-  splash attention for `attention`, ragged paged attention for
-  `attention_cached`) registers here with `register("tpu", attention=fn)`, and
-  a test compares it with `xla` on the platform; a decode step in Pallas is a
-  subclass of `xla.Decode` (its cache layout, attention, matmuls) registered
-  with `register("tpu", decode=factory)`.
+* `tpu` (`tpu.py`): `flash_attention` as the Pallas TPU splash attention, run per
+  device under `shard_map` (`layout`); the tests compare it with `xla` in Pallas's
+  interpreter on CPU. Its other ops are `xla`'s. A further Pallas kernel (ragged
+  paged attention for `attention_cached`) registers here the same way; a decode step
+  in Pallas is a subclass of `xla.Decode` (its cache layout, attention, matmuls)
+  registered with `register("tpu", decode=factory)`.
+* `gpu`: not registered yet; it gets `xla`.
 
 Loops over blocks or chunks that stay rolled in a run (flash attention's block pairs,
 the LM head's chunks) go through `loops.scan` (`loops.py`), so that `rl-jax plan`
@@ -59,7 +62,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from rl_jax.kernels import cpu, xla
+from rl_jax.kernels import cpu, tpu, xla
 from rl_jax.runtime import mesh_platform
 
 OPS = (
@@ -139,5 +142,6 @@ register(
     decode=cpu.decode_ops,
     together=cpu.together,
 )
+register("tpu", flash_attention=tpu.flash_attention)
 
 __all__ = ["OPS", "PLATFORMS", "Kernels", "for_mesh", "for_platform", "register"]

@@ -529,6 +529,17 @@ def causal_pairs(T: int, S: int, offset: int, block: int) -> tuple[np.ndarray, n
     return i, j
 
 
+class AttentionLayout(NamedTuple):
+    """Where `flash_attention`'s operands live: the mesh and the PartitionSpecs of q
+    [B, T, H, hd] and of k / v [B, K, S, hd] (the model's, from its sharding rules).
+    XLA partitions its own attention and ignores it; a kernel XLA cannot partition
+    (Pallas, `rl_jax.kernels.tpu`) runs per device under `jax.shard_map` with it."""
+
+    mesh: jax.sharding.Mesh
+    q: jax.sharding.PartitionSpec
+    kv: jax.sharding.PartitionSpec
+
+
 def flash_attention(
     q_bthk: jax.Array,
     k_bksh: jax.Array,
@@ -538,6 +549,7 @@ def flash_attention(
     scale: float,
     block: int = 512,
     einsum=einsum_f32,
+    layout: AttentionLayout | None = None,
 ) -> jax.Array:
     """`attention` with the mask described (`AttentionMask`), queries and keys taken
     `block` slots at a time: an online softmax forward (flash attention) and a backward
@@ -547,7 +559,9 @@ def flash_attention(
     T x S, as the model's causal count, and neither pass keeps more than a
     [B, H, block, block] block of scores alive. Equal to `attention` with `mask`'s
     dense form up to float32 rounding, also for rows that see no key (a uniform
-    average of all S values, as there). [B, T, H, hd]."""
+    average of all S values, as there). `layout`: unused (XLA partitions this itself).
+    [B, T, H, hd]."""
+    del layout
     B, T, H, hd = q_bthk.shape
     K, S = k_bksh.shape[1], k_bksh.shape[2]
     block = min(block, S)

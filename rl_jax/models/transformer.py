@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax import kernels as kernel_ops
 from rl_jax.kernels import Kernels, loops
-from rl_jax.kernels.xla import AttentionMask, matmul, normed_logits
+from rl_jax.kernels.xla import AttentionLayout, AttentionMask, matmul, normed_logits
 from rl_jax.models.layers import (
     apply_rope,
     attention_mask,
@@ -427,7 +427,7 @@ class Transformer(nnx.Module):
             flash = functools.partial(
                 self.kernels.flash_attention, scale=scale, block=spec.attention_block
             )
-            return lambda q, k, v: flash(q, k, v, mask)
+            return lambda q, k, v: flash(q, k, v, mask, layout=self._attention_layout(q, k))
         dense = attention_mask(
             T,
             S,
@@ -436,6 +436,20 @@ class Transformer(nnx.Module):
             kv_valid_bs=kv_valid_bs,
         )
         return lambda q, k, v: self.kernels.attention(q, k, v, dense, scale=scale)
+
+    def _attention_layout(self, q_bthk: jax.Array, k_bksh: jax.Array) -> AttentionLayout | None:
+        """Where attention's q and k / v live on the mesh (None without one)."""
+        if self.mesh is None:
+            return None
+
+        def spec(logical, x):
+            return fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
+
+        return AttentionLayout(
+            self.mesh,
+            spec(("batch", "seq", "heads", "head_dim"), q_bthk),
+            spec(("batch", "kv_heads", "seq", "head_dim"), k_bksh),
+        )
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""

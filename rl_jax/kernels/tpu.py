@@ -1,0 +1,147 @@
+"""TPU kernels: `flash_attention` as the Pallas TPU splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`), registered for meshes of TPUs.
+
+The mask maps onto splash's as follows: causality with its offset (query t at key slot
+offset + t) is the static `CausalMask((T, S), offset)`, whose fully hidden blocks the
+kernel skips; key pads and packed-row segments are the dynamic `SegmentIds` (a hidden
+key slot gets a segment no query has). Grouped-query attention is the kernel's own
+(q [H, T, hd] over k / v [K, S, hd], query head h reading kv head h // (H / K), as
+`xla.flash_attention` groups them). Rows are `vmap`ped, as in MaxText.
+
+A Pallas call has no sharding rule: under a mesh it runs on each device's rows and
+heads inside `jax.shard_map` (`xla.AttentionLayout`), as MaxText's `attentions.py`
+wires it. It has no FLOPs that XLA's cost analysis sees either (splash attaches no
+`pl.CostEstimate`), so the programs `rl-jax plan` counts FLOPs from (`loops` modes
+"counting" and "unrolled") take `xla.flash_attention`, which computes the same
+(query block, key block) pairs; the run's programs (mode "run", and with them the
+plan's memory numbers) take splash.
+
+Rows that see no key at all (a left-padded prompt's pads) are the one difference:
+`xla.flash_attention` gives them the mean of all S values, splash a finite average
+over the keys of the blocks it visits. The model never reads them (their positions
+are pads: no other query sees them and the loss masks them), and their gradient is
+zero when their output's is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.sharding import PartitionSpec
+
+from rl_jax.kernels import loops, xla
+
+LANES = 128  # splash's blocks are multiples of the vector lane count
+HIDDEN = jnp.iinfo(jnp.int32).min  # the key segment of a pad: equal to no query's
+
+
+def _block(block: int, n: int) -> int:
+    """`block` as a multiple of 128, at least 128, at most n rounded up to 128."""
+    up = -(-n // LANES) * LANES
+    return max(LANES, min(block // LANES * LANES, up))
+
+
+@functools.cache
+def _kernel(T: int, S: int, offset: int, heads: int, bq: int, bkv: int, interpret: bool):
+    """The splash kernel over `heads` query heads, T queries at key slots offset ..,
+    S keys, blocks bq x bkv in the forward and both backward kernels."""
+    causal = masks.CausalMask((T, S), offset=offset)
+    sizes = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+    # Built once per shape: the block maps as concrete arrays, not the first caller's
+    # tracers (the cache outlives its trace).
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(
+            masks.MultiHeadMask([causal] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+
+
+def flash_attention(
+    q_bthk: jax.Array,
+    k_bksh: jax.Array,
+    v_bksh: jax.Array,
+    mask: xla.AttentionMask,
+    *,
+    scale: float,
+    block: int = 512,
+    layout: xla.AttentionLayout | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`xla.flash_attention` (same arguments and result, [B, T, H, hd]) with splash
+    attention: blocks of `block` slots rounded to a multiple of 128 and clamped to the
+    sequence, T and S padded to them and the padding dropped. `interpret`: run the
+    kernel in Pallas's interpreter (any backend: the CPU tests)."""
+    if loops.mode().how != "run":  # a plan's FLOP counting: see the module's note
+        return xla.flash_attention(
+            q_bthk, k_bksh, v_bksh, mask, scale=scale, block=block, layout=layout
+        )
+    B, T = q_bthk.shape[:2]
+    S = k_bksh.shape[2]
+    bq, bkv = _block(block, T), _block(block, S)
+    q_pad, pad = -T % bq, -S % bkv
+    offset = int(mask.offset)
+    # Pads past S are hidden by causality when no real query reaches them.
+    hide_pad = pad and offset + T > S
+    segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None or hide_pad
+    arrays = ()
+    if segments:
+        q_seg = mask.q_segment_bt if mask.q_segment_bt is not None else jnp.zeros((B, T), jnp.int32)
+        kv_seg = mask.kv_segment_bs
+        kv_seg = kv_seg if kv_seg is not None else jnp.zeros((B, S), jnp.int32)
+        kv_seg = kv_seg.astype(jnp.int32)
+        if mask.kv_valid_bs is not None:
+            kv_seg = jnp.where(mask.kv_valid_bs.astype(bool), kv_seg, HIDDEN)
+        q_seg = jnp.broadcast_to(q_seg.astype(jnp.int32), (B, T))
+        kv_seg = jnp.broadcast_to(kv_seg, (B, S))
+        arrays = (
+            jnp.pad(q_seg, ((0, 0), (0, q_pad))),
+            jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=HIDDEN),
+        )
+    # Scaled in float32, then in q's dtype: splash scales nothing itself.
+    q = (q_bthk.astype(jnp.float32) * scale).astype(q_bthk.dtype)
+    q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    Tp, Sp = T + q_pad, S + pad
+
+    def local(q, k, v, *arrays):
+        kernel = _kernel(Tp, Sp, offset, q.shape[1], bq, bkv, interpret)
+        if arrays:
+            ids = splash.SegmentIds(*arrays)
+            return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+        return jax.vmap(kernel)(q, k, v)
+
+    # Inside a shard_map already (manual axes), the arrays are this device's.
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if layout is not None and layout.mesh.size > 1 and not manual:
+        batch, heads = layout.q[0], layout.q[2] if len(layout.q) > 2 else None
+        kv_heads = layout.kv[1] if len(layout.kv) > 1 else None
+        if heads != kv_heads:  # split only where q's groups stay with their kv head
+            heads = None
+        q_spec = PartitionSpec(batch, heads, None, None)
+        kv_spec = PartitionSpec(batch, heads, None, None)
+        local = jax.shard_map(
+            local,
+            mesh=layout.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, *(PartitionSpec(batch, None) for _ in arrays)),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+    out = local(q, k, v, *arrays)  # [B, H, Tp, hd]
+    return out[:, :, :T].transpose(0, 2, 1, 3).astype(q_bthk.dtype)

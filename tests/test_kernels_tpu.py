@@ -1,0 +1,187 @@
+"""The TPU kernels (`rl_jax.kernels.tpu`): splash attention against the portable
+`xla.flash_attention`, in Pallas's interpreter on this CPU, and compiled for a v5e."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import kernels
+from rl_jax.kernels import loops, tpu, xla
+from rl_jax.models import layers
+
+# (T, S, offset, left pads per row, right pads per row, packed): T and S not multiples
+# of the 128-slot blocks; "causal" spans 2 x 2 blocks (the kernel skips the one above
+# the diagonal), "offset" is a completion's 70 queries at slots 130 .. 199 over a
+# left-padded prompt and itself.
+CASES = {
+    "causal": (200, 200, 0, None, None, False),
+    "offset": (70, 200, 130, (3, 0), (0, 0), False),
+    "padded": (150, 150, 0, (3, 0), (0, 2), False),
+    "packed": (150, 150, 0, None, None, True),
+}
+
+
+def _case(name):
+    """q [2, T, 4, 16] over k / v [2, 2, S, 16] (grouped-query: 2 query heads per kv
+    head), a cotangent, the mask described, and which rows see a key [2, T]."""
+    T, S, offset, left, right, packed = CASES[name]
+    ks = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(ks[0], (2, T, 4, 16))
+    k, v = (jax.random.normal(x, (2, 2, S, 16)) for x in ks[1:3])
+    d_out = jax.random.normal(ks[3], q.shape)
+    valid = seg = None
+    if left is not None:
+        s = np.arange(S)[None]
+        valid = jnp.asarray((s >= np.array(left)[:, None]) & (s < S - np.array(right)[:, None]))
+    if packed:
+        seg = jnp.asarray([[0] * 60 + [1] * 90, [0] * 149 + [1]])
+    dense = layers.attention_mask(
+        T, S, cache_index=offset or None, segment_ids_bt=seg, kv_valid_bs=valid
+    )
+    sees = jnp.broadcast_to(dense.any(-1), (2, T))
+    return q, k, v, d_out, xla.AttentionMask(offset, valid, seg, seg), sees
+
+
+def _value_and_grads(fn, q, k, v, d_out):
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v) * d_out)
+
+    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))(q, k, v)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_splash_equals_xla_flash_attention_in_values_and_gradients(name):
+    """Float32 throughout, so the two online softmaxes differ by rounding only: 1e-6 on
+    values, 1e-5 on gradients (sums over up to 200 keys and 2 query heads per kv
+    head). Rows that see no key (pads) are the kernels' one difference (the module's
+    note): compared finite only, with a zero cotangent, as the model's masked loss
+    gives them."""
+    q, k, v, d_out, mask, sees = _case(name)
+    d_out = jnp.where(sees[:, :, None, None], d_out, 0.0)
+    want, want_g = _value_and_grads(
+        lambda q, k, v: xla.flash_attention(q, k, v, mask, scale=0.25, block=128), q, k, v, d_out
+    )
+    got, got_g = _value_and_grads(
+        lambda q, k, v: tpu.flash_attention(q, k, v, mask, scale=0.25, block=128, interpret=True),
+        q,
+        k,
+        v,
+        d_out,
+    )
+    assert bool(jnp.isfinite(got).all())
+    rows = np.asarray(sees)
+    np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows], atol=1e-6, rtol=1e-6)
+    for g, w, label in zip(got_g, want_g, "qkv", strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=label)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("kv_heads_split", [True, False])
+def test_splash_runs_per_device_under_shard_map(kv_heads_split):
+    """On a mesh, rows split over data and fsdp and heads over tensor, the kernel runs
+    on each device's share (`shard_map`) and equals the unsharded one; where the kv
+    heads are not split over tensor (too few), the query heads are not either."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
+    heads = "tensor" if kv_heads_split else None
+    layout = xla.AttentionLayout(
+        mesh,
+        PartitionSpec(("data", "fsdp"), None, "tensor", None),
+        PartitionSpec(("data", "fsdp"), heads, None, None),
+    )
+    q, k, v, d_out, mask, sees = _case("offset")
+    d_out = jnp.where(sees[:, :, None, None], d_out, 0.0)
+
+    def put(x, spec):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    q, d_out = put(q, layout.q), put(d_out, layout.q)
+    k, v = put(k, layout.kv), put(v, layout.kv)
+
+    def run(layout):
+        return _value_and_grads(
+            lambda q, k, v: tpu.flash_attention(
+                q, k, v, mask, scale=0.25, block=128, layout=layout, interpret=True
+            ),
+            q,
+            k,
+            v,
+            d_out,
+        )
+
+    def traced(layout):
+        fn = lambda q, k, v: tpu.flash_attention(  # noqa: E731
+            q, k, v, mask, scale=0.25, block=128, layout=layout, interpret=True
+        )
+        return str(jax.make_jaxpr(fn)(q, k, v))
+
+    assert "shard_map" in traced(layout) and "shard_map" not in traced(None)
+    want, want_g = run(None)
+    got, got_g = run(layout)
+    rows = np.asarray(sees)
+    np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows], atol=1e-6, rtol=1e-6)
+    for g, w, label in zip(got_g, want_g, "qkv", strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6, err_msg=label)
+
+
+def test_tpu_meshes_get_splash_and_counting_programs_the_reference(monkeypatch):
+    """A TPU mesh's flash_attention is splash; every other platform keeps xla's. The
+    plan's FLOP-counting traces take xla's (a Pallas call has no FLOPs XLA sees)."""
+    assert kernels.for_platform("tpu").flash_attention is tpu.flash_attention
+    assert kernels.for_platform("gpu").flash_attention is xla.flash_attention
+    calls = []
+    monkeypatch.setattr(xla, "flash_attention", lambda *a, **kw: calls.append(kw) or a[0])
+    q, k, v, _, mask, _ = _case("causal")
+    with loops.counting():
+        tpu.flash_attention(q, k, v, mask, scale=0.25, block=128)
+    with loops.unrolled():
+        tpu.flash_attention(q, k, v, mask, scale=0.25, block=128)
+    assert len(calls) == 2
+
+
+def test_blockwise_train_step_compiles_splash_for_v5e():
+    """A tiny model's train step with model.attention=blockwise, compiled for v5e:2x2
+    through libtpu from this host: its program holds splash's Mosaic kernels (forward,
+    dq and dkv: `tpu_custom_call`); the same step lowered for CPU devices holds none."""
+    from rl_jax.config import load_recipe
+    from rl_jax.knobs import ConfigError
+    from rl_jax.plan import _programs as pp
+    from rl_jax.sharding.mesh import make_mesh
+
+    knobs = [
+        "model.preset=tiny",
+        "model.num_layers=1",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.attention=blockwise",
+        "data.prompts_per_batch=2",
+        "sampling.n=2",
+        "sampling.max_prompt_len=16",
+        "sampling.max_new_tokens=16",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+    ]
+    try:
+        cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
+
+    def update_program(mesh):
+        kw = dict(minibatches=1, batch_prompts=2, tp=tp, tg=tg)
+        b = pp._build(cfg, spec, mesh, rules, **kw)
+        return b.update.trace(*b.update_args).lower()
+
+    try:
+        compiled = update_program(mesh).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    # 2 forwards (prompt, completions) and each one's dq and dkv kernels, more than once
+    # where remat recomputes a forward.
+    assert compiled.as_text().count("tpu_custom_call") >= 6
+    cpu_mesh = make_mesh(cfg.mesh, devices=jax.devices()[:4])
+    assert "tpu_custom_call" not in update_program(cpu_mesh).as_text()
