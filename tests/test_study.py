@@ -170,7 +170,12 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "spec, sub", [("scalerl_study_cpu", ""), ("scalerl_fp32head_bf16_cpu", "fp32head_bf16")]
+    "spec, sub",
+    [
+        ("scalerl_study_cpu", ""),
+        ("scalerl_fp32head_bf16_cpu", "fp32head_bf16"),
+        ("scalerl_forward_study_cpu", "forward"),
+    ],
 )
 def test_committed_study_regenerates_bit_for_bit(tmp_path, spec, sub):
     """The committed CPU studies' reports are what today's fitting code makes of their curves."""
