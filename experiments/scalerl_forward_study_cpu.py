@@ -1,6 +1,9 @@
 """The CPU ScaleRL forward study: ScaleRL's choices added one at a time to the DAPO-era
 baseline (`scalerl_forward_cpu`), 3 seeds, with the design of `scalerl_study_cpu`.
 
+Run it (1 h 35 min with --jobs 2 on the 2-core machine) and rebuild its report from
+the curves (experiments/results/scalerl_cpu/README.md says what it shows):
+
     rl-jax grid scalerl_forward_study_cpu --jobs 2 --out grids
     rl-jax study scalerl_forward_study_cpu --from grids/scalerl_forward_study_cpu \\
         --out experiments/results/scalerl_cpu/forward
