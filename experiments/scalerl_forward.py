@@ -40,10 +40,10 @@ CHANGES = {
     "npr": {"data.no_positive_resampling": True},
 }
 
-# What the paper reports for each choice added to this baseline (PAPERS.md section 1). Its
-# abstract sums the forward ablations up: loss aggregation, normalization, curriculum and
-# the off-policy algorithm mostly move compute efficiency (B), not the asymptote (A); the
-# loss type and the FP32 head are among the choices that move A.
+# What the paper reports for each choice added to this baseline (PAPERS.md section 1; a
+# direction the paper does not state is ''). Its abstract sums the ablations up: loss
+# aggregation, normalization, curriculum and the off-policy algorithm "primarily modulate
+# compute efficiency without materially shifting the asymptote".
 PAPER = {
     "loss=cispo": PaperFinding("", "higher", "CISPO vs DAPO: B 2.01 vs 1.77"),
     "offpolicy=pipeline-k8": PaperFinding(
