@@ -144,6 +144,24 @@ class Batch:
     info: dict[str, Any]  # the advantage function's scalar diagnostics
 
 
+def _policy_logprobs(parts: Parts, state: TrainerState, host, P: int, *, old: bool):
+    """(the old policy's log-probs [B, Tg] where `old`, the reference's where the run has
+    one; else None). The passes take the update's M minibatches one after another
+    (holding one minibatch's activations, as an update does); minibatch j is rows
+    [j B / M, (j + 1) B / M), so [M, B / M, Tg] flattens back to the batch's order."""
+    if not old and state.ref_params is None:
+        return None, None
+    stacked = put_minibatches(host, parts.mesh, num_minibatches=parts.M, groups=P)
+
+    def logprobs(params) -> np.ndarray | None:
+        if params is None:
+            return None
+        out = np.asarray(parts.logprob_fn(params, stacked))
+        return out.reshape(-1, out.shape[-1])
+
+    return logprobs(state.params if old else None), logprobs(state.ref_params)
+
+
 def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, keep_p) -> Batch:
     """The old policy's and the reference's log-probs and the critic's values, all taken
     before this batch's first update, then the advantages (with the KL in the reward,
@@ -164,21 +182,7 @@ def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, 
     )
     kl_reward = cfg.loss.kl_in_reward and state.ref_params is not None
     full = put_batch(host, parts.mesh) if parts.critic else None
-    old = ref = None
-    if parts.needs_old_logp or state.ref_params is not None:
-        # The log-prob passes take the update's M minibatches one after another (holding
-        # one minibatch's activations, as an update does); minibatch j is rows
-        # [j B / M, (j + 1) B / M), so [M, B / M, Tg] flattens back to the batch's order.
-        stacked = put_minibatches(host, parts.mesh, num_minibatches=parts.M, groups=P)
-
-        def logprobs(params) -> np.ndarray:
-            out = np.asarray(parts.logprob_fn(params, stacked))
-            return out.reshape(-1, out.shape[-1])
-
-        if parts.needs_old_logp or kl_reward:
-            old = logprobs(state.params)
-        if state.ref_params is not None:
-            ref = logprobs(state.ref_params)
+    old, ref = _policy_logprobs(parts, state, host, P, old=parts.needs_old_logp or kl_reward)
     # KL in the reward: behaviour = the policy before this batch's updates, as the
     # trainer computes it (the same forward as the reference's).
     kl = dict(behaviour_logp_bt=old, ref_logp_bt=ref) if kl_reward else {}
