@@ -38,9 +38,25 @@ def _libtpu():
 def test_topology_names_are_checked():
     chip, dims = parse_topology("v5p:4x4x4")
     assert chip is CHIPS["v5p"] and dims == (4, 4, 4)
-    for bad in ("v9:2x2", "v5e", "v5e:2xq", "v5e:0x2"):
+    for bad in ("v9:2x2", "v5e", "v5e:2xq", "v5e:0x2", "v5p-100", "v5p-7", "v7x-8", "v5p-x"):
         with pytest.raises(ConfigError, match="--topology"):
             parse_topology(bad)
+
+
+def test_accelerator_types_name_their_default_slice():
+    """Cloud TPU's names count TensorCores: two per v4 and v5p chip, one per v5e and v6e."""
+    from rl_jax.plan.chips import canonical_topology
+
+    assert canonical_topology("v5p-128") == "v5p:4x4x4"  # 64 chips
+    assert canonical_topology("v5p-256") == "v5p:4x4x8"
+    assert canonical_topology("v4-32") == "v4:2x2x4"
+    assert canonical_topology("v6e-64") == "v6e:8x8"
+    assert canonical_topology("v5litepod-16") == "v5e:4x4"
+    assert canonical_topology("v5e:2x2") == "v5e:2x2"
+    chip, dims = parse_topology("v5p-128")
+    assert chip is CHIPS["v5p"] and dims == (4, 4, 4)
+    with pytest.raises(ConfigError, match="v5p-8, v5p-16"):
+        parse_topology("v5p-100")
 
 
 def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -319,7 +335,8 @@ def test_search_compiles_the_best_candidate_of_a_tiny_run():
     r = _plan_cli("scalerl", *TINY, "--topology", "v5e:2x2", "--search", "--top", "1", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["compiled"] == 1 and res["dimensions"] == ["mesh", "remat", "micro", "waves"]
+    assert res["compiled"] == 1
+    assert res["dimensions"] == ["mesh", "remat", "micro", "waves", "slots"]
     (best,) = res["ranked"]
     plan = best["plan"]
     assert plan["fits"] and plan["mesh"] == best["mesh"]
@@ -463,8 +480,47 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     # PipelineRL-8: W = 9 with one update per batch, then halvings; 1 with 8 updates.
     assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]
     assert {c["waves"] for c in cands if c["micro"] == 8} == {1}
-    keys = [(tuple(c["mesh"].values()), c["remat"], c["micro"], c["waves"]) for c in cands]
+    keys = [
+        (tuple(c["mesh"].values()), c["remat"], c["micro"], c["waves"], c["slots"]) for c in cands
+    ]
     assert len(keys) == len(set(keys))
+
+
+def test_search_tries_fewer_engine_slots_than_rows_in_flight():
+    """The engine's slots (sampling.engine_slots): a slot for every row in flight (0)
+    and that many split 2, 4 or 8 ways, in whole slots per batch shard; the estimate of
+    a split has a smaller cache and more decode steps. A recipe that sets the slots, or
+    samples on the batch Sampler, keeps its own."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._estimate import estimate
+    from rl_jax.plan._search import apply, candidates
+    from rl_jax.train.accounting import sampler_rows
+
+    cfg = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8"]))
+    cands = candidates(cfg, 4, num_heads=4)
+    # PipelineRL-8, one update per batch, W = 9: 9 x 8 x 2 = 144 rows in flight.
+    one = {"data": 1, "fsdp": 4, "tensor": 1}
+    w9 = [c for c in cands if c["mesh"] == one and c["micro"] == 1 and c["waves"] == 9]
+    # 144 / 8 = 18 is no whole number of slots on each of 4 shards.
+    assert sorted(c["slots"] for c in w9 if c["remat"] == "full") == [0, 36, 72]
+    for c in cands:
+        rows = sampler_rows(resolved(apply(cfg, {**c, "slots": 0})))
+        shards = c["mesh"]["data"] * c["mesh"]["fsdp"]
+        assert c["slots"] == 0 or (rows % c["slots"] == 0 and c["slots"] % shards == 0)
+        assert c["slots"] == 0 or resolved(apply(cfg, c)).sampling.engine_slots == c["slots"]
+    chip = CHIPS["v5e"]
+
+    def est(c):
+        cc = resolved(apply(cfg, c))
+        return estimate(resolve_spec(cc.model), cc, c["mesh"], chip)
+
+    full = {c["slots"]: est(c) for c in w9 if c["remat"] == "full"}
+    assert full[36]["sampler_kv_bytes"] < full[72]["sampler_kv_bytes"] < full[0]["sampler_kv_bytes"]
+    assert full[0]["step_s"] < full[72]["step_s"] < full[36]["step_s"]
+    for knobs in (["sampling.engine_slots=16"], [*ON_POLICY, "sampling.engine=false"]):
+        own = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8", *knobs]))
+        assert {c["slots"] for c in candidates(own, 4, num_heads=4)} == {0}
 
 
 def test_expected_train_flops_add_what_each_knob_recomputes():

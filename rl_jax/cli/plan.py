@@ -3,8 +3,9 @@ programs (train step, log-prob pass, the sampler's: the engine's prefill_insert 
 generate, or the batch Sampler's prefill and decode) for a TPU
 topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
 step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
-mesh shapes, remat, micro-batches and PipelineRL's batches in flight (W,
-train.pipeline_waves) by rollouts per hour."""
+mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
+train.pipeline_waves) and the engine's slots (sampling.engine_slots) by rollouts per
+hour."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from rl_jax.config import describe_knobs, load_recipe
 from rl_jax.knobs import ConfigError
-from rl_jax.plan.chips import parse_topology
+from rl_jax.plan.chips import canonical_topology, parse_topology
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +29,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:4x4x4")
+    p.add_argument(
+        "--topology",
+        required=True,
+        help="TPU topology: <chip>:<shape> (v5e:2x2, v5p:4x4x4) or a Cloud TPU"
+        " accelerator type (v5p-128, v6e-64, v5litepod-16)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--out", default=None, help="also write DIR/plan.json")
     p.add_argument(
@@ -57,6 +63,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
     parse_topology(a.topology)  # a bad name is refused before JAX starts
+    a.topology = canonical_topology(a.topology)
     if a.top < 1:
         raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
     if a.memory_only and a.search:
@@ -181,13 +188,14 @@ def format_search(res: dict) -> str:
         f"{res['topology']}: {res['candidates']} candidates, {res['compiled']} compiled,"
         f" {len(res['ranked'])} fit ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
         f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
-        f" {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
+        f" {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
     ]
     for i, r in enumerate(res["ranked"], 1):
         m = r["mesh"]
         lines.append(
             f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {r['remat']:>9}"
-            f" {r['micro']:>5} {r['waves'] or '-':>5} {r['hbm_gb']:>7.2f}"
+            f" {r['micro']:>5} {r['waves'] or '-':>5}"
+            f" {r['slots'] or 'recipe':>6} {r['hbm_gb']:>7.2f}"
             f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
             f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}"
         )

@@ -33,7 +33,7 @@ from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import param_shardings
 from rl_jax.plan._flops import train_flops
-from rl_jax.plan.chips import Chip, parse_topology
+from rl_jax.plan.chips import Chip, canonical_topology, parse_topology
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
 from rl_jax.sharding.rules import Rules
@@ -63,7 +63,9 @@ def topology_devices(topology: str) -> list:
     try:
         from jax.experimental import topologies
 
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+        desc = topologies.get_topology_desc(
+            platform="tpu", topology_name=canonical_topology(topology)
+        )
     except Exception as e:  # noqa: BLE001 - libtpu missing or the name unknown to it
         raise ConfigError(f"--topology={topology!r}: cannot describe it here ({_first(e)})") from e
     return list(desc.devices)

@@ -14,6 +14,11 @@ Dimensions, each a knob the trainer has:
                 unless sampling.engine_slots); a smaller W bounds staleness tighter.
                 The trainer keeps (k + 1) // updates per batch at most, so
                 micro-batches (more updates per batch) leave fewer to choose from
+  slots         the engine's slots (sampling.engine_slots): a slot for every row in
+                flight (the default), or a half, a quarter or an eighth of them in
+                whole batch shards: a smaller KV cache, more decode steps each
+                reading the weights. Only where the trainer samples on the engine and
+                the recipe leaves sampling.engine_slots unset
 
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
 exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
@@ -33,11 +38,13 @@ from rl_jax.models.load import resolve_spec
 from rl_jax.plan._estimate import estimate
 from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
 from rl_jax.plan.chips import num_chips, parse_topology
-from rl_jax.train.accounting import num_waves
+from rl_jax.train.accounting import num_waves, sampler_rows
 
 MAX_TENSOR = 8
 MAX_MICRO = 8
 REMAT = ("none", "save_dots", "full")
+SLOT_SPLITS = (1, 2, 4, 8)
+DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots")
 
 
 def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any]]:
@@ -51,11 +58,24 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         for f in [chips // t // d]
     ]
     micro = [m for m in (1, 2, 4, 8) if m <= MAX_MICRO and P % (M * m) == 0]
-    return [
-        {"mesh": mesh, "remat": remat, "micro": m, "waves": w}
+    cands = [
+        {"mesh": mesh, "remat": remat, "micro": m, "waves": w, "slots": 0}
         for mesh, remat, m in itertools.product(meshes, REMAT, micro)
         for w in _waves(cfg, M * m)
     ]
+    return [{**c, "slots": s} for c in cands for s in _slots(cfg, c)]
+
+
+def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
+    """The engine's slot counts to try for a candidate: 0 (a slot for every row the
+    schedule keeps in flight) and that many rows split 2, 4 or 8 ways where the split
+    is a whole number of slots on every batch shard; [0] where there is no choice (the
+    batch Sampler, or sampling.engine_slots set by the recipe)."""
+    if not cfg.sampling.engine or cfg.sampling.engine_slots:
+        return [0]
+    rows = sampler_rows(resolved(apply(cfg, cand)))
+    shards = cand["mesh"]["data"] * cand["mesh"]["fsdp"]
+    return [0] + [rows // s for s in SLOT_SPLITS[1:] if rows % s == 0 and (rows // s) % shards == 0]
 
 
 def _waves(cfg: RunConfig, updates: int) -> list[int]:
@@ -77,10 +97,12 @@ def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
         grad_accum=cfg.train.grad_accum * m,
         **({"pipeline_waves": cand["waves"]} if cand["waves"] else {}),
     )
+    slots = cand.get("slots", 0)
     return dataclasses.replace(
         cfg,
         mesh=dataclasses.replace(cfg.mesh, **cand["mesh"]),
         model=dataclasses.replace(cfg.model, remat=cand["remat"]),
+        sampling=dataclasses.replace(cfg.sampling, engine_slots=slots) if slots else cfg.sampling,
         train=train,
     )
 
@@ -108,11 +130,12 @@ def search(
         c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
     ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= chip.hbm_bytes]
     # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
-    # largest PipelineRL W, then the least memory.
+    # largest PipelineRL W, a slot for every row in flight, then the least memory.
     ok.sort(
         key=lambda c: (
             -c["estimate"]["rollouts_per_hour"],
             -c["waves"],
+            c["slots"] != 0,
             c["estimate"]["hbm_bytes"],
         )
     )
@@ -142,7 +165,7 @@ def search(
         "topology": topology,
         "chips": chips,
         "hbm_capacity_gb": chip.hbm_bytes / 1e9,
-        "dimensions": ["mesh", "remat", "micro", "waves"],
+        "dimensions": list(DIMENSIONS),
         "candidates": len(cands),
         "compiled": min(top, len(ok)),
         "ranked": ranked,
@@ -151,7 +174,7 @@ def search(
 
 
 def _name(c: dict[str, Any]) -> dict[str, Any]:
-    return {k: c[k] for k in ("mesh", "remat", "micro", "waves")}
+    return {k: c[k] for k in DIMENSIONS}
 
 
 def _divisors(n: int) -> list[int]:

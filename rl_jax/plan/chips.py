@@ -3,7 +3,9 @@
 Per chip, from Google Cloud's TPU system-architecture pages: dense bfloat16
 peak FLOP/s, HBM capacity and HBM bandwidth. A topology name is
 `<chip>:<shape>` as `jax.experimental.topologies` takes it (v5e:2x2,
-v5p:2x2x2, v6e:4x4, v4:2x2x1).
+v5p:2x2x2, v6e:4x4, v4:2x2x1), or a Cloud TPU accelerator type (v5p-128,
+v6e-64, v5litepod-16, v4-32), which names the slice's default shape
+(`canonical_topology`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,46 @@ CHIPS: dict[str, Chip] = {
 }
 
 
+# Cloud TPU accelerator types: <prefix>-<N> with N TensorCores (v4 and v5p have two per
+# chip, v5e and v6e one), and the shape of chips a slice of that type has by default
+# (Cloud TPU's "TPU versions" pages). Other shapes go by <chip>:<shape>.
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_PREFIXES = {"v4": "v4", "v5p": "v5p", "v5litepod": "v5e", "v5e": "v5e", "v6e": "v6e"}
+_DEFAULT_SHAPES = {  # by the chips' torus: 3-D (v4, v5p) or 2-D (v5e, v6e)
+    3: "2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x8x8 8x8x8 8x8x16 8x16x16 16x16x16",
+    2: "1x1 2x2 2x4 4x4 4x8 8x8 8x16 16x16",
+}
+_TORUS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
+
+
+def canonical_topology(name: str) -> str:
+    """A topology as `jax.experimental.topologies` names it: `<chip>:<shape>` as given,
+    an accelerator type as its default shape ('v5p-128' -> 'v5p:4x4x4': 64 chips of
+    two TensorCores); ConfigError naming what is allowed for an unknown size."""
+    if ":" in name or "-" not in name:
+        return name
+    prefix, _, cores = name.rpartition("-")
+    chip = _PREFIXES.get(prefix)
+    if chip is None or not cores.isdigit():
+        raise ConfigError(
+            f"--topology={name!r}: expected <chip>:<shape> (v5p:4x4x4) or an accelerator"
+            f" type <{'|'.join(sorted(_PREFIXES))}>-<TensorCores> (v5p-128)"
+        )
+    per_chip = _CORES_PER_CHIP[chip]
+    shapes = {
+        math.prod(int(d) for d in s.split("x")): s for s in _DEFAULT_SHAPES[_TORUS[chip]].split()
+    }
+    n = int(cores)
+    if n % per_chip or n // per_chip not in shapes:
+        sizes = ", ".join(f"{prefix}-{c * per_chip}" for c in shapes)
+        raise ConfigError(f"--topology={name!r}: not a {chip} slice size; one of {sizes}")
+    return f"{chip}:{shapes[n // per_chip]}"
+
+
 def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
-    """('v5p:4x4x4') -> (the v5p chip, (4, 4, 4)); ConfigError naming what is allowed."""
+    """('v5p:4x4x4' or 'v5p-128') -> (the v5p chip, (4, 4, 4)); ConfigError naming what
+    is allowed."""
+    name = canonical_topology(name)
     chip, _, shape = name.partition(":")
     if chip not in CHIPS:
         raise ConfigError(f"--topology={name!r}: chip {chip!r} is not one of {sorted(CHIPS)}")
