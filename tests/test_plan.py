@@ -518,6 +518,14 @@ def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     full = {c["slots"]: est(c) for c in w9 if c["remat"] == "full"}
     assert full[36]["sampler_kv_bytes"] < full[72]["sampler_kv_bytes"] < full[0]["sampler_kv_bytes"]
     assert full[0]["step_s"] < full[72]["step_s"] < full[36]["step_s"]
+    # MFU: the step's model FLOPs (forward, backward and the sampler's forward; no extra
+    # log-prob pass with one update per batch) over 4 chips' peak for the step's time.
+    from rl_jax.train.accounting import forward_flops
+
+    spec = resolve_spec(cfg.model)
+    fwd = forward_flops(spec, [16] * 8, [16] * 16, 2)
+    for e in full.values():
+        assert e["mfu_estimate"] == pytest.approx(4 * fwd / 4 / chip.bf16_flops / e["step_s"])
     for knobs in (["sampling.engine_slots=16"], [*ON_POLICY, "sampling.engine=false"]):
         own = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8", *knobs]))
         assert {c["slots"] for c in candidates(own, 4, num_heads=4)} == {0}

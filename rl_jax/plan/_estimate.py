@@ -20,7 +20,7 @@ from rl_jax.models.transformer import uses_blockwise
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip
 from rl_jax.sampling._decoder import round_up
-from rl_jax.train.accounting import extra_forwards, forward_flops, sampler_rows
+from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops, sampler_rows
 from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.params import ParamPlan, tree_bytes
 
@@ -38,7 +38,9 @@ def _split(n: int, ways: int) -> float:
 def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str, float]:
     """{"hbm_bytes": the largest program's per-chip bytes, "sampler_kv_bytes": the
     sampler's KV caches per chip, "step_s": roofline seconds of an RL step,
-    "rollouts_per_hour"} for a resolved RunConfig on a data x fsdp x tensor mesh.
+    "rollouts_per_hour", "mfu_estimate": the step's model FLOPs (sampling and training,
+    as the compiled plan counts them) over the chips' peak for step_s} for a resolved
+    RunConfig on a data x fsdp x tensor mesh.
 
     Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
     rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
@@ -128,9 +130,11 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     decode_bytes = (sampler_weights + kv) * steps  # per step: the weights and every cache
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
     step_s = train_s + sample_s
+    useful = (TRAIN_PASSES + extra_forwards(cfg) + 1) * fwd
     return {
         "hbm_bytes": float(hbm),
         "sampler_kv_bytes": float(sampler_kv),
         "step_s": float(step_s),
         "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
+        "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s > 0 else float("nan"),
     }
