@@ -346,6 +346,29 @@ def test_search_compiles_the_best_candidate_of_a_tiny_run():
     assert res["candidates"] > 1 and not res["excluded"]
 
 
+def test_search_estimate_only_ranks_the_estimates_that_fit_and_compiles_nothing():
+    """--estimate-only: the --top best candidates by estimated rollouts per hour among
+    those whose estimate fits with the default headroom, nothing compiled (no hbm_gb,
+    no plan); every other candidate is excluded by the estimate."""
+    from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS
+
+    r = _plan_cli(
+        "scalerl", *WIDE, "--topology", "v5e-4", "--search", "--estimate-only", "--top", "4",
+        "--json", timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["topology"] == "v5e:2x2" and res["compiled"] == 0
+    ranked, limit = res["ranked"], (1 - HEADROOM) * res["hbm_capacity_gb"]
+    assert len(ranked) == 4 and all(r["hbm_gb"] is None and "plan" not in r for r in ranked)
+    assert all(r["hbm_estimate_gb"] <= limit for r in ranked)
+    rates = [r["rollouts_per_hour"] for r in ranked]
+    assert rates == sorted(rates, reverse=True) and rates[0] > 0
+    assert ranked[0]["budget_hours"] == pytest.approx(SCALERL_BUDGET_ROLLOUTS / rates[0])
+    assert all(e["hbm_estimate_gb"] > limit for e in res["excluded"])
+    assert len(res["excluded"]) < res["candidates"]
+
+
 def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
     """The search's bookkeeping alone: a stand-in plan for each compiled candidate
     (fits only with remat; faster the more tensor-parallel), no compiler."""
@@ -416,7 +439,12 @@ def test_compile_jobs_compile_programs_at_once(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "flags, named", [(("--jobs", "0"), "--jobs=0"), (("--memory-only", "--search"), "--search")]
+    "flags, named",
+    [
+        (("--jobs", "0"), "--jobs=0"),
+        (("--memory-only", "--search"), "--search"),
+        (("--estimate-only",), "--search"),
+    ],
 )
 def test_bad_plan_flags_exit_2_before_compiling(flags, named):
     r = _plan_cli("scalerl", "--topology", "v5e:2x2", *flags, timeout=300)
@@ -668,3 +696,51 @@ def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
     few = est("sampling.engine_slots=8")
     assert few["sampler_kv_bytes"] == kv_row * 2 * 32 + kv_row * 1 * 16
     assert few["step_s"] > stream["step_s"] and few["hbm_bytes"] < stream["hbm_bytes"]
+
+
+def test_estimate_keeps_what_each_remat_policy_saves_per_layer_and_one_layers_backward():
+    """The estimate's activations per chip: each more layer adds what the remat policy
+    keeps for the backward (full: the layer's input; save_dots: its input and weight
+    matmuls' outputs; none: all its activations), and the backward of one layer holds,
+    besides, its activations' gradients and, with remat, the activations it recomputes
+    (twice what none keeps of a layer). The parts add up to the update's bytes."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan._estimate import estimate
+
+    mesh, chip = {"data": 2, "fsdp": 2, "tensor": 1}, CHIPS["v5e"]
+
+    def est(layers, remat):
+        c = resolved(
+            load_recipe("scalerl", [*TINY, f"model.num_layers={layers}", f"model.remat={remat}"])
+        )
+        return estimate(resolve_spec(c.model), c, mesh, chip)
+
+    D = resolve_spec(resolved(load_recipe("scalerl", TINY)).model).hidden_size
+    tokens = 2 * 32  # per chip: 4 prompts x 2 samples over 4 batch shards, 16 + 16 tokens
+    acts = {
+        r: [est(L, r)["parts"]["activations"] for L in (1, 2, 3)]
+        for r in ("none", "save_dots", "full")
+    }
+    kept = {r: a[1] - a[0] for r, a in acts.items()}
+    assert all(a[2] - a[1] == pytest.approx(kept[r]) for r, a in acts.items())
+    assert kept["full"] == pytest.approx(tokens * 4 * D)  # float32: one input per token
+    assert kept["full"] < kept["save_dots"] < kept["none"]
+    # One layer: none keeps its activations (kept["none"]) and holds their gradients.
+    assert acts["none"][0] == pytest.approx(2 * kept["none"])
+    assert acts["full"][0] == pytest.approx(kept["full"] + 2 * kept["none"])
+    e = est(2, "full")
+    train = sum(
+        e["parts"][k]
+        for k in (
+            "params",
+            "optimizer",
+            "gradients",
+            "activations",
+            "logits",
+            "in_flight",
+            "reference",
+        )
+    )
+    assert e["train_bytes"] == pytest.approx(train)
+    assert e["hbm_bytes"] == max(e["train_bytes"], e["sampler_bytes"])

@@ -5,7 +5,7 @@ topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
 step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
 mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
 train.pipeline_waves) and the engine's slots (sampling.engine_slots) by rollouts per
-hour."""
+hour; with --estimate-only, by a closed-form estimate alone, compiling nothing."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--top", type=int, default=3, help="--search: candidates to compile")
     p.add_argument(
+        "--estimate-only",
+        action="store_true",
+        help="--search: compile nothing; rank the --top best closed-form estimates that fit"
+        " (seconds; the compiled plan decides)",
+    )
+    p.add_argument(
         "--memory-only",
         action="store_true",
         help="compile only the run's programs (HBM per chip, fits), not the programs that "
@@ -71,6 +77,8 @@ def main(argv: list[str]) -> int:
             "--memory-only with --search: the search ranks by rollouts per hour, which needs "
             "the FLOPs --memory-only skips; drop one of them"
         )
+    if a.estimate_only and not a.search:
+        raise ConfigError("--estimate-only ranks the search's estimates: add --search")
     if a.jobs < 1:
         raise ConfigError(f"--jobs={a.jobs}: compile at least one program at a time (>= 1)")
     if a.budget_rollouts is not None and not a.budget_rollouts > 0:
@@ -90,7 +98,9 @@ def main(argv: list[str]) -> int:
     budget = a.budget_rollouts or SCALERL_BUDGET_ROLLOUTS
     with compile_jobs(a.jobs):
         if a.search:
-            plan = search(cfg, a.topology, top=a.top, budget_rollouts=budget)
+            plan = search(
+                cfg, a.topology, top=a.top, budget_rollouts=budget, estimate_only=a.estimate_only
+            )
             text = format_search
         else:
             plan = plan_run(cfg, a.topology, budget_rollouts=budget, count_flops=not a.memory_only)
@@ -183,10 +193,16 @@ def _useful(r: dict) -> float:
     return r["flops_analytic"] / r["flops"] if r["flops"] else float("nan")
 
 
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_search(res: dict) -> str:
+    estimated = res["compiled"] == 0
     lines = [
         f"{res['topology']}: {res['candidates']} candidates, {res['compiled']} compiled,"
-        f" {len(res['ranked'])} fit ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
+        f" {len(res['ranked'])} {'shown that fit by the estimate' if estimated else 'fit'}"
+        f" ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
         f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
         f" {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
     ]
@@ -195,7 +211,7 @@ def format_search(res: dict) -> str:
         lines.append(
             f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {r['remat']:>9}"
             f" {r['micro']:>5} {r['waves'] or '-':>5}"
-            f" {r['slots'] or 'recipe':>6} {r['hbm_gb']:>7.2f}"
+            f" {r['slots'] or 'recipe':>6} {_gb(r['hbm_gb']):>7}"
             f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
             f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}"
         )

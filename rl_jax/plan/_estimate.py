@@ -36,18 +36,20 @@ def _split(n: int, ways: int) -> float:
 
 
 def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str, float]:
-    """{"hbm_bytes": the largest program's per-chip bytes, "sampler_kv_bytes": the
-    sampler's KV caches per chip, "step_s": roofline seconds of an RL step,
-    "rollouts_per_hour", "mfu_estimate": the step's model FLOPs (sampling and training,
-    as the compiled plan counts them) over the chips' peak for step_s} for a resolved
-    RunConfig on a data x fsdp x tensor mesh.
+    """{"hbm_bytes": the larger of "train_bytes" (the update, with what stays beside it)
+    and "sampler_bytes" (decoding) per chip, "parts": their terms below in bytes,
+    "sampler_kv_bytes": the sampler's KV caches per chip, "step_s": roofline seconds
+    of an RL step, "rollouts_per_hour", "mfu_estimate": the step's model FLOPs
+    (sampling and training, as the compiled plan counts them) over the chips' peak for
+    step_s} for a resolved RunConfig on a data x fsdp x tensor mesh.
 
     Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
     rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
     under train.grad_accum), their gradients, the sampler's view of the state when it
     is not the state itself, the minibatch's activations (all layers, or one
     layer's input each with full remat, its input and weight matmuls' outputs with
-    save_dots, plus one layer live), fp32 logits of the completion,
+    save_dots; plus, in one layer's backward, its activations' gradients and, with
+    remat, the activations it recomputes), fp32 logits of the completion,
     and the sampler's KV caches (the engine's slots and prefilled prompts, by default a
     slot for each row in flight: PipelineRL's W x B_p groups; else the batch Sampler's
     batch). Time: train,
@@ -85,15 +87,16 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     keys = block * block / T if uses_blockwise(spec, T) else T
     per_token_layer += 4 * _split(H, tensor) * keys
     # Kept for the backward, per token and layer: everything (none), the layer's input
-    # (full), or its input and its weight matmuls' outputs (save_dots); the layer being
-    # recomputed is live besides.
+    # (full), or its input and its weight matmuls' outputs (save_dots). Live besides,
+    # in the backward of a layer: its activations' gradients, and with remat the
+    # activations it recomputes (the compiled 8B step of docs/tpu_plans.md peaks there).
     if spec.remat == "full":
-        acts = rows_mb * T * (per_token_layer + cdt * D * L)
+        acts = rows_mb * T * (2 * per_token_layer + cdt * D * L)
     elif spec.remat == "save_dots":
         saved = cdt * (3 * D + _split(H + 2 * K, tensor) * hd + 2 * _split(F, tensor))
-        acts = rows_mb * T * (per_token_layer + saved * L)
+        acts = rows_mb * T * (2 * per_token_layer + saved * L)
     else:
-        acts = rows_mb * T * per_token_layer * L
+        acts = rows_mb * T * per_token_layer * (L + 1)
     # Logits, softmax, their gradient: the completion's, or one chunk's (logprob_chunk).
     logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
     logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
@@ -123,6 +126,18 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     train = params + opt + grads + acts + logits + in_flight + ref
     decode = params + view + sampler_weights + sampler_kv + opt + ref
     hbm = max(train, decode)
+    parts = {
+        "params": params,
+        "optimizer": opt,
+        "gradients": grads,
+        "activations": acts,
+        "logits": logits,
+        "in_flight": in_flight,
+        "reference": ref,
+        "sampler_view": view,
+        "sampler_weights": sampler_weights,
+        "sampler_kv": sampler_kv,
+    }
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     train_fl = train_flops(spec, P, G, tp, tg)["expected"] + extra_forwards(cfg) * fwd
@@ -133,6 +148,9 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     useful = (TRAIN_PASSES + extra_forwards(cfg) + 1) * fwd
     return {
         "hbm_bytes": float(hbm),
+        "train_bytes": float(train),
+        "sampler_bytes": float(decode),
+        "parts": {k: float(v) for k, v in parts.items()},
         "sampler_kv_bytes": float(sampler_kv),
         "step_s": float(step_s),
         "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),

@@ -23,6 +23,8 @@ Dimensions, each a knob the trainer has:
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
 exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
 rest by estimated rollouts per hour are compiled, so a search costs `top` plans.
+`estimate_only` (`--estimate-only`) stops at the estimate: the `top` best candidates
+whose estimate fits with the headroom, in seconds.
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ def search(
     headroom: float = HEADROOM,
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
     plan_fn: Callable[..., dict[str, Any]] = plan_run,
+    estimate_only: bool = False,
 ) -> dict[str, Any]:
     """Estimate every candidate, compile the `top` most promising that may fit (`plan_fn`
-    makes a candidate's plan), and rank the ones whose programs fit by rollouts per hour."""
+    makes a candidate's plan), and rank the ones whose programs fit by rollouts per hour.
+    `estimate_only`: compile nothing; rank the `top` best estimates that fit with
+    `headroom` (seconds instead of `top` plans; the estimate is a first pass)."""
     if top < 1:
         raise ConfigError(f"--top={top}: compile at least one candidate")
     chip, dims = parse_topology(topology)
@@ -128,7 +133,10 @@ def search(
     for c in cands:
         c_cfg = resolved(apply(cfg, c))
         c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
-    ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= chip.hbm_bytes]
+    # The compiled plan decides what fits with headroom; the estimate only drops what
+    # exceeds the whole chip. Without a compile, the estimate must fit with headroom.
+    limit = (1 - headroom) * chip.hbm_bytes if estimate_only else chip.hbm_bytes
+    ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= limit]
     # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
     # largest PipelineRL W, a slot for every row in flight, then the least memory.
     ok.sort(
@@ -142,8 +150,13 @@ def search(
     excluded = [
         {**_name(c), "reason": "estimate", "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9}
         for c in cands
-        if c["estimate"]["hbm_bytes"] > chip.hbm_bytes
+        if c["estimate"]["hbm_bytes"] > limit
     ]
+    if estimate_only:
+        return {
+            **_result(topology, chips, chip, cands, compiled=0, excluded=excluded),
+            "ranked": [_estimated(c, budget_rollouts) for c in ok[:top]],
+        }
     ranked = []
     for c in ok[:top]:
         plan = plan_fn(apply(cfg, c), topology, headroom=headroom, budget_rollouts=budget_rollouts)
@@ -162,14 +175,34 @@ def search(
             excluded.append({**row, "reason": "compiled"})
     ranked.sort(key=lambda r: (-r["rollouts_per_hour"], r["hbm_gb"]))
     return {
+        **_result(topology, chips, chip, cands, compiled=min(top, len(ok)), excluded=excluded),
+        "ranked": ranked,
+    }
+
+
+def _result(topology, chips, chip, cands, *, compiled, excluded) -> dict[str, Any]:
+    return {
         "topology": topology,
         "chips": chips,
         "hbm_capacity_gb": chip.hbm_bytes / 1e9,
         "dimensions": list(DIMENSIONS),
         "candidates": len(cands),
-        "compiled": min(top, len(ok)),
-        "ranked": ranked,
+        "compiled": compiled,
         "excluded": excluded,
+    }
+
+
+def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
+    """A ranked row from the estimate alone: no "hbm_gb" or "plan" (nothing compiled)."""
+    e = c["estimate"]
+    return {
+        **_name(c),
+        "hbm_estimate_gb": e["hbm_bytes"] / 1e9,
+        "hbm_gb": None,
+        "step_s": e["step_s"],
+        "rollouts_per_hour": e["rollouts_per_hour"],
+        "mfu_estimate": e["mfu_estimate"],
+        "budget_hours": budget_rollouts / e["rollouts_per_hour"],
     }
 
 
