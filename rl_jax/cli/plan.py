@@ -40,7 +40,12 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--search", action="store_true", help="rank the configurations that fit (see plan._search)"
     )
-    p.add_argument("--top", type=int, default=3, help="--search: candidates to compile")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=3,
+        help="--search: candidates to compile (shown, with --estimate-only)",
+    )
     p.add_argument(
         "--estimate-only",
         action="store_true",
