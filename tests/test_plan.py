@@ -362,6 +362,9 @@ def test_search_estimate_only_ranks_the_estimates_that_fit_and_compiles_nothing(
     ranked, limit = res["ranked"], (1 - HEADROOM) * res["hbm_capacity_gb"]
     assert len(ranked) == 4 and all(r["hbm_gb"] is None and "plan" not in r for r in ranked)
     assert all(r["hbm_estimate_gb"] <= limit for r in ranked)
+    parts = ranked[0]["estimate_parts_gb"]
+    assert parts["activations"] > 0 and parts["sampler_kv"] > 0
+    assert max(parts.values()) <= ranked[0]["hbm_estimate_gb"]
     rates = [r["rollouts_per_hour"] for r in ranked]
     assert rates == sorted(rates, reverse=True) and rates[0] > 0
     assert ranked[0]["budget_hours"] == pytest.approx(SCALERL_BUDGET_ROLLOUTS / rates[0])

@@ -193,7 +193,8 @@ def _result(topology, chips, chip, cands, *, compiled, excluded) -> dict[str, An
 
 
 def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
-    """A ranked row from the estimate alone: no "hbm_gb" or "plan" (nothing compiled)."""
+    """A ranked row from the estimate alone: no "hbm_gb" or "plan" (nothing compiled),
+    the estimate's terms per chip instead."""
     e = c["estimate"]
     return {
         **_name(c),
@@ -203,6 +204,7 @@ def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
         "rollouts_per_hour": e["rollouts_per_hour"],
         "mfu_estimate": e["mfu_estimate"],
         "budget_hours": budget_rollouts / e["rollouts_per_hour"],
+        "estimate_parts_gb": {k: v / 1e9 for k, v in e["parts"].items()},
     }
 
 
