@@ -230,7 +230,8 @@ def test_auto_logprob_chunks_only_big_logits():
     from rl_jax.models.logprobs import chunk_size
 
     assert chunk_size(-1, 256, 512) == 0  # the tiny preset: one piece, as before
-    assert chunk_size(-1, 1024, 151936) == 2**24 // 151936 == 110
+    assert chunk_size(-1, 1024, 151936) == 96  # 2**24 // 151936 = 110, to a multiple of 16
+    assert chunk_size(-1, 1024, 2**21) == 8  # under 16 steps: as many as fit
     assert chunk_size(0, 10**5, 151936) == 0 and chunk_size(16, 11, 48) == 0
     assert chunk_size(4, 11, 48) == 4
 

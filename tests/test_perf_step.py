@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_jax import kernels
 from rl_jax.config import ModelConfig
 from rl_jax.models import (
     Transformer,
@@ -62,10 +63,18 @@ def _batch(P=3, G=4, Tp=6, Tg=7, seed=0):
 
 
 @pytest.mark.parametrize(
-    "arch,biases,tg",
-    [("qwen2", False, 7), ("llama", True, 7), ("qwen3", False, 7), ("qwen2", False, 1)],
+    "arch,biases,tg,tile",
+    [
+        ("qwen2", False, 7, 1),
+        ("llama", True, 7, 1),
+        ("qwen3", False, 7, 1),
+        ("qwen2", False, 1, 1),
+        # TPU's sequence tile: prompts (6 columns) and completions (7) padded to 16.
+        ("qwen3", False, 7, 16),
+    ],
 )
-def test_prefix_shared_forward_equals_whole_rows(arch, biases, tg):
+def test_prefix_shared_forward_equals_whole_rows(arch, biases, tg, tile, monkeypatch):
+    monkeypatch.setitem(kernels.SEQUENCE_TILE, jax.default_backend(), tile)
     spec = resolve_spec(ModelConfig(preset="tiny", architecture=arch))
     if biases:  # Llama with attention_bias: q/k/v and o biases
         spec = spec.replace(qkv_bias=True, o_bias=True)

@@ -47,6 +47,13 @@ Implementations:
   registered with `register("tpu", decode=factory)`.
 * `gpu`: not registered yet; it gets `xla`.
 
+Sequence lengths: on TPU an array [B, T, D] is stored in tiles of 8 rows of 32-bit words
+(16 of bfloat16) by 128 lanes, so the reshape to [B * T, D] that a projection makes is
+free only when T is a multiple of the tile's rows; otherwise libtpu copies the rows one
+by one in code that grows with B * T (an odd T = 14,335 cost minutes of compile time
+per program). `Kernels.seq_tile` is that multiple (`SEQUENCE_TILE`; 1 where any length
+is free), and forwards that choose their own lengths round them to it.
+
 Loops over blocks or chunks that stay rolled in a run (flash attention's block pairs,
 the LM head's chunks) go through `loops.scan` (`loops.py`), so that `rl-jax plan`
 counts every iteration of them without unrolling them.
@@ -76,6 +83,9 @@ OPS = (
 )
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
+# Sequence lengths that keep [B, T, D] -> [B * T, D] a bitcast, per platform (see above):
+# 16 rows is a bfloat16 tile, and two float32 tiles.
+SEQUENCE_TILE = {"tpu": 16}
 
 _REGISTRY: dict[str, dict[str, Callable]] = {p: {} for p in PLATFORMS}
 
@@ -92,6 +102,11 @@ class Kernels:
     flash_attention: Callable
     decode: Callable
     together: Callable
+
+    @property
+    def seq_tile(self) -> int:
+        """The multiple of which sequence lengths are free to reshape (`SEQUENCE_TILE`)."""
+        return SEQUENCE_TILE.get(self.platform, 1)
 
     def decode_ops(self, **conditions) -> xla.Decode:
         """The decode step's ops on this platform under `conditions` (see `decode`)."""
@@ -144,4 +159,4 @@ register(
 )
 register("tpu", flash_attention=tpu.flash_attention)
 
-__all__ = ["OPS", "PLATFORMS", "Kernels", "for_mesh", "for_platform", "register"]
+__all__ = ["OPS", "PLATFORMS", "SEQUENCE_TILE", "Kernels", "for_mesh", "for_platform", "register"]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_jax.kernels import loops
+from rl_jax.kernels import SEQUENCE_TILE, loops
 from rl_jax.knobs import ConfigError
 from rl_jax.models.layers import logprobs_from_logits
 from rl_jax.models.transformer import Transformer, lm_logits
@@ -29,10 +29,16 @@ AUTO_CHUNK_LOGITS = 2**24
 
 def chunk_size(chunk: int, T: int, V: int) -> int:
     """Time steps per chunk of the LM head (`model.logprob_chunk`); 0 = all T at once.
-    -1 (auto): AUTO_CHUNK_LOGITS / V steps (at least 1) when a row's T x V logits
-    exceed AUTO_CHUNK_LOGITS, else all at once (small models stay unchunked)."""
+    -1 (auto): AUTO_CHUNK_LOGITS / V steps when a row's T x V logits exceed
+    AUTO_CHUNK_LOGITS, else all at once (small models stay unchunked); rounded down to
+    a multiple of the largest sequence tile where that leaves one (else at least 1), so
+    that splitting T into chunks is a free reshape on every platform
+    (`rl_jax.kernels.SEQUENCE_TILE`)."""
     if chunk == -1:
-        chunk = max(1, AUTO_CHUNK_LOGITS // V) if T * V > AUTO_CHUNK_LOGITS else 0
+        tile = max(SEQUENCE_TILE.values())
+        steps = AUTO_CHUNK_LOGITS // V
+        steps = steps // tile * tile if steps >= tile else max(1, steps)
+        chunk = steps if T * V > AUTO_CHUNK_LOGITS else 0
     return 0 if chunk >= T else chunk
 
 

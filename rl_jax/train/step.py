@@ -150,7 +150,8 @@ def completion_forward(
     share one prompt, which then runs through the model once per group instead
     of once per row; its keys and values are shared by the group's completions.
     The last completion token is never fed (nothing reads its output), so the
-    forward sees P x Tp + B x (Tg - 1) tokens instead of B x (Tp + Tg). Equal
+    forward sees P x Tp + B x (Tg - 1) tokens instead of B x (Tp + Tg), Tg - 1 rounded
+    up to the platform's sequence tile (`Kernels.seq_tile`: 16 on TPU). Equal
     to one forward over each whole row up to float32 rounding.
     """
     # A view of the stacked parameters as they are (stored stacked: no per-layer split).
@@ -169,10 +170,18 @@ def completion_forward(
 def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, G: int):
     """Residual stream [B, Tg, D] at the columns that predict the completion tokens."""
     # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1
-    # (at least 1: zero-length arrays do not reshape; an unused column is cheap).
-    tc = max(tg - 1, 1)
-    prompt = (a[::G, :tp] for a in (batch.tokens, batch.positions, batch.valid))
-    completion = (a[:, tp : tp + tc] for a in (batch.tokens, batch.positions, batch.valid))
+    # (at least 1: zero-length arrays do not reshape). Both are rounded up to the
+    # platform's sequence tile (`Kernels.seq_tile`): the prompts with invalid columns
+    # in front (more left pads), the completions with columns past Tg - 1 that nothing
+    # reads (the row's last token where it exists, else invalid pads; causality hides
+    # both from the real columns).
+    tile = model.kernels.seq_tile
+    tc = -(-max(tg - 1, 1) // tile) * tile
+    arrays = (batch.tokens, batch.positions, batch.valid)
+    prompt = [jnp.pad(a[::G, :tp], ((0, 0), (-tp % tile, 0))) for a in arrays]
+    completion = [a[:, tp : tp + tc] for a in arrays]
+    if tc > tg:
+        completion = [jnp.pad(a, ((0, 0), (0, tc - tg))) for a in completion]
     xp, xc = model.shared_prefix(*prompt, *completion, group_size=G)
     last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
     return jnp.concatenate([last, xc[:, : tg - 1]], axis=1)
