@@ -86,9 +86,10 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     step = progs["train_step"]
     assert step["fits"] and 0 < step["hbm_total_gb"] < 1
     # XLA's count of the compiled program against the model's: the tiny model's step has
-    # no remat, so the compiled FLOPs are the model's and little else; every layer of
+    # no remat, so the compiled FLOPs are the model's and little else (on TPU the
+    # completion stream runs 16 columns for its 15: `Kernels.seq_tile`); every layer of
     # the scanned forward and backward counts (not one loop body).
-    assert 0.9 < step["flops_ratio"] < 1.1, step
+    assert 0.9 < step["flops_ratio"] < 1.15, step
     assert step["calls"] == 1  # one program runs the step's minibatch updates
     assert step["roofline_s"] > 0 and 0 < step["mfu_estimate"] <= 1
     for p in progs.values():
