@@ -35,6 +35,7 @@ from rl_jax.models.transformer import param_shardings
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, parse_topology
 from rl_jax.sampling import Engine, Sampler
+from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
 from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import (
@@ -616,10 +617,6 @@ def _chip_bytes(tree) -> int:
 
 def _resharded(params, shardings):
     return {n: _abstract(a, shardings[n]) for n, a in params.items()}
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _abstract(s, sharding) -> jax.ShapeDtypeStruct:

@@ -22,6 +22,7 @@ from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden
 from rl_jax.runtime import xla_options
+from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import batch_sharding
 from rl_jax.train.params import ParamPlan
 
@@ -176,7 +177,7 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     # reads (the row's last token where it exists, else invalid pads; causality hides
     # both from the real columns).
     tile = model.kernels.seq_tile
-    tc = -(-max(tg - 1, 1) // tile) * tile
+    tc = round_up(max(tg - 1, 1), tile)
     arrays = (batch.tokens, batch.positions, batch.valid)
     prompt = [jnp.pad(a[::G, :tp], ((0, 0), (-tp % tile, 0))) for a in arrays]
     completion = [a[:, tp : tp + tc] for a in arrays]
