@@ -174,10 +174,10 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
     # each distinct program once (keyed by its lowered module).
     compiled, compile_fn = {}, pp._compile_lowered
 
-    def compile_once(lowered):
-        key = lowered.as_text()
+    def compile_once(lowered, options):
+        key = lowered.as_text(), str(options)
         if key not in compiled:
-            compiled[key] = compile_fn(lowered)
+            compiled[key] = compile_fn(lowered, options)
         return compiled[key]
 
     monkeypatch.setattr(pp, "_compile_lowered", compile_once)
@@ -260,6 +260,37 @@ def test_peeled_loop_counts_each_iteration():
     assert one + 7 * (two - one) == pytest.approx(unrolled, rel=0.01)
     rolled, _ = flops(contextlib.nullcontext())
     assert rolled < 0.5 * unrolled
+
+
+def test_counting_programs_count_every_shard_of_a_collective_matmul():
+    """On a large TPU mesh, XLA runs a matmul whose weights it all-gathers as a windowed
+    einsum (a loop of per-shard matmuls) and counts one shard's; the plan's counting
+    programs compile without it and count the whole matmul."""
+    _libtpu()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rl_jax.plan import _programs as pp
+
+    mesh = Mesh(np.array(pp.topology_devices("v5p-128")).reshape(16, 4), ("fsdp", "tensor"))
+    B, D, F = 16384, 1024, 3072  # tokens x hidden @ hidden x MLP: XLA windows this one
+
+    def arg(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+    x, w = arg((B, D), PartitionSpec("fsdp", None)), arg((D, F), PartitionSpec("fsdp", "tensor"))
+    out = NamedSharding(mesh, PartitionSpec("fsdp", "tensor"))
+    matmul = jax.jit(lambda x, w: x @ w, out_shardings=out)
+    per_chip = 2 * B * D * F / mesh.size
+
+    default, _ = pp._compile(matmul, x, w)
+    assert " while(" in default.as_text(), "libtpu no longer windows this matmul"
+    assert default.cost_analysis()["flops"] < 0.5 * per_chip
+    options = pp.COUNTING_OPTIONS[pp.mesh_platform(mesh)]
+    flops, _ = pp._submit(matmul, x, w, then=pp._cost, options=options).result()
+    assert flops == pytest.approx(per_chip, rel=0.01)
 
 
 @pytest.mark.slow  # six compiles for a v5e: 100 s on the loaded 2-core box
@@ -423,7 +454,7 @@ def test_compile_jobs_compile_programs_at_once(monkeypatch):
 
     barrier, compiled = threading.Barrier(2, timeout=120), []
 
-    def meet(lowered):
+    def meet(lowered, options):
         barrier.wait()
         return lowered.as_text(), 0.0
 
@@ -433,7 +464,7 @@ def test_compile_jobs_compile_programs_at_once(monkeypatch):
     with pp.compile_jobs(2):
         a, b = pp._submit(f, x), pp._submit(g, x, then=lambda done: done[0])
         assert "add" in a.result()[0] and "mul" in b.result()
-    monkeypatch.setattr(pp, "_compile_lowered", lambda lowered: compiled.append(1) or (1, 0.0))
+    monkeypatch.setattr(pp, "_compile_lowered", lambda *_: compiled.append(1) or (1, 0.0))
     later = pp._submit(f, x)
     assert compiled == []
     assert later.result() == (1, 0.0) and later.result() == (1, 0.0) and compiled == [1]
