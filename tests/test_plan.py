@@ -493,6 +493,26 @@ def test_bad_keys_exit_2_before_compiling():
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_minibatch_the_mesh_cannot_split_exits_2_before_compiling():
+    """8 micro-batches of 96 rows over v6e-64's 64 batch shards: the trainer refuses it,
+    and so does the plan, in one line and before libtpu loads."""
+    r = _plan_cli(
+        "scalerl",
+        *TINY,
+        "data.prompts_per_batch=48",
+        "sampling.n=16",
+        "train.updates_per_batch=8",
+        "mesh.data=1",
+        "mesh.fsdp=64",
+        "mesh.tensor=1",
+        "--topology",
+        "v6e-64",
+        timeout=300,
+    )
+    assert r.returncode == 2 and "96 rows" in r.stderr and "64 batch shards" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_bad_topology_exits_2_before_compiling():
     r = subprocess.run(
         [sys.executable, "-m", "rl_jax.cli", "plan", "scalerl", "--topology", "v9:2x2"],
@@ -543,6 +563,13 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     # PipelineRL-8: W = 9 with one update per batch, then halvings; 1 with 8 updates.
     assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]
     assert {c["waves"] for c in cands if c["micro"] == 8} == {1}
+    # Only batches the trainer takes: a micro-batch's rows split over the batch shards
+    # (8 prompts x 2 samples in 8 micro-batches: 2 rows, not over fsdp 4).
+    for c in cands:
+        rows = 8 // (cfg.train.updates_per_batch * c["micro"]) * cfg.sampling.n
+        assert rows % (c["mesh"]["data"] * c["mesh"]["fsdp"]) == 0
+    meshes = {(tuple(c["mesh"].values()), c["micro"]) for c in cands}
+    assert ((1, 2, 2), 8) in meshes and ((1, 4, 1), 8) not in meshes and ((1, 4, 1), 4) in meshes
     keys = [
         (tuple(c["mesh"].values()), c["remat"], c["micro"], c["waves"], c["slots"]) for c in cands
     ]

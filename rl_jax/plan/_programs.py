@@ -33,11 +33,17 @@ from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import param_shardings
 from rl_jax.plan._flops import train_flops
-from rl_jax.plan.chips import Chip, canonical_topology, parse_topology
+from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sampling._decoder import round_up
-from rl_jax.sharding import batch_sharding, get_rules, make_mesh, num_batch_shards
+from rl_jax.sharding import (
+    batch_sharding,
+    get_rules,
+    make_mesh,
+    num_batch_shards,
+    resolve_axis_sizes,
+)
 from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import (
     TRAIN_PASSES,
@@ -49,7 +55,7 @@ from rl_jax.train.accounting import (
 from rl_jax.train.evaluation import engine_shape
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
-from rl_jax.train.parts import engine_sampling
+from rl_jax.train.parts import check_sizes, engine_sampling
 from rl_jax.train.step import TrainBatch, make_logprob_fn, make_update
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
@@ -87,8 +93,12 @@ class Target(NamedTuple):
 
 def plan_target(cfg: RunConfig, topology: str) -> Target:
     """`cfg` resolved, on a mesh of `topology`'s devices (its mesh.* shape, not a count
-    of this host's devices), with its model spec, train rules and bucketed lengths."""
+    of this host's devices), with its model spec, train rules and bucketed lengths. The
+    batch's sizes are checked against the mesh as the trainer checks them, before libtpu
+    loads: a ConfigError, not a compile that cannot shard the minibatch."""
     cfg = resolved(cfg)
+    data, fsdp, _ = resolve_axis_sizes(cfg.mesh, num_chips(parse_topology(topology)[1]))
+    check_sizes(cfg, data * fsdp)
     devices = topology_devices(topology)
     mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
     sc = cfg.sampling

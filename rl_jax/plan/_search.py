@@ -8,7 +8,8 @@ Dimensions, each a knob the trainer has:
                 only its weight matmuls' outputs kept, or only its input kept
   micro-batches the recipe's minibatches each split in m (train.updates_per_batch
                 x m with train.grad_accum x m: the same optimizer updates from
-                smaller programs, plus the old policy's log-prob pass m > 1 needs)
+                smaller programs, plus the old policy's log-prob pass m > 1 needs),
+                where a micro-batch's rows still split over the mesh's batch shards
   waves         PipelineRL only (train.pipeline_waves): W, batches untrained at once
                 on the stream (W x B_p groups in flight, W x B_p x n engine slots
                 unless sampling.engine_slots); a smaller W bounds staleness tighter.
@@ -41,6 +42,7 @@ from rl_jax.plan._estimate import estimate
 from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
 from rl_jax.plan.chips import num_chips, parse_topology
 from rl_jax.train.accounting import num_waves, sampler_rows
+from rl_jax.train.parts import check_sizes
 
 MAX_TENSOR = 8
 MAX_MICRO = 8
@@ -65,7 +67,17 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         for mesh, remat, m in itertools.product(meshes, REMAT, micro)
         for w in _waves(cfg, M * m)
     ]
-    return [{**c, "slots": s} for c in cands for s in _slots(cfg, c)]
+    return [{**c, "slots": s} for c in cands if _trains(cfg, c) for s in _slots(cfg, c)]
+
+
+def _trains(cfg: RunConfig, cand: dict[str, Any]) -> bool:
+    """Whether the trainer takes a candidate's batch: each (micro-)batch's rows split
+    over its batch shards (`check_sizes`, as the trainer checks them)."""
+    try:
+        check_sizes(apply(cfg, cand), cand["mesh"]["data"] * cand["mesh"]["fsdp"])
+    except ConfigError:
+        return False
+    return True
 
 
 def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
