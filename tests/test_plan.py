@@ -293,6 +293,39 @@ def test_counting_programs_count_every_shard_of_a_collective_matmul():
     assert flops == pytest.approx(per_chip, rel=0.01)
 
 
+def test_engine_prefill_compiles_with_one_prompt_per_batch_shard():
+    """96 slots of 16 samples on v6e-64's 16 x 4 mesh: the engine prefills 16 prompts,
+    one per batch shard, where libtpu aborted compiling the gather of their KV starts."""
+    _libtpu()
+    import jax
+
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import _programs as pp
+
+    knobs = [
+        *TINY,
+        "model.num_layers=1",
+        "data.prompts_per_batch=48",
+        "sampling.n=16",
+        "train.updates_per_batch=8",
+        "mesh.data=1",
+        "mesh.fsdp=16",
+        "mesh.tensor=4",
+        "sampling.engine_slots=96",
+    ]
+    cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
+    b = pp._build(cfg, spec, mesh, rules, minibatches=8, batch_prompts=48, tp=tp, tg=tg)
+    assert (b.engine.slots, b.engine.prefill_prompts) == (96, 16)
+    fn, args, kw = b.engine_programs["prefill_insert"]
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
+    try:
+        compiled, _ = pp._compile(fn, *args, **kw)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
 @pytest.mark.slow  # six compiles for a v5e: 100 s on the loaded 2-core box
 def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
     """Attention's block pairs and the LM head's chunks stay loops in the plan's cost

@@ -509,10 +509,10 @@ def _unrolled_scans():
 # Per platform, the compiler options of the counting programs. TPU: XLA's SPMD
 # partitioner turns a matmul whose operand is all-gathered (or whose output is
 # reduce-scattered) over a large shard axis into a windowed einsum, a while loop of
-# per-shard matmuls overlapping the collective; cost analysis counts its body once (the
-# 8B log-prob pass on v5p-128, fsdp 16 x tensor 4, counted 0.72 of the model's FLOPs;
-# without windowing, 1.00). Without it, the same matmuls run as one dot after the
-# collective, all counted. The memory programs keep XLA's defaults.
+# per-shard matmuls overlapping the collective, and cost analysis counts its body once:
+# the 8B log-prob pass on v5p-128 (fsdp 16 x tensor 4) counted 0.72 of the model's
+# FLOPs. Without windowing each such matmul is one dot after the collective, counted
+# whole (1.00). The memory programs keep XLA's defaults.
 COUNTING_OPTIONS = {
     "tpu": {
         "xla_tpu_enable_windowed_einsum_for_all_gather": False,

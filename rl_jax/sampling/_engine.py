@@ -407,7 +407,7 @@ class Engine(Decoder):
             return Prefix(
                 cache=cache,
                 prompt_tokens=jnp.where(got[:, None], new.prompt_tokens[which], pool.prompt_tokens),
-                kv_start=jnp.where(got, new.kv_start[which], pool.kv_start),
+                kv_start=jnp.where(got, _take_vector(new.kv_start, which), pool.kv_start),
             )
 
         def fill(pool: Prefix) -> Prefix:
@@ -456,7 +456,7 @@ class Engine(Decoder):
         Tg = self.gen_len
         fresh = {
             "prompt_tokens": prompts,
-            "kv_start": pool.kv_start[source_s],
+            "kv_start": _take_vector(pool.kv_start, source_s),
             "tokens": jnp.full((S, Tg), self.pad_id, jnp.int32),
             "logprobs": jnp.zeros((S, Tg), jnp.float32),
             "versions": jnp.full((S, Tg), -1, jnp.int32),
@@ -694,6 +694,16 @@ class Engine(Decoder):
             chunk += 1
             loop.collect(out)
         return loop.rollouts(), loop.stats(chunk)
+
+
+def _take_vector(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] for a short vector and indices in range, as a one-hot sum. libtpu 0.0.42
+    aborts compiling the gather when x and idx are split over the batch shards one
+    element per shard (its AllGatherSimplifier: "Check failed: constant->opcode() ==
+    HloOpcode::kConstant"; the engine's prefill with one prompt per shard, e.g. 96
+    slots of 16 samples over 16 shards); the sum compiles on every mesh."""
+    hit = idx[:, None] == jnp.arange(x.shape[0])[None, :]
+    return jnp.sum(jnp.where(hit, x[None, :], 0), axis=1, dtype=x.dtype)
 
 
 class _Empty(NamedTuple):
