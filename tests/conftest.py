@@ -22,6 +22,7 @@ _CACHE = Path(__file__).resolve().parents[1] / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -37,3 +38,15 @@ def pytest_runtest_setup(item):
         pytest.skip(
             f"needs {marker.args[0]} devices; {jax.devices()[0].platform} has {jax.device_count()}"
         )
+
+
+@pytest.fixture
+def no_compilation_cache():
+    """The persistent compilation cache off for a test that compiles for a TPU topology:
+    an executable for chips this host lacks cannot be loaded back."""
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)

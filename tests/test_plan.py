@@ -156,14 +156,12 @@ def test_json_is_strict():
     assert json.loads(out, parse_constant=strict) == {"a": [None, 1.5], "b": {"c": None}, "d": 2}
 
 
-def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
+def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compilation_cache):
     """XLA counts a while loop's body once; the plan's counts of the scanned programs
     equal those of the same programs with every scan unrolled, and grow with depth as
     the model's FLOPs do."""
     _libtpu()
     import dataclasses
-
-    import jax
 
     from rl_jax.config import load_recipe
     from rl_jax.kernels import loops
@@ -181,29 +179,24 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch):
         return compiled[key]
 
     monkeypatch.setattr(pp, "_compile_lowered", compile_once)
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
-    try:
-        # The batch Sampler's prefill (sampling.engine=false, on_policy's batch).
-        knobs = [*TINY, *ON_POLICY, "sampling.engine=false", "train.updates_per_batch=2"]
-        cfg = load_recipe("scalerl", knobs)
-        cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
-        kw = dict(batch_prompts=4, tp=tp, tg=tg)
-        spec4 = dataclasses.replace(spec2, num_layers=4)
-        c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
-        with pp.compile_jobs(2):  # the counting programs compiled on two threads
-            c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
+    # The batch Sampler's prefill (sampling.engine=false, on_policy's batch).
+    knobs = [*TINY, *ON_POLICY, "sampling.engine=false", "train.updates_per_batch=2"]
+    cfg = load_recipe("scalerl", knobs)
+    cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
+    kw = dict(batch_prompts=4, tp=tp, tg=tg)
+    spec4 = dataclasses.replace(spec2, num_layers=4)
+    c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
+    with pp.compile_jobs(2):  # the counting programs compiled on two threads
+        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
+    b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
+    scanned = pp._cost(pp._compile(b.update, *b.update_args))
+    with pp._unrolled_scans(), loops.unrolled():
         b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
-        scanned = pp._cost(pp._compile(b.update, *b.update_args))
-        with pp._unrolled_scans(), loops.unrolled():
-            b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
-            truth = {
-                "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
-                "logprob": pp._cost(pp._compile(b.logprob, *b.logprob_args)),
-                "prefill": pp._cost(pp._compile(b.start_fn, *b.start_args, **b.start_kw)),
-            }
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+        truth = {
+            "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
+            "logprob": pp._cost(pp._compile(b.logprob, *b.logprob_args)),
+            "prefill": pp._cost(pp._compile(b.start_fn, *b.start_args, **b.start_kw)),
+        }
     for name, (flops, moved) in truth.items():
         assert c4[name][0] == pytest.approx(flops, rel=0.02), name
         # Bytes depend on fusion, which differs between a loop's body run M x L times
@@ -293,11 +286,10 @@ def test_counting_programs_count_every_shard_of_a_collective_matmul():
     assert flops == pytest.approx(per_chip, rel=0.01)
 
 
-def test_engine_prefill_compiles_with_one_prompt_per_batch_shard():
+def test_engine_prefill_compiles_with_one_prompt_per_batch_shard(no_compilation_cache):
     """96 slots of 16 samples on v6e-64's 16 x 4 mesh: the engine prefills 16 prompts,
     one per batch shard, where libtpu aborted compiling the gather of their KV starts."""
     _libtpu()
-    import jax
 
     from rl_jax.config import load_recipe
     from rl_jax.plan import _programs as pp
@@ -317,22 +309,16 @@ def test_engine_prefill_compiles_with_one_prompt_per_batch_shard():
     b = pp._build(cfg, spec, mesh, rules, minibatches=8, batch_prompts=48, tp=tp, tg=tg)
     assert (b.engine.slots, b.engine.prefill_prompts) == (96, 16)
     fn, args, kw = b.engine_programs["prefill_insert"]
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
-    try:
-        compiled, _ = pp._compile(fn, *args, **kw)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+    compiled, _ = pp._compile(fn, *args, **kw)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
 @pytest.mark.slow  # six compiles for a v5e: 100 s on the loaded 2-core box
-def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
+def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_cache):
     """Attention's block pairs and the LM head's chunks stay loops in the plan's cost
     programs, counted peeled (one body's cost times the trip count, one more compile per
     loop): within 1% of the program with every loop unrolled."""
     _libtpu()
-    import jax
 
     from rl_jax.config import load_recipe
     from rl_jax.kernels import loops
@@ -350,19 +336,14 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch):
     # program, where XLA folds and shares them).
     knobs = ["model.attention=blockwise", "model.attention_block=16", "model.logprob_chunk=4"]
     knobs.append("model.head_dim=64")
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
-    try:
-        cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
-            load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
-        )
-        kw = dict(batch_prompts=4, tp=tp, tg=tg)
-        got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
-        with pp._unrolled_scans(), loops.unrolled():
-            b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
-            truth = pp._cost(pp._compile(b.update, *b.update_args))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+    cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
+        load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
+    )
+    kw = dict(batch_prompts=4, tp=tp, tg=tg)
+    got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
+    with pp._unrolled_scans(), loops.unrolled():
+        b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
+        truth = pp._cost(pp._compile(b.update, *b.update_args))
     # 16 prompt keys in one block: no loop; 16 completions after them over 32 keys in
     # blocks of 16: 2 causal block pairs; 16 completions' LM head in chunks of 4. Each
     # loop once more.
@@ -692,7 +673,9 @@ def test_expected_train_flops_add_what_each_knob_recomputes():
 ON_POLICY = ["train.off_policy=on_policy", "train.off_policy_k=1"]
 
 
-def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(monkeypatch):
+def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
+    monkeypatch, no_compilation_cache
+):
     """on_policy samples on the engine (sampling.engine, the default): the plan compiles
     its prefill_insert and generate at the trainer's slot count, chunk and prefill size,
     in place of the Sampler's prefill and decode, and counts its slots' KV cache."""
@@ -715,13 +698,8 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(monk
         )
 
     monkeypatch.setattr(pp, "_layer_costs", generate_costs)
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # no TPU to load it back
-    try:
-        cfg = load_recipe("scalerl", [*TINY, *ON_POLICY, "sampling.engine_slots=4"])
-        plan = pp.plan_run(cfg, "v5e:2x2")
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+    cfg = load_recipe("scalerl", [*TINY, *ON_POLICY, "sampling.engine_slots=4"])
+    plan = pp.plan_run(cfg, "v5e:2x2")
     progs = {p["name"]: p for p in plan["programs"]}
     assert set(progs) == {"train_step", "prefill_insert", "generate"}
     # 4 slots (one per batch shard) for the step's 4 x 2 rows; a chunk decodes to the
