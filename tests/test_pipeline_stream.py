@@ -2,9 +2,12 @@
 per-token staleness check by hand, a randomized run of the whole protocol, and the
 stream on the engine (test_sampler's small random model)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from rl_jax.train.accounting import num_waves
 from rl_jax.train.phases import StalenessError, check_staleness
 from rl_jax.train.stream import DeadlineError, StreamBook, feasible
 
@@ -83,16 +86,19 @@ def test_training_a_batch_not_formed_is_refused():
         StreamBook(P=1, W=0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_completions_keep_every_deadline_and_the_staleness_bound(seed):
     """The protocol against random completion orders: every batch has P groups, every
     group is trained by its deadline, and per token (version = t x M at admission) no
-    update is more than k versions ahead."""
+    update runs on weights more than k optimizer steps ahead: M minibatch updates per
+    batch, train.grad_accum of them per step, U = M / grad_accum steps per batch."""
     rng = np.random.default_rng(seed)
-    P, M = int(rng.integers(1, 4)), int(rng.integers(1, 3))
-    W = int(rng.integers(1, 4))
-    k = W * M - 1 + int(rng.integers(0, M))  # num_waves: W = (k + 1) // M
-    assert (k + 1) // M == W
+    P, U, ga = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    M, W = U * ga, int(rng.integers(1, 4))
+    k = W * U - 1 + int(rng.integers(0, U))
+    knobs = dict(off_policy_k=k, updates_per_batch=M, grad_accum=ga, pipeline_waves=0)
+    cfg = SimpleNamespace(train=SimpleNamespace(**knobs))  # k = 0 is below the knob's range
+    assert num_waves(cfg) == W  # (k + 1) // U
     book = StreamBook(P=P, W=W)
     steps = 12
     book.allow(steps)
@@ -113,8 +119,9 @@ def test_random_completions_keep_every_deadline_and_the_staleness_bound(seed):
         for g in batch:
             trained_at[g] = book.trained
             last_update = book.trained * M + M - 1
-            check_staleness(np.array([[version_at[g]]]), np.array([[True]]), book.trained * M, M, k)
-            assert last_update - version_at[g] <= k
+            v = np.array([[version_at[g]]])
+            check_staleness(v, np.array([[True]]), book.trained * M, M, k, ga)
+            assert last_update // ga - version_at[g] // ga <= k
         book.trained_one()
     assert sorted(trained_at) == list(range(steps * P)) and book.idle
 
@@ -127,11 +134,22 @@ def test_check_staleness_per_token():
     mask = np.array([[True, True, False], [True, True, True]])
     # Updates at versions 6 and 7 (M = 2): the oldest token (4) is 3 behind the last.
     assert check_staleness(versions, mask, 6, 2, 3) == 3
-    with pytest.raises(StalenessError, match=r"staleness 3 exceeds k=2: row 0 token 0"):
+    with pytest.raises(
+        StalenessError, match=r"staleness 3 exceeds k=2 optimizer steps: row 0 token 0"
+    ):
         check_staleness(versions, mask, 6, 2, 2)
     # Tokens the policy did not sample (-1: padding, injected) are not checked.
     assert check_staleness(versions, np.array([[False, True, False], [True] * 3]), 6, 2, 2) == 2
     assert check_staleness(versions, np.zeros_like(mask), 99, 1, 0) == 0
+    # Two minibatch updates per optimizer step: versions 4-5 are the weights of step 2,
+    # 6-7 of step 3; the update at version 7 runs on step 3, 1 step after token (4).
+    assert check_staleness(versions, mask, 6, 2, 1, grad_accum=2) == 1
+    with pytest.raises(StalenessError, match=r"staleness 1 exceeds k=0 optimizer steps"):
+        check_staleness(versions, mask, 6, 2, 0, grad_accum=2)
+    # Three per step: version 5 holds step 1's weights, the update at 6 runs on step 2's;
+    # versions 3 and 5 are both step 1's.
+    assert check_staleness(np.array([[5]]), np.array([[True]]), 6, 1, 1, grad_accum=3) == 1
+    assert check_staleness(np.array([[3]]), np.array([[True]]), 5, 1, 0, grad_accum=3) == 0
 
 
 # ---- the stream on the engine -------------------------------------------------------------

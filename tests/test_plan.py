@@ -562,9 +562,10 @@ def test_estimate_counts_the_trainers_state_as_train_precision_and_lora_hold_it(
 
 
 def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
-    """Candidates span none / save_dots / full, and a candidate's "waves" (W, the
-    batches PipelineRL keeps untrained: train.pipeline_waves) are what the trainer
-    would keep with its updates per batch (micro-batches leave fewer), each once."""
+    """Candidates span none / save_dots / full, micro-batches dividing the minibatch,
+    and a candidate's "waves" (W, the batches PipelineRL keeps untrained:
+    train.pipeline_waves) are what the trainer would keep with its optimizer steps per
+    batch (micro-batches split a step, so they keep as many), each once."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.plan._search import apply, candidates
     from rl_jax.train.accounting import num_waves
@@ -574,9 +575,13 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     assert {c["remat"] for c in cands} == {"none", "save_dots", "full"}
     assert {c["micro"] for c in cands} == {1, 2, 4, 8}
     assert all(num_waves(resolved(apply(cfg, c))) == c["waves"] for c in cands)
-    # PipelineRL-8: W = 9 with one update per batch, then halvings; 1 with 8 updates.
+    # PipelineRL-8: W = 9 with one optimizer step per batch, then halvings; the same
+    # with 8 micro-batches of it (train.grad_accum=8).
     assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]
-    assert {c["waves"] for c in cands if c["micro"] == 8} == {1}
+    assert sorted({c["waves"] for c in cands if c["micro"] == 8}) == [1, 2, 4, 9]
+    overrides = [*TINY, "data.prompts_per_batch=8", "train.updates_per_batch=2"]
+    two_steps = resolved(load_recipe("scalerl", overrides))
+    assert {c["waves"] for c in candidates(two_steps, 4, num_heads=4)} == {1, 2, 4}
     # Only batches the trainer takes: a micro-batch's rows split over the batch shards
     # (8 prompts x 2 samples in 8 micro-batches: 2 rows, not over fsdp 4).
     for c in cands:

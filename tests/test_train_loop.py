@@ -77,12 +77,18 @@ def test_one_step_sharded_equals_single_device(tmp_path):
         np.testing.assert_allclose(p1[k], p8[k], atol=1e-5, rtol=1e-5, err_msg=k)
 
 
-def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
+@pytest.mark.parametrize(
+    "micro", [[], ["train.updates_per_batch=2", "train.grad_accum=2"]], ids=["1", "2-micro"]
+)
+def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
+    """PipelineRL-k's bound in optimizer steps: 2 micro-batches of one step each batch
+    (train.grad_accum) keep as many batches in flight and the same schedule."""
     k = 2
     tr = RLTrainer(
         _cfg(
             tmp_path,
             "name=pipe",
+            *micro,
             "train.steps=5",
             "train.off_policy=pipeline",
             f"train.off_policy_k={k}",
@@ -104,7 +110,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path):
     # evaluation, which compiles its own programs).
     assert compiled[0] > 0 and compiled[-1] == compiled[0], "\n".join(xla.records[compiled[0] :])
     hist = {int(s): n for s, n in summary["staleness_hist"].items()}
-    assert max(hist) <= k  # never more than k versions behind the oldest token
+    assert max(hist) <= k  # never more than k optimizer steps behind the oldest token
     assert max(hist) >= 1  # and batches really were in flight across updates
     rows = read_jsonl(tr.run.metrics_path)
     assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)

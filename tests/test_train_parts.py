@@ -28,6 +28,28 @@ def test_lr_sqrt_batch_scaling_and_warmup():
     assert float(cos(0)) == pytest.approx(2.0) and float(cos(10)) == pytest.approx(0.0)
 
 
+def test_the_schedule_counts_optimizer_steps_under_grad_accum():
+    """With train.grad_accum, optax.MultiSteps steps the inner AdamW (and its schedule)
+    once per grad_accum minibatch updates: the cosine spans the run's optimizer steps,
+    3 batches x 4 minibatches / 2 = 6, and reaches its end at the run's last step."""
+    knobs = dict(steps=3, updates_per_batch=4, grad_accum=2, warmup_steps=0)
+    cfg = TrainConfig(lr=1.0, schedule="cosine", weight_decay=0.0, grad_clip=0.0, **knobs)
+    assert cfg.optimizer_steps == 6
+    tx, sched = make_optimizer(cfg, prompts_per_batch=1, samples_per_prompt=1)
+    p = {"w": jnp.zeros(())}
+    st = tx.init(p)
+    moved = []
+    for _ in range(cfg.steps * cfg.updates_per_batch):
+        upd, st = tx.update({"w": jnp.ones(())}, st, p)
+        moved.append(-float(upd["w"]))
+    # A constant gradient: each of Adam's steps moves by the step's learning rate; the
+    # accumulating minibatches between steps move nothing.
+    expect = [(1 + math.cos(math.pi * s / 6)) / 2 for s in range(6)]
+    np.testing.assert_allclose(moved[1::2], expect, atol=1e-5)
+    np.testing.assert_allclose(moved[0::2], 0.0, atol=0)
+    assert float(sched(6)) == pytest.approx(0.0, abs=1e-7)
+
+
 def test_adamw_eps_and_clipping_applied():
     cfg = TrainConfig(lr=0.1, adam_eps=1e-15, weight_decay=0.0, grad_clip=1.0)
     tx, _ = make_optimizer(cfg, prompts_per_batch=1, samples_per_prompt=1)

@@ -201,3 +201,31 @@ def test_training_forward_is_the_same_with_blockwise_attention(setup, attention)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for name in g0:
         np.testing.assert_allclose(g1[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_micro_batches_under_grad_accum_take_the_whole_batchs_step():
+    """What `rl-jax plan --search` relies on: M micro-batches with train.grad_accum = M
+    take the one optimizer step the whole batch takes (prompt-level aggregation: the
+    micro-batches' mean of per-prompt means is the batch's), with no old policy's
+    log-probs (`accounting.policy_steps` is 1: ratios against the sampler's, as the
+    batch's own)."""
+    spec = resolve_spec(
+        ModelConfig(preset="tiny", num_layers=2, hidden_size=32, intermediate_size=48)
+    )
+    loss = LossConfig(name="cispo", advantage="grpo", kl_coef=0.0, aggregation="prompt")
+    host = _host(seed=5)
+    del host["old_logp"]
+    params = init_params(spec, jax.random.key(4))
+    out = {}
+    for m in (1, M):
+        tx = optax.MultiSteps(optax.sgd(0.5), every_k_schedule=m) if m > 1 else optax.sgd(0.5)
+        kw = dict(spec=spec, rules=get_rules("fsdp", purpose="train"), mesh=None, tx=tx)
+        update = make_update(**kw, loss_cfg=loss, num_groups=P // m, max_tokens=TG, temperature=1.0)
+        batches = put_minibatches(host, None, num_minibatches=m, groups=P)
+        start = jax.tree.map(jnp.copy, params)
+        out[m], _, _ = update(start, tx.init(start), batches)
+    moved = 0.0
+    for k in params:
+        np.testing.assert_allclose(np.asarray(out[M][k]), np.asarray(out[1][k]), atol=1e-6)
+        moved = max(moved, float(np.abs(np.asarray(out[1][k]) - np.asarray(params[k])).max()))
+    assert moved > 1e-3  # the step moved the weights

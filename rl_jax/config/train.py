@@ -50,6 +50,12 @@ class TrainConfig:
     seed: int = knob(0, help="RNG seed of sampling and initialization")
 
     @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run, the schedule's length: its minibatch updates
+        over grad_accum (a last partial accumulation never steps), at least 1."""
+        return max(1, self.steps * self.updates_per_batch // self.grad_accum)
+
+    @property
     def warmup_count(self) -> int:
         """Warm-up steps: warmup_steps itself, or that fraction of train.steps."""
         w = self.warmup_steps

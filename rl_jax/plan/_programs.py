@@ -50,6 +50,7 @@ from rl_jax.train.accounting import (
     extra_forwards,
     forward_flops,
     num_waves,
+    policy_steps,
     sampler_rows,
 )
 from rl_jax.train.evaluation import engine_shape
@@ -399,7 +400,7 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
     loss = cfg.loss.resolved()
     temperature = cfg.sampling.temperature or 1.0
     kl = loss.kl_coef > 0
-    needs_old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
+    needs_old = policy_steps(cfg) > 1 or loss.tis or (kl and loss.kl_in_reward)
     critic = loss.advantage == "gae"
     sampler = Sampler(
         spec,

@@ -6,15 +6,15 @@ Dimensions, each a knob the trainer has:
                 heads and is at most 8, the chips one host's interconnect joins)
   remat         model.remat none, save_dots or full: each layer's activations kept,
                 only its weight matmuls' outputs kept, or only its input kept
-  micro-batches the recipe's minibatches each split in m (train.updates_per_batch
-                x m with train.grad_accum x m: the same optimizer updates from
-                smaller programs, plus the old policy's log-prob pass m > 1 needs),
-                where a micro-batch's rows still split over the mesh's batch shards
+  micro-batches the recipe's minibatches each split in m, any m dividing them
+                (train.updates_per_batch x m with train.grad_accum x m: the same
+                optimizer steps from smaller programs), where a micro-batch's rows
+                still split over the mesh's batch shards
   waves         PipelineRL only (train.pipeline_waves): W, batches untrained at once
                 on the stream (W x B_p groups in flight, W x B_p x n engine slots
                 unless sampling.engine_slots); a smaller W bounds staleness tighter.
-                The trainer keeps (k + 1) // updates per batch at most, so
-                micro-batches (more updates per batch) leave fewer to choose from
+                The trainer keeps (k + 1) // (optimizer steps per batch) at most,
+                micro-batches or not
   slots         the engine's slots (sampling.engine_slots): a slot for every row in
                 flight (the default), or a half, a quarter or an eighth of them in
                 whole batch shards: a smaller KV cache, more decode steps each
@@ -45,7 +45,6 @@ from rl_jax.train.accounting import num_waves, sampler_rows
 from rl_jax.train.parts import check_sizes
 
 MAX_TENSOR = 8
-MAX_MICRO = 8
 REMAT = ("none", "save_dots", "full")
 SLOT_SPLITS = (1, 2, 4, 8)
 DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots")
@@ -61,11 +60,11 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         for d in _divisors(chips // t)
         for f in [chips // t // d]
     ]
-    micro = [m for m in (1, 2, 4, 8) if m <= MAX_MICRO and P % (M * m) == 0]
+    micro = _divisors(P // M) if P % M == 0 else [1]
     cands = [
         {"mesh": mesh, "remat": remat, "micro": m, "waves": w, "slots": 0}
         for mesh, remat, m in itertools.product(meshes, REMAT, micro)
-        for w in _waves(cfg, M * m)
+        for w in _waves(cfg)
     ]
     return [{**c, "slots": s} for c in cands if _trains(cfg, c) for s in _slots(cfg, c)]
 
@@ -92,13 +91,13 @@ def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
     return [0] + [rows // s for s in SLOT_SPLITS[1:] if rows % s == 0 and (rows // s) % shards == 0]
 
 
-def _waves(cfg: RunConfig, updates: int) -> list[int]:
-    """PipelineRL's choices of W (batches untrained at once) with `updates` updates per
-    batch: the most the trainer keeps (`num_waves`) and halvings of it; [0] (no such
-    knob) otherwise."""
+def _waves(cfg: RunConfig) -> list[int]:
+    """PipelineRL's choices of W (batches untrained at once): the most the trainer keeps
+    (`num_waves`, the same with any micro-batches: they split the recipe's optimizer
+    steps, not add to them) and halvings of it; [0] (no such knob) otherwise."""
     if cfg.train.off_policy != "pipeline":
         return [0]
-    most = num_waves(cfg, updates=updates)
+    most = num_waves(cfg)
     return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 

@@ -93,21 +93,30 @@ def forward_flops(
 
 def extra_forwards(cfg: RunConfig) -> int:
     """Forward passes over a whole batch that training takes besides its updates: the
-    old policy's log-probs (several updates per batch, truncated IS, or the KL in the
-    reward), the reference's (a KL term) and the critic's values (GAE)."""
-    loss, M = cfg.loss.resolved(), cfg.train.updates_per_batch
+    old policy's log-probs (the policy changes within the batch, truncated IS, or the KL
+    in the reward), the reference's (a KL term) and the critic's values (GAE)."""
+    loss = cfg.loss.resolved()
     kl = loss.kl_coef > 0
-    old = M > 1 or loss.tis or (kl and loss.kl_in_reward)
+    old = policy_steps(cfg) > 1 or loss.tis or (kl and loss.kl_in_reward)
     return int(old) + int(kl) + int(loss.advantage == "gae")
 
 
-def num_waves(cfg: RunConfig, *, updates: int | None = None) -> int:
+def policy_steps(cfg: RunConfig) -> int:
+    """Optimizer steps a batch's M minibatch updates take, as PipelineRL's k counts them
+    (steps of the trainer, not gradient micro-batches) and as the old policy's log-probs
+    need them (the policy changes within the batch only if this is above 1):
+    M / train.grad_accum where grad_accum divides M (each batch starts a fresh
+    accumulation, `version` counting minibatches from 0); else M, as if every minibatch
+    stepped, an upper bound (an accumulation crosses batches)."""
+    M, ga = cfg.train.updates_per_batch, cfg.train.grad_accum
+    return M // ga if M % ga == 0 else M
+
+
+def num_waves(cfg: RunConfig) -> int:
     """PipelineRL's W: batches untrained at once (the stream's W x B_p groups in flight,
-    `rl_jax.train.stream`), W = (k + 1) // M, at least 1 and at most
-    train.pipeline_waves when set (M: `updates` updates per batch, default the run's
-    train.updates_per_batch)."""
-    M = cfg.train.updates_per_batch if updates is None else updates
-    w = max(1, (cfg.train.off_policy_k + 1) // M)
+    `rl_jax.train.stream`), W = (k + 1) // U with U the batch's optimizer steps
+    (`policy_steps`), at least 1 and at most train.pipeline_waves when set."""
+    w = max(1, (cfg.train.off_policy_k + 1) // policy_steps(cfg))
     return min(w, cfg.train.pipeline_waves) if cfg.train.pipeline_waves > 0 else w
 
 

@@ -6,8 +6,9 @@ what a checkpoint holds) and the phases (rl_jax.train.phases) that map a state
 to the next. The off-policy mode picks a schedule over the phases
 (rl_jax.train.schedules); the shell logs, evaluates, checkpoints and resumes.
 
-One "step" is one batch of B_p prompts trained with M optimizer updates; the
-policy version counts optimizer updates. Random keys derive from (seed, step),
+One "step" is one batch of B_p prompts trained with M minibatch updates (M /
+train.grad_accum optimizer steps); the policy version counts minibatch updates,
+PipelineRL's staleness optimizer steps. Random keys derive from (seed, step),
 so a resumed run repeats the numbers of one that never stopped.
 """
 

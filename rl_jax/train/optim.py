@@ -33,9 +33,11 @@ def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Sche
 def make_optimizer(
     cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with global-norm clipping; gradient accumulation via optax.MultiSteps."""
+    """AdamW with global-norm clipping; gradient accumulation via optax.MultiSteps. The
+    schedule counts optimizer steps (MultiSteps steps the inner AdamW, and its schedule,
+    once per train.grad_accum minibatch updates): `TrainConfig.optimizer_steps`."""
     peak = peak_lr(cfg, prompts_per_batch=prompts_per_batch, samples_per_prompt=samples_per_prompt)
-    sched = lr_schedule(cfg, peak, cfg.steps * cfg.updates_per_batch)
+    sched = lr_schedule(cfg, peak, cfg.optimizer_steps)
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))

@@ -20,7 +20,7 @@ from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine, Sampler
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
-from rl_jax.train.accounting import decode_chunk, sampler_rows
+from rl_jax.train.accounting import decode_chunk, policy_steps, sampler_rows
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
@@ -83,8 +83,9 @@ class Parts:
 
     @property
     def needs_old_logp(self) -> bool:
-        """Batches carry the old policy's log-probs: several updates per batch, or TIS."""
-        return self.M > 1 or self.cfg.loss.tis
+        """Batches carry the old policy's log-probs: the policy steps within the batch
+        (`policy_steps`), or TIS."""
+        return policy_steps(self.cfg) > 1 or self.cfg.loss.tis
 
 
 class SamplerWeights:
@@ -266,10 +267,12 @@ def check_sizes(cfg: RunConfig, shards: int) -> None:
             "data.dynamic_sampling resamples whole batches before training: it needs "
             "train.off_policy in ('on_policy', 'ppo_off_policy'), got 'pipeline'"
         )
-    if cfg.train.off_policy == "pipeline" and (cfg.train.off_policy_k + 1) // M < 1:
+    U = policy_steps(cfg)
+    if cfg.train.off_policy == "pipeline" and (cfg.train.off_policy_k + 1) // U < 1:
         raise ConfigError(
-            f"train.off_policy_k={cfg.train.off_policy_k} is below train.updates_per_batch={M}"
-            ": PipelineRL-k needs k + 1 >= M"
+            f"train.off_policy_k={cfg.train.off_policy_k} is below the {U} optimizer steps of "
+            f"a batch (train.updates_per_batch={M}, train.grad_accum={cfg.train.grad_accum})"
+            ": PipelineRL-k needs k + 1 >= the steps a batch takes"
         )
 
 

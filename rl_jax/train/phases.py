@@ -218,23 +218,28 @@ class StalenessError(RuntimeError):
     """A token is more than PipelineRL's k versions older than an update that trains on it."""
 
 
-def check_staleness(versions_bt, mask_bt, version: int, updates: int, k: int) -> int:
-    """The largest staleness of any token of a batch: its updates run at versions
-    `version` .. version + updates - 1 on tokens sampled at `versions_bt` [B, Tg]
-    (`mask_bt`: the tokens sampled by the policy). StalenessError if any token is more
-    than k versions behind the last update."""
+def check_staleness(
+    versions_bt, mask_bt, version: int, updates: int, k: int, grad_accum: int = 1
+) -> int:
+    """The largest staleness of any token of a batch, in optimizer steps: its updates run
+    at versions `version` .. version + updates - 1 (minibatch updates, counted from 0)
+    on tokens sampled at `versions_bt` [B, Tg] (`mask_bt`: the tokens sampled by the
+    policy); the weights after v minibatch updates have taken v // grad_accum optimizer
+    steps (optax.MultiSteps). StalenessError if any token is more than k steps behind
+    the weights of the last update."""
     versions = np.asarray(versions_bt)
     mask = np.asarray(mask_bt, bool)
     if not mask.any():
         return 0
     last = version + updates - 1
-    stale_bt = np.where(mask, last - versions, 0)
+    stale_bt = np.where(mask, last // grad_accum - versions // grad_accum, 0)
     worst = int(stale_bt.max())
     if worst > k:
         b, t = np.unravel_index(int(np.argmax(stale_bt)), stale_bt.shape)
         raise StalenessError(
-            f"PipelineRL staleness {worst} exceeds k={k}: row {b} token {t} was sampled at "
-            f"version {int(versions[b, t])}, trained by the update at version {last}"
+            f"PipelineRL staleness {worst} exceeds k={k} optimizer steps: row {b} token {t} "
+            f"was sampled at version {int(versions[b, t])}, trained by the update at version "
+            f"{last} (train.grad_accum={grad_accum} minibatch updates per step)"
         )
     return worst
 
@@ -252,8 +257,9 @@ def update(
     P = len(host["group_ids"]) // parts.G
     stacked = put_minibatches(host, parts.mesh, num_minibatches=M, groups=P)
     hist = dict(state.staleness_hist)
-    for j in range(M):
-        stale = state.version + j - oldest
+    ga = parts.cfg.train.grad_accum
+    for j in range(M):  # in optimizer steps, as `check_staleness` counts them
+        stale = (state.version + j) // ga - oldest // ga
         hist[stale] = hist.get(stale, 0) + 1
     params, opt_state, m = parts.update_fn(state.params, state.opt_state, stacked)
     m = jax.device_get(m)  # {name: [M]}
@@ -280,7 +286,8 @@ def train_on(
     if keep_p.any():
         if parts.cfg.train.off_policy == "pipeline":
             k = parts.cfg.train.off_policy_k
-            check_staleness(ro.versions, ro.completion_mask, state.version, parts.M, k)
+            ga = parts.cfg.train.grad_accum
+            check_staleness(ro.versions, ro.completion_mask, state.version, parts.M, k, ga)
         batch = advantages(parts, state, ro, scores, keep_p)
         state, metrics = update(parts, state, batch, oldest)
         tp = ro.prompt_mask.sum(axis=1)[::G]
@@ -292,7 +299,8 @@ def train_on(
         state, info = state.replace(nonfinite_streak=0), {}
         metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
     state = state.count(rollouts=P * G, prompts=P)
-    staleness = float(state.version - 1 - oldest) if keep_p.any() else 0.0
+    ga = parts.cfg.train.grad_accum
+    staleness = float((state.version - 1) // ga - oldest // ga) if keep_p.any() else 0.0
     metrics.update(_batch_metrics(parts, state, ro, scores, staleness))
     metrics["time/train_s"] = time.perf_counter() - t0
     metrics.update({f"adv/{k}": float(np.asarray(v)) for k, v in info.items() if np.ndim(v) == 0})
@@ -310,7 +318,7 @@ def _batch_metrics(parts, state, ro: Rollouts, scores: Scores, staleness: float)
         "train/truncation_rate": float(ro.truncated.mean()),
         "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
         "train/staleness_max": staleness,
-        "train/lr": float(parts.lr_at(max(state.version - 1, 0))),
+        "train/lr": float(parts.lr_at(max(state.version - 1, 0) // parts.cfg.train.grad_accum)),
         "train/retired_prompts": float(getattr(curriculum, "num_retired", 0)),
     }
 

@@ -131,7 +131,7 @@ def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
 def schedule_warnings(cfg: RunConfig) -> list[str]:
     """Warnings about a learning-rate schedule that does not do what its knobs suggest."""
     t = cfg.train
-    warm, updates = t.warmup_count, t.steps * t.updates_per_batch
+    warm, updates = t.warmup_count, t.optimizer_steps
     if warm and warm >= updates:
         # Plain arithmetic, not the optax schedule: no JAX computation before the trainer
         # starts JAX (update s < W gets peak * (s + 1) / W).
@@ -143,7 +143,8 @@ def schedule_warnings(cfg: RunConfig) -> list[str]:
         last = peak * updates / warm
         return [
             f"warning: train.warmup_steps={t.warmup_steps:g} is {warm} updates, at least the "
-            f"run's {updates} (train.steps={t.steps}): the learning rate never leaves warm-up "
+            f"run's {updates} optimizer steps (train.steps={t.steps}): the learning rate never "
+            "leaves warm-up "
             f"(it reaches {last:.3g} of {peak:.3g}); set train.warmup_steps to a fraction of "
             "the steps, e.g. 0.05"
         ]

@@ -9,8 +9,9 @@
                   groups, and the trainer's M updates reach every later decode chunk:
                   rows in flight continue with the new weights on a stale KV cache,
                   every token records the policy version that sampled it. At most
-                  W = (k + 1) // M batches are untrained at once, which keeps every
-                  update within k versions of the oldest token it trains on.
+                  W = (k + 1) // U batches are untrained at once (U: a batch's
+                  optimizer steps, `accounting.policy_steps`), which keeps every
+                  update within k optimizer steps of the oldest token it trains on.
   split           pipeline with the engine on the sampler's own devices, decoding in
                   a background thread while the rest train (`rl_jax.train.split`).
 

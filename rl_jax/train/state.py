@@ -80,7 +80,7 @@ class TrainerState:
     ref_params: Params | None  # the frozen reference policy (loss.kl_coef > 0), else None
     data: DataStream
     step: int = 0  # RL steps (batches of P prompts) trained
-    version: int = 0  # optimizer updates taken: the policy version
+    version: int = 0  # minibatch updates taken (train.grad_accum per optimizer step)
     nonfinite_streak: int = 0  # consecutive steps with a NaN/Inf update
     counters: ComputeCounters = field(default_factory=ComputeCounters)
     staleness_hist: dict[int, int] = field(default_factory=dict)  # {staleness: updates}

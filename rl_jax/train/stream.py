@@ -7,12 +7,14 @@ rows in flight included (PipelineRL's in-flight update: their stale KV is kept).
 A slot whose row ended takes the next row at once, where a batch decoded as one
 block would hold its slots until its longest row ends.
 
-Staleness bound. W = `accounting.num_waves` batches may be untrained at once: the one
-being formed and (W - 1) x B_p groups ahead of it. A group admitted when t batches
-are trained samples with weights of version >= t x M (weights are read in the same
-critical section as t) and gets the deadline t + W - 1: it must be in batch t + W - 1
-or earlier, whose last update runs at version (t + W) x M - 1 <= t x M + k. So no
-token is more than k versions older than an update that trains on it; every token
+Staleness bound, in optimizer steps (PipelineRL's k). W = `accounting.num_waves`
+batches may be untrained at once: the one being formed and (W - 1) x B_p groups ahead
+of it. A batch's M minibatch updates take U optimizer steps (`accounting.policy_steps`:
+M / train.grad_accum, or M). A group admitted when t batches are trained samples with
+weights of version >= t x M, t x U steps (weights are read in the same critical
+section as t) and gets the deadline t + W - 1: it must be in batch t + W - 1 or
+earlier, whose last update runs on weights of (t + W) x U - 1 <= t x U + k steps. So
+no token is more than k steps older than an update that trains on it; every token
 records its version and `phases.check_staleness` checks each one.
 
 Deadlines are kept by two rules (`StreamBook`, unit jobs of B_p per step, earliest
