@@ -65,19 +65,24 @@ def test_engine_equals_the_sampler_with_stop_tokens(params_a, cfg):
         assert len({tuple(r) for r in out.completion_tokens[:2]}) == 2  # samples differ
 
 
-@pytest.mark.parametrize("layout", ["whole", "blocked"])
+@pytest.mark.parametrize("layout", ["whole", "blocked", "token_major"])
 def test_xla_decode_layouts_write_each_row_at_its_own_slot(monkeypatch, layout):
-    """The XLA decode step (no CPU kernels) with a slot per row: the whole cache, and
-    the cache in blocks of 16 slots read up to the furthest row's, equal the Sampler.
-    The engine's prompts sit at other cache slots than the Sampler's, so its blocks
-    split the online softmax elsewhere: weights scaled by 3, as test_sampler's
-    `mild_params` for the same reason (by 10, one log-prob of 240 was 1.05e-5 off)."""
-    from rl_jax.kernels import xla
+    """The XLA decode step (no CPU kernels) with a slot per row: the whole cache, the
+    cache in blocks of 16 slots read up to the furthest row's, and TPU's token-major
+    cache (`tpu.Decode`, keys and values [L, B, S, K, hd]; the batch Sampler on it as
+    well) equal the Sampler. The engine's prompts sit at other cache slots than the
+    Sampler's, so its blocks split the online softmax elsewhere: weights scaled by 3,
+    as test_sampler's `mild_params` for the same reason (by 10, one log-prob of 240 was
+    1.05e-5 off)."""
+    from rl_jax.kernels import tpu, xla
 
     params = _params(0, 3.0)
 
     monkeypatch.setattr(Engine, "platform_attention", False)
     monkeypatch.setattr(Engine, "platform_matmul", False)
+    token_major = property(lambda self: tpu.Decode(jax.devices()[0].platform))
+    if layout == "token_major":
+        monkeypatch.setattr(Engine, "decode_ops", token_major)
     if layout == "blocked":
         monkeypatch.setattr(xla, "DECODE_BLOCK_MIN_SLOTS", 8)
         monkeypatch.setattr(xla, "DECODE_BLOCKS", 64)
@@ -85,11 +90,20 @@ def test_xla_decode_layouts_write_each_row_at_its_own_slot(monkeypatch, layout):
     cfg = dataclasses.replace(SAMPLED, max_new_tokens=40)
     engine = Engine(SPEC, cfg, slots=3, chunk=8, pad_id=0)
     assert not engine.decode_ops.platform_ops
-    assert engine.init().slots.cache[1].ndim == (6 if layout == "blocked" else 5)
+    cache = engine.init().slots.cache
+    assert cache[1].ndim == (6 if layout == "blocked" else 5)
+    if layout == "token_major":  # [L, S slots, cache slots, K, hd]
+        assert cache[0].shape == cache[1].shape and cache[1].shape[1:3] == (3, 56)
     limits = [40, 7, 21, 33, 2, 16]  # rows at different steps share every chunk
     out, _ = engine.run(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
     ref = Sampler(SPEC, cfg, pad_id=0).generate(params, PROMPTS, n=2, seed=2, max_new_tokens=limits)
     _assert_same(out, ref, exact=False)
+    if layout == "token_major":
+        sampler = type("TokenMajorSampler", (Sampler,), {"decode_ops": token_major})
+        on_it = sampler(SPEC, cfg, pad_id=0).generate(
+            params, PROMPTS, n=2, seed=2, max_new_tokens=limits
+        )
+        _assert_same(on_it, ref, exact=False)
 
 
 def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
@@ -122,6 +136,22 @@ def test_same_rollouts_on_eight_devices(params_a):
     # Each call takes the state in the layout the last one left it in: one program each.
     assert eight.compile_counts() == {"prefill_insert": 1, "generate": 1}
     one, _ = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0).run(params_a, PROMPTS, n=3, seed=9)
+    _assert_same(got, one, exact=False)
+
+
+@pytest.mark.devices(8)
+def test_token_major_cache_on_a_mesh_with_a_tensor_axis(monkeypatch, params_a):
+    """TPU's token-major decode cache (`tpu.Decode`) with rows over 4 devices and kv
+    heads over 2: its logical axes shard it, and it gives one device's rollouts."""
+    from rl_jax.kernels import tpu
+
+    mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2, rules="fsdp_tp"))
+    one, _ = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0).run(params_a, PROMPTS, n=3, seed=9)
+    monkeypatch.setattr(Engine, "decode_ops", property(lambda self: tpu.Decode("cpu")))
+    eight = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0, mesh=mesh)
+    keys = eight.init().slots.cache[0]
+    assert keys.sharding.shard_shape(keys.shape)[1:4:2] == (2, SPEC.num_kv_heads // 2)
+    got, _ = eight.run(eight.reshard(params_a), PROMPTS, n=3, seed=9)
     _assert_same(got, one, exact=False)
 
 

@@ -31,7 +31,7 @@ def _fake_mesh(platform: str):
 def test_platform_comes_from_the_mesh_devices():
     assert kernels.for_mesh(_fake_mesh("tpu")).platform == "tpu"
     assert kernels.for_mesh(_fake_mesh("cpu")).platform == "cpu"
-    # Nothing registered for tpu/gpu yet: the reference everywhere.
+    # The reference for every op TPU and GPU do not register.
     tpu = kernels.for_mesh(_fake_mesh("tpu"))
     assert tpu.einsum_f32 is xla.einsum_f32 and tpu.attention is xla.attention
     assert kernels.for_platform("cpu").einsum_f32 is cpu.einsum_f32
@@ -40,12 +40,20 @@ def test_platform_comes_from_the_mesh_devices():
 
 def test_decode_ops_are_the_platforms_where_its_kernels_apply():
     """The decode step's ops: XLA's where no platform kernels apply (one piece of cache
-    on accelerators, blocks past 128 slots on CPU); on CPU the C++ kernels in float32
-    where each device decodes alone, attention with head widths in whole key tiles."""
+    on accelerators, blocks past 128 slots on CPU), on TPU with the cache token-major;
+    on CPU the C++ kernels in float32 where each device decodes alone, attention with
+    head widths in whole key tiles."""
+    from rl_jax.kernels import tpu as tpu_kernels
+
     cond = dict(compute_dtype="float32", head_dim=64, local=True, threads=True)
     tpu = kernels.for_platform("tpu").decode_ops(**cond)
-    assert type(tpu) is xla.Decode and tpu.platform_ops == ()
+    assert type(tpu) is tpu_kernels.Decode and tpu.platform_ops == ()
     assert tpu.cache_blocks(1032) == (1032, 1032)
+    model = tuple(jnp.zeros((2, 3, 4, 1032, 64)) for _ in range(2))  # [L, B, K, S, hd]
+    keys, values = tpu.from_model_cache(model, 1032)
+    assert keys.shape == values.shape == (2, 3, 1032, 4, 64)
+    assert tpu.cache_slots((keys, values)) == 1032 and tpu.kv_geometry((keys, values)) == (4, 64)
+    assert type(kernels.for_platform("gpu").decode_ops(**cond)) is xla.Decode
     on_cpu = kernels.for_platform("cpu")
     for off in ({"compute_dtype": "bfloat16"}, {"local": False}):
         plain = on_cpu.decode_ops(**{**cond, **off})

@@ -41,10 +41,10 @@ Implementations:
   kernels (XLA FFI; `cpu.Decode`, where `cpu.available()`).
 * `tpu` (`tpu.py`): `flash_attention` as the Pallas TPU splash attention, run per
   device under `shard_map` (`layout`); the tests compare it with `xla` in Pallas's
-  interpreter on CPU. Its other ops are `xla`'s. A further Pallas kernel (ragged
-  paged attention for `attention_cached`) registers here the same way; a decode step
-  in Pallas is a subclass of `xla.Decode` (its cache layout, attention, matmuls)
-  registered with `register("tpu", decode=factory)`.
+  interpreter on CPU. `decode`: `tpu.Decode`, XLA's ops on a token-major KV cache
+  (the layout libtpu keeps inside the decode loop). Its other ops are `xla`'s. A
+  further Pallas kernel (ragged paged attention for `attention_cached`) registers
+  here the same way; a decode step in Pallas subclasses `tpu.Decode`.
 * `gpu`: not registered yet; it gets `xla`.
 
 Sequence lengths: on TPU an array [B, T, D] is stored in tiles of 8 rows of 32-bit words
@@ -157,6 +157,6 @@ register(
     decode=cpu.decode_ops,
     together=cpu.together,
 )
-register("tpu", flash_attention=tpu.flash_attention)
+register("tpu", flash_attention=tpu.flash_attention, decode=tpu.decode_ops)
 
 __all__ = ["OPS", "PLATFORMS", "SEQUENCE_TILE", "Kernels", "for_mesh", "for_platform", "register"]

@@ -407,11 +407,16 @@ class Decode:
         return att, (ck, cv)
 
     @staticmethod
-    def split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps):
+    def kv_geometry(cache: DecodeCache) -> tuple[int, int]:
+        """(kv heads, head width) of a cache in this layout."""
+        return cache[1].shape[-3], cache[1].shape[-1]
+
+    @classmethod
+    def split_heads(cls, qkv, rope, num_heads, cache, layer, qk_norm, eps):
         """q [B, K, R, hd], k [B, 1, K, hd] and v [B, K, 1, hd] from the projection's
         rows, q and k normalized (qk_norm) and rotated."""
         B = qkv.shape[0]
-        H, K, hd = num_heads, cache[1].shape[-3], cache[1].shape[-1]
+        H, (K, hd) = num_heads, cls.kv_geometry(cache)
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
         k = qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd)
         v = qkv[:, (H + K) * hd :].reshape(B, K, 1, hd)
