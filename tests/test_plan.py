@@ -824,36 +824,6 @@ def test_estimate_keeps_what_each_remat_policy_saves_per_layer_and_one_layers_ba
     assert e["hbm_bytes"] == max(e["train_bytes"], e["sampler_bytes"])
 
 
-def _thread_stack_bytes() -> int:
-    """The calling thread's stack size (glibc's pthread_getattr_np)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    libc.pthread_self.restype = ctypes.c_ulong
-    attr = ctypes.create_string_buffer(256)  # >= sizeof(pthread_attr_t)
-    assert libc.pthread_getattr_np(ctypes.c_ulong(libc.pthread_self()), attr) == 0
-    addr, size = ctypes.c_void_p(), ctypes.c_size_t()
-    assert libc.pthread_attr_getstack(attr, ctypes.byref(addr), ctypes.byref(size)) == 0
-    libc.pthread_attr_destroy(attr)
-    return size.value
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="reads the stack with glibc")
-def test_compiles_run_on_a_large_stack_and_leave_the_default_as_it_was():
-    """libtpu's SparseCore translation overflowed a default 8 MiB thread stack: every
-    plan compile runs on a thread of COMPILE_STACK_BYTES; results and errors come back,
-    and threads made later get the process's default again."""
-    import threading
-
-    from rl_jax.plan._programs import COMPILE_STACK_BYTES, _on_large_stack
-
-    before = threading.stack_size()
-    assert _on_large_stack(_thread_stack_bytes) >= COMPILE_STACK_BYTES
-    with pytest.raises(ZeroDivisionError):
-        _on_large_stack(lambda: 1 / 0)
-    assert threading.stack_size() == before
-
-
 def test_a_layers_bytes_are_never_negative():
     """XLA's bytes accessed are not additive over programs fused differently: a 2-layer
     program may move fewer bytes than its 1-layer one (qwen3-8b's engine prefill on

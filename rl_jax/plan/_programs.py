@@ -507,17 +507,26 @@ def _unrolled_scans():
         jax.lax.scan = scan
 
 
+_SPARSECORE_OPS = ("gather", "scatter", "copy", "reduce", "reshape", "sort")
+
 # Per platform, the compiler options of the counting programs. TPU: XLA's SPMD
 # partitioner turns a matmul whose operand is all-gathered (or whose output is
 # reduce-scattered) over a large shard axis into a windowed einsum, a while loop of
 # per-shard matmuls overlapping the collective, and cost analysis counts its body once:
 # the 8B log-prob pass on v5p-128 (fsdp 16 x tensor 4) counted 0.72 of the model's
 # FLOPs. Without windowing each such matmul is one dot after the collective, counted
-# whole (1.00). The memory programs keep XLA's defaults.
+# whole (1.00). And nothing is offloaded to the SparseCores (v5p, v6e): compiling the
+# counting programs (scans unrolled) of qwen3-8b at 14,336 tokens on v5p-128 (fsdp 8 x
+# tensor 8, full remat) overflowed a libtpu thread's stack in SparseCore code generation
+# (DialectTranslationInterface::convertOperation, on a thread of libtpu's own: a
+# larger stack for the compiling thread did not help); with these options the train
+# step's counting programs compile. The memory programs keep XLA's defaults.
 COUNTING_OPTIONS = {
     "tpu": {
         "xla_tpu_enable_windowed_einsum_for_all_gather": False,
         "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+        **{f"xla_tpu_enable_offloading_{op}_to_sparsecore": False for op in _SPARSECORE_OPS},
+        "xla_tpu_enable_sparse_core_compute_offload": False,
     }
 }
 
@@ -742,43 +751,11 @@ def _compile(fn, *args, **static):
     return _submit(fn, *args, **static).result()
 
 
-# libtpu compiles in the calling thread, and its translation of SparseCore code to LLVM
-# IR recurses deeply: it overflowed the 8 MiB stack a thread gets by default (the
-# 1-layer counting `prefill_insert` of qwen3-8b at 14,336 tokens on v5p-128, fsdp 8 x
-# tensor 8, 864 slots; and a v6e-64 counting program). Compiles run on a thread of this
-# stack (address space, committed only as it is used).
-COMPILE_STACK_BYTES = 1 << 30
-_stack_lock = threading.Lock()  # threading.stack_size is process-wide
-
-
-def _on_large_stack(fn):
-    """fn() on a new thread of COMPILE_STACK_BYTES stack; its result or its exception."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            out["error"] = e
-
-    with _stack_lock:
-        prev = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            thread = threading.Thread(target=run, name="plan-xla-compile", daemon=True)
-            thread.start()
-        finally:
-            threading.stack_size(prev)
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def _compile_lowered(lowered, options=None):
-    """`_compile` of a lowered program (on a large stack): XLA's compile alone is timed."""
+    """`_compile` of a lowered program: XLA's compile alone is timed."""
     t0 = time.perf_counter()
     try:
-        compiled = _on_large_stack(lambda: lowered.compile(compiler_options=options or None))
+        compiled = lowered.compile(compiler_options=options or None)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
