@@ -180,42 +180,18 @@ class Decode(xla.Decode):
     def kv_geometry(cache: xla.DecodeCache) -> tuple[int, int]:
         return cache[1].shape[3], cache[1].shape[4]
 
-    def attention(
-        self,
-        qkv,
-        rope,
-        cache,
-        kv_start_b,
-        slot,
-        *,
-        layer,
-        num_heads: int,
-        qk_norm=None,
-        eps: float = 0.0,
-        constrain=lambda x, logical: x,
-    ):
-        """`xla.Decode.attention` over the token-major cache."""
-        q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
-        B, K, R, hd = q.shape
+    WHOLE_EINSUMS = ("bkrh,bskh->bkrs", "bkrs,bskh->bkrh")  # keys and values [B, S, K, hd]
+
+    def write(self, cache, k_bkh, v_bkh, layer, slot) -> xla.DecodeCache:
         ck, cv = cache
-        k, v = k.reshape(B, K, hd).astype(ck.dtype), v.reshape(B, K, hd).astype(cv.dtype)
+        k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
         if jnp.ndim(slot):  # each row at its own slot [B]; slots past the cache dropped
-            rows = jnp.arange(B)
+            rows = jnp.arange(k.shape[0])
             ck = ck.at[layer, rows, slot].set(k, mode="drop")
-            cv = cv.at[layer, rows, slot].set(v, mode="drop")
-        else:
-            ck = jax.lax.dynamic_update_slice(ck, k[None, :, None], (layer, 0, slot, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v[None, :, None], (layer, 0, slot, 0, 0))
-        ck, cv = constrain(ck, TOKEN_MAJOR_LOGICAL_AXES), constrain(cv, TOKEN_MAJOR_LOGICAL_AXES)
-        dtype = qkv.dtype
-        k_slot = jnp.arange(cv.shape[2])
-        last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
-        visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= last_b1)
-        ck_i, cv_i = xla._at(ck, layer).astype(dtype), xla._at(cv, layer).astype(dtype)
-        scores = self.einsum("bkrh,bskh->bkrs", q, ck_i)
-        scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, xla.MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        return self.einsum("bkrs,bskh->bkrh", probs, cv_i), (ck, cv)
+            return ck, cv.at[layer, rows, slot].set(v, mode="drop")
+        at = (layer, 0, slot, 0, 0)
+        ck = jax.lax.dynamic_update_slice(ck, k[None, :, None], at)
+        return ck, jax.lax.dynamic_update_slice(cv, v[None, :, None], at)
 
 
 def decode_ops(platform: str, **conditions) -> Decode:

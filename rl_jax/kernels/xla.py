@@ -377,34 +377,45 @@ class Decode:
         `constrain(x, logical axes)` pins the written cache's layout."""
         q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
         B, K, R, hd = q.shape
-        ck, cv = cache
-        if jnp.ndim(slot):  # each row at its own slot [B]
-            ck, cv = _write_rows(ck, cv, k.reshape(B, K, hd), v.reshape(B, K, hd), layer, slot)
-        elif cv.ndim == 6:  # blocked
-            blk = cv.shape[4]
-            j = (layer, 0, slot // blk, 0)
-            k, v = k.reshape(1, B, 1, K, hd, 1), v.reshape(1, B, 1, K, 1, hd)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (*j, 0, slot % blk))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (*j, slot % blk, 0))
-        else:
-            k = k.reshape(1, B, K, hd, 1)
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (layer, 0, 0, 0, slot))
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (layer, 0, 0, slot, 0))
+        ck, cv = self.write(cache, k.reshape(B, K, hd), v.reshape(B, K, hd), layer, slot)
         keys_axes, values_axes = self.cache_axes((ck, cv))
         ck, cv = constrain(ck, keys_axes), constrain(cv, values_axes)
         dtype = qkv.dtype
         if cv.ndim == 6:
             att = self._filled_blocks(q, ck, cv, layer, kv_start_b, slot, dtype)
         else:
-            k_slot = jnp.arange(cv.shape[3])
+            k_slot = jnp.arange(self.cache_slots((ck, cv)))
             last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
             visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= last_b1)
             ck_i, cv_i = _at(ck, layer).astype(dtype), _at(cv, layer).astype(dtype)
-            scores = self.einsum("bkrh,bkhs->bkrs", q, ck_i)
+            scores_spec, values_spec = self.WHOLE_EINSUMS
+            scores = self.einsum(scores_spec, q, ck_i)
             scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-            att = self.einsum("bkrs,bksh->bkrh", probs, cv_i)
+            att = self.einsum(values_spec, probs, cv_i)
         return att, (ck, cv)
+
+    # q [B, K, R, hd] against one layer's keys of a whole cache, then the probabilities
+    # [B, K, R, S] against its values: keys [B, K, hd, S], values [B, K, S, hd] here.
+    WHOLE_EINSUMS = ("bkrh,bkhs->bkrs", "bkrs,bksh->bkrh")
+
+    def write(self, cache: DecodeCache, k_bkh, v_bkh, layer, slot) -> DecodeCache:
+        """The cache with `layer`'s key and value [B, K, hd] of each row written at slot
+        `slot` ([] for every row, or [B] each row's own; slots past the cache dropped)."""
+        ck, cv = cache
+        if jnp.ndim(slot):  # each row at its own slot [B]
+            return _write_rows(ck, cv, k_bkh, v_bkh, layer, slot)
+        B, K, hd = k_bkh.shape
+        k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
+        if cv.ndim == 6:  # blocked
+            blk = cv.shape[4]
+            j = (layer, 0, slot // blk, 0)
+            k, v = k.reshape(1, B, 1, K, hd, 1), v.reshape(1, B, 1, K, 1, hd)
+            ck = jax.lax.dynamic_update_slice(ck, k, (*j, 0, slot % blk))
+            return ck, jax.lax.dynamic_update_slice(cv, v, (*j, slot % blk, 0))
+        ck = jax.lax.dynamic_update_slice(ck, k.reshape(1, B, K, hd, 1), (layer, 0, 0, 0, slot))
+        v = v.reshape(1, B, K, 1, hd)
+        return ck, jax.lax.dynamic_update_slice(cv, v, (layer, 0, 0, slot, 0))
 
     @staticmethod
     def kv_geometry(cache: DecodeCache) -> tuple[int, int]:

@@ -218,6 +218,12 @@ class StalenessError(RuntimeError):
     """A token is more than PipelineRL's k versions older than an update that trains on it."""
 
 
+def steps_behind(newer, older, grad_accum: int):
+    """Optimizer steps between the weights after `older` and after `newer` minibatch
+    updates (ints or arrays): optax.MultiSteps steps once per grad_accum of them."""
+    return newer // grad_accum - older // grad_accum
+
+
 def check_staleness(
     versions_bt, mask_bt, version: int, updates: int, k: int, grad_accum: int = 1
 ) -> int:
@@ -232,7 +238,7 @@ def check_staleness(
     if not mask.any():
         return 0
     last = version + updates - 1
-    stale_bt = np.where(mask, last // grad_accum - versions // grad_accum, 0)
+    stale_bt = np.where(mask, steps_behind(last, versions, grad_accum), 0)
     worst = int(stale_bt.max())
     if worst > k:
         b, t = np.unravel_index(int(np.argmax(stale_bt)), stale_bt.shape)
@@ -257,9 +263,8 @@ def update(
     P = len(host["group_ids"]) // parts.G
     stacked = put_minibatches(host, parts.mesh, num_minibatches=M, groups=P)
     hist = dict(state.staleness_hist)
-    ga = parts.cfg.train.grad_accum
     for j in range(M):  # in optimizer steps, as `check_staleness` counts them
-        stale = (state.version + j) // ga - oldest // ga
+        stale = steps_behind(state.version + j, oldest, parts.cfg.train.grad_accum)
         hist[stale] = hist.get(stale, 0) + 1
     params, opt_state, m = parts.update_fn(state.params, state.opt_state, stacked)
     m = jax.device_get(m)  # {name: [M]}
@@ -283,10 +288,10 @@ def train_on(
     keep_p = ~scores.zero_var if parts.cfg.data.zero_variance_filter else np.ones(P, bool)
     versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
     oldest = int(versions.min()) if ro.completion_mask.any() else state.version
+    ga = parts.cfg.train.grad_accum
     if keep_p.any():
         if parts.cfg.train.off_policy == "pipeline":
             k = parts.cfg.train.off_policy_k
-            ga = parts.cfg.train.grad_accum
             check_staleness(ro.versions, ro.completion_mask, state.version, parts.M, k, ga)
         batch = advantages(parts, state, ro, scores, keep_p)
         state, metrics = update(parts, state, batch, oldest)
@@ -299,8 +304,7 @@ def train_on(
         state, info = state.replace(nonfinite_streak=0), {}
         metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
     state = state.count(rollouts=P * G, prompts=P)
-    ga = parts.cfg.train.grad_accum
-    staleness = float((state.version - 1) // ga - oldest // ga) if keep_p.any() else 0.0
+    staleness = float(steps_behind(state.version - 1, oldest, ga)) if keep_p.any() else 0.0
     metrics.update(_batch_metrics(parts, state, ro, scores, staleness))
     metrics["time/train_s"] = time.perf_counter() - t0
     metrics.update({f"adv/{k}": float(np.asarray(v)) for k, v in info.items() if np.ndim(v) == 0})
