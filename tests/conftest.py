@@ -50,3 +50,33 @@ def no_compilation_cache():
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """One fake-gcs-server per test process (tests/_workers/gcs_emulator.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    from gcs_emulator import GcsEmulator
+
+    emu = GcsEmulator(tmp_path_factory.mktemp("gcs") / "objects")
+    emu.start()
+    yield emu
+    emu.stop()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch, request):
+    """A bucket of its own on the session's GCS server, this process's environment
+    pointed at the server (subprocesses inherit it). Yields the server; the bucket is
+    `gcs.bucket`, its URL `gcs.base`."""
+    import re
+
+    for k, v in gcs_server.env().items():
+        monkeypatch.setenv(k, v)
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") or "bucket"
+    gcs_server.create_bucket(name)
+    gcs_server.bucket = name
+    gcs_server.base = f"gs://{name}"
+    return gcs_server

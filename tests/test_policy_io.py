@@ -38,7 +38,7 @@ def run(tmp_path_factory):
     tr = RLTrainer(cfg, quiet=True)
     tr.run_loop()
     params = {k: np.asarray(jax.device_get(v)) for k, v in tr.params.items()}
-    return tr.run.root, params
+    return Path(tr.run.root), params
 
 
 def _eval(capsys, *argv):

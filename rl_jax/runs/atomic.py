@@ -1,27 +1,30 @@
-"""Atomic file writes: a killed process never leaves a torn file."""
+"""Whole-file writes and whole-line JSONL appends: a killed writer never leaves a torn file.
+
+Local paths only, except `read_jsonl`, which also reads URLs. Run directories go
+through `rl_jax.runs.storage`, which keeps these semantics on a bucket.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_jax.runs.storage import _jsonable, append_bytes, atomic_write_bytes, is_remote
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = [
+    "JsonlScan",
+    "append_jsonl",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "jsonl_bytes",
+    "read_jsonl",
+    "scan_jsonl",
+    "truncate_jsonl_after",
+]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -34,85 +37,86 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
     )
 
 
+def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True, default=_jsonable) + "\n" for r in rows).encode()
+
+
 def append_jsonl(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
-    """Append whole lines with one write + fsync.
-
-    A torn last line (a writer killed mid-write) is cut off first: appended after
-    it, it would become a bad line in the middle, which readers refuse.
-    """
-    if not rows:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    blob = "".join(json.dumps(r, sort_keys=True, default=_jsonable) + "\n" for r in rows)
-    with open(path, "a+b") as f:
-        _cut_torn_tail(f)
-        f.write(blob.encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
+    """Append whole lines with one write + fsync (a torn last line is cut first)."""
+    if rows:
+        append_bytes(path, jsonl_bytes(rows))
 
 
-def _cut_torn_tail(f) -> None:
-    """Truncate an open file after its last newline (nothing to do if it ends in one)."""
-    end = f.seek(0, os.SEEK_END)
-    if end == 0:
-        return
-    f.seek(end - 1)
-    if f.read(1) == b"\n":
-        return
-    pos = end
-    while pos > 0:
-        start = max(0, pos - 65536)
-        f.seek(start)
-        nl = f.read(pos - start).rfind(b"\n")
-        if nl >= 0:
-            f.truncate(start + nl + 1)
-            return
-        pos = start
-    f.truncate(0)
+@dataclass
+class JsonlScan:
+    """The rows of a JSONL file and what was wrong with it.
+
+    `bad` holds (1-based line number, reason) of each line that is not a JSON object in
+    UTF-8; `torn` is True when the file ends in a partial line (a writer was killed)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # line number of each row
+    bad: list[tuple[int, str]] = field(default_factory=list)
+    torn: bool = False
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read JSON lines, ignoring a torn (unterminated) last line from a killed writer."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
+def scan_jsonl(data: bytes) -> JsonlScan:
+    out = JsonlScan()
+    parts = data.split(b"\n")
+    if parts and parts[-1] != b"":
+        out.torn = True  # no newline after the last line
+    parts = parts[:-1]
+    for i, raw in enumerate(parts, start=1):
+        if not raw.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # torn tail
-                break
-            raise
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.bad.append((i, "not UTF-8"))
+            continue
+        except ValueError as e:
+            out.bad.append((i, f"not JSON ({e.msg})"))
+            continue
+        if not isinstance(row, dict):
+            out.bad.append((i, f"a JSON {type(row).__name__}, not an object"))
+            continue
+        out.rows.append(row)
+        out.lines.append(i)
     return out
 
 
-def truncate_jsonl_after(path: str | os.PathLike, key: str, last: int) -> None:
-    """Keep only rows with row[key] <= last (rewind logs on resume), atomically.
+def _read_bytes(path: str | os.PathLike) -> bytes | None:
+    if is_remote(path):
+        from rl_jax.config import paths
 
-    A missing file stays missing; a torn last line is dropped with the rows after `last`.
-    """
-    if not Path(path).exists():
-        return
-    rows = [r for r in read_jsonl(path) if r.get(key, -1) <= last]
-    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-
-
-def _jsonable(x: Any):
+        fs, inner = paths.filesystem(str(path), "path")
+        try:
+            return fs.cat_file(inner)
+        except FileNotFoundError:
+            return None
     try:
-        import numpy as np
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
 
-        if isinstance(x, np.generic):
-            return x.item()
-        if isinstance(x, np.ndarray):
-            return x.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return str(x)
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a JSONL file (a path or URL; none when it is absent). A torn last line
+    is no row; a bad line elsewhere is a ValueError naming the file and the line."""
+    data = _read_bytes(path)
+    if data is None:
+        return []
+    scan = scan_jsonl(data)
+    if scan.bad:
+        line, why = scan.bad[0]
+        raise ValueError(f"{path}: line {line} is {why}")
+    return scan.rows
+
+
+def truncate_jsonl_after(path: str | os.PathLike, key: str, last: int) -> None:
+    """Keep only rows with row[key] <= last, atomically (a missing file stays missing)."""
+    data = _read_bytes(path)
+    if data is None:
+        return
+    rows = [r for r in scan_jsonl(data).rows if r.get(key, -1) <= last]
+    atomic_write_bytes(path, jsonl_bytes(rows))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from rl_jax.config.logging import LoggingConfig
@@ -54,8 +57,13 @@ class MetricsLogger:
         self.cfg = cfg or LoggingConfig()
         self._tb = None
         self._wandb = None
+        self._uploaded: dict[str, int] = {}  # staged event file -> bytes uploaded
+        if self.cfg.tensorboard and run.remote:
+            # What an earlier process staged here and did not upload belongs to steps
+            # after its last checkpoint: this run writes them again.
+            shutil.rmtree(self.events_dir, ignore_errors=True)
         if self.cfg.tensorboard:
-            self._tb = summary_writer_class()(logdir=str(run.events_dir), purge_step=purge_step)
+            self._tb = summary_writer_class()(logdir=str(self.events_dir), purge_step=purge_step)
         if self.cfg.wandb:
             try:
                 import wandb
@@ -63,11 +71,38 @@ class MetricsLogger:
                 raise RuntimeError("logging.wandb=true but wandb is not installed") from e
             self._wandb = wandb.init(
                 project=self.cfg.wandb_project,
-                name=run.root.name,
+                name=run.root.rstrip("/").rsplit("/", 1)[-1],
                 id=run.run_id,
                 config=config,
                 resume="allow",
             )
+
+    @property
+    def events_dir(self) -> Path:
+        """Where the event files are written: the run's events/ on a local disk; for a
+        bucket run a local staging directory whose files `flush` uploads (TensorBoard
+        appends to an event file; bucket objects cannot be appended to)."""
+        if not self.run.remote:
+            return Path(self.run.events_dir)
+        from rl_jax.runtime import user_cache_dir
+
+        key = hashlib.sha256(self.run.url().encode()).hexdigest()[:16]
+        return Path(user_cache_dir("events")) / key
+
+    def flush(self) -> None:
+        """The run's rows and event files made durable (uploaded, for a bucket run)."""
+        if self._tb is not None:
+            self._tb.flush()
+            if self.run.remote:
+                self._upload_events()
+        self.run.flush()
+
+    def _upload_events(self) -> None:
+        for f in sorted(self.events_dir.glob("events.out.tfevents.*")):
+            size = f.stat().st_size
+            if self._uploaded.get(f.name) != size:
+                self.run.store.write(f"events/{f.name}", f.read_bytes())
+                self._uploaded[f.name] = size
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         row = {"step": int(step), **row}
@@ -91,6 +126,8 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+            if self.run.remote:
+                self._upload_events()
             self._tb = None
         if self._wandb is not None:
             self._wandb.finish()

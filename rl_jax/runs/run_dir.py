@@ -1,119 +1,97 @@
-"""Run directories: runs/<name>/ with config, run id, metrics, curve rows, events, plots.
+"""Run directories: <out_dir>/<name>/ with config, run id, metrics, curve rows, events, plots,
+checkpoints; on a local disk or in a bucket (`out_dir=gs://BUCKET/runs`).
 
-One process writes a run directory at a time: `create_run_dir` takes an
-exclusive lock (fcntl) on `<run>/.lock` and holds it until `RunDir.close()` or
-the process ends, so a second launch of the same run is refused instead of
-interleaving its rows and checkpoints with the first one's.
+One process writes a run directory at a time: `create_run_dir` takes the run's lock
+(rl_jax.runs.locks: an flock on a disk, a renewed lease in a bucket) and holds it until
+`RunDir.close()` or the process ends, so a second launch of the same run is refused
+instead of interleaving its rows and checkpoints with the first one's.
+
+The JSONL logs (metrics, curve, samples) are the rows of a curve. `rewind(step)` cuts
+them back to a checkpoint's step on resume, and `check_rows` compares what is left with
+the row counts that checkpoint recorded (`row_counts()` at save time), so a log that
+lost rows (emptied, deleted, a damaged line before the checkpoint) stops the run with
+the file and line instead of finishing with a silent gap.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import sys
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Any
 
 from rl_jax.config import RunConfig, flatten, run_id, to_dict
 from rl_jax.knobs import ConfigError
-from rl_jax.runs.atomic import append_jsonl, atomic_write_json, read_jsonl
+from rl_jax.runs import locks
+from rl_jax.runs.atomic import jsonl_bytes, scan_jsonl
+from rl_jax.runs.storage import (
+    FLUSH_EVERY_S,
+    LocalStore,
+    StorageError,
+    Store,
+    check_out_dir,
+    join,
+    open_store,
+)
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+CURVE = "curve.jsonl"
+SAMPLES = "samples.jsonl"
+LOGS = (METRICS, CURVE, SAMPLES)
+EVENTS = "events"
+PLOTS = "plots"
+CHECKPOINTS = "checkpoints"
+DONE = "DONE"
+LOCK = ".lock"
 
 
 class RunDirError(ConfigError):
     """The run directory cannot be used (busy, another run's, not writable): exit 2."""
 
 
-class RunLock:
-    """An exclusive flock on a file; released by `release()` or when the process ends."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise RunDirError(f"cannot create the run lock {path}: {e.strerror}") from e
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            raise RunDirError(
-                f"run directory {path.parent} is in use by another process"
-                f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self):
-        self.release()
-
-
-def _read_pid(fd: int) -> str:
-    try:
-        return os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-
-
-@dataclass(frozen=True)
 class RunDir:
-    root: Path
-    run_id: str
-    lock: RunLock | None = field(default=None, compare=False, repr=False)
+    """One run's directory. Paths are relative names; `url(name)` is what to show."""
+
+    def __init__(self, store: Store, run_id: str, lock=None):
+        self.store = store
+        self.run_id = run_id
+        self.lock = lock
+        self._rows: dict[str, int] = {}  # rows in each log, once rewound
+        self._flushed = time.monotonic()
+        if store.remote and lock is not None:
+            store.before_write = lock.check  # nothing is written once the lock is lost
 
     @property
-    def config_path(self) -> Path:
-        return self.root / "config.json"
+    def root(self) -> str:
+        return self.store.root
 
     @property
-    def metrics_path(self) -> Path:
-        return self.root / "metrics.jsonl"
+    def remote(self) -> bool:
+        return self.store.remote
 
-    @property
-    def curve_path(self) -> Path:
-        return self.root / "curve.jsonl"
+    def url(self, name: str = "") -> str:
+        return self.store.url(name)
 
-    @property
-    def samples_path(self) -> Path:
-        return self.root / "samples.jsonl"
-
-    @property
-    def events_dir(self) -> Path:
-        return self.root / "events"
-
-    @property
-    def plots_dir(self) -> Path:
-        return self.root / "plots"
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def done_path(self) -> Path:
-        return self.root / "DONE"
-
-    @property
-    def lock_path(self) -> Path:
-        return self.root / ".lock"
+    # Full paths (or URLs) of the run's files, for readers and messages.
+    config_path = property(lambda self: self.url(CONFIG))
+    metrics_path = property(lambda self: self.url(METRICS))
+    curve_path = property(lambda self: self.url(CURVE))
+    samples_path = property(lambda self: self.url(SAMPLES))
+    events_dir = property(lambda self: self.url(EVENTS))
+    plots_dir = property(lambda self: self.url(PLOTS))
+    checkpoints_dir = property(lambda self: self.url(CHECKPOINTS))
+    done_path = property(lambda self: self.url(DONE))
 
     def is_done(self) -> bool:
-        return self.done_path.exists()
+        return self.store.exists(DONE)
 
     def read_done(self) -> dict[str, Any] | None:
         """The DONE summary; None when there is none or it does not parse (the run is then
         finished again from its last checkpoint, which rewrites it)."""
         try:
-            summary = json.loads(self.done_path.read_text(encoding="utf-8"))
+            summary = json.loads(self.store.read_bytes(DONE).decode("utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
@@ -126,29 +104,140 @@ class RunDir:
         return summary if isinstance(summary, dict) else None
 
     def write_config(self, cfg: RunConfig) -> None:
-        atomic_write_json(
-            self.config_path, {"run_id": self.run_id, "config": to_dict(cfg), "knobs": flatten(cfg)}
+        self.store.write_json(
+            CONFIG, {"run_id": self.run_id, "config": to_dict(cfg), "knobs": flatten(cfg)}
         )
 
-    def close(self) -> None:
-        """Release the run directory's lock (held from `create_run_dir`)."""
+    def check(self) -> None:
+        """StorageError if the run's lock was lost (a bucket lease another host took)."""
         if self.lock is not None:
-            self.lock.release()
+            self.lock.check()
+
+    def close(self) -> None:
+        """Upload pending rows and release the run directory's lock (idempotent)."""
+        try:
+            if self.lock is None or getattr(self.lock, "_lost", None) is None:
+                self.store.flush()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def mark_done(self, summary: dict[str, Any]) -> None:
-        atomic_write_json(self.done_path, summary)
+        self.flush()
+        self.store.write_json(DONE, summary)
+
+    # ---- the logs ------------------------------------------------------------------------
+
+    def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self.store.append(name, jsonl_bytes(rows))
+            self._rows[name] = self._rows.get(name, 0) + len(rows)
 
     def append_metrics(self, row: dict[str, Any]) -> None:
-        append_jsonl(self.metrics_path, [row])
+        self._append(METRICS, [row])
 
     def append_curve(self, row: dict[str, Any]) -> None:
-        append_jsonl(self.curve_path, [row])
+        self._append(CURVE, [row])
+
+    def append_samples(self, rows: list[dict[str, Any]]) -> None:
+        self._append(SAMPLES, rows)
+
+    def flush(self) -> None:
+        """Make the appended rows durable (a bucket uploads its files whole)."""
+        self.store.flush()
+        self._flushed = time.monotonic()
+
+    def maybe_flush(self) -> None:
+        """Flush a bucket run's rows if FLUSH_EVERY_S passed since the last flush."""
+        if self.store.remote and time.monotonic() - self._flushed >= FLUSH_EVERY_S:
+            self.flush()
+
+    def _rows_of(self, name: str) -> list[dict[str, Any]]:
+        try:
+            data = self.store.read_bytes(name)
+        except FileNotFoundError:
+            return []
+        scan = scan_jsonl(data)
+        if scan.bad:
+            line, why = scan.bad[0]
+            raise ValueError(f"{self.url(name)}: line {line} is {why}")
+        return scan.rows
 
     def curve(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.curve_path)
+        return self._rows_of(CURVE)
 
     def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.metrics_path)
+        return self._rows_of(METRICS)
+
+    def row_counts(self) -> dict[str, int]:
+        """Rows in each log (what a checkpoint records; known once `rewind` ran)."""
+        return {name: self._rows.get(name, 0) for name in LOGS}
+
+    def rewind(self, last: int, expected: dict[str, int] | None = None) -> None:
+        """Cut every log back to rows of step <= `last` (-1: empty it).
+
+        A line that is not a JSON row is dropped when it comes after every row kept (a
+        killed writer's tail, bytes appended by hand); one among the rows kept cannot be
+        rebuilt and is a RunDirError naming the file and the line. `expected` (the row
+        counts the restored checkpoint recorded) must then equal the rows kept: fewer
+        means rows are lost, a RunDirError naming the file."""
+        for name in LOGS:
+            try:
+                data = self.store.read_bytes(name)
+            except FileNotFoundError:
+                data = None
+            scan = scan_jsonl(data or b"")
+            keep = [i for i, r in enumerate(scan.rows) if _step(r) <= last]
+            if keep and scan.bad:
+                last_kept = scan.lines[keep[-1]]
+                inside = [(ln, why) for ln, why in scan.bad if ln < last_kept]
+                if inside:
+                    ln, why = inside[0]
+                    raise RunDirError(
+                        f"{self.url(name)}: line {ln} is {why}, among the rows of steps up to "
+                        f"the checkpoint of step {last}; they cannot be rebuilt from it. Restore "
+                        "the file, or start the run over with checkpoint.resume=false"
+                    )
+            rows = [scan.rows[i] for i in keep]
+            want = None if expected is None else expected.get(name)
+            if want is not None and len(rows) != want:
+                raise RunDirError(
+                    f"{self.url(name)} holds {len(rows)} rows up to step {last}, where the "
+                    f"checkpoint of step {last} recorded {want}: rows are "
+                    f"{'missing' if len(rows) < want else 'duplicated'}. Restore the file, or "
+                    "start the run over with checkpoint.resume=false"
+                )
+            if data is not None and (len(rows) != len(scan.rows) or scan.bad or scan.torn):
+                self.store.write(name, jsonl_bytes(rows))
+            self._rows[name] = len(rows)
+
+    def discard(self, stamp: str) -> str:
+        """Move the previous run's checkpoints, logs and DONE aside (checkpoint.resume=false)
+        into `discarded-<stamp>/`; returns that directory's URL."""
+        dest = f"discarded-{stamp}"
+        for name in (CHECKPOINTS, *LOGS, DONE, EVENTS):
+            if self.store.exists(name):
+                self.store.move(name, f"{dest}/{name}")
+        self._rows = dict.fromkeys(LOGS, 0)
+        return self.url(dest)
+
+
+def _step(row: dict[str, Any]) -> int:
+    s = row.get("step", -1)
+    return s if isinstance(s, int) else -1
+
+
+def run_root(cfg: RunConfig, root: str | Path | None = None) -> str:
+    """The run directory of `cfg`: `root`, else <out_dir>/<name>."""
+    return str(root) if root is not None else join(cfg.out_dir, cfg.name)
+
+
+def run_exists(path: str | Path) -> bool:
+    """Whether a run directory is there (locally the directory; in a bucket its config)."""
+    store = open_store(path)
+    if isinstance(store, LocalStore):
+        return store.path().exists()
+    return store.exists(CONFIG)
 
 
 def create_run_dir(
@@ -165,14 +254,22 @@ def create_run_dir(
     checks more of the config before the directory records it.
     """
     rid = run_id(cfg)
-    path = Path(root) if root is not None else Path(cfg.out_dir) / cfg.name
+    path = run_root(cfg, root)
+    check_out_dir(path, "out_dir" if root is None else "--run-dir")
+    store = open_store(path)
+    if isinstance(store, LocalStore):
+        try:
+            for d in ("", PLOTS, CHECKPOINTS):
+                store.mkdir(d)
+        except OSError as e:
+            raise RunDirError(f"cannot create the run directory {path}: {e.strerror or e}") from e
     try:
-        for d in (path, path / "plots", path / "checkpoints"):
-            d.mkdir(parents=True, exist_ok=True)
+        run_lock = locks.acquire(path, LOCK, what=f"run directory {path}") if lock else None
+    except locks.LockBusy as e:
+        raise RunDirError(str(e)) from None
     except OSError as e:
-        raise RunDirError(f"cannot create the run directory {path}: {e.strerror or e}") from e
-    run_lock = RunLock(path / ".lock") if lock else None
-    rd = RunDir(path, rid, run_lock)
+        raise RunDirError(f"cannot lock the run directory {path}: {e}") from e
+    rd = RunDir(store, rid, run_lock)
     try:
         _check_owner(rd)
         if write:
@@ -183,22 +280,34 @@ def create_run_dir(
     return rd
 
 
+def open_run_dir(path: str | Path) -> RunDir:
+    """An existing run directory, for reading (no lock): its run id from config.json."""
+    store = open_store(path, key="run directory")
+    try:
+        rid = json.loads(store.read_bytes(CONFIG)).get("run_id", "")
+    except (FileNotFoundError, ValueError, AttributeError):
+        rid = ""
+    return RunDir(store, rid)
+
+
 def _check_owner(rd: RunDir) -> None:
     """Refuse a directory that holds another run (config.json, or else its rows)."""
     try:
-        old = json.loads(rd.config_path.read_text(encoding="utf-8"))
+        old = json.loads(rd.store.read_bytes(CONFIG).decode("utf-8"))
         found = {old.get("run_id")} if isinstance(old, dict) else {None}
-        source = str(rd.config_path)
+        source = rd.config_path
     except FileNotFoundError:
         return
+    except StorageError:
+        raise
     except (OSError, ValueError) as e:
         # Damaged: judge by the run ids the directory's rows and DONE file carry.
         found, source = set(), f"the rows in {rd.root} ({rd.config_path} is damaged: {e})"
         try:
-            found |= {r.get("run_id") for r in read_jsonl(rd.curve_path) if "run_id" in r}
+            found |= {r.get("run_id") for r in rd.curve() if "run_id" in r}
         except (OSError, ValueError):
             pass
-        done = rd.read_done() if rd.done_path.exists() else None
+        done = rd.read_done()
         if done and "run_id" in done:
             found.add(done["run_id"])
         print(f"warning: {rd.config_path} is damaged; rewriting it", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from rl_jax.knobs import ConfigError
 from rl_jax.runs.atomic import read_jsonl
+from rl_jax.runs.storage import join
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -74,12 +75,10 @@ def logged_rows(run_dir: str | Path, *, step: int | None = None, rows: int = 0) 
     """The rows `<run_dir>/samples.jsonl` holds for `step` (None: the newest logged step),
     the first `rows` of them (0: all). A step that logged none is a ConfigError naming the
     steps that did."""
-    path = Path(run_dir) / SAMPLES_FILE
-    logged = read_jsonl(path) if path.exists() else []
+    path = join(run_dir, SAMPLES_FILE)
+    logged = read_jsonl(path)
     if not logged:
-        raise ConfigError(
-            f"no samples in {path} (logging.samples_every=0, or no step logged yet)"
-        )
+        raise ConfigError(f"no samples in {path} (logging.samples_every=0, or no step logged yet)")
     steps = sorted({int(r["step"]) for r in logged})
     want = steps[-1] if step is None else step
     if want not in steps:

@@ -1,8 +1,10 @@
 """Orbax checkpoints of everything the next step depends on.
 
-Layout: <run>/checkpoints/<step>/{state (arrays), meta (JSON)}. Orbax writes
-into a temporary directory and renames on commit, so a process killed mid-save
-leaves no half-checkpoint under a step name.
+Layout: <run>/checkpoints/<step>/{state (arrays), meta (JSON)}, on a local disk or
+in a bucket (gs://; TensorStore writes the arrays there itself). Orbax writes into a
+temporary directory and renames it on commit (on a disk) or marks the step with a
+commit_success.txt written last (in a bucket), so a process killed mid-save leaves
+no half-checkpoint that counts as a step.
 
 Files can still be damaged later (a disk, a copy, a hand). Each save records a
 checksum of every array and of the meta, and a restore recomputes them: a
@@ -21,7 +23,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,23 @@ import orbax.checkpoint as ocp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rl_jax.runs.storage import StorageError, is_remote, open_store
+
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums"  # meta key: {array path: hex digest}
 META_DIGEST = "meta_sha256"  # meta key: sha256 of the rest of the meta
+
+
+class _OrbaxSaveErrors(logging.Filter):
+    """Drops orbax's ERROR records: a failed background save is logged with its traceback
+    by several of orbax's threads, and `Checkpointer.wait` raises it once, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_OrbaxSaveErrors())
 
 
 class ChecksumError(ValueError):
@@ -57,10 +71,21 @@ class Checkpointer:
         async_save: bool = True,
         compress: bool = False,
     ):
-        self.directory = Path(directory).resolve()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.remote = is_remote(directory)
+        if self.remote:
+            from etils import epath
+
+            self.url = str(directory).rstrip("/")
+            where = epath.Path(self.url)
+        else:
+            where = Path(directory).resolve()
+            where.mkdir(parents=True, exist_ok=True)
+            self.url = str(where)
+        parent, _, self.name = self.url.rpartition("/")
+        self._store = open_store(parent)
+        self._pending: int | None = None  # the step of the save in flight
         self._mngr = ocp.CheckpointManager(
-            self.directory,
+            where,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
@@ -75,8 +100,11 @@ class Checkpointer:
         )
 
     @property
-    def unusable_dir(self) -> Path:
-        return self.directory.parent / f"{self.directory.name}.unusable"
+    def unusable_dir(self) -> str:
+        return self._store.url(f"{self.name}.unusable")
+
+    def step_url(self, step: int) -> str:
+        return f"{self.url}/{step}"
 
     def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
@@ -94,6 +122,9 @@ class Checkpointer:
             )
             return False
         meta = seal_meta({**meta, CHECKSUMS: sums})
+        if self._pending is not None:
+            self.wait()  # one save at a time (orbax's own rule): its failure names its step
+        self._pending = step
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
@@ -102,7 +133,35 @@ class Checkpointer:
         return True
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        """Wait for the save in flight; StorageError (one line) if it failed."""
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax re-raises the background failure
+            step, self._pending = self._pending, None
+            raise StorageError(
+                f"saving the checkpoint of step {step} to {self.url} failed: {_short(e)}"
+            ) from e
+        self._pending = None
+
+    def poll(self) -> None:
+        """Raise (as `wait`) if the save in flight has failed; never blocks. Orbax reports
+        a background save's failure only when waited on, i.e. at the next save."""
+        if self._pending is not None and not self._mngr.is_saving_in_progress():
+            self.wait()
+
+    def reload(self) -> None:
+        self._mngr.reload()
+
+    def discard(self, dest: str) -> None:
+        """Move every step (and half-written ones) to `dest`, a URL beside this one."""
+        self.wait()
+        prefix = self._store.url("")
+        rel = dest[len(prefix) :].lstrip("/") if dest.startswith(prefix) else None
+        if rel is None:
+            raise ValueError(f"{dest} is not beside {self.url}")
+        for name in self._store.list(self.name):
+            self._store.move(f"{self.name}/{name}", f"{rel}/{name}")
+        self.reload()
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """Restore the newest checkpoint that loads and verifies, onto the shardings of
@@ -130,9 +189,9 @@ class Checkpointer:
                 found = step, out["state"], meta
                 break
             except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
-                log.warning("checkpoint %d in %s is unusable: %s", step, self.directory, _short(e))
+                log.warning("checkpoint %d in %s is unusable: %s", step, self.url, _short(e))
                 print(
-                    f"warning: checkpoint {self.directory / str(step)} is unusable "
+                    f"warning: checkpoint {self.step_url(step)} is unusable "
                     f"({_short(e)}); falling back to an older one",
                     flush=True,
                 )
@@ -145,18 +204,22 @@ class Checkpointer:
         """Move unusable checkpoints out of orbax's directory (only the first process)."""
         self._mngr.wait_until_finished()
         if jax.process_index() == 0:
-            self.unusable_dir.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for step in steps:
-                src = self.directory / str(step)
-                if src.exists():
-                    shutil.move(str(src), str(self.unusable_dir / f"{step}-{stamp}"))
-                    print(f"moved unusable checkpoint {src} to {self.unusable_dir}", flush=True)
+                src = f"{self.name}/{step}"
+                if self._store.exists(src):
+                    self._store.move(src, f"{self.name}.unusable/{step}-{stamp}")
+                    print(
+                        f"moved unusable checkpoint {self.step_url(step)} to {self.unusable_dir}",
+                        flush=True,
+                    )
         self._mngr.reload()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        try:
+            self.wait()
+        finally:
+            self._mngr.close()
 
 
 def seal_meta(meta: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import numpy as np
 
 from rl_jax.config import SamplingConfig, run_id, to_dict
 from rl_jax.runs.atomic import atomic_write_bytes
+from rl_jax.runs.plots import draw_curve
+from rl_jax.runs.storage import join
 from rl_jax.train.loop import RLTrainer
 
 CACHE = Path(".cache") / "demo"
@@ -121,7 +123,7 @@ def run_demo(cfg, *, warmup_target: float, quiet: bool):
     One directory per resolved config: rerunning the same demo reuses its finished run,
     changing a knob starts a new one instead of refusing the old directory.
     """
-    root = Path(cfg.out_dir) / f"{cfg.name}-{run_id(cfg)}"
+    root = join(cfg.out_dir, f"{cfg.name}-{run_id(cfg)}")
     trainer = RLTrainer(cfg, run_root=root, quiet=quiet)
     if trainer.run.read_done() is None:
         if not trainer.try_resume():
@@ -160,36 +162,8 @@ def write_report(run, *, x: str, metric: str) -> str:
             lines.append("  flagged unreliable: " + "; ".join(fit.warnings))
     except Exception as e:  # noqa: BLE001 - the report must not lose the run's numbers
         lines.append(f"sigmoid fit unavailable: {type(e).__name__}: {e}")
-    png = _plot(run, xs, ys, fit, x=x, metric=metric)
+    png = draw_curve(run, rows, x=x, metric=metric, fit=fit)
     lines.append(f"plot: {png}")
     text = "\n".join(lines)
-    (run.root / "report.md").write_text("# Demo report\n\n" + "\n\n".join(lines) + "\n")
+    run.store.write_text("report.md", "# Demo report\n\n" + "\n\n".join(lines) + "\n")
     return text
-
-
-def _plot(run, xs, ys, fit, *, x: str, metric: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    pos = xs > 0
-    # The evaluation before RL sits at zero compute, off a log axis: draw it as a level.
-    if (~pos).any():
-        ax.axhline(ys[~pos][0], color="gray", ls=":", label=f"before RL ({ys[~pos][0]:.2f})")
-    ax.plot(xs[pos], ys[pos], "o-", label="validation")
-    if fit is not None and pos.any():
-        grid = np.geomspace(xs[pos].min(), xs.max() * 4, 200)
-        ax.plot(grid, fit.predict(grid), "--", label=f"sigmoid fit (A={fit.A:.2f})")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"training compute ({x})")
-    ax.set_ylabel(metric)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path = run.plots_dir / "curve.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -14,6 +14,7 @@ so a resumed run repeats the numbers of one that never stopped.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,12 @@ import numpy as np
 
 from rl_jax.config import RunConfig, flatten, resolved, run_id
 from rl_jax.data import Curriculum, PromptPipeline
-from rl_jax.knobs import ConfigError
-from rl_jax.runs import (
-    MetricsLogger,
-    RunDir,
-    append_jsonl,
-    create_run_dir,
-    progress_bar,
-    sample_rows,
-    truncate_jsonl_after,
-)
+from rl_jax.runs import RunDir, create_run_dir, progress_bar, sample_rows
+from rl_jax.runs import run_dir as runs_lib
 from rl_jax.runs.samples import format_row, samples_due
+from rl_jax.runs.storage import check_out_dir
 from rl_jax.sharding import start_jax
 from rl_jax.train import phases, schedules
-from rl_jax.train.checkpoint import Checkpointer
 from rl_jax.train.params import LORA_KEY
 from rl_jax.train.parts import (
     SamplerWeights,
@@ -44,6 +37,7 @@ from rl_jax.train.parts import (
     copy_params,
     init_opt_state,
 )
+from rl_jax.train.record import Recorder, curve_row, say
 from rl_jax.train.split import SplitStream
 from rl_jax.train.state import DataStream, TrainerState
 
@@ -61,13 +55,26 @@ class RLTrainer:
         self.cfg = cfg
         self.quiet = quiet
         self.is_main = jax.process_index() == 0
-        # The run directory first: a busy or foreign one is refused before any device work.
-        self.run: RunDir = create_run_dir(cfg, run_root, lock=self.is_main, write=False)
+        # Progress and evaluation lines (the start, resume and end lines are always said).
+        self.talk = cfg.logging.progress and not quiet and self.is_main
         self.run_id = run_id(cfg)
+        root = runs_lib.run_root(cfg, run_root)
+        check_out_dir(root, "out_dir" if run_root is None else "--run-dir")
+        # A directory that exists is locked first, so a busy or foreign one is refused
+        # before any device work; a new one is created only once the config has built,
+        # so a config that fails to build leaves nothing behind.
+        fresh = not runs_lib.run_exists(root)
+        self.run: RunDir | None = None
+        if not fresh:
+            self.run = create_run_dir(cfg, run_root, lock=self.is_main, write=False)
         try:
             self._build(cfg)
+            if fresh:
+                self.run = create_run_dir(cfg, run_root, lock=self.is_main, write=False)
+            self._open(cfg)
         except BaseException:
-            self.run.close()
+            if self.run is not None:
+                self.run.close()
             raise
 
     def _build(self, cfg: RunConfig) -> None:
@@ -90,23 +97,20 @@ class RLTrainer:
             ref_params=copy_params(params) if cfg.loss.kl_coef > 0 else None,
             data=DataStream(prompts, curriculum),
         )
-        if self.is_main:
-            self.run.write_config(cfg)
         self.knobs = flatten(cfg)
-        # Opened by run_loop once it knows the step it resumes from (TensorBoard's purge).
-        self.logger: MetricsLogger | None = None
-        self.ckpt = Checkpointer(
-            self.run.checkpoints_dir,
-            keep=cfg.checkpoint.keep,
-            async_save=cfg.checkpoint.async_save,
-            compress=cfg.checkpoint.compress,
-        )
         self.weights = SamplerWeights(self.parts)  # the sampler's copies of the policy
         self.split_sampler: SplitStream | None = None
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
-        self._closed = False
         self._resumed: bool | None = None  # try_resume's answer, once asked
 
+    def _open(self, cfg: RunConfig) -> None:
+        """Once the run directory is locked: its config, checkpoints and rows."""
+        if self.is_main:
+            self.run.write_config(cfg)
+            say(f"run directory: {self.run.url()}")
+        self.record = Recorder(cfg, self.run, run_id=self.run_id, is_main=self.is_main)
+
+    ckpt = property(lambda self: self.record.ckpt)
     # The state's and the parts' names that callers (CLI, benchmarks, tests) read.
     step = property(lambda self: self.state.step)
     version = property(lambda self: self.state.version)
@@ -170,24 +174,19 @@ class RLTrainer:
 
     def _run_loop(self) -> dict[str, Any]:
         cfg = self.cfg
-        done = self.run.read_done()
+        done = self.run.read_done() if cfg.checkpoint.resume else None
         if done is not None:
+            self.record.already_done(done)
             return done
         resumed = self.try_resume()
-        if self.is_main:
-            # Events of steps after the restored one are hidden, as the JSONL rows are cut.
-            self.logger = MetricsLogger(
-                self.run, cfg.logging, config=self.knobs, purge_step=self.step + 1 if resumed else 0
-            )
+        self.record.open_logs(knobs=self.knobs, purge_step=self.step + 1 if resumed else 0)
         if not resumed and cfg.eval.at_start:
             self._maybe_eval(force=True)
         schedule = schedules.split if self.split else schedules.SCHEDULES[cfg.train.off_policy]
-        show = cfg.logging.progress and not self.quiet and self.is_main
         name = f"train {cfg.name}"
-        with progress_bar(cfg.train.steps, name, enabled=show, completed=self.step) as bar:
+        with progress_bar(cfg.train.steps, name, enabled=self.talk, completed=self.step) as bar:
             schedule(self, bar)
         self.save(force=True)
-        self.ckpt.wait()
         st = self.state
         summary = {
             "run_id": self.run_id,
@@ -196,15 +195,15 @@ class RLTrainer:
             "counters": st.counters.as_dict(),
             "staleness_hist": {str(k): v for k, v in sorted(st.staleness_hist.items())},
         }
-        if self.is_main:
-            self.run.mark_done(summary)
+        self.record.finish(summary)
         return summary
 
     def finish_step(self, state: TrainerState, metrics: dict[str, float], bar) -> None:
         """A trained batch's state: the step advances, then logs, hooks, evaluation and
         the checkpoint when due."""
         self.state = state.replace(step=state.step + 1)
-        self._log(metrics)
+        self.record.stepped()  # a lost lock or a failed background save stops the run here
+        self.record.log(self.step, metrics)
         for hook in self.step_hooks:
             hook(self)
         streak, limit = self.state.nonfinite_streak, self.cfg.train.max_nonfinite
@@ -233,10 +232,6 @@ class RLTrainer:
 
     # ---- logging and evaluation -----------------------------------------------------------
 
-    def _log(self, metrics: dict[str, float]) -> None:
-        if self.logger is not None:
-            self.logger.log(self.step, metrics)
-
     def log_samples(self, problems, scores: phases.Scores) -> None:
         """A few readable rows to samples.jsonl and TensorBoard (logging.samples_every)."""
         step, cfg = self.step + 1, self.cfg  # the step this batch is logged under
@@ -258,10 +253,8 @@ class RLTrainer:
             rows=cfg.logging.samples_rows,
             well_formed=self.parts.reward_fn.well_formed,
         )
-        append_jsonl(self.run.samples_path, rows)
-        if self.logger is not None:
-            text = "\n".join("```\n" + format_row(r) + "```" for r in rows)
-            self.logger.log_text(step, "samples", text)
+        text = "\n".join("```\n" + format_row(r) + "```" for r in rows)
+        self.record.log_samples(step, rows, text)
 
     def evaluate(self) -> dict[str, float]:
         self.state, m = phases.evaluate(self.parts, self.state, self.sampler_weights()[0])
@@ -271,10 +264,27 @@ class RLTrainer:
         every = self.cfg.eval.every
         if not (force or (every > 0 and self.step % every == 0)):
             return None
+        if self.talk:
+            ev = self.cfg.eval
+            n = len(self.parts.val_problems)
+            say(f"evaluating step {self.step}: {n} prompts x {ev.k} samples ...")
+        t0 = time.perf_counter()
         m = self.evaluate()
-        if self.is_main:
-            self.run.append_curve(_curve_row(self, m))
-        self._log(m)
+        if self.talk:
+            first = self.record.first_eval
+            was = "" if first is None else f" (first evaluation {first:.3f})"
+            say(
+                f"step {self.step}: val pass@1 {m['val/pass@1']:.3f}{was}"
+                f" [{time.perf_counter() - t0:.0f} s]"
+            )
+        row = curve_row(
+            run_id=self.run_id,
+            recipe=self.cfg.recipe or self.cfg.name,
+            knobs=self.knobs,
+            state=self.state,
+            metrics=m,
+        )
+        self.record.evaluated(self.step, row, m)
         return m
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -290,10 +300,7 @@ class RLTrainer:
         return self.step // every > max(self.ckpt.steps(), default=0) // every
 
     def save(self, *, force: bool = False) -> None:
-        if self.step in self.ckpt.steps():
-            return  # already saved at this step (periodic save coincides with the last one)
-        meta = {**self.state.meta(), "run_id": self.run_id}
-        self.ckpt.save(self.step, self.state.arrays(), meta, force=force)
+        self.record.save(self.step, self.state.arrays(), self.state.meta(), force=force)
 
     def try_resume(self) -> bool:
         """Restore the newest usable checkpoint, or start over; either way the logs are
@@ -307,17 +314,7 @@ class RLTrainer:
         return self._resumed
 
     def _try_resume(self) -> bool:
-        resume = self.cfg.checkpoint.resume
-        got = self.ckpt.restore_latest(self.state.arrays()) if resume else None
-        if got is not None and got[2].get("run_id", self.run_id) != self.run_id:
-            raise ConfigError(
-                f"checkpoint {self.run.checkpoints_dir / str(got[0])} belongs to run "
-                f"{got[2]['run_id']}, not to this config's {self.run_id}; use another run name"
-            )
-        last = -1 if got is None else int(got[2]["step"])
-        if self.is_main:
-            for path in (self.run.metrics_path, self.run.curve_path, self.run.samples_path):
-                truncate_jsonl_after(path, "step", last)
+        got = self.record.restore(self.state.arrays())
         if got is None:
             return False
         _, arrays, meta = got
@@ -341,31 +338,10 @@ class RLTrainer:
 
     def close(self) -> None:
         """Finish pending saves and release the run directory (idempotent)."""
-        if self.logger is not None:
-            self.logger.close()
-            self.logger = None
-        if not self._closed:
-            self._closed = True
-            self.ckpt.close()
-        self.run.close()
-
-
-def _curve_row(tr: RLTrainer, metrics: dict[str, float]) -> dict[str, Any]:
-    """One row of curve.jsonl: the run's knobs, counters and the evaluation's metrics."""
-    row = {
-        "run_id": tr.run_id,
-        "step": tr.step,
-        "version": tr.version,
-        "recipe": tr.cfg.recipe or tr.cfg.name,
-    }
-    row.update(tr.knobs)
-    row.update(tr.counters.as_dict())
-    row.update({k: v for k, v in metrics.items() if k.startswith(("val/", "train/"))})
-    hist = getattr(tr.curriculum, "pass_rate_histogram", None)
-    if hist is not None:
-        counts, _ = hist(10)
-        row["train/pass_rate_hist"] = [int(c) for c in counts]
-    return row
+        if getattr(self, "record", None) is not None:
+            self.record.close()
+        elif self.run is not None:
+            self.run.close()
 
 
 def train(cfg: RunConfig, *, run_root: str | Path | None = None, quiet: bool = False) -> dict:
