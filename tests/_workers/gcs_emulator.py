@@ -133,4 +133,3 @@ class GcsEmulator:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
