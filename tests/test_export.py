@@ -165,3 +165,49 @@ def test_a_character_model_run_exports_its_tokenizer_with_the_same_ids(tmp_path,
     gen = json.loads((out / "generation_config.json").read_text())
     for c in (cfg, gen):
         assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == ids
+
+
+def _sample(capsys, *argv) -> tuple[list[dict], str]:
+    rc = main(["sample", *map(str, argv), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return [json.loads(line) for line in out.strip().splitlines()], err
+
+
+def test_sample_takes_a_runs_sampling_settings_and_chat_template_choice(
+    tiny_gguf, tmp_path, capsys
+):
+    """`rl-jax sample --model RUN` samples as the run did: its samples per prompt, token
+    budget, temperature, stop tokens and plain-text prompts; the command's overrides win."""
+    prompt = ["--prompt", "12+30="]
+    greedy = ["sampling.temperature=0", "sampling.n=1", "sampling.max_new_tokens=5"]
+    free, _ = _sample(capsys, "--model", tiny_gguf, *prompt, *greedy, "data.chat_template=false")
+    stop = free[0]["token_ids"][1]  # greedy decoding stops right after its second token
+    run = make_run(
+        tmp_path,
+        "s",
+        gguf_run(
+            tiny_gguf,
+            "sampling.temperature=0",
+            "sampling.n=3",
+            "sampling.max_new_tokens=5",
+            f"sampling.stop_token_ids=[{stop}]",
+            "data.chat_template=false",
+        ),
+    )
+    rows, err = _sample(capsys, "--model", run, *prompt)
+    assert len(rows) == 3  # the run's n, not the default 8
+    assert {tuple(r["token_ids"]) for r in rows} == {tuple(free[0]["token_ids"][:2])}
+    assert rows[0]["finish_reason"] == "stop"
+    assert "max_new_tokens=5 temperature=0" in err and "chat template off" in err, err
+    # Overrides: the token budget, no stop token, and the chat template back on.
+    rows, _ = _sample(capsys, "--model", run, *prompt, "sampling.stop_token_ids=[]")
+    assert rows[0]["token_ids"] == free[0]["token_ids"]
+    chat, _ = _sample(capsys, "--model", tiny_gguf, *prompt, *greedy)
+    for argv in (["data.chat_template=true"], ["--chat"]):
+        rows, _ = _sample(capsys, "--model", run, *prompt, "sampling.stop_token_ids=[]", *argv)
+        assert rows[0]["token_ids"] == chat[0]["token_ids"], argv
+    assert chat[0]["token_ids"] != free[0]["token_ids"]
+    # A run's policy is its own: model.* and train.* are not sampling settings.
+    assert main(["sample", "--model", str(run), *prompt, "model.hidden_size=8"]) == 2
+    assert "define the policy" in capsys.readouterr().err
