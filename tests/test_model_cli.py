@@ -138,3 +138,25 @@ def test_convert_writes_only_into_a_new_empty_or_previous_export(hf_dir, tmp_pat
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run_json(capsys, ["convert", str(hf_dir), str(empty)])["to"] == "rl_jax"
+
+
+def test_convert_keeps_the_sources_generation_config(hf_dir, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    gen = {"eos_token_id": [0, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    native, back = tmp_path / "native", tmp_path / "back"
+    run_json(capsys, ["convert", str(src), str(native)])
+    run_json(capsys, ["convert", str(native), str(back)])
+    for d in (native, back):
+        got = json.loads((d / "generation_config.json").read_text())
+        assert {k: got[k] for k in gen} == gen, d
+    assert load_tokenizer_ids(back, "w4 w8") == load_tokenizer_ids(src, "w4 w8")
+
+
+def load_tokenizer_ids(path, text):
+    from rl_jax.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).encode(text)

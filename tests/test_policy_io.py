@@ -183,6 +183,9 @@ def test_a_damaged_step_asked_for_is_refused_naming_the_array(damaged_run, tmp_p
         assert len(err.splitlines()) == 1, err
         assert "checkpoints/4" in err and "array params/embed does not match" in err, err
     assert not (tmp_path / "hf").exists()
+    # score reads models, not runs: it says how to get one.
+    assert main(["score", "--model", str(damaged_run), "--token-ids", "5,6"]) == 2
+    assert "rl-jax convert" in capsys.readouterr().err
 
 
 def test_the_newest_damaged_step_falls_back_to_the_previous_verified_one(

@@ -511,10 +511,13 @@ def write_generation_config(
 ) -> Path:
     """generation_config.json: the special token ids of `spec`, with `stop_ids` (the
     tokens generation ends at) first among the EOS ids; the settings of `base_dir`'s
-    own generation_config.json kept, `sampling` (GenerationConfig fields) on top."""
+    own generation_config.json kept (its EOS ids too: an instruct model's often list
+    more than config.json), `sampling` (GenerationConfig fields) on top."""
     base = Path(base_dir) / "generation_config.json" if base_dir is not None else None
     cfg: dict[str, Any] = read_json_object(base) if base is not None and base.is_file() else {}
-    eos = list(dict.fromkeys([*stop_ids, *spec.eos_token_ids]))
+    where = str(base)
+    base_eos = _ids(cfg.get("eos_token_id"), "eos_token_id", where)
+    eos = list(dict.fromkeys([*stop_ids, *spec.eos_token_ids, *base_eos]))
     ids = {
         "bos_token_id": spec.bos_token_id if spec.bos_token_id >= 0 else None,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),

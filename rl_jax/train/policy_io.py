@@ -6,8 +6,11 @@ a model, as any of:
   RUN/checkpoints              the same
   RUN/checkpoints/STEP         that step
 Only the policy's parameters are read from the checkpoint (orbax partial restore):
-the optimizer state, a frozen reference policy and the data state stay on disk. A
-LoRA run's adapters are merged into the base weights as the trainer's view does
+the optimizer state, a frozen reference policy and the data state stay on disk. They
+are read as stored and checked against the checksums the trainer saved with them
+(rl_jax.train.checkpoint): a damaged step that was asked for is an error naming the
+array; the newest step, unasked, falls back to the newest that verifies. A LoRA
+run's adapters are merged into the base weights as the trainer's view does
 (rl_jax.train.params), so a run loads, samples and exports as a plain model.
 """
 
@@ -158,22 +161,7 @@ def load_run_params(
     plan = ParamPlan.from_config(ck.cfg, spec)
     meta = verified_meta(ck)
     ckptr = ocp.PyTreeCheckpointer()
-    try:
-        with _quiet_absl():  # orbax warns that the step-level metadata file is not here
-            stored = ckptr.metadata(ck.state_dir)
-        stored = stored.item_metadata if hasattr(stored, "item_metadata") else stored
-        stored_params = dict(stored["params"])
-    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
-        raise DamagedCheckpoint(f"{ck.state_dir}: cannot read the checkpoint ({e})") from None
-    for name, info in layout.items():
-        if name not in stored_params:
-            raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
-        shape = tuple(stored_params[name].shape)
-        if shape != info.shape:
-            raise CheckpointError(
-                f"{ck.state_dir}: tensor params/{name} has shape {shape} but the run's "
-                f"model needs {info.shape}"
-            )
+    stored_params = _stored_params(ck, ckptr, layout)
     # Read as stored (a checksum is of the stored bits), cast once verified.
     target = {
         name: jax.ShapeDtypeStruct(info.shape, stored_params[name].dtype, sharding=shardings[name])
@@ -203,6 +191,28 @@ def load_run_params(
         return params
     params[LORA_KEY] = jax.tree.map(lambda a: a.astype(jax.numpy.float32), params[LORA_KEY])
     return dict(jax.jit(plan.view, out_shardings=shardings)(params))
+
+
+def _stored_params(ck: RunCheckpoint, ckptr, layout) -> dict:
+    """The checkpoint's metadata of params/*, each tensor the model needs there with its
+    shape (a CheckpointError naming the first that is not)."""
+    try:
+        with _quiet_absl():  # orbax warns that the step-level metadata file is not here
+            stored = ckptr.metadata(ck.state_dir)
+        stored = stored.item_metadata if hasattr(stored, "item_metadata") else stored
+        stored_params = dict(stored["params"])
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
+        raise DamagedCheckpoint(f"{ck.state_dir}: cannot read the checkpoint ({e})") from None
+    for name, info in layout.items():
+        if name not in stored_params:
+            raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
+        shape = tuple(stored_params[name].shape)
+        if shape != info.shape:
+            raise CheckpointError(
+                f"{ck.state_dir}: tensor params/{name} has shape {shape} but the run's "
+                f"model needs {info.shape}"
+            )
+    return stored_params
 
 
 def verified_meta(ck: RunCheckpoint) -> dict:
