@@ -154,7 +154,7 @@ class Extras:
     tokenizer: Any = None
     files_from: Path | None = None  # a directory whose tokenizer files are copied
     chat_template: bool = True
-    generation_from: Path | None = None  # a directory whose generation_config.json is kept
+    generation: dict = field(default_factory=dict)  # the source's generation_config.json
     stop_ids: tuple[int, ...] = ()
     sampling: dict = field(default_factory=dict)
 
@@ -165,7 +165,7 @@ class Extras:
 
 def source_extras(kind: str, src: Path) -> Extras:
     """The tokenizer of an HF / rl_jax directory or a GGUF file (read before any weight)."""
-    from rl_jax.models.hf import has_tokenizer_files
+    from rl_jax.models.hf import has_tokenizer_files, read_generation_config
 
     if kind == "gguf":
         from rl_jax.models.tokenizer import HFTokenizer
@@ -177,18 +177,19 @@ def source_extras(kind: str, src: Path) -> Extras:
             return Extras()
     if not has_tokenizer_files(src):
         print(f"rl-jax convert: {src} has no tokenizer files; the output has none", file=sys.stderr)
-        return Extras(generation_from=src)
+        return Extras(generation=read_generation_config(src))
     tok = None
     if (src / "tokenizer.json").is_file():  # else a slow tokenizer's files, copied as they are
         from rl_jax.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(src)
-    return Extras(tokenizer=tok, files_from=src, generation_from=src)
+    return Extras(tokenizer=tok, files_from=src, generation=read_generation_config(src))
 
 
 def run_extras(ck) -> Extras:
     """The tokenizer a run trained with, its chat-template choice, the tokens its
     generation stopped at and its sampling settings (as GenerationConfig fields)."""
+    from rl_jax.models.hf import read_generation_config
     from rl_jax.models.load import local_model_path
     from rl_jax.train.policy_io import run_tokenizer
 
@@ -205,7 +206,7 @@ def run_extras(ck) -> Extras:
         tokenizer=tok,
         files_from=model_dir,
         chat_template=ck.cfg.data.chat_template,
-        generation_from=model_dir,
+        generation=read_generation_config(model_dir),
         stop_ids=tuple(s.stop_token_ids) or (tok.eos_id,),
         sampling=sampling,
     )
@@ -225,10 +226,11 @@ def main(argv: list[str]) -> int:
     check_output_dir(out, target, force=args.force)
     ck = None
     if kind == "run":
-        from rl_jax.train.policy_io import load_run_model
+        from rl_jax.train.policy_io import find_run_checkpoint, load_run_model
 
-        model, ck = load_run_model(src, step=args.step, param_dtype=args.dtype)
-        extras = run_extras(ck)
+        ck = find_run_checkpoint(src, args.step)
+        extras = run_extras(ck)  # the tokenizer read before any weight
+        model, ck = load_run_model(ck, param_dtype=args.dtype)
     else:
         from rl_jax.models.load import load_model
         from rl_jax.train.preflight import check_model_files
@@ -275,6 +277,6 @@ def write_export(model, out: Path, target: str, extras: Extras, *, max_shard_byt
         out,
         spec,
         stop_ids=extras.stop_ids,
-        base_dir=extras.generation_from,
+        base=extras.generation,
         sampling=extras.sampling,
     )

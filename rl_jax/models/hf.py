@@ -501,22 +501,31 @@ def with_token_ids(spec: ModelSpec, tokenizer: Any) -> ModelSpec:
     )
 
 
+def read_generation_config(model_dir: str | Path | None) -> dict[str, Any]:
+    """A model directory's generation_config.json ({} without one), its EOS ids checked."""
+    f = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if f is None or not f.is_file():
+        return {}
+    cfg = read_json_object(f)
+    _ids(cfg.get("eos_token_id"), "eos_token_id", str(f))
+    return cfg
+
+
 def write_generation_config(
     out_dir: str | Path,
     spec: ModelSpec,
     *,
     stop_ids: Sequence[int] = (),
-    base_dir: str | Path | None = None,
+    base: Mapping[str, Any] | None = None,
     sampling: Mapping[str, Any] | None = None,
 ) -> Path:
     """generation_config.json: the special token ids of `spec`, with `stop_ids` (the
-    tokens generation ends at) first among the EOS ids; the settings of `base_dir`'s
-    own generation_config.json kept (its EOS ids too: an instruct model's often list
-    more than config.json), `sampling` (GenerationConfig fields) on top."""
-    base = Path(base_dir) / "generation_config.json" if base_dir is not None else None
-    cfg: dict[str, Any] = read_json_object(base) if base is not None and base.is_file() else {}
-    where = str(base)
-    base_eos = _ids(cfg.get("eos_token_id"), "eos_token_id", where)
+    tokens generation ends at) first among the EOS ids; the settings of `base` (a source's
+    own generation config, `read_generation_config`) kept, its EOS ids too (an instruct
+    model's often list more than config.json); `sampling` (GenerationConfig fields) on
+    top."""
+    cfg = dict(base or {})
+    base_eos = _ids(cfg.get("eos_token_id"), "eos_token_id", "generation_config.json")
     eos = list(dict.fromkeys([*stop_ids, *spec.eos_token_ids, *base_eos]))
     ids = {
         "bos_token_id": spec.bos_token_id if spec.bos_token_id >= 0 else None,
