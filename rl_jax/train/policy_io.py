@@ -202,7 +202,9 @@ def _stored_params(ck: RunCheckpoint, ckptr, layout) -> dict:
         stored = stored.item_metadata if hasattr(stored, "item_metadata") else stored
         stored_params = dict(stored["params"])
     except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
-        raise DamagedCheckpoint(f"{ck.state_dir}: cannot read the checkpoint ({e})") from None
+        raise DamagedCheckpoint(
+            f"{ck.state_dir}: cannot read the checkpoint ({_short(e)})"
+        ) from None
     for name, info in layout.items():
         if name not in stored_params:
             raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
