@@ -50,10 +50,22 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 # What an accelerator shows on a Linux host: the device files of TPUs (/dev/accel*,
 # /dev/vfio/* on newer generations), NVIDIA GPUs (as jax's hardware_utils checks them)
-# and AMD GPUs (ROCm's /dev/kfd), and Google's PCI vendor id (TPU chips).
+# and AMD GPUs (ROCm's /dev/kfd), and Google's PCI vendor id (TPU chips). Google's
+# network and storage functions (gVNIC on every Compute Engine VM: PCI class 0x02,
+# 0x01) are not TPUs.
 _ACCELERATOR_FILES = ("/dev/accel*", "/dev/vfio/*", "/dev/nvidia*", "/dev/dxg", "/dev/kfd")
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _PCI_VENDOR_FILES = "/sys/bus/pci/devices/*/vendor"
+_NOT_ACCELERATOR_CLASSES = ("0x01", "0x02")  # PCI base classes: storage, network
+
+# On a host without a TPU, libtpu loads only to compile for a TPU topology (rl-jax plan:
+# the topology is named, so nothing of this host's is needed). At load it asks the TPU
+# metadata this host lacks for its worker hostnames and host bounds, and prints the
+# failures ("Failed to find host bounds ...", "E0000 ... unexpected worker hostname")
+# before going on as if it had been told one local host. Told so, it says nothing; the
+# compiled programs are the same (v5p:4x4x4, v5e:4x4, v6e:2x2: the same devices, memory
+# and FLOPs). A failure that matters still raises, and rl-jax plan names it.
+_LIBTPU_LOCAL_HOST = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
 
 def mesh_platform(mesh=None) -> str:
@@ -174,11 +186,26 @@ def accelerator_visible() -> bool:
         return True
     for vendor in glob.glob(_PCI_VENDOR_FILES):
         try:
-            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+            if Path(vendor).read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            cls = Path(vendor).with_name("class")
+            if not (cls.is_file() and cls.read_text().startswith(_NOT_ACCELERATOR_CLASSES)):
                 return True
         except OSError:
             continue
     return False
+
+
+def quiet_libtpu() -> bool:
+    """On a host without an accelerator (and without JAX_FORCE_TPU_INIT), tell libtpu it
+    is one local host (_LIBTPU_LOCAL_HOST, where not set already), so that loading it to
+    compile for a TPU topology prints nothing. Call before libtpu loads. Returns whether
+    it did."""
+    if "JAX_FORCE_TPU_INIT" in os.environ or accelerator_visible():
+        return False
+    for key, value in _LIBTPU_LOCAL_HOST.items():
+        os.environ.setdefault(key, value)
+    return True
 
 
 def cpu_without_accelerators() -> bool:
@@ -207,6 +234,7 @@ def cpu_without_accelerators() -> bool:
 
 def setup() -> None:
     """All of the above, for a command about to compile."""
+    quiet_libtpu()
     cpu_without_accelerators()
     enable_compile_cache()
     trim_heap_after_compiles()

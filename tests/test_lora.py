@@ -291,6 +291,14 @@ def test_convert_exports_the_merged_weights(lora_run, tmp_path, capsys):
         np.testing.assert_allclose(
             np.asarray(got[k]), np.asarray(merged[k]), rtol=1e-6, atol=1e-6, err_msg=k
         )
+    # The tokenizer the run trained with travels with the merged weights.
+    from rl_jax.data.tokenizer import CharTokenizer
+    from rl_jax.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tmp_path / "hf")
+    assert tok.encode("12+34=") == CharTokenizer().encode("12+34=")
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == CharTokenizer.eos_id
 
 
 # ---- bad knobs: one line, exit 2, before any device work ------------------------------------

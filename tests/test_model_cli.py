@@ -99,3 +99,64 @@ def test_native_dir_keeps_value_head(tmp_path):
     again = load_model(ModelConfig(path=str(tmp_path), value_head=True))
     np.testing.assert_array_equal(again.value_w[...], np.arange(spec.hidden_size))
     assert again.spec == spec
+
+
+def test_convert_writes_only_into_a_new_empty_or_previous_export(hf_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "notes.txt").write_text("keep me")
+    assert cli(["convert", str(hf_dir), str(out), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "notes.txt" in err and "--force" in err, err
+    assert (out / "config.json").read_text() == '{"mine": true}'
+    # --force: the export's files are written, the others kept.
+    run_json(capsys, ["convert", str(hf_dir), str(out), "--to", "hf", "--force"])
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+    # A previous export of the same kind is replaced whole: shards and a tokenizer that
+    # the new export does not have are gone.
+    (out / "notes.txt").unlink()
+    run_json(capsys, ["convert", str(hf_dir), str(out), "--to", "hf", "--max-shard-gb", "1e-5"])
+    assert (out / "model.safetensors.index.json").is_file()
+    bare = tmp_path / "bare"
+    save_model(build_model(SPEC, seed=5), bare)  # no tokenizer files
+    run_json(capsys, ["convert", str(bare), str(out)])
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    np.testing.assert_array_equal(
+        host_params(load_model(out))["q"], host_params(load_model(bare))["q"]
+    )
+    # An export of the other kind is another model's directory; a file is not a directory.
+    assert cli(["convert", str(hf_dir), str(bare), "--to", "hf"]) == 2
+    assert "not a previous hf export" in capsys.readouterr().err
+    assert cli(["convert", str(hf_dir), str(out / "config.json")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_json(capsys, ["convert", str(hf_dir), str(empty)])["to"] == "rl_jax"
+
+
+def test_convert_keeps_the_sources_generation_config(hf_dir, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    gen = {"eos_token_id": [0, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    native, back = tmp_path / "native", tmp_path / "back"
+    run_json(capsys, ["convert", str(src), str(native)])
+    run_json(capsys, ["convert", str(native), str(back)])
+    for d in (native, back):
+        got = json.loads((d / "generation_config.json").read_text())
+        assert {k: got[k] for k in gen} == gen, d
+    assert load_tokenizer_ids(back, "w4 w8") == load_tokenizer_ids(src, "w4 w8")
+
+
+def load_tokenizer_ids(path, text):
+    from rl_jax.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).encode(text)

@@ -97,11 +97,12 @@ def test_a_damaged_checkpoint_names_the_tensor(run, tmp_path):
     (copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"params/embed has shape \(64, 64\)"):
         load_run_model(copy)
+    shutil.copy(path / "config.json", copy / "config.json")
     for f in (copy / "checkpoints" / "4" / "state").iterdir():
         if f.is_file():
             f.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"checkpoints/4/state"):
-        load_run_model(copy)
+        load_run_model(copy, step=4)
 
 
 def test_load_sample_and_convert_a_runs_policy(run, tmp_path, capsys):
@@ -138,3 +139,71 @@ def test_load_sample_and_convert_a_runs_policy(run, tmp_path, capsys):
     for text in ["12+34=", "Hello World? <answer>7</answer>", "\u00e9Z\n\t x;"]:
         assert tok.encode(text) == char.encode(text), text
     assert tok.eos_id == char.eos_id and tok.pad_id == char.pad_id
+
+
+def flip_bytes(step_dir: Path, array: np.ndarray, n: int = 7) -> Path:
+    """Flip `n` bytes inside `array`'s stored bits in a checkpoint (found by its contents:
+    the checkpoints are uncompressed), as a disk or a copy might; returns the file."""
+    needle = array.tobytes()[:16]  # the first elements of its first shard
+    for f in sorted((step_dir / "state").rglob("*")):
+        data = bytearray(f.read_bytes()) if f.is_file() else b""
+        at = data.find(needle)
+        if at >= 0:
+            for i in range(n):
+                data[at + 8 + 3 * i] ^= 0x5A
+            f.write_bytes(bytes(data))
+            return f
+    raise AssertionError(f"the array's bytes are not in {step_dir}")
+
+
+@pytest.fixture
+def damaged_run(run, tmp_path):
+    """A copy of the run whose step-4 params/embed has 7 bytes flipped."""
+    import shutil
+
+    path, _ = run
+    copy = tmp_path / "r"
+    shutil.copytree(path, copy)
+    model, _ = load_run_model(path, step=4)
+    flip_bytes(copy / "checkpoints" / "4", np.asarray(model_params(model)["embed"]))
+    return copy
+
+
+def test_a_damaged_step_asked_for_is_refused_naming_the_array(damaged_run, tmp_path, capsys):
+    from rl_jax.cli import main
+
+    for argv in (
+        ["convert", damaged_run, tmp_path / "hf", "--step", "4"],
+        ["convert", damaged_run / "checkpoints" / "4", tmp_path / "hf"],
+        ["eval", damaged_run, "--step", "4"],
+        ["sample", "--model", damaged_run, "--step", "4", "--prompt", "1+2="],
+    ):
+        assert main(list(map(str, argv))) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "checkpoints/4" in err and "array params/embed does not match" in err, err
+    assert not (tmp_path / "hf").exists()
+    # score reads models, not runs: it says how to get one.
+    assert main(["score", "--model", str(damaged_run), "--token-ids", "5,6"]) == 2
+    assert "rl-jax convert" in capsys.readouterr().err
+
+
+def test_the_newest_damaged_step_falls_back_to_the_previous_verified_one(
+    run, damaged_run, tmp_path, capsys
+):
+    from rl_jax.cli import main
+
+    path, _ = run
+    assert main(["convert", str(damaged_run), str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["step"] == 2
+    assert "checkpoints/4" in err and "params/embed" in err and "using step 2" in err, err
+    step2, _ = load_run_model(path, step=2)
+    hf = model_params(load_model(str(tmp_path / "hf")))
+    np.testing.assert_array_equal(np.asarray(hf["embed"]), np.asarray(model_params(step2)["embed"]))
+    assert main(["eval", str(damaged_run), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["step"] == 2
+    assert "using step 2" in err, err
+    # The run directory is only read: the damaged checkpoint stays where it is.
+    assert (damaged_run / "checkpoints" / "4" / "state").is_dir()

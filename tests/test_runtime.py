@@ -94,6 +94,10 @@ def test_accelerator_visible_reads_device_files_and_pci_vendors(monkeypatch, tmp
     tpu.mkdir()
     (tpu / "vendor").write_text("0x1ae0\n")  # Google's: a TPU chip
     assert runtime.accelerator_visible() is True
+    (tpu / "class").write_text("0x020000\n")  # Google's network function (gVNIC): no TPU
+    assert runtime.accelerator_visible() is False
+    (tpu / "class").write_text("0x120000\n")  # a processing accelerator
+    assert runtime.accelerator_visible() is True
     (tpu / "vendor").unlink()
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "accel0").touch()
@@ -143,3 +147,62 @@ def test_xla_flags_with_device_count_replaces_only_the_count():
     )
     assert f(flags, None) == "--xla_backend_optimization_level=0 --b"
     assert f("", 4) == "--xla_force_host_platform_device_count=4"
+
+
+# What libtpu prints when it loads on a host without a TPU and nobody told it the host.
+LIBTPU_NOISE = ("host bounds", "worker hostname", "E0000", "InitGoogle")
+
+
+def _env_without_platforms() -> dict[str, str]:
+    drop = ("JAX_PLATFORMS", *runtime._LIBTPU_LOCAL_HOST)
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def test_convert_on_a_cpu_host_prints_no_libtpu_noise(tmp_path):
+    """`rl-jax convert` starts JAX's CPU backend alone on a host without an accelerator:
+    libtpu (installed for rl-jax plan) is not loaded, so it prints nothing."""
+    if runtime.accelerator_visible():
+        import pytest
+
+        pytest.skip("this host shows an accelerator: JAX's own choice is kept")
+    from rl_jax.config import ModelConfig
+    from rl_jax.models import build_model, export_hf, resolve_spec
+
+    spec = resolve_spec(ModelConfig(preset="tiny", num_layers=1, hidden_size=32))
+    export_hf(build_model(spec, seed=0), tmp_path / "hf")
+    out = subprocess.run(
+        [sys.executable, "-m", "rl_jax.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=_env_without_platforms(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["to"] == "rl_jax"
+    noise = [ln for ln in out.stderr.splitlines() if any(n in ln for n in LIBTPU_NOISE)]
+    assert not noise, out.stderr
+
+
+_TOPOLOGY_CHILD = r"""
+from rl_jax import runtime
+runtime.setup()
+from rl_jax.plan import topology_devices
+print(len(topology_devices("v5e:2x2")), {d.device_kind for d in topology_devices("v5e:2x2")})
+"""
+
+
+def test_plan_loads_libtpu_quietly_and_still_describes_topologies():
+    import pytest
+
+    pytest.importorskip("libtpu")
+    if runtime.accelerator_visible():
+        pytest.skip("this host shows an accelerator: libtpu reads its own")
+    out = subprocess.run(
+        [sys.executable, "-c", _TOPOLOGY_CHILD],
+        capture_output=True,
+        text=True,
+        env={**_env_without_platforms(), "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "4 {'TPU v5 lite'}"
+    noise = [ln for ln in out.stderr.splitlines() if any(n in ln for n in LIBTPU_NOISE)]
+    assert not noise, out.stderr

@@ -243,9 +243,28 @@ def test_cli_errors(tmp_path, capsys):
     assert "no metric (--metric) column 'val/best@k'" in capsys.readouterr().err
     assert main(args + ["--frontier", "on"]) == 2
     assert "sampling.n" in capsys.readouterr().err
-    _write_jsonl(tmp_path / "short.jsonl", curve_rows("s", [0, 1, 2], [0.1, 0.2, 0.3]))
-    assert main([str(tmp_path / "short.jsonl"), "--out", str(tmp_path / "o2"), "--no-plots"]) == 1
-    assert "free parameters" in capsys.readouterr().err
+    # Curves none of which can be fitted are unusable input: one line naming the file and
+    # the reason, nothing written (a one-point curve, a three-point one).
+    for points in ([0], [0, 1, 2]):
+        short = tmp_path / f"short{len(points)}.jsonl"
+        _write_jsonl(short, curve_rows("s", points, [0.1, 0.2, 0.3][: len(points)]))
+        assert main([str(short), "--out", str(tmp_path / "o2")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(short) in err and "free parameters" in err, err
+        assert not (tmp_path / "o2").exists()
+    # One curve too short among fitted ones is named and left out; the rest is written.
+    assert main([str(tmp_path / "c.jsonl"), str(short), "--out", str(tmp_path / "o3")]) == 0
+    assert "s: " in capsys.readouterr().err and (tmp_path / "o3" / "fits.json").is_file()
+    # A file that is not UTF-8 (or not a curve file at all) is named, and nothing written.
+    for name, data in (("latin1.jsonl", b'{"run_id": "caf\xe9"}\n'), ("x.parquet", b"junk")):
+        (tmp_path / name).write_bytes(data)
+        assert main([str(tmp_path / name), "--out", str(tmp_path / "o4")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(tmp_path / name) in err, err
+        assert not (tmp_path / "o4").exists()
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    assert main([str(tmp_path / "list.jsonl"), "--out", str(tmp_path / "o4")]) == 2
+    assert "row 1 is list, not an object" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--method", "newton"])
 

@@ -30,9 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("rl_jax.cli.plan", "compile a run's programs for a TPU topology: HBM, FLOPs"),
 }
 
-# Commands that compile JAX programs: they get the persistent compilation cache and the
-# heap trim of rl_jax.runtime (the others stay free of a jax import).
-COMPILES = frozenset({"train", "demo", "eval", "sample", "score", "plan"})
+# Commands that run JAX: they get rl_jax.runtime's setup (the CPU backend alone on a host
+# without an accelerator, the persistent compilation cache, the heap trim); the others
+# stay free of a jax import.
+COMPILES = frozenset({"train", "demo", "eval", "sample", "score", "plan", "convert"})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,14 +87,16 @@ def main(argv: list[str]) -> int:
         evaluate_policy,
         make_eval_sampler,
     )
-    from rl_jax.train.policy_io import load_run_params, run_spec, run_tokenizer
+    from rl_jax.train.policy_io import load_verified_params, run_spec, run_tokenizer, verified_meta
     from rl_jax.train.preflight import task_and_prompt_len
 
     t0 = time.perf_counter()
     mesh = _eval_mesh(cfg.mesh)
     spec = run_spec(ck)
-    params = load_run_params(ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample")
-    meta = ck.meta()
+    params, ck = load_verified_params(
+        ck, spec, mesh=mesh, rules_preset=cfg.mesh.rules, purpose="sample"
+    )
+    meta = verified_meta(ck)
     tok = run_tokenizer(ck)
     # Rendered as in training: chat template, answer instruction.
     task, prompt_len = task_and_prompt_len(cfg, tok)

@@ -2,19 +2,23 @@
 
 Writes DIR/fits.json (one object per run or recipe), DIR/recipes.{md,csv},
 DIR/report.md and DIR/plots/*.{png,svg}. Exit status: 0 when something was
-fitted, 1 when every fit failed, 2 for unusable input (unknown column, bad file,
-bad option).
+fitted (a curve that does not fit is named on stderr and in the report); 2, with
+one line naming the file and what is wrong and nothing written, for unusable input:
+an unreadable or non-UTF-8 file, an unknown column, a bad option, or curves none of
+which can be fitted (fewer points than the sigmoid has parameters, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rl_jax.scaling import (
     BOOTSTRAP_KINDS,
     FRONTIER_MODES,
     SIGMOID_METHODS,
+    SOURCE_KEY,
     FitError,
     fit_runs,
     load_rows,
@@ -127,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             c_mid_grid=args.c_mid_grid,
             metric_range=tuple(args.metric_range),
         )
+        fitted = [e for e in report.entries if e.fit is not None]
+        if not fitted:
+            raise FitError("nothing could be fitted: " + "; ".join(_failures(report, rows)))
         written = write_report(report, args.out, plots=not args.no_plots)
     except (FitError, ValueError) as e:
-        print(f"rl-jax fit: {e}", file=sys.stderr)
+        print(f"rl-jax fit: {_one_line(e)}", file=sys.stderr)
         return 2
-    fitted = [e for e in report.entries if e.fit is not None]
     for e in report.entries:
         if e.error:
             print(f"rl-jax fit: {e.name}: {e.error}", file=sys.stderr)
@@ -141,4 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         f"fitted {len(fitted)} of {len(report.entries)} runs/recipes; wrote {len(written)} files "
         f"to {args.out} (report.md, fits.json)"
     )
-    return 0 if fitted else 1
+    return 0
+
+
+def _failures(report, rows) -> list[str]:
+    """'FILE: run R: why' for each curve that did not fit."""
+    files: dict[str, set[str]] = {}
+    for r in rows:
+        src = str(r.get(SOURCE_KEY, "rows"))
+        rid = r.get("run_id")
+        # A row without a run id belongs to its file's run (rl_jax.scaling.curves_from_rows).
+        files.setdefault(str(rid) if rid not in (None, "") else Path(src).stem, set()).add(src)
+    out = [
+        f"{', '.join(sorted(files.get(e.name, {'?'})))}: run {e.name}: {e.error}"
+        for e in report.entries
+        if e.error and e.kind == "run"
+    ]
+    return out or [f"{e.name}: {e.error}" for e in report.entries if e.error]
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(line.strip() for line in str(e).strip().splitlines())

@@ -6,7 +6,13 @@
 
 --model: an HF directory, a GGUF file or an rl_jax model directory (tokenizer
 files beside the weights are used for text), or a training run: RUN (its newest
-checkpoint, or --step N) or RUN/checkpoints/STEP, sampled with the run's tokenizer.
+checkpoint that verifies, or --step N) or RUN/checkpoints/STEP, sampled as the run
+sampled: its tokenizer, its sampling.* settings (samples per prompt, max_new_tokens,
+temperature, top_p, top_k, stop tokens, forced interruptions) and the way it rendered
+a question (data.chat_template, data.system_prompt, data.answer_instruction), each
+overridable here (sampling.max_new_tokens=64, data.chat_template=false, --chat); the
+settings used are printed on stderr. A run's model.*, train.*, loss.* and lora.* are
+its policy, not overridable.
 --prompts FILE: one prompt per line, or JSON lines with "prompt" (text) or
 "token_ids". Text prompts are rendered as a user message with the tokenizer's chat
 template when it ships one (data.chat_template=false: plain text; data.system_prompt:
@@ -112,11 +118,35 @@ def _tokenizer(model_path: str):
         return None  # a GGUF file whose tokenizer kind is not supported: token ids only
 
 
+# Overrides that would change a run's policy rather than how it is sampled: refused with
+# a run as --model (rl-jax eval refuses them too).
+_FIXED = ("model.", "train.", "loss.", "lora.")
+
+
+def sampling_config(args):
+    """(RunConfig, the run's checkpoint or None): a run's own config under --model RUN
+    (its sampling, chat-template choice, system prompt), else the defaults; the
+    command's overrides on top."""
+    from rl_jax.config import RunConfig, apply_overrides
+    from rl_jax.train.policy_io import find_run_checkpoint, is_run_path
+
+    run_ck = find_run_checkpoint(args.model, args.step) if is_run_path(args.model) else None
+    if run_ck is None:
+        if args.step is not None:
+            raise ConfigError(f"--step needs a run directory as --model, not {args.model}")
+        return apply_overrides(RunConfig(), args.overrides), None
+    bad = [o for o in args.overrides if o.split("=", 1)[0].startswith(_FIXED)]
+    if bad:
+        raise ConfigError(
+            f"{bad}: a run is sampled as it was trained; its model.*, train.*, loss.* and "
+            "lora.* define the policy (convert it to a model directory to change them)"
+        )
+    return apply_overrides(run_ck.cfg, args.overrides), run_ck
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from rl_jax.config import RunConfig, apply_overrides
-
-    cfg = apply_overrides(RunConfig(), args.overrides)
+    cfg, run_ck = sampling_config(args)
     model_cfg = dataclasses.replace(cfg.model, path=args.model, preset="")
     scfg = cfg.sampling
 
@@ -126,11 +156,6 @@ def main(argv: list[str]) -> int:
         raw = [args.prompt]
     else:
         raw = read_prompts(args.prompts)
-    from rl_jax.train.policy_io import find_run_checkpoint, is_run_path
-
-    run_ck = find_run_checkpoint(args.model, args.step) if is_run_path(args.model) else None
-    if run_ck is None and args.step is not None:
-        raise ConfigError(f"--step needs a run directory as --model, not {args.model}")
     if run_ck is not None:
         from rl_jax.train.policy_io import run_tokenizer
 
@@ -150,8 +175,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--chat: the tokenizer of {args.model} has no chat template")
     from rl_jax.data import prompt_renderer
 
+    verifier = "" if cfg.rewards.name == "auto" else cfg.rewards.name
     render = prompt_renderer(
-        dataclasses.replace(cfg.data, chat_template=cfg.data.chat_template or args.chat), tok
+        dataclasses.replace(cfg.data, chat_template=cfg.data.chat_template or args.chat),
+        tok,
+        verifier=verifier,
     )
     prompts = []
     for r in raw:
@@ -165,7 +193,15 @@ def main(argv: list[str]) -> int:
     if run_ck is not None:
         from rl_jax.train.policy_io import load_run_model
 
-        model, _ = load_run_model(run_ck, purpose="sample")
+        model, run_ck = load_run_model(run_ck, purpose="sample")
+        print(
+            f"sampling run {run_ck.run_dir.name} step {run_ck.step} with its settings: "
+            f"max_new_tokens={scfg.max_new_tokens} temperature={scfg.temperature:g} "
+            f"top_p={scfg.top_p:g} top_k={scfg.top_k} chat template "
+            f"{'on' if cfg.data.chat_template or args.chat else 'off'}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         model = load_model(model_cfg, purpose="sample")
     spec = model.spec

@@ -49,7 +49,16 @@ def main(argv: list[str]) -> int:
     from rl_jax.config.model import ModelConfig
     from rl_jax.models.load import load_model
     from rl_jax.models.logprobs import score_tokens
+    from rl_jax.train.policy_io import is_run_path
+    from rl_jax.train.preflight import check_model_files
 
+    if is_run_path(args.model):
+        raise ConfigError(
+            f"--model {args.model} is a training run; score reads a model: export the run "
+            f"first (rl-jax convert {args.model} DIR) and score DIR"
+        )
+    cfg = ModelConfig(path=args.model, compute_dtype=args.compute_dtype)
+    check_model_files(cfg, tokenizer=False)  # a file cut short: named, before loading
     if args.token_ids is not None:
         ids = parse_ids(args.token_ids)
     else:
@@ -60,7 +69,7 @@ def main(argv: list[str]) -> int:
         )
         if not ids:
             raise ConfigError("--text encodes to no tokens")
-    model = load_model(ModelConfig(path=args.model, compute_dtype=args.compute_dtype))
+    model = load_model(cfg)
     logprobs = score_tokens(model, ids, chunk=args.chunk, temperature=args.temperature)
     json.dump({"token_ids": ids, "logprobs": logprobs}, sys.stdout)
     sys.stdout.write("\n")

@@ -59,21 +59,34 @@ class CharTokenizer:
     def save(self, out_dir) -> None:
         """Write an HF fast tokenizer (tokenizer.json, tokenizer_config.json) that gives
         the same ids, so an exported model samples and trains with its own tokenizer
-        under transformers or `rl-jax sample --model DIR`. (transformers 5's
-        AutoTokenizer gives a `qwen2` model Qwen2Tokenizer's pipeline whatever the
-        file says; `PreTrainedTokenizerFast(tokenizer_file=...)` reads it as written.)"""
+        under transformers or `rl-jax sample --model DIR`.
+
+        Its vocabulary is keyed by the byte-level spelling of each character (GPT-2's
+        byte-to-unicode map: ' ' is 'Ġ'), behind a byte-level pre-tokenizer. Read as
+        written (tokenizers, `PreTrainedTokenizerFast`, transformers 4's AutoTokenizer)
+        it gives exactly `encode`'s ids. transformers 5's AutoTokenizer rebuilds every
+        `qwen2` model's tokenizer as Qwen2Tokenizer's byte-level BPE from this
+        vocabulary, whatever the file says: that gives the same ids for the alphabet's
+        own characters, but drops capitals and characters outside the alphabet instead of
+        lowercasing them or reading them as unk."""
         import json
         from pathlib import Path
 
         from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         specials = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0..3, as above
         vocab = {t: i for i, t in enumerate(specials)}
-        vocab.update(self._to_id)
+        for c, i in self._to_id.items():
+            vocab[byte_level.pre_tokenize_str(c)[0][0]] = i
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.normalizer = normalizers.Lowercase()  # capitals read as lowercase, as encode does
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-        tok.decoder = decoders.Fuse()
+        # One pre-token per character (so an unknown one is one unk, as in encode), then
+        # its bytes in the vocabulary's spelling.
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), byte_level]
+        )
+        tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(specials)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ _SCALAR = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
@@ -83,6 +84,8 @@ class _Buf:
 
     def string(self) -> str:
         n = self.unpack("<Q")
+        if self.pos + n > len(self.data):
+            raise struct.error("string past the end of the buffer")  # read more, or cut short
         s = self.data[self.pos : self.pos + n].decode("utf-8", errors="replace")
         self.pos += n
         return s
@@ -94,6 +97,8 @@ class _Buf:
             item, count = self.unpack("<I"), self.unpack("<Q")
             if item in _SCALAR:  # numeric arrays in one read
                 fmt = _SCALAR[item]
+                if self.pos + count * struct.calcsize(fmt) > len(self.data):
+                    raise struct.error("array past the end of the buffer")
                 arr = np.frombuffer(self.data, np.dtype(fmt), count, self.pos)
                 self.pos += arr.nbytes
                 return arr.tolist()
@@ -104,40 +109,62 @@ class _Buf:
 @functools.lru_cache(maxsize=4)
 def _read_cached(path: str, mtime: float) -> GGUFFile:
     p = Path(path)
+    size = p.stat().st_size
     with open(p, "rb") as f:
         head = f.read(24)
         if head[:4] != b"GGUF":
             raise CheckpointError(f"{p} is not a GGUF file (magic {head[:4]!r})")
+        if len(head) < 24:
+            raise CheckpointError(
+                f"{p} is cut short: {size} bytes, less than a GGUF header (an interrupted "
+                "download or copy?)"
+            )
         version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
         if version < 2:
             raise CheckpointError(f"{p}: GGUF version {version} is too old (need >= 2)")
         # Metadata + tensor table are small next to the data; read generously, once.
-        size = p.stat().st_size
         chunk = 1 << 22
         while True:
             f.seek(0)
             buf = _Buf(f.read(min(chunk, size)))
             buf.pos = 24
             try:
-                meta = {}
-                for _ in range(n_kv):
-                    key = buf.string()
-                    meta[key] = buf.value(buf.unpack("<I"))
-                tensors = {}
-                for _ in range(n_tensors):
-                    name = buf.string()
-                    n_dims = buf.unpack("<I")
-                    dims = [buf.unpack("<Q") for _ in range(n_dims)]
-                    qtype, offset = buf.unpack("<I"), buf.unpack("<Q")
-                    tensors[name] = (tuple(reversed(dims)), qtype, offset)
+                meta, tensors = _read_tables(buf, n_kv, n_tensors)
                 break
             except struct.error:
                 if chunk >= size:
-                    raise CheckpointError(f"{p}: truncated GGUF header") from None
+                    raise CheckpointError(
+                        f"{p} is cut short or damaged: its header ends past the file's "
+                        f"{size} bytes (an interrupted download or copy?)"
+                    ) from None
                 chunk *= 4
-    align = int(meta.get("general.alignment", 32))
+            except (KeyError, ValueError, OverflowError, MemoryError) as e:
+                raise CheckpointError(f"{p}: damaged GGUF header ({type(e).__name__})") from None
+    try:
+        align = int(meta.get("general.alignment", 32))
+    except (TypeError, ValueError):
+        align = 0
+    if align <= 0:
+        raise CheckpointError(f"{p}: general.alignment={meta['general.alignment']!r} is not > 0")
     data_start = -(-buf.pos // align) * align
     return GGUFFile(p, meta, tensors, data_start)
+
+
+def _read_tables(buf: _Buf, n_kv: int, n_tensors: int) -> tuple[dict, dict]:
+    meta = {}
+    for _ in range(n_kv):
+        key = buf.string()
+        meta[key] = buf.value(buf.unpack("<I"))
+    tensors = {}
+    for _ in range(n_tensors):
+        name = buf.string()
+        n_dims = buf.unpack("<I")
+        if n_dims > _MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+        dims = [buf.unpack("<Q") for _ in range(n_dims)]
+        qtype, offset = buf.unpack("<I"), buf.unpack("<Q")
+        tensors[name] = (tuple(reversed(dims)), qtype, offset)
+    return meta, tensors
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -145,6 +172,38 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if not p.is_file():
         raise CheckpointError(f"GGUF file {p} does not exist")
     return _read_cached(str(p.resolve()), p.stat().st_mtime)
+
+
+def check_gguf_tensors(path: str | Path, names=None) -> GGUFFile:
+    """Every tensor (or those `names`) has a known GGML type and lies inside the file: a
+    file cut short (an interrupted download) is named here, not by a failed read later."""
+    g = read_gguf(path)
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:
+        raise CheckpointError(
+            f"{path}: reading GGUF weights needs the gguf package (pip install gguf)"
+        ) from None
+    size = g.path.stat().st_size
+    for name in g.tensors if names is None else names:
+        shape, qtype, offset = g.tensors[name]
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has GGML type {qtype}, which gguf "
+                "does not know (a newer file, or a damaged one)"
+            ) from None
+        if not shape or any(d <= 0 for d in shape) or shape[-1] % block:
+            raise CheckpointError(f"{path}: tensor {name!r} has a bad shape {shape}")
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        end = g.data_start + offset + rows * (shape[-1] // block * type_size)
+        if end > size:
+            raise CheckpointError(
+                f"{path} is cut short: tensor {name!r} ends at byte {end} but the file has "
+                f"{size} bytes (an interrupted download or copy?)"
+            )
+    return g
 
 
 def spec_fields_from_gguf(path: str | Path) -> dict[str, Any]:
@@ -232,9 +291,16 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_hf_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF-layout shape of the file's tensors, each checked to lie inside the file
+    (`check_gguf_tensors`); reads no tensor."""
+    g = check_gguf_tensors(path)
+    return {hf_name(n): shape for n, (shape, _, _) in g.tensors.items() if hf_name(n)}
+
+
 def gguf_hf_tensors(path: str | Path, spec: ModelSpec) -> dict[str, np.ndarray]:
     """Dequantized float32 tensors under HF names and in HF layouts."""
-    g = read_gguf(path)
+    g = check_gguf_tensors(path)
     out = {}
     for name in g.tensors:
         hf = hf_name(name)

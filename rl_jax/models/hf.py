@@ -9,11 +9,12 @@ sharded parameter. Both config.json spellings are read: transformers 4.x
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,19 @@ class CheckpointError(ConfigError):
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ARCH_BY_CLASS = {v: k for k, v in HF_CLASS.items()}
+# A model directory's tokenizer: the fast tokenizer and its settings, the chat template
+# where transformers 5 writes it, the slow tokenizers' vocabularies. Copied as they are by
+# an export, so every field transformers reads travels.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
-    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
 )
 
 
@@ -432,15 +439,17 @@ def export_hf(
     dtype: str | None = None,
     tokenizer_from: str | Path | None = None,
     max_shard_bytes: int = 4 << 30,
+    spec: ModelSpec | None = None,
 ) -> Path:
     """Write `model` as an HF directory transformers loads (config.json + safetensors).
 
     dtype: stored dtype (default the parameter dtype). tokenizer_from: a directory
-    whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
-    generation config) are copied along. Files above `max_shard_bytes` are split
-    with a `model.safetensors.index.json`.
+    whose tokenizer files (TOKENIZER_FILES) are copied along. Files above
+    `max_shard_bytes` are split with a `model.safetensors.index.json`. spec: the spec
+    config.json describes (default the model's; e.g. with the token ids of its tokenizer,
+    `with_token_ids`).
     """
-    spec = model.spec
+    spec = spec or model.spec
     dtype = dtype or spec.param_dtype
     np_dtype = np.dtype(dtype_of(dtype))
     out = Path(out_dir)
@@ -474,8 +483,69 @@ def export_hf(
     cfg = hf_config_from_spec(spec, _DTYPE_NAME[dtype])
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer_from is not None:
-        src = Path(tokenizer_from)
-        for f in TOKENIZER_FILES:
-            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
-                shutil.copyfile(src / f, out / f)
+        copy_tokenizer_files(tokenizer_from, out)
     return out
+
+
+def with_token_ids(spec: ModelSpec, tokenizer: Any) -> ModelSpec:
+    """`spec` with the BOS / EOS / pad ids it lacks taken from `tokenizer` (a model built
+    from a preset knows them only through the tokenizer it was trained with)."""
+    if tokenizer is None:
+        return spec
+    bos = getattr(tokenizer, "bos_id", None)
+    return dataclasses.replace(
+        spec,
+        bos_token_id=spec.bos_token_id if spec.bos_token_id >= 0 or bos is None else bos,
+        eos_token_ids=spec.eos_token_ids or (tokenizer.eos_id,),
+        pad_token_id=spec.pad_token_id if spec.pad_token_id >= 0 else tokenizer.pad_id,
+    )
+
+
+def read_generation_config(model_dir: str | Path | None) -> dict[str, Any]:
+    """A model directory's generation_config.json ({} without one), its EOS ids checked."""
+    f = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if f is None or not f.is_file():
+        return {}
+    cfg = read_json_object(f)
+    _ids(cfg.get("eos_token_id"), "eos_token_id", str(f))
+    return cfg
+
+
+def write_generation_config(
+    out_dir: str | Path,
+    spec: ModelSpec,
+    *,
+    stop_ids: Sequence[int] = (),
+    base: Mapping[str, Any] | None = None,
+    sampling: Mapping[str, Any] | None = None,
+) -> Path:
+    """generation_config.json: the special token ids of `spec`, with `stop_ids` (the
+    tokens generation ends at) first among the EOS ids; the settings of `base` (a source's
+    own generation config, `read_generation_config`) kept, its EOS ids too (an instruct
+    model's often list more than config.json); `sampling` (GenerationConfig fields) on
+    top."""
+    cfg = dict(base or {})
+    base_eos = _ids(cfg.get("eos_token_id"), "eos_token_id", "generation_config.json")
+    eos = list(dict.fromkeys([*stop_ids, *spec.eos_token_ids, *base_eos]))
+    ids = {
+        "bos_token_id": spec.bos_token_id if spec.bos_token_id >= 0 else None,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": spec.pad_token_id if spec.pad_token_id >= 0 else None,
+    }
+    cfg.update({k: v for k, v in ids.items() if v is not None})
+    cfg.update(sampling or {})
+    f = Path(out_dir) / "generation_config.json"
+    f.write_text(json.dumps(cfg, indent=2) + "\n")
+    return f
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
+def copy_tokenizer_files(src: str | Path, out: str | Path) -> None:
+    """The TOKENIZER_FILES of directory `src` copied into `out`, as they are."""
+    src, out = Path(src), Path(out)
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
+            shutil.copyfile(src / f, out / f)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rl_jax.models.hf import TOKENIZER_FILES, CheckpointError, read_json_object
+from rl_jax.models.hf import CheckpointError, copy_tokenizer_files, read_json_object
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.spec import ModelSpec, RopeScaling
 from rl_jax.models.transformer import (
@@ -81,10 +80,7 @@ def save_model(
     write_safetensors(out / PARAMS_FILE, sorted(host_params(model).items()))
     (out / SPEC_FILE).write_text(json.dumps({"format": FORMAT, "spec": spec}, indent=2) + "\n")
     if tokenizer_from is not None:
-        src = Path(tokenizer_from)
-        for f in TOKENIZER_FILES:
-            if (src / f).is_file() and (src / f).resolve() != (out / f).resolve():
-                shutil.copyfile(src / f, out / f)
+        copy_tokenizer_files(tokenizer_from, out)
     return out
 
 

@@ -189,6 +189,38 @@ class HFTokenizer:
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def export_tokenizer(
+    out_dir: str | Path,
+    tokenizer: Any,
+    *,
+    files_from: str | Path | None = None,
+    chat_template: bool = True,
+) -> None:
+    """Write a model's tokenizer into `out_dir` as transformers' AutoTokenizer reads it.
+
+    files_from: a model directory whose tokenizer files (rl_jax.models.hf.TOKENIZER_FILES)
+    are copied as they are; else `tokenizer.save(out_dir)` (an HFTokenizer, e.g. one built
+    from a GGUF file, or the character tokenizer). chat_template=False leaves the chat template out
+    (a run that prompted its model with plain text): the exported tokenizer is then
+    prompted as the model was trained."""
+    from rl_jax.models.hf import copy_tokenizer_files, has_tokenizer_files
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if files_from is not None and has_tokenizer_files(files_from):
+        copy_tokenizer_files(files_from, out)
+    else:
+        tokenizer.save(out)
+    if not chat_template:
+        for f in ("chat_template.jinja", "chat_template.json"):
+            (out / f).unlink(missing_ok=True)
+        cfg_file = out / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = read_json_object(cfg_file)
+            if cfg.pop("chat_template", None) is not None:
+                cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
 def load_tokenizer(path: str | Path) -> HFTokenizer:
     """From an HF directory or a GGUF file, local or a URL (its tokenizer files copied into
     the local input cache: rl_jax.models.load.local_model_path)."""

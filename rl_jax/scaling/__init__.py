@@ -24,7 +24,7 @@ from rl_jax.scaling._compare import (
     table_csv,
     table_markdown,
 )
-from rl_jax.scaling._curves import Curve, CurveError, curves_from_rows, load_rows
+from rl_jax.scaling._curves import SOURCE_KEY, Curve, CurveError, curves_from_rows, load_rows
 from rl_jax.scaling._early import early_decision, p_greater
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
 from rl_jax.scaling._isocompute import FrontierError, fit_frontier, record_breaking
@@ -63,6 +63,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "SOURCE_KEY",
     "BOOTSTRAP_KINDS",
     "FRONTIER_MODES",
     "PAPER_A_GRID",

@@ -84,10 +84,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def _read_csv(path: Path) -> list[dict[str, Any]]:
     with open(path, newline="", encoding="utf-8") as f:
         # A blank cell is an absent value (the row did not record that column).
-        return [
-            {k: _scalar(v) for k, v in r.items() if k is not None and v not in ("", None)}
-            for r in csv.DictReader(f)
-        ]
+        try:
+            return [
+                {k: _scalar(v) for k, v in r.items() if k is not None and v not in ("", None)}
+                for r in csv.DictReader(f)
+            ]
+        except csv.Error as e:
+            raise CurveError(f"{path}: not CSV ({e})") from None
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -97,7 +100,10 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         raise CurveError(
             f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert to CSV"
         ) from None
-    return pq.read_table(path).to_pylist()  # nulls stay None, NaN stays NaN
+    try:
+        return pq.read_table(path).to_pylist()  # nulls stay None, NaN stays NaN
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise CurveError(f"{path}: not a parquet file ({e})") from None
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_jsonl, ".csv": _read_csv}
@@ -128,7 +134,18 @@ def load_rows(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
         reader = _READERS.get(f.suffix.lower())
         if reader is None:
             raise CurveError(f"{f}: unknown file type {f.suffix!r}; use one of {sorted(_READERS)}")
-        for r in reader(f):
+        try:
+            read = reader(f)
+        except UnicodeDecodeError as e:
+            raise CurveError(
+                f"{f}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                f"a {f.suffix} curve file is UTF-8"
+            ) from None
+        except OSError as e:
+            raise CurveError(f"{f}: cannot read it ({e.strerror or e})") from None
+        for i, r in enumerate(read):
+            if not isinstance(r, Mapping):
+                raise CurveError(f"{f}: row {i + 1} is {type(r).__name__}, not an object")
             row = _flatten(r)
             row[SOURCE_KEY] = str(f)
             rows.append(row)

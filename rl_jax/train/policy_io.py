@@ -6,8 +6,11 @@ a model, as any of:
   RUN/checkpoints              the same
   RUN/checkpoints/STEP         that step
 Only the policy's parameters are read from the checkpoint (orbax partial restore):
-the optimizer state, a frozen reference policy and the data state stay on disk. A
-LoRA run's adapters are merged into the base weights as the trainer's view does
+the optimizer state, a frozen reference policy and the data state stay on disk. They
+are read as stored and checked against the checksums the trainer saved with them
+(rl_jax.train.checkpoint): a damaged step that was asked for is an error naming the
+array; the newest step, unasked, falls back to the newest that verifies. A LoRA
+run's adapters are merged into the base weights as the trainer's view does
 (rl_jax.train.params), so a run loads, samples and exports as a plain model.
 """
 
@@ -17,6 +20,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,7 @@ from rl_jax.models import ModelSpec, Transformer, build_model, param_layout, par
 from rl_jax.models.hf import CheckpointError
 from rl_jax.models.transformer import dtype_of
 from rl_jax.sharding import get_rules
+from rl_jax.train.checkpoint import CHECKSUMS, META_DIGEST, _short, seal_meta, state_checksums
 from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims
 
 
@@ -38,6 +44,10 @@ class RunCheckpoint:
     run_dir: Path
     step: int
     cfg: RunConfig
+    # Whether the step was asked for (RUN/checkpoints/STEP, step=): a damaged one is then
+    # an error; the newest step, unasked, falls back to the newest that verifies.
+    named: bool = False
+    saved: tuple[int, ...] = ()  # every step the run has, oldest first
 
     @property
     def step_dir(self) -> Path:
@@ -116,17 +126,22 @@ def find_run_checkpoint(path: str | Path, step: int | None = None) -> RunCheckpo
     )
     if not saved:
         raise ConfigError(f"run {run} has no checkpoint yet")
+    named = step is not None
     if step is None:
         step = saved[-1]
     elif step not in saved:
         raise ConfigError(f"run {run} has no checkpoint at step {step}; saved steps: {saved}")
-    return RunCheckpoint(run_dir=run, step=step, cfg=cfg)
+    return RunCheckpoint(run_dir=run, step=step, cfg=cfg, named=named, saved=tuple(saved))
 
 
 def run_spec(ck: RunCheckpoint) -> ModelSpec:
     from rl_jax.models import resolve_spec
 
     return resolve_spec(ck.cfg.model)
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files do not restore or do not match their checksums."""
 
 
 def load_run_params(
@@ -138,31 +153,18 @@ def load_run_params(
     purpose: str = "train",
 ) -> dict[str, jax.Array]:
     """The policy's parameters of checkpoint `ck`, placed by `rules_preset` on `mesh`
-    (one device without a mesh). A tensor missing or of another shape is named."""
+    (one device without a mesh), each checked against the checksum the trainer saved
+    with it. A tensor missing or of another shape is named (CheckpointError); so is one
+    that does not restore or does not match its checksum (DamagedCheckpoint)."""
     shardings = param_shardings(spec, mesh, get_rules(rules_preset, purpose=purpose))
     layout = param_layout(spec)
     plan = ParamPlan.from_config(ck.cfg, spec)
-    # Adapters merge in float32 (rl_jax.train.params), so the base is read as float32 too.
-    dtype = dtype_of("float32" if plan.lora else spec.param_dtype)
+    meta = verified_meta(ck)
     ckptr = ocp.PyTreeCheckpointer()
-    try:
-        with _quiet_absl():  # orbax warns that the step-level metadata file is not here
-            meta = ckptr.metadata(ck.state_dir)
-        stored = meta.item_metadata if hasattr(meta, "item_metadata") else meta
-        stored_params = dict(stored["params"])
-    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
-        raise CheckpointError(f"{ck.state_dir}: cannot read the checkpoint ({e})") from None
-    for name, info in layout.items():
-        if name not in stored_params:
-            raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
-        shape = tuple(stored_params[name].shape)
-        if shape != info.shape:
-            raise CheckpointError(
-                f"{ck.state_dir}: tensor params/{name} has shape {shape} but the run's "
-                f"model needs {info.shape}"
-            )
+    stored_params = _stored_params(ck, ckptr, layout)
+    # Read as stored (a checksum is of the stored bits), cast once verified.
     target = {
-        name: jax.ShapeDtypeStruct(info.shape, dtype, sharding=shardings[name])
+        name: jax.ShapeDtypeStruct(info.shape, stored_params[name].dtype, sharding=shardings[name])
         for name, info in layout.items()
     }
     if plan.lora:
@@ -173,16 +175,80 @@ def load_run_params(
         partial_restore=True,
     )
     try:
-        params = dict(ckptr.restore(ck.state_dir, args=args)["params"])
+        with _quiet_absl():
+            params = dict(ckptr.restore(ck.state_dir, args=args)["params"])
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{ck.state_dir}: the parameters do not restore ({e})") from None
+        raise DamagedCheckpoint(
+            f"{ck.state_dir}: the parameters do not restore ({_short(e)})"
+        ) from None
+    _check_sums(ck, params, meta)
+    # Adapters merge in float32 (rl_jax.train.params), so the base is cast to float32 too.
+    dtype = dtype_of("float32" if plan.lora else spec.param_dtype)
+    for name in layout:
+        if params[name].dtype != dtype:
+            params[name] = params[name].astype(dtype)
     if not plan.lora:
         return params
+    params[LORA_KEY] = jax.tree.map(lambda a: a.astype(jax.numpy.float32), params[LORA_KEY])
     return dict(jax.jit(plan.view, out_shardings=shardings)(params))
 
 
+def _stored_params(ck: RunCheckpoint, ckptr, layout) -> dict:
+    """The checkpoint's metadata of params/*, each tensor the model needs there with its
+    shape (a CheckpointError naming the first that is not)."""
+    try:
+        with _quiet_absl():  # orbax warns that the step-level metadata file is not here
+            stored = ckptr.metadata(ck.state_dir)
+        stored = stored.item_metadata if hasattr(stored, "item_metadata") else stored
+        stored_params = dict(stored["params"])
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged folder
+        raise DamagedCheckpoint(
+            f"{ck.state_dir}: cannot read the checkpoint ({_short(e)})"
+        ) from None
+    for name, info in layout.items():
+        if name not in stored_params:
+            raise CheckpointError(f"{ck.state_dir}: missing tensor params/{name}")
+        shape = tuple(stored_params[name].shape)
+        if shape != info.shape:
+            raise CheckpointError(
+                f"{ck.state_dir}: tensor params/{name} has shape {shape} but the run's "
+                f"model needs {info.shape}"
+            )
+    return stored_params
+
+
+def verified_meta(ck: RunCheckpoint) -> dict:
+    """The checkpoint's JSON metadata, checked against its own checksum (a checkpoint
+    saved before checksums existed has none and is taken as it is)."""
+    try:
+        with _quiet_absl():
+            meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(ck.step_dir / "meta")
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged file
+        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: cannot read it ({_short(e)})") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: not a JSON object")
+    if META_DIGEST in meta and seal_meta(meta)[META_DIGEST] != meta[META_DIGEST]:
+        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: does not match its checksum")
+    return dict(meta)
+
+
+def _check_sums(ck: RunCheckpoint, params: dict, meta: dict) -> None:
+    saved = meta.get(CHECKSUMS)
+    if saved is None:  # saved before checkpoints carried checksums
+        return
+    got, _ = state_checksums({"params": params})
+    for key in sorted(got):
+        name = "/".join(re.findall(r"\['([^']*)'\]", key)) or key
+        if key not in saved:
+            raise DamagedCheckpoint(f"{ck.state_dir}: array {name} has no checksum in its meta")
+        if saved[key] != got[key]:
+            raise DamagedCheckpoint(
+                f"{ck.state_dir}: array {name} does not match its checksum (the file is damaged)"
+            )
+
+
 def _adapter_target(ck, plan, layout, stored_params, mesh) -> dict:
-    """Abstract adapters (float32, every device whole) of a LoRA run's checkpoint."""
+    """Abstract adapters (as stored, every device whole) of a LoRA run's checkpoint."""
     rep = (
         SingleDeviceSharding(jax.devices()[0])
         if mesh is None
@@ -193,9 +259,11 @@ def _adapter_target(ck, plan, layout, stored_params, mesh) -> dict:
     for t in plan.lora_targets:
         lead, d_in, d_out = lora_dims(t, layout[t].shape)
         shapes = {"a": (*lead, d_in, plan.lora_rank), "b": (*lead, plan.lora_rank, d_out)}
+        out[t] = {}
         for part, shape in shapes.items():
             try:
-                got = tuple(stored[t][part].shape)
+                info = stored[t][part]
+                got = tuple(info.shape)
             except (KeyError, TypeError):
                 raise CheckpointError(
                     f"{ck.state_dir}: missing tensor params/{LORA_KEY}/{t}/{part} of the "
@@ -206,11 +274,38 @@ def _adapter_target(ck, plan, layout, stored_params, mesh) -> dict:
                     f"{ck.state_dir}: tensor params/{LORA_KEY}/{t}/{part} has shape {got} "
                     f"but the run's adapters need {shape}"
                 )
-        out[t] = {
-            part: jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=rep)
-            for part, shape in shapes.items()
-        }
+            out[t][part] = jax.ShapeDtypeStruct(shape, info.dtype, sharding=rep)
     return out
+
+
+def load_verified_params(
+    ck: RunCheckpoint, spec: ModelSpec, *, warn=None, **kw
+) -> tuple[dict[str, jax.Array], RunCheckpoint]:
+    """`load_run_params` of `ck`; when its step was not asked for (`ck.named`) and it is
+    damaged, of the newest older step that verifies, said in one line to `warn` (default:
+    stderr). Returns the parameters and the checkpoint they are from. Nothing is moved:
+    the run directory is only read (the trainer sets damaged checkpoints aside)."""
+    steps = [ck.step] if ck.named else [s for s in reversed(ck.saved or (ck.step,)) if s <= ck.step]
+    first: DamagedCheckpoint | None = None
+    for step in steps:
+        at = dataclasses.replace(ck, step=step)
+        try:
+            params = load_run_params(at, spec, **kw)
+        except DamagedCheckpoint as e:
+            if ck.named:
+                raise
+            first = first or e
+            continue
+        if first is not None:
+            (warn or _warn)(
+                f"warning: {first}; using step {step}, the newest checkpoint that verifies"
+            )
+        return params, at
+    raise DamagedCheckpoint(f"no checkpoint of run {ck.run_dir} verifies; the newest: {first}")
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def load_run_model(
@@ -224,12 +319,15 @@ def load_run_model(
 ) -> tuple[Transformer, RunCheckpoint]:
     """The policy of a run's checkpoint (a path, see `find_run_checkpoint`, or one
     already found) as a Transformer (its parameters cast to `param_dtype` if given),
-    and which checkpoint it is."""
+    and which checkpoint it is: the one asked for, or (none asked for) the newest that
+    verifies (`load_verified_params`)."""
     ck = source if isinstance(source, RunCheckpoint) else find_run_checkpoint(source, step)
     spec = run_spec(ck)
     if param_dtype is not None:
         spec = dataclasses.replace(spec, param_dtype=param_dtype)
-    params = load_run_params(ck, spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose)
+    params, ck = load_verified_params(
+        ck, spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose
+    )
     model = build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
     return model, ck
 

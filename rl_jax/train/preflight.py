@@ -185,6 +185,11 @@ def check_model_files(cfg: ModelConfig, *, tokenizer: bool = True) -> None:
             for f in hf_weight_files(path):
                 shapes.update({n: s for n, (_, s) in check_safetensors(f).items()})
             check_hf_shapes(spec, shapes, where=str(path))
+    else:  # a GGUF file
+        from rl_jax.models.gguf_io import gguf_hf_shapes
+        from rl_jax.models.hf import check_hf_shapes
+
+        check_hf_shapes(spec, gguf_hf_shapes(path), where=str(path))
     if tokenizer:
         from rl_jax.models.tokenizer import load_tokenizer
 
