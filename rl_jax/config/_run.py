@@ -116,9 +116,7 @@ class RunConfig:
 
 # RunConfig's sub-configs by field name.
 _SECTIONS: dict[str, type] = {
-    f.name: t
-    for f in dataclasses.fields(RunConfig)
-    if dataclasses.is_dataclass(t := typing.get_type_hints(RunConfig)[f.name])
+    name: t for name, t in typing.get_type_hints(RunConfig).items() if dataclasses.is_dataclass(t)
 }
 _NAME_OK = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]{0,254}")
 
@@ -260,9 +258,11 @@ def _releasing_dependents(
                 raise
             released.add(e.knob)
             old = release(e.knob)
+            default = knob_default(e.knob)
             notes.append(
-                f"note: {e.knob} takes its default, {knob_default(e.knob)!r}: the {old!r} it "
-                f"had does not go with the {' and '.join(switched)} set here ({e})"
+                f"note: {e.knob} takes its default, {'null' if default is None else repr(default)}"
+                f": the {old!r} it had does not go with the {' and '.join(switched)} set here "
+                f"({e})"
             )
             continue
         for line in notes:

@@ -109,7 +109,7 @@ def _field(r: Record, key: str) -> str:
 def extract_answer(kind: str, text: str, regex: str = "") -> str | None:
     """The answer `kind` reads from a field's text, or None when it finds none: none (the
     whole text), gsm8k (after the last '####', thousands separators dropped), boxed (the
-    last \boxed{...}), regex (the last match's first group, or the whole match)."""
+    last \\boxed{...}), regex (the last match's first group, or the whole match)."""
     if kind == "none":
         answer = text
     elif kind == "gsm8k":
@@ -208,7 +208,7 @@ def detect_layout(record: Record, question_field: str = "", answer_field: str = 
     """The layout of records like `record` (data.format=auto): one of LAYOUTS by its own
     field names; else a question and an answer field (data.question_field / answer_field,
     or the common names) read as gsm8k when the answer holds '####', math when it holds
-    \boxed{}, else jsonl."""
+    \\boxed{}, else jsonl."""
     keys = set(record)
     if not question_field and not answer_field:
         if {"question", "answer"} <= keys and "####" in _text(record["answer"]):
