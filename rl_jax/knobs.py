@@ -16,6 +16,20 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key, the value and what is allowed."""
 
 
+class DependentKnobError(ConfigError):
+    """`knob`'s value is refused for the values of the knobs it depends on (`on`, dotted
+    keys): it applies only under some of their values (train.off_policy_k under the
+    off-policy modes), or its meaning changes with them.
+
+    An override that switches one of `on` and leaves `knob` as the recipe had it puts
+    `knob` back to its default instead (`rl_jax.config.apply_overrides`): one flag is one
+    ablation. Set on the same command line, the two are checked together as given."""
+
+    def __init__(self, message: str, *, knob: str = "", on: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.knob, self.on = knob, tuple(on)
+
+
 def knob(
     default: Any = dataclasses.MISSING, *, help: str, factory: Callable[[], Any] | None = None
 ):

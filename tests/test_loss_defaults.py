@@ -190,9 +190,12 @@ def test_run_config_resolves_once_for_every_reader():
     assert cfg.loss.advantage is None and cfg.loss.aggregation == "prompt"  # set by scalerl
     r = resolved(cfg)
     assert (r.loss.advantage, r.loss.adv_norm, r.loss.eps_high) == ("gae", "batch", 0.2)
-    # Only the knobs left to a default change: the loss's, and the generated task's
-    # verifier and validation count (resolved once, here, for every reader).
+    # Only the knobs left to a default change: the loss's, the critic's head GAE needs,
+    # and the generated task's verifier and validation count (resolved once, here, for
+    # every reader).
     assert resolved(r) is r
-    assert dataclasses.replace(r, loss=cfg.loss, data=cfg.data, rewards=cfg.rewards) == cfg
+    assert cfg.model.value_head is None and r.model.value_head is True
+    unresolved = dict(loss=cfg.loss, data=cfg.data, rewards=cfg.rewards, model=cfg.model)
+    assert dataclasses.replace(r, **unresolved) == cfg
     assert (r.rewards.name, r.data.val_size) == ("arith", cfg.data.generated_val_size)
     assert (cfg.rewards.name, cfg.data.val_size) == ("auto", 0)

@@ -278,14 +278,22 @@ def test_auto_prompt_len_fits_the_longest_rendered_prompt(qwen_tokenizer_dir, tm
 
 @pytest.fixture(scope="module")
 def sampled_run(tmp_path_factory):
-    """Two steps of the tiny RL run, samples logged at every step, with TensorBoard."""
+    """Two steps of the tiny RL run, samples logged at every step, with TensorBoard, on a
+    file of `{"prompt", "solution"}` records read through the field knobs."""
     from rl_jax.train.loop import train
 
     out = tmp_path_factory.mktemp("samples")
+    rows = [{"prompt": f"{i}+{i}=", "solution": f"So \\boxed{{{2 * i}}}."} for i in range(24)]
+    data = write_jsonl(out / "ps.jsonl", rows)
     cfg = load_recipe(
         "scalerl",
         [
             *train_even_first.TINY_RUN,
+            "data.source=file",
+            f"data.path={data}",
+            "data.question_field=prompt",
+            "data.answer_field=solution",
+            "data.answer_extract=boxed",
             "logging.tensorboard=true",
             "logging.samples_every=1",
             "logging.samples_rows=3",
@@ -306,6 +314,10 @@ def test_samples_rows_are_logged(sampled_run):
 
     rows = read_jsonl(sampled_run / "samples.jsonl")
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    # The file's prompts, with the answers read out of their solutions' \boxed{}.
+    for r in rows:
+        i = int(r["answer"]) // 2
+        assert r["prompt"].startswith(f"{i}+{i}=") and r["answer"] == str(2 * i)
     keys = {"step", "problem_id", "sample", "prompt", "completion", "answer", "reward"}
     for r in rows:
         assert keys | {"raw_reward", "verdict"} <= set(r)

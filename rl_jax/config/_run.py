@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -12,11 +13,12 @@ import re
 import sys
 import traceback
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from rl_jax.config.data import DataConfig
@@ -25,10 +27,10 @@ from rl_jax.config.lora import DEFAULT_TARGETS, LoraConfig
 from rl_jax.config.loss import LossConfig
 from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
-from rl_jax.config.rewards import RewardConfig
+from rl_jax.config.rewards import RewardConfig, check_overlong_window
 from rl_jax.config.sampling import SamplingConfig
 from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
-from rl_jax.knobs import ConfigError, knob, sub
+from rl_jax.knobs import ConfigError, DependentKnobError, knob, sub
 
 
 def experiments_dir(package_dir: Path | None = None) -> Path:
@@ -85,8 +87,37 @@ class RunConfig:
                     "sampling.engine=true, got false (sampling.engine=false serves on_policy "
                     "and ppo_off_policy)"
                 )
+        if self.mesh.sampler_devices > 0 and self.train.off_policy != "pipeline":
+            raise DependentKnobError(
+                f"mesh.sampler_devices={self.mesh.sampler_devices} (split mode) needs "
+                f"train.off_policy='pipeline', got {self.train.off_policy!r}: only PipelineRL-k "
+                "bounds how stale the weights of a sampler running alongside the trainer may be",
+                knob="mesh.sampler_devices",
+                on=("train.off_policy",),
+            )
+        loss = self.loss.resolved()
+        if loss.advantage == "gae" and self.model.value_head is False:
+            raise DependentKnobError(
+                f"loss.advantage='gae'{'' if self.loss.advantage else f' (loss {loss.name!r})'} "
+                "trains a critic: it needs model.value_head=true (or null: a head whenever the "
+                "advantage is 'gae'), got false",
+                knob="model.value_head",
+                on=("loss.advantage", "loss.name"),
+            )
+        if self.rewards.overlong_penalty:
+            l_max, l_cache = self.rewards.overlong_window(self.sampling.max_new_tokens)
+            filled = (
+                ""
+                if self.rewards.overlong_max and self.rewards.overlong_cache
+                else " (0 = L_max the sampling.max_new_tokens budget, L_cache a fifth of it)"
+            )
+            check_overlong_window(l_max, l_cache, filled=filled)
 
 
+# RunConfig's sub-configs by field name.
+_SECTIONS: dict[str, type] = {
+    name: t for name, t in typing.get_type_hints(RunConfig).items() if dataclasses.is_dataclass(t)
+}
 _NAME_OK = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]{0,254}")
 
 
@@ -96,13 +127,19 @@ class OverrideError(ConfigError):
 
 def all_keys(cls: type = RunConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
     """Every leaf knob as a dotted key -> dataclass field."""
+    return dict(_all_keys(cls, prefix))
+
+
+@functools.cache
+def _all_keys(cls: type, prefix: str) -> dict[str, dataclasses.Field]:
+    # Cached: the type hints are strings (postponed annotations), evaluated on each call.
     out: dict[str, dataclasses.Field] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         key = prefix + f.name
         if dataclasses.is_dataclass(t):
-            out.update(all_keys(t, key + "."))
+            out.update(_all_keys(t, key + "."))
         else:
             out[key] = f
     return out
@@ -155,13 +192,89 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 f"{key}={value!r}: expected {_type_name(RunConfig, key)} ({_first_line(e)})"
             ) from e
         base = merged
-    return to_object(base)
+
+    def release(knob: str) -> Any:
+        section, _, name = knob.rpartition(".")
+        node = OmegaConf.select(base, section)
+        old = node[name]
+        with read_write(node):  # frozen dataclasses are read-only sections
+            node[name] = knob_default(knob)
+        return old
+
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    return _releasing_dependents(lambda: to_object(base), keys, release)
+
+
+def replace_knobs(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    """`cfg` with dotted knobs set to typed values (`{"train.off_policy": "on_policy"}`),
+    re-validated, knobs that depend on them released as `apply_overrides` does. Values are
+    not parsed or coerced: for text from a command line use `apply_overrides`."""
+    known = _all_keys(RunConfig, "")
+    unknown = [k for k in changes if k not in known]
+    if unknown:
+        raise OverrideError(f"unknown config key {unknown[0]!r}{_suggest(unknown[0])}")
+    # One level deep: each section's knobs by name (values are not mutated, only replaced).
+    tree = {
+        f.name: dict(vars(getattr(cfg, f.name))) if f.name in _SECTIONS else getattr(cfg, f.name)
+        for f in dataclasses.fields(RunConfig)
+    }
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        (tree[section] if section else tree)[name] = value
+
+    def release(knob: str) -> Any:
+        section, _, name = knob.rpartition(".")
+        old, tree[section][name] = tree[section][name], knob_default(knob)
+        return old
+
+    return _releasing_dependents(lambda: _from_tree(tree), set(changes), release)
+
+
+def _from_tree(tree: dict[str, Any]) -> RunConfig:
+    return RunConfig(**{k: _SECTIONS[k](**v) if k in _SECTIONS else v for k, v in tree.items()})
+
+
+def knob_default(key: str) -> Any:
+    """The default of a dotted knob (its dataclass field's)."""
+    f = _all_keys(RunConfig, "")[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _releasing_dependents(
+    build: Callable[[], RunConfig], keys: set[str], release: Callable[[str], Any]
+) -> RunConfig:
+    """build(), where a knob refused for the value of another (DependentKnobError) that
+    `keys` (the knobs a command set) switched, and that `keys` left as the recipe had it,
+    takes its default instead (`release(knob)` -> its old value): one flag is one ablation.
+    Each release is said on stderr, one line each."""
+    notes: list[str] = []
+    released: set[str] = set()
+    while True:
+        try:
+            cfg = build()
+        except DependentKnobError as e:
+            switched = [k for k in e.on if k in keys]
+            if not switched or e.knob in keys or e.knob in released:
+                raise
+            released.add(e.knob)
+            old = release(e.knob)
+            default = knob_default(e.knob)
+            notes.append(
+                f"note: {e.knob} takes its default, {'null' if default is None else repr(default)}"
+                f": the {old!r} it had does not go with the {' and '.join(switched)} set here "
+                f"({e})"
+            )
+            continue
+        for line in notes:
+            print(line, file=sys.stderr, flush=True)
+        return cfg
 
 
 def _override_conf(key: str, value: str):
     """The one-knob config that `key=value` merges in: the value read as YAML, except that
     a str knob takes verbatim text YAML would read as a mapping or list, or cannot read
-    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`)."""
+    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`), and takes
+    an empty value as '' (`data.system_prompt=`)."""
     expected = _type_name(RunConfig, key)
     try:
         conf = OmegaConf.from_dotlist([f"{key}={value}"])
@@ -172,7 +285,10 @@ def _override_conf(key: str, value: str):
                 f"{key}={value!r}: expected {expected} (not a YAML value: {_first_line(e)})"
             ) from None
         parsed = conf = None
-    if expected == "str" and (conf is None or isinstance(parsed, DictConfig | ListConfig)):
+    # An empty value is YAML's null, which a str knob cannot hold: `key=` sets it to ''.
+    if expected == "str" and (
+        conf is None or value == "" or isinstance(parsed, DictConfig | ListConfig)
+    ):
         nested: Any = value
         for part in reversed(key.split(".")):
             nested = {part: nested}
@@ -299,6 +415,10 @@ _LATER_KNOB_DEFAULTS = {
     "data.answer_instruction": "auto",
     "data.hf_split": "train",
     "data.hf_val_split": "",
+    "data.question_field": "",
+    "data.answer_field": "",
+    "data.answer_extract": "auto",
+    "data.answer_regex": "",
     # A float32 model computes the same numbers under every precision; a bfloat16 one
     # keeps float32 masters by default, as bf16 weights lose most small updates.
     "train.precision": "fp32_master",
@@ -306,6 +426,9 @@ _LATER_KNOB_DEFAULTS = {
     "lora.rank": 8,
     "lora.alpha": 16.0,
     "lora.targets": DEFAULT_TARGETS,
+    # Unset without adapters; with them it resolves to LORA_LR_SCALE (10), a new rate, so
+    # LoRA runs from before it existed (which trained at 1x) get new ids.
+    "lora.lr_scale": 0.0,
     # Blockwise attention computes dense attention's numbers up to float32 rounding.
     "model.attention": "auto",
     "model.attention_block": 512,
@@ -322,6 +445,9 @@ _HASHED_AS_OLD_VALUE = {
     "model.remat": {"none": False, "full": True},
     # Chunks of the LM head over time change memory, not the numbers (auto, -1; was 0).
     "model.logprob_chunk": {-1: 0},
+    # LoRA at train.lr itself is how adapters trained before lora.lr_scale existed: those
+    # runs keep their ids (and resume) with lora.lr_scale=1.
+    "lora.lr_scale": {1.0: 0.0},
 }
 # Knobs that differ between the processes of one multi-process run (or between
 # launches of it): hashed at their defaults, so that every process computes the
@@ -331,9 +457,10 @@ _PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""
 
 def resolved(cfg: RunConfig) -> RunConfig:
     """cfg with every knob left to a default that depends on other knobs filled in
-    (the loss's own defaults: `LossConfig.resolved`; a generated task's verifier and
-    validation count, at least eval.num_prompts when auto; warm-up as a count of steps);
-    idempotent.
+    (the loss's own defaults: `LossConfig.resolved`; a critic's value head for GAE; LoRA's
+    learning-rate scale; the forced interruption's window and DAPO's overlong window from
+    the generation budget; a generated task's verifier and validation count, at least
+    eval.num_prompts when auto; warm-up as a count of steps); idempotent.
 
     What only the data can tell (a file's verifier, its validation count, the longest
     prompt) stays as set ('auto', a fraction, 0): `rl_jax.train.preflight` reports it."""
@@ -343,8 +470,25 @@ def resolved(cfg: RunConfig) -> RunConfig:
     loss = cfg.loss.resolved()
     if loss is not cfg.loss:
         changes["loss"] = loss
+    sampling = cfg.sampling.resolved()
+    if sampling is not cfg.sampling:
+        changes["sampling"] = sampling
+    if cfg.model.value_head is None:
+        changes["model"] = dataclasses.replace(cfg.model, value_head=loss.advantage == "gae")
+    lora = cfg.lora.resolved()
+    if lora is not cfg.lora:
+        changes["lora"] = lora
+    if cfg.rewards.overlong_penalty and not (
+        cfg.rewards.overlong_max and cfg.rewards.overlong_cache
+    ):
+        l_max, l_cache = cfg.rewards.overlong_window(cfg.sampling.max_new_tokens)
+        changes["rewards"] = dataclasses.replace(
+            cfg.rewards, overlong_max=l_max, overlong_cache=l_cache
+        )
     if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown"):
-        changes["rewards"] = dataclasses.replace(cfg.rewards, name=cfg.data.source)
+        changes["rewards"] = dataclasses.replace(
+            changes.get("rewards", cfg.rewards), name=cfg.data.source
+        )
     if cfg.data.source in GENERATED and cfg.data.val_size < 1:
         val = cfg.data.generated_val_size
         if cfg.data.val_size == 0:  # auto: enough problems for every evaluation prompt
@@ -361,12 +505,13 @@ def run_id(cfg: RunConfig) -> str:
     The hash is of `resolved(cfg)`: a knob left unset and the same knob set to the
     value it resolves to give one id (and one run directory).
     """
-    flat = {
-        k: _hashed_value(k, _PROCESS_LOCAL_DEFAULTS.get(k, v))
-        for k, v in flatten(resolved(cfg)).items()
-        if not any(k.startswith(p) for p in _NON_SEMANTIC)
-        and not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k])
-    }
+    flat = {}
+    for k, v in flatten(resolved(cfg)).items():
+        if any(k.startswith(p) for p in _NON_SEMANTIC):
+            continue
+        v = _hashed_value(k, _PROCESS_LOCAL_DEFAULTS.get(k, v))
+        if not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k]):
+            flat[k] = v
     if cfg.train.off_policy == "pipeline":
         # PipelineRL (and split mode, which is PipelineRL) samples as a stream on the
         # engine, which draws tokens under other policy versions than the waves that

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 
-from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
+from rl_jax.knobs import (
+    ConfigError,
+    DependentKnobError,
+    check_choice,
+    check_numbers,
+    check_range,
+    knob,
+)
 
 SOURCES = ("arith", "countdown", "file", "hf", "tfds", "reasoning_gym")
 # Sources whose problems are generated here (val_size counts extra problems generated).
@@ -16,9 +25,25 @@ DATASETS = ("file", "hf")
 AUTO_VAL_SIZE = 128
 AUTO_VAL_FRAC = 0.1
 FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl")
+# Sources whose problems are records read in a layout (data.format and the field knobs).
+RECORD_SOURCES = ("file", "hf", "tfds")
+# How an answer is read from its field: auto = the layout's own; none = the whole field;
+# gsm8k = after the last '####'; boxed = the last \boxed{...}; regex = data.answer_regex.
+ANSWER_EXTRACTS = ("auto", "none", "gsm8k", "boxed", "regex")
 ARITH_TASKS = ("add", "sub", "mul", "chain")
 # Generated sources build every problem in memory up front: a typo'd size must not hang.
 MAX_PROBLEMS = 1 << 24
+
+
+@contextlib.contextmanager
+def _depends_on_source(name: str):
+    """A refusal of data.<name> inside is one for data.source's value (DependentKnobError)."""
+    try:
+        yield
+    except DependentKnobError:
+        raise
+    except ConfigError as e:
+        raise DependentKnobError(str(e), knob=f"data.{name}", on=("data.source",)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +73,29 @@ class DataConfig:
         help="source=file: validation file, local or a URL ('' = hold out val_size problems "
         "of data.path)",
     )
-    format: str = knob("auto", help=f"file/tfds record layout, one of {FILE_FORMATS}")
+    format: str = knob(
+        "auto",
+        help=f"file/hf/tfds record layout, one of {FILE_FORMATS} (docs/data.md lists their "
+        "fields; auto: from the first record's fields)",
+    )
+    question_field: str = knob(
+        "", help="file/hf/tfds: the record field holding the question ('' = the layout's)"
+    )
+    answer_field: str = knob(
+        "", help="file/hf/tfds: the record field the answer is read from ('' = the layout's)"
+    )
+    answer_extract: str = knob(
+        "auto",
+        help=f"how the answer is read from its field, one of {ANSWER_EXTRACTS}: auto (the "
+        "layout's), none (the whole field), gsm8k (after the last '####'), boxed (the last "
+        "\\boxed{...}), regex (data.answer_regex); a row whose answer cannot be read is "
+        "dropped and counted",
+    )
+    answer_regex: str = knob(
+        "",
+        help="regular expression the answer is read with (answer_extract=regex, which it "
+        "implies under auto): its last match's first group (or whole match if it has none)",
+    )
     gym_kwargs: str = knob("", help="source=reasoning_gym: JSON object of dataset options")
     split_file: str = knob(
         "", help="difficulty split file (IsoCompute easy/hard) to select from, local or a URL"
@@ -101,13 +148,17 @@ class DataConfig:
         check_numbers("data", self)
         check_choice("data", "source", self.source, SOURCES)
         check_choice("data", "format", self.format, FILE_FORMATS)
-        if self.source == "arith":
-            check_choice("data", "task", self.task, ARITH_TASKS)
-            check_range("data", "difficulty", self.difficulty, lo=1, hi=18)
-        elif self.source == "countdown":
-            check_range("data", "difficulty", self.difficulty, lo=2, hi=8)
-        else:
-            check_range("data", "difficulty", self.difficulty, lo=1)
+        # What data.task and data.difficulty mean, and so what they allow, is the source's.
+        with _depends_on_source("task"):
+            if self.source == "arith":
+                check_choice("data", "task", self.task, ARITH_TASKS)
+        with _depends_on_source("difficulty"):
+            if self.source == "arith":
+                check_range("data", "difficulty", self.difficulty, lo=1, hi=18)
+            elif self.source == "countdown":
+                check_range("data", "difficulty", self.difficulty, lo=2, hi=8)
+            else:
+                check_range("data", "difficulty", self.difficulty, lo=1)
         if self.source == "file" and not self.path:
             raise ConfigError("data.source='file' needs data.path (a JSONL or parquet file)")
         if self.source == "hf" and not self.path:
@@ -137,11 +188,47 @@ class DataConfig:
             raise ConfigError(
                 f"data.prompt_template={self.prompt_template!r} must contain '{{question}}'"
             )
+        self._check_fields()
         if bool(self.split_file) != bool(self.split_name):
             raise ConfigError(
                 "data.split_file and data.split_name go together; got "
                 f"split_file={self.split_file!r}, split_name={self.split_name!r}"
             )
+
+    def _check_fields(self) -> None:
+        check_choice("data", "answer_extract", self.answer_extract, ANSWER_EXTRACTS)
+        if self.source not in RECORD_SOURCES:
+            for name in ("question_field", "answer_field", "answer_regex"):
+                if getattr(self, name):
+                    raise DependentKnobError(
+                        f"data.{name}={getattr(self, name)!r} reads records: it needs "
+                        f"data.source in {RECORD_SOURCES}, got {self.source!r}",
+                        knob=f"data.{name}",
+                        on=("data.source",),
+                    )
+        if self.answer_regex:
+            if self.answer_extract not in ("auto", "regex"):
+                raise DependentKnobError(
+                    f"data.answer_regex={self.answer_regex!r} is read with "
+                    f"data.answer_extract=regex (or auto), got {self.answer_extract!r}",
+                    knob="data.answer_regex",
+                    on=("data.answer_extract",),
+                )
+            try:
+                re.compile(self.answer_regex)
+            except re.error as e:
+                raise ConfigError(
+                    f"data.answer_regex={self.answer_regex!r} is not a regular expression ({e})"
+                ) from None
+        elif self.answer_extract == "regex":
+            raise ConfigError("data.answer_extract='regex' needs data.answer_regex (a pattern)")
+
+    @property
+    def extract(self) -> str:
+        """answer_extract with auto + a regex read as regex."""
+        return (
+            "regex" if self.answer_regex and self.answer_extract == "auto" else self.answer_extract
+        )
 
     def val_count(self, num_problems: int) -> int:
         """Validation problems held out of a dataset of `num_problems` (a generated source:

@@ -17,7 +17,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
+from rl_jax.knobs import (
+    ConfigError,
+    DependentKnobError,
+    check_choice,
+    check_numbers,
+    check_range,
+    knob,
+)
 
 LOSSES = ("ppo", "grpo", "dr_grpo", "dapo", "cispo", "gspo", "reinforce", "rloo", "reinforce_pp")
 AGGREGATIONS = ("token", "sample", "prompt", "seq_sum")
@@ -194,9 +201,11 @@ class LossConfig:
                 + ("" if self.eps_max is not None else f" (loss {self.name!r}'s default)")
             )
         if r["advantage"] == "gae" and r["adv_norm"] == "prompt":
-            raise ConfigError(
+            raise DependentKnobError(
                 "loss.adv_norm='prompt' normalizes group advantages; loss.advantage='gae' "
-                "takes one of ['batch', 'none']"
+                "takes one of ['batch', 'none']",
+                knob="loss.adv_norm",
+                on=("loss.advantage", "loss.name"),
             )
 
     def _set_values(self) -> dict[str, Any]:

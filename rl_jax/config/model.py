@@ -70,7 +70,11 @@ class ModelConfig:
     )
     attention_block: int = knob(512, help="key slots per block of blockwise attention")
     scan_layers: bool = knob(False, help="scan over stacked layers (faster compiles, deep models)")
-    value_head: bool = knob(False, help="add a scalar value head (PPO critic)")
+    value_head: bool | None = knob(
+        None,
+        help="add a scalar value head (PPO critic); null = when the advantage estimator is "
+        "'gae' (loss.advantage, or the loss's own)",
+    )
     logprob_chunk: int = knob(
         -1,
         help="time steps per chunk of the LM head's float32 logits in log-probs/entropy "

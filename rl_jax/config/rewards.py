@@ -8,6 +8,8 @@ from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, 
 from rl_jax.rewards import names as reward_names
 
 SCALES = ("pm1", "01")
+# DAPO's soft overlong window over its generation budget: 4096 of 20480 tokens.
+OVERLONG_CACHE_FRACTION = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,8 +28,20 @@ class RewardConfig:
     overlong_penalty: bool = knob(
         False, help="DAPO overlong penalty clip((L_max - |y|)/L_cache - 1, -1, 0)"
     )
-    overlong_max: int = knob(0, help="DAPO L_max (generated tokens)")
-    overlong_cache: int = knob(0, help="DAPO L_cache (generated tokens)")
+    overlong_max: int = knob(
+        0, help="DAPO L_max (generated tokens; 0 = sampling.max_new_tokens, the budget)"
+    )
+    overlong_cache: int = knob(
+        0,
+        help="DAPO L_cache, the soft-penalty window below L_max (generated tokens; 0 = a "
+        "fifth of L_max, DAPO's 4096 of 20480)",
+    )
+
+    def overlong_window(self, max_new_tokens: int) -> tuple[int, int]:
+        """(L_max, L_cache) of the overlong penalty, its unset (0) parts filled in: L_max
+        the generation budget, L_cache a fifth of L_max (at least 1)."""
+        l_max = self.overlong_max or max_new_tokens
+        return l_max, self.overlong_cache or max(1, round(l_max * OVERLONG_CACHE_FRACTION))
 
     def __post_init__(self):
         check_numbers("rewards", self)
@@ -42,8 +56,15 @@ class RewardConfig:
         check_range("rewards", "workers", self.workers, lo=1)
         check_range("rewards", "overlong_max", self.overlong_max, lo=0)
         check_range("rewards", "overlong_cache", self.overlong_cache, lo=0)
-        if self.overlong_penalty and not 0 < self.overlong_cache < self.overlong_max:
-            raise ConfigError(
-                "rewards.overlong_penalty=true needs 0 < rewards.overlong_cache < "
-                f"rewards.overlong_max, got {self.overlong_cache}, {self.overlong_max}"
-            )
+        # Set (nonzero) ones are checked here; with one left to its default, the filled-in
+        # window is checked by RunConfig, which knows the generation budget.
+        if self.overlong_penalty and self.overlong_max and self.overlong_cache:
+            check_overlong_window(self.overlong_max, self.overlong_cache)
+
+
+def check_overlong_window(l_max: int, l_cache: int, *, filled: str = "") -> None:
+    if not 0 < l_cache < l_max:
+        raise ConfigError(
+            "rewards.overlong_penalty=true needs 0 < rewards.overlong_cache < "
+            f"rewards.overlong_max, got {l_cache}, {l_max}{filled}"
+        )

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_jax.config.sampling import MAX_SAMPLES
-from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, knob
+from rl_jax.knobs import (
+    ConfigError,
+    DependentKnobError,
+    check_choice,
+    check_numbers,
+    check_range,
+    knob,
+)
 
 OFF_POLICY = ("on_policy", "ppo_off_policy", "pipeline")
 SCHEDULES = ("constant", "cosine")
@@ -22,7 +29,11 @@ class TrainConfig:
     updates_per_batch: int = knob(1, help="optimizer steps per batch (minibatches, M in ScaleRL)")
     grad_accum: int = knob(1, help="gradient accumulation micro-batches per optimizer step")
     off_policy: str = knob("on_policy", help=f"off-policy mode, one of {OFF_POLICY}")
-    off_policy_k: int = knob(1, help="k of PPO-off-policy-k / PipelineRL-k (max staleness)")
+    off_policy_k: int = knob(
+        1,
+        help="k of PPO-off-policy-k / PipelineRL-k (max staleness); 1 under on_policy (a "
+        "recipe's k goes back to 1 when an override switches to on_policy: docs/knobs.md)",
+    )
     pipeline_waves: int = knob(
         0,
         help="PipelineRL: W, batches untrained at once (W x B_p groups in flight on the "
@@ -83,16 +94,20 @@ class TrainConfig:
         # eps=0 makes a zero gradient's update 0/0 = NaN.
         check_range("train", "adam_eps", self.adam_eps, lo=0.0, lo_open=True)
         if self.off_policy == "on_policy" and self.off_policy_k != 1:
-            raise ConfigError(
+            raise DependentKnobError(
                 f"train.off_policy_k={self.off_policy_k} needs train.off_policy in "
-                f"{OFF_POLICY[1:]}, got 'on_policy'"
+                f"{OFF_POLICY[1:]}, got 'on_policy'",
+                knob="train.off_policy_k",
+                on=("train.off_policy",),
             )
         # Only PipelineRL keeps W batches in flight; elsewhere the knob would be ignored
         # yet change the run id.
         if self.off_policy != "pipeline" and self.pipeline_waves != 0:
-            raise ConfigError(
+            raise DependentKnobError(
                 f"train.pipeline_waves={self.pipeline_waves} needs train.off_policy='pipeline', "
-                f"got {self.off_policy!r}; leave it at 0"
+                f"got {self.off_policy!r}; leave it at 0",
+                knob="train.pipeline_waves",
+                on=("train.off_policy",),
             )
 
 

@@ -17,7 +17,7 @@ from rl_jax.data._chat import (
     prompt_renderer,
     uses_chat_template,
 )
-from rl_jax.data._problem import Problem, Task
+from rl_jax.data._problem import LoadReport, Problem, Task
 from rl_jax.data._sources import hold_out
 from rl_jax.data._synthetic import arith_answer
 from rl_jax.data.curriculum import Curriculum, pass_rates
@@ -44,6 +44,7 @@ __all__ = [
     "CharTokenizer",
     "Curriculum",
     "DataExhausted",
+    "LoadReport",
     "Problem",
     "PromptPipeline",
     "Task",

@@ -8,7 +8,7 @@ from typing import Any
 
 from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
-from rl_jax.data._files import LAYOUTS
+from rl_jax.data._files import record_layout
 from rl_jax.data._problem import MappedSequence, Problem, Task, problem_id, templated
 from rl_jax.data._sources import RawSplits, raw_problems
 from rl_jax.knobs import ConfigError
@@ -28,19 +28,33 @@ def _tfds_splits(cfg: DataConfig, make: Callable[[Problem], Problem]) -> RawSpli
             Problem(id=pid, prompt=question, answer=answer, meta={**meta, "question": question})
         )
 
+    first = sources["train"][0]
+    where = f"tfds dataset {cfg.task!r}"
+    # Another tfds dataset's records: read as a file's would be, lazily (a row whose answer
+    # cannot be read is an error when it is read; it cannot be dropped from a lazy view).
+    own = {"id", "question", "answer", "meta"} <= set(first)
+    layout = None if own else record_layout(_decoded(first), cfg, where)
+
     def foreign(rec) -> Problem:
-        layout = cfg.format if cfg.format != "auto" else None
-        question, answer = LAYOUTS[layout or "jsonl"](rec)
+        try:
+            question, answer = layout.read(_decoded(rec))
+        except ValueError as e:
+            raise ConfigError(f"{where} record: {e}") from None
+        if answer is None:
+            raise ConfigError(f"{where}: a record has no answer to read ({layout.describe()})")
         pid = problem_id(f"tfds:{cfg.task}", question, answer)
         meta = {"task": f"tfds:{cfg.task}", "question": question}
         return make(Problem(id=pid, prompt=question, answer=answer, meta=meta))
 
-    first = sources["train"][0]
-    fn = ours if {"id", "question", "answer", "meta"} <= set(first) else foreign
+    fn = ours if own else foreign
     train = MappedSequence(sources["train"], fn)
     val = MappedSequence(sources[val_key], fn) if val_key else []
-    reward = train[0].meta.get("reward", "numeric")
-    return train, val, reward
+    reward = train[0].meta.get("reward") or (layout and layout.reward) or "numeric"
+    return train, val, reward, None
+
+
+def _decoded(rec) -> dict:
+    return {k: v.decode("utf-8", "replace") if isinstance(v, bytes) else v for k, v in rec.items()}
 
 
 def _select_split(problems: Sequence[Problem], ids: set[int]) -> Sequence[Problem]:
@@ -69,9 +83,9 @@ def build_task(
     make = lambda p: templated(p, cfg.prompt_template, render[0])
     if cfg.source == "tfds":
         # Rendered lazily, as records are read: the renderer is set once the verifier is known.
-        train, val, reward = _tfds_splits(cfg, make)
+        train, val, reward, report = _tfds_splits(cfg, make)
     else:
-        train, val, reward = raw_problems(cfg)
+        train, val, reward, report = raw_problems(cfg)
     if chat_template is None:
         from rl_jax.data._chat import prompt_renderer
 
@@ -100,6 +114,10 @@ def build_task(
             )
         split_file = cfg.split_file if paths.is_url(cfg.split_file) else str(Path(cfg.split_file))
         info.update(split=cfg.split_name, split_file=split_file)
+        if report is not None:
+            report.split = f"split {cfg.split_name!r} of data.split_file"
     info.update(train_size=len(train), val_size=len(val))
+    if report is not None:
+        report.train, report.val = len(train), len(val)
     name = cfg.source if cfg.source in ("countdown", "file", "hf") else f"{cfg.source}:{cfg.task}"
-    return Task(name=name, train=train, val=val, reward_name=reward, info=info)
+    return Task(name=name, train=train, val=val, reward_name=reward, info=info, report=report)

@@ -32,15 +32,47 @@ def problem_id(source: str, question: str, answer: str) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
 
+@dataclass
+class LoadReport:
+    """What reading a dataset kept and dropped; `line()` says it in one line at load."""
+
+    where: list[str] = field(default_factory=list)  # "data.path=train.jsonl", ...
+    layout: str = ""
+    rows: int = 0
+    dropped: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("duplicate", "unparsable answer", "too long"), 0)
+    )
+    train: int = 0
+    val: int = 0
+    split: str = ""  # a difficulty split that selects among the problems read
+
+    def add(self, where: str, rows: int, duplicates: int, unparsable: int) -> None:
+        self.where.append(where)
+        self.rows += rows
+        self.dropped["duplicate"] += duplicates
+        self.dropped["unparsable answer"] += unparsable
+
+    def line(self) -> str:
+        total = sum(self.dropped.values())
+        why = ", ".join(f"{n} {k}" for k, n in self.dropped.items())
+        split = f"; {self.split} keeps" if self.split else ";"
+        return (
+            f"data: {self.rows} rows read ({', '.join(self.where)}; {self.layout}); "
+            f"{total} dropped ({why}){split} {self.train} train + {self.val} validation problems"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Task:
-    """Problems of one data config. `reward_name` is the verifier they are meant for."""
+    """Problems of one data config. `reward_name` is the verifier they are meant for;
+    `report` what reading a dataset dropped (None: generated or lazily read problems)."""
 
     name: str
     train: Sequence[Problem]
     val: Sequence[Problem]
     reward_name: str
     info: Mapping[str, Any] = field(default_factory=dict)
+    report: LoadReport | None = None
 
 
 def apply_template(template: str, question: str) -> str:

@@ -9,58 +9,66 @@ import numpy as np
 
 from rl_jax.config.data import DataConfig
 from rl_jax.data._files import problems_from_records, read_records
-from rl_jax.data._problem import Problem
+from rl_jax.data._problem import LoadReport, Problem
 from rl_jax.knobs import ConfigError
 
-RawSplits = tuple[list[Problem], list[Problem], str]
+# (train, validation, verifier name, what reading a dataset dropped: None when generated)
+RawSplits = tuple[list[Problem], list[Problem], str, LoadReport | None]
 
 
 def _arith(cfg: DataConfig) -> RawSplits:
     from rl_jax.data._synthetic import arith_problems
 
-    return (*arith_problems(cfg), "arith")
+    return (*arith_problems(cfg), "arith", None)
 
 
 def _countdown(cfg: DataConfig) -> RawSplits:
     from rl_jax.data._synthetic import countdown_problems
 
-    return (*countdown_problems(cfg), "countdown")
+    return (*countdown_problems(cfg), "countdown", None)
 
 
 def _gym(cfg: DataConfig) -> RawSplits:
     from rl_jax.data._gym_source import gym_problems
 
-    return (*gym_problems(cfg), "gym")
+    return (*gym_problems(cfg), "gym", None)
 
 
 def _file(cfg: DataConfig) -> RawSplits:
-    problems, reward, _ = problems_from_records(
-        read_records(cfg.path, "data.path"), layout=cfg.format, source=cfg.path
-    )
-    if cfg.val_path:
-        val, _, _ = problems_from_records(
-            read_records(cfg.val_path, "data.val_path"), layout=cfg.format, source=cfg.val_path
-        )
-        return (*_without(problems, val), reward)
-    return (*hold_out(cfg, problems, where=cfg.path), reward)
+    rows = read_records(cfg.path, "data.path")
+    val_rows = read_records(cfg.val_path, "data.val_path") if cfg.val_path else None
+    return _splits(cfg, rows, f"data.path={cfg.path}", val_rows, f"data.val_path={cfg.val_path}")
 
 
 def _hf(cfg: DataConfig) -> RawSplits:
     from rl_jax.data._hf import hf_records
 
-    train_rows, val_rows, where = hf_records(cfg)
-    problems, reward, _ = problems_from_records(train_rows, layout=cfg.format, source=where)
-    if val_rows is not None:
-        vwhere = f"{cfg.path} split {cfg.hf_val_split!r}"
-        val, _, _ = problems_from_records(val_rows, layout=cfg.format, source=vwhere)
-        return (*_without(problems, val), reward)
-    return (*hold_out(cfg, problems, where=where), reward)
+    rows, val_rows, where = hf_records(cfg)
+    vwhere = f"{cfg.path} split {cfg.hf_val_split!r}"
+    return _splits(cfg, rows, where, val_rows, vwhere)
 
 
-def _without(train: list[Problem], val: list[Problem]) -> tuple[list[Problem], list[Problem]]:
-    held = {p.id for p in val}
-    # A validation problem that also sits in the training data is trained on: drop it there.
-    return [p for p in train if p.id not in held], val
+def _splits(
+    cfg: DataConfig, rows: list, where: str, val_rows: list | None, val_where: str
+) -> RawSplits:
+    """Problems of the training records, and of the validation ones (or held out of the
+    training records), with a LoadReport of both."""
+    problems, reward, layout, (dup, bad) = problems_from_records(rows, cfg, source=where)
+    report = LoadReport(layout=layout.describe())
+    report.add(where, len(rows), dup, bad)
+    if val_rows is None:
+        train, val = hold_out(cfg, problems, where=where)
+    else:
+        val, _, _, (dup, bad) = problems_from_records(val_rows, cfg, source=val_where)
+        report.add(val_where, len(val_rows), dup, bad)
+        # A validation problem that also sits in the training data would be trained on:
+        # dropped there.
+        held = {p.id for p in val}
+        train = [p for p in problems if p.id not in held]
+        if len(train) < len(problems):
+            report.dropped["also in validation"] = len(problems) - len(train)
+    report.train, report.val = len(train), len(val)
+    return train, val, reward, report
 
 
 def hold_out(

@@ -33,6 +33,11 @@ _CONTENT_FIELDS = (
     "source", "task", "difficulty", "num_terms", "path", "val_path", "format",
     "gym_kwargs", "train_size", "val_size", "seed", "reverse_digits",
 )  # fmt: skip
+# Fields that decide which problems too, added later: in a dataset's name only when set, so
+# the names of datasets prepared before them stay as they were.
+_LATER_CONTENT_FIELDS = {
+    "question_field": "", "answer_field": "", "answer_extract": "auto", "answer_regex": "",
+}  # fmt: skip
 
 
 def _require_tfds():
@@ -80,7 +85,7 @@ if tfds is not None:
 
         def _split_generators(self, dl_manager):
             cfg = DataConfig(**self.builder_config.data)
-            train, val, _ = raw_problems(cfg)
+            train, val, _, _ = raw_problems(cfg)
             splits = {"train": self._generate_examples(train)}
             if val:
                 splits["validation"] = self._generate_examples(val)
@@ -100,8 +105,16 @@ if tfds is not None:
                 )
 
 
-def config_name(cfg: DataConfig) -> str:
+def _content(cfg: DataConfig) -> dict[str, Any]:
     content = {k: getattr(cfg, k) for k in _CONTENT_FIELDS}
+    content.update(
+        {k: getattr(cfg, k) for k, d in _LATER_CONTENT_FIELDS.items() if getattr(cfg, k) != d}
+    )
+    return content
+
+
+def config_name(cfg: DataConfig) -> str:
+    content = _content(cfg)
     if content["path"]:
         content["path"] = str(Path(content["path"]).resolve())
     if content["val_path"]:
@@ -119,7 +132,7 @@ def prepare_tfds(cfg: DataConfig, data_dir: str | Path) -> str:
     _require_tfds()
     if cfg.source == "tfds":
         raise ConfigError("prepare_tfds needs a file or built-in source, not data.source='tfds'")
-    data = {k: getattr(cfg, k) for k in _CONTENT_FIELDS}
+    data = _content(cfg)
     for k in ("path", "val_path"):
         if data[k]:
             data[k] = str(Path(data[k]).resolve())

@@ -416,6 +416,6 @@ def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> M
         attention=cfg.attention,
         attention_block=cfg.attention_block,
         scan_layers=cfg.scan_layers,
-        value_head=cfg.value_head,
+        value_head=bool(cfg.value_head),  # null: rl_jax.config.resolved fills it from the loss
         logprob_chunk=cfg.logprob_chunk,
     )

@@ -9,11 +9,15 @@ import optax
 from rl_jax.config import TrainConfig
 
 
-def peak_lr(cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int) -> float:
-    """cfg.lr, times sqrt(B / ref) when lr_sqrt_batch_ref > 0 (IsoCompute: lr ~ sqrt(B_p * n))."""
+def peak_lr(
+    cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int, lr_scale: float = 1.0
+) -> float:
+    """cfg.lr, times sqrt(B / ref) when lr_sqrt_batch_ref > 0 (IsoCompute: lr ~ sqrt(B_p * n)),
+    times lr_scale (LoRA's: `LoraConfig.lr_factor`)."""
+    lr = cfg.lr * lr_scale
     if cfg.lr_sqrt_batch_ref <= 0:
-        return cfg.lr
-    return cfg.lr * math.sqrt(prompts_per_batch * samples_per_prompt / cfg.lr_sqrt_batch_ref)
+        return lr
+    return lr * math.sqrt(prompts_per_batch * samples_per_prompt / cfg.lr_sqrt_batch_ref)
 
 
 def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Schedule:
@@ -31,12 +35,18 @@ def lr_schedule(cfg: TrainConfig, peak: float, total_updates: int) -> optax.Sche
 
 
 def make_optimizer(
-    cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int
+    cfg: TrainConfig, *, prompts_per_batch: int, samples_per_prompt: int, lr_scale: float = 1.0
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with global-norm clipping; gradient accumulation via optax.MultiSteps. The
     schedule counts optimizer steps (MultiSteps steps the inner AdamW, and its schedule,
-    once per train.grad_accum minibatch updates): `TrainConfig.optimizer_steps`."""
-    peak = peak_lr(cfg, prompts_per_batch=prompts_per_batch, samples_per_prompt=samples_per_prompt)
+    once per train.grad_accum minibatch updates): `TrainConfig.optimizer_steps`. lr_scale
+    multiplies the rate (LoRA's adapters: `LoraConfig.lr_factor`)."""
+    peak = peak_lr(
+        cfg,
+        prompts_per_batch=prompts_per_batch,
+        samples_per_prompt=samples_per_prompt,
+        lr_scale=lr_scale,
+    )
     sched = lr_schedule(cfg, peak, cfg.optimizer_steps)
     parts = []
     if cfg.grad_clip > 0:

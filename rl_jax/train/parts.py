@@ -144,7 +144,9 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     if cfg.loss.advantage == "gae" and not spec.value_head:
         raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    tx, lr_schedule = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
+    tx, lr_schedule = make_optimizer(
+        cfg.train, prompts_per_batch=P, samples_per_prompt=G, lr_scale=cfg.lora.lr_factor
+    )
     opt_state = init_opt_state(tx, mesh, params, plan)
     # The trainer scores tokens under the distribution the sampler drew them from.
     temperature = cfg.sampling.temperature or 1.0

@@ -8,6 +8,7 @@ the CLI runs them first and a bad input is one ConfigError line (exit 2).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,10 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     check_lora_targets(cfg)
     check_reward(cfg.rewards, task_reward=task_reward)
     check_eval_size(cfg)
-    if cfg.data.source in ("file", "hf") or cfg.data.split_file:
+    task = None
+    if cfg.data.source in ("file", "hf") or cfg.data.split_file or cfg.sampling.max_prompt_len:
         task = run_task(cfg, run_tokenizer(cfg))
+    if task is not None and (cfg.data.source in ("file", "hf") or cfg.data.split_file):
         if not cfg.data.split_file and len(task.val) < cfg.eval.num_prompts:
             print(
                 f"warning: eval.num_prompts={cfg.eval.num_prompts} but the validation split "
@@ -38,8 +41,11 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
                 file=out,
                 flush=True,
             )
-    # Printed once every check has passed (a bad input stays one line). A generated task's
-    # verifier is its own name: said only when rewards.name picks another.
+    # Printed once every check has passed (a bad input stays one line): what reading the
+    # data kept and dropped. A generated task's verifier is its own name: said only when
+    # rewards.name picks another.
+    if task is not None and task.report is not None:
+        print(task.report.line(), file=out, flush=True)
     if task_reward and (
         cfg.data.source in ("file", "hf") or cfg.rewards.name not in ("auto", task_reward)
     ):
@@ -98,11 +104,53 @@ def run_task(cfg: RunConfig, tokenizer: Any) -> Task:
 
 
 def task_and_prompt_len(cfg: RunConfig, tokenizer: Any) -> tuple[Task, int]:
-    """`run_task` and its `prompt_len_limit` (what the engine's prompts are padded to)."""
+    """`run_task` and its `prompt_len_limit` (what the engine's prompts are padded to).
+    Under an explicit sampling.max_prompt_len, longer prompts are dropped (counted in
+    `task.report`); none of a split's left is an error naming the longest."""
     from rl_jax.data import build_task
 
     task = build_task(cfg.data, tokenizer=tokenizer, verifier=cfg.rewards.name)
+    limit = cfg.sampling.max_prompt_len
+    if limit and isinstance(task.train, list):
+        task = _without_long_prompts(cfg, task, tokenizer)
     return task, prompt_len_limit(cfg, task, tokenizer)
+
+
+def _without_long_prompts(cfg: RunConfig, task: Task, tokenizer: Any) -> Task:
+    from rl_jax.data import LoadReport
+
+    limit, bucket = cfg.sampling.max_prompt_len, cfg.sampling.length_bucket
+    kept: dict[str, list] = {}
+    longest, where = 0, ""
+    for split, problems in (("training", task.train), ("validation", task.val)):
+        kept[split] = []
+        for p in problems:
+            n = len(tokenizer.encode(p.prompt))
+            if n <= limit:
+                kept[split].append(p)
+            elif n > longest:
+                longest, where = n, f"{split} problem {p.id}"
+    train, val = kept["training"], kept["validation"]
+    if len(train) + len(val) == len(task.train) + len(task.val):
+        return task
+    if not train or (len(task.val) and not val):
+        raise ConfigError(
+            f"sampling.max_prompt_len={limit} is below the longest prompt, {longest} tokens "
+            f"({where}, as rendered for the model), and every "
+            f"{'training' if not train else 'validation'} prompt is longer; set "
+            f"sampling.max_prompt_len={-(-longest // bucket) * bucket} or 0 (auto)"
+        )
+    report = task.report or LoadReport(
+        where=[f"data.source={cfg.data.source}"],
+        layout=f"{task.name} problems generated",
+        rows=len(task.train) + len(task.val),
+    )
+    dropped = {
+        **report.dropped,
+        "too long": len(task.train) + len(task.val) - len(train) - len(val),
+    }
+    report = dataclasses.replace(report, dropped=dropped, train=len(train), val=len(val))
+    return dataclasses.replace(task, train=train, val=val, report=report)
 
 
 def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
@@ -138,7 +186,10 @@ def schedule_warnings(cfg: RunConfig) -> list[str]:
         from rl_jax.train.optim import peak_lr
 
         peak = peak_lr(
-            t, prompts_per_batch=cfg.data.prompts_per_batch, samples_per_prompt=cfg.sampling.n
+            t,
+            prompts_per_batch=cfg.data.prompts_per_batch,
+            samples_per_prompt=cfg.sampling.n,
+            lr_scale=cfg.lora.lr_factor,
         )
         last = peak * updates / warm
         return [
