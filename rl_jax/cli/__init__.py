@@ -73,8 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rl-jax {argv[0]}: not available in this build ({e.name})", file=sys.stderr)
             return 2
         raise
+    from rl_jax.runs.storage import STORAGE_EXIT, StorageError
+
     try:
         return int(module.main(argv[1:]) or 0)
+    except StorageError as e:
+        # Storage that stayed unreachable after retries, or a lock another host took: the
+        # same command resumes once it is back (a grid retries it), so not exit 2.
+        print(f"rl-jax {argv[0]}: storage error: {e}", file=sys.stderr)
+        return STORAGE_EXIT
     except ConfigError as e:
         # One line, whatever the message wraps (a YAML or JSON error spans several).
         text = " ".join(line.strip() for line in str(e).strip().splitlines())

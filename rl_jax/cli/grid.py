@@ -6,12 +6,14 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from rl_jax.config import resolve_recipe_path
 from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
 from rl_jax.grid.driver import Driver, grid_dir, plan_rows, print_plan
 from rl_jax.grid.expand import expand
 from rl_jax.grid.spec import GridSpec, known_specs, load_spec
+from rl_jax.runs.storage import STORAGE_EXIT, StorageError, check_out_dir, is_remote
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="grid specs in experiments/: " + ", ".join(known_specs()),
     )
     p.add_argument("spec", help="spec file or name in experiments/ (e.g. isocompute_cpu)")
-    p.add_argument("--out", default="grids", help="grids directory; runs go to OUT/<grid>/runs")
+    p.add_argument(
+        "--out",
+        default="grids",
+        help="grids directory or bucket (gs://BUCKET/grids); runs go to OUT/<grid>/runs",
+    )
     p.add_argument("--backend", choices=("local", "ray", "tpu"), default="local")
     p.add_argument("--jobs", type=int, default=1, help="local: concurrent runs")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their compute")
@@ -60,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tpu-queued", action="store_true", help="create through queued resources")
     t.add_argument("--tpu-spot", action="store_true")
     t.add_argument("--tpu-version", default="", help="runtime image ('' = per generation)")
-    t.add_argument("--tpu-remote-out", default="rl_jax_runs", help="out dir on the TPU hosts")
+    t.add_argument(
+        "--tpu-remote-out",
+        default="rl_jax_runs",
+        help="where runs write: a path on the TPU hosts (relative to ~), or a bucket "
+        "(gs://BUCKET/runs) so that a preempted, recreated slice resumes its runs",
+    )
     t.add_argument("--tpu-teardown", action="store_true", help="delete the slices at the end")
     return p
 
@@ -105,11 +116,15 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    check_out_dir(a.out, "--out")
+    if a.backend == "tpu":
+        check_out_dir(a.tpu_remote_out, "--tpu-remote-out")
     spec = load_spec(a.spec)
     backend = make_backend(a, spec)
     plans = expand(spec, extra=[*backend.extra_overrides(), *a.set])
     backend.check(plans)
-    root = grid_dir(spec, a.out).resolve()
+    root = grid_dir(spec, a.out)
+    runs = backend.runs_root(root)
     recipe = str(resolve_recipe_path(spec.recipe).resolve())
     if a.dry_run:
         if a.json:
@@ -121,7 +136,7 @@ def main(argv: list[str]) -> int:
                 )
             )
         else:
-            print_plan(spec, plans, root)
+            print_plan(spec, plans, root, runs)
         for p in plans:
             lines = backend.dry_run_lines(p, recipe=recipe, grid_dir=root)
             if lines:
@@ -133,7 +148,8 @@ def main(argv: list[str]) -> int:
             for t in backend.teardown_argv():
                 print(*run_script_dry(t), sep="\n")
         return 0
-    root.mkdir(parents=True, exist_ok=True)
+    if not is_remote(root):
+        Path(root).mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     if not a.report_only:
         early = None
@@ -162,6 +178,9 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 130
+        except StorageError as e:
+            print(f"rl-jax grid: storage error: {e}", file=sys.stderr)
+            return STORAGE_EXIT
         except RuntimeError as e:
             print(f"rl-jax grid: {e}", file=sys.stderr)
             return 1
@@ -175,7 +194,7 @@ def main(argv: list[str]) -> int:
     if not a.no_report:
         from rl_jax.grid.results import write_report
 
-        path = write_report(spec, plans, root)
+        path = write_report(spec, plans, root, runs)
         print(f"report: {path}")
     if counts.get("failed"):
         return 1

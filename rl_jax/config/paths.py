@@ -48,14 +48,15 @@ def protocol(path: str) -> str:
     return m.group(1).lower() if m else ""
 
 
-def filesystem(url: str, key: str) -> tuple[Any, str]:
+def filesystem(url: str, key: str, **options: Any) -> tuple[Any, str]:
     """(fsspec file system, path within it) of `url`; a protocol whose package is not
-    installed is a ConfigError naming the knob and the package."""
+    installed is a ConfigError naming the knob and the package. `options` go to the file
+    system's constructor (fsspec keeps one instance per set of options)."""
     import fsspec
 
     proto = protocol(url)
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
         if proto in _EXTRAS:
             package, extra = _EXTRAS[proto]

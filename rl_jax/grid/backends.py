@@ -21,6 +21,7 @@ from typing import Any
 from rl_jax.config import ConfigError, RunConfig, paths
 from rl_jax.grid.expand import RunPlan, format_override
 from rl_jax.grid.spec import Resources
+from rl_jax.runs.storage import is_remote, join
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TPU_SETUP = REPO_ROOT / "tpu_setup"
@@ -41,7 +42,7 @@ def train_cmd_for(
     return [python, "-m", "rl_jax.cli", "train"]
 
 
-def guard_argv(run_dir: Path, attempt: int, cmd: Sequence[str]) -> list[str]:
+def guard_argv(run_dir: str, attempt: int, cmd: Sequence[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -82,11 +83,15 @@ class Backend:
         """Overrides this backend adds to every run (part of the run id)."""
         return []
 
-    def run_out_dir(self, grid_dir: Path) -> str:
+    def run_out_dir(self, grid_dir: str) -> str:
         """The trainer's out_dir, as the trainer's host sees it."""
-        return str(grid_dir / "runs")
+        return join(grid_dir, "runs")
 
-    def command(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+    def runs_root(self, grid_dir: str) -> str:
+        """Where the driver reads the runs' directories (DONE, locks, curves)."""
+        return self.run_out_dir(grid_dir)
+
+    def command(self, plan: RunPlan, *, recipe: str, grid_dir: str) -> list[str]:
         """The run's command (the guard wraps it)."""
         out_dir = self.run_out_dir(grid_dir)
         return [*self.train_cmd, *plan.train_args(recipe, out_dir=out_dir)]
@@ -94,7 +99,11 @@ class Backend:
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
         raise NotImplementedError
 
-    def start(self, plan: RunPlan, argv: list[str], log_path: Path) -> Any:
+    def start(
+        self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None
+    ) -> Any:
+        """Start `argv`, its output to `log_path` (a local file; `log_url`: where a grid in
+        a bucket keeps it, for backends whose processes run on other machines)."""
         raise NotImplementedError
 
     def poll(self, handle: Any) -> int | None:
@@ -103,7 +112,7 @@ class Backend:
     def stop(self, handle: Any, grace_s: float = 30.0) -> None:
         raise NotImplementedError
 
-    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: str) -> list[str]:
         return []
 
     def check(self, plans: Sequence[RunPlan]) -> None:
@@ -133,7 +142,9 @@ class LocalBackend(Backend):
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
         return len(active) < self.jobs
 
-    def start(self, plan: RunPlan, argv: list[str], log_path: Path) -> subprocess.Popen:
+    def start(
+        self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None
+    ) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             return subprocess.Popen(
@@ -155,8 +166,12 @@ class LocalBackend(Backend):
 # ---- Ray --------------------------------------------------------------------------------
 
 
-def _ray_task(argv: list[str], log_path: str, cwd: str, grace_s: float) -> int:
-    """Body of one Ray task: run the guard command, pass a cancel on to it as SIGTERM."""
+def _ray_task(
+    argv: list[str], log_path: str, cwd: str, grace_s: float, log_url: str | None = None
+) -> int:
+    """Body of one Ray task: run the guard command, pass a cancel on to it as SIGTERM.
+    With `log_url` (a grid in a bucket), the log is put there when the command ends: the
+    node's disk is not the driver's."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -172,15 +187,22 @@ def _ray_task(argv: list[str], log_path: str, cwd: str, grace_s: float) -> int:
     except KeyboardInterrupt:  # ray.cancel
         _stop_process_group(proc, grace_s)
         raise
+    finally:
+        if log_url:
+            from rl_jax.runs.storage import open_store
+
+            parent, _, name = log_url.rpartition("/")
+            open_store(parent).write(name, Path(log_path).read_bytes())
 
 
 class RayBackend(Backend):
     """Each run one Ray task with the spec's resource requests.
 
     `address`: '' starts a local Ray instance; 'auto' or 'host:port' joins a
-    cluster. Run directories must be on storage every node sees at the same
-    path (NFS, Filestore, a gcsfuse mount with flock support): the guard's lock
-    and the DONE file live there. Ray retries a task whose worker or node died
+    cluster. Run directories must be on storage every node sees: a bucket
+    (`--out gs://BUCKET/grids`; locks are leases there) or a path every node mounts
+    (NFS, Filestore, a gcsfuse mount with flock support): the guard's lock and the
+    DONE file live there. Ray retries a task whose worker or node died
     (`max_retries`); the driver retries runs that exit non-zero.
     """
 
@@ -230,8 +252,8 @@ class RayBackend(Backend):
         # Ray queues tasks until resources free up; `max_pending` bounds how many wait.
         return self.max_pending <= 0 or len(active) < self.max_pending
 
-    def start(self, plan: RunPlan, argv: list[str], log_path: Path):
-        return self._remote.remote(argv, str(log_path), os.getcwd(), self.grace_s)
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None):
+        return self._remote.remote(argv, str(log_path), os.getcwd(), self.grace_s, log_url)
 
     def poll(self, handle) -> int | None:
         ready, _ = self.ray.wait([handle], timeout=0)
@@ -314,10 +336,13 @@ class TpuBackend(LocalBackend):
     """Runs each run on all hosts of a TPU slice through `tpu_setup/run.sh`.
 
     The local process is the script: it creates or reuses the slice, installs
-    this checkout on every host, starts the run under jax.distributed on all
-    hosts, and copies the run directory back (without checkpoints, which stay
-    on the slice so a relaunch resumes). A run always goes to the same slice
-    (index mod slices) for that reason. With `dry_run`, the script prints the
+    this checkout on every host and starts the run under jax.distributed on all
+    hosts. With a bucket for the runs (`--tpu-remote-out gs://BUCKET/...`), each
+    run's whole directory, checkpoints included, lives there: a preempted slice that
+    is recreated (or any other slice) resumes it, and the driver reads it there. With
+    a path on the hosts, the script copies the run directory back (without the
+    checkpoints, which stay on the slice so a relaunch resumes), and a run always goes
+    to the same slice (index mod slices). With `dry_run`, the script prints the
     gcloud commands instead of running them.
 
     Every host reads the run's inputs itself: the command names each model, data
@@ -358,8 +383,15 @@ class TpuBackend(LocalBackend):
             "_", "-"
         )
 
-    def run_out_dir(self, grid_dir: Path) -> str:
-        return f"{self.opts.remote_out}/{self.grid}/runs"
+    def run_out_dir(self, grid_dir: str) -> str:
+        return join(self.opts.remote_out, self.grid, "runs")
+
+    def runs_root(self, grid_dir: str) -> str:
+        """A bucket's runs are read where they are; runs on the hosts' disks are read
+        from the copies run.sh fetches into the grid directory."""
+        if is_remote(self.opts.remote_out):
+            return self.run_out_dir(grid_dir)
+        return join(grid_dir, "runs")
 
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
         return self.slice_name(plan) not in {self.slice_name(p) for p in active}
@@ -392,10 +424,12 @@ class TpuBackend(LocalBackend):
             argv += ["--project", o.project]
         return argv + list(args)
 
-    def command(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+    def command(self, plan: RunPlan, *, recipe: str, grid_dir: str) -> list[str]:
         o = self.opts
         out_dir = self.run_out_dir(grid_dir)
-        local_runs = Path(grid_dir) / "runs"
+        # Where run.sh puts what it copies back: the run directory (hosts' disks) or
+        # only the hosts' logs (a bucket holds the run directory).
+        local_runs = self.local_copies(grid_dir)
         # install.sh puts this checkout in ~/rl_jax on each host and launch.sh runs
         # from ~, so a recipe inside the checkout is named by its path from there.
         rp = Path(recipe)
@@ -426,12 +460,19 @@ class TpuBackend(LocalBackend):
         train_args = plan.train_args(recipe, out_dir=out_dir, extra=self.input_overrides(plan))
         return [*argv, "--", *self.remote_train_cmd, *train_args]
 
-    def start(self, plan: RunPlan, argv: list[str], log_path: Path):
+    def start(self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None):
         if self.dry_run:
             raise RuntimeError("the tpu backend in dry-run mode does not start runs")
         return super().start(plan, argv, log_path)
 
-    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: Path) -> list[str]:
+    def local_copies(self, grid_dir: str) -> str:
+        if is_remote(grid_dir):
+            from rl_jax.runtime import user_cache_dir
+
+            return str(user_cache_dir("grid-logs") / self.grid / "host_logs")
+        return join(grid_dir, "host_logs" if is_remote(self.opts.remote_out) else "runs")
+
+    def dry_run_lines(self, plan: RunPlan, *, recipe: str, grid_dir: str) -> list[str]:
         argv = self.command(plan, recipe=recipe, grid_dir=grid_dir)
         return run_script_dry(argv)
 

@@ -11,9 +11,11 @@ Invariants (they are what makes a killed driver safe to rerun):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_jax.grid._guard import BUSY, attempt_path, is_locked, lock_path
+from rl_jax.grid._guard import BUSY, holder, is_locked, read_attempt
 from rl_jax.grid.backends import Backend, guard_argv
 from rl_jax.grid.expand import RunPlan
 from rl_jax.grid.spec import GridSpec
-from rl_jax.grid.state import DriverLock, GridState
-from rl_jax.runs.atomic import atomic_write_json
+from rl_jax.grid.state import GridState, driver_lock
+from rl_jax.runs.storage import is_remote, join, open_store
 
 PLAN_FILE = "plan.json"
 # Exit statuses of `rl-jax train` that the same command repeats, so the driver does not
@@ -36,16 +38,20 @@ CONFIG_ERROR = 2
 RUN_ERROR = 3
 
 
-def grid_dir(spec: GridSpec, out: str | Path) -> Path:
-    return Path(out) / spec.name
+def grid_dir(spec: GridSpec, out: str | Path) -> str:
+    """OUT/<grid>: a local path (made absolute) or a bucket URL."""
+    if is_remote(out):
+        return join(out, spec.name)
+    return str(Path(out).resolve() / spec.name)
 
 
-def run_dir(root: Path, plan: RunPlan) -> Path:
-    return Path(root) / "runs" / plan.name
+def run_dir(runs: str, plan: RunPlan) -> str:
+    """The run directory of `plan` under the grid's runs root (Backend.runs_root)."""
+    return join(runs, plan.name)
 
 
-def is_done(root: Path, plan: RunPlan) -> bool:
-    return (run_dir(root, plan) / "DONE").exists()
+def is_done(runs: str, plan: RunPlan) -> bool:
+    return open_store(run_dir(runs, plan)).exists("DONE")
 
 
 def plan_rows(plans: Sequence[RunPlan]) -> list[dict[str, Any]]:
@@ -72,7 +78,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if x < 1e5 else f"{x:.2e}"
 
 
-def print_plan(spec: GridSpec, plans: list[RunPlan], root: Path, out=sys.stdout) -> None:
+def print_plan(spec: GridSpec, plans: list[RunPlan], root: str, runs: str, out=sys.stdout) -> None:
     """The plan as a table with each run's compute and status (`rl-jax grid --dry-run`)."""
     st = GridState.load(root, spec.name)
     unit = spec.budget.unit if spec.budget else "rollouts"
@@ -91,7 +97,7 @@ def print_plan(spec: GridSpec, plans: list[RunPlan], root: Path, out=sys.stdout)
         for k in tot:
             tot[k] += c[k]
         rec = st.runs.get(p.run_id)
-        status = "done" if is_done(root, p) else (rec.status if rec else "new")
+        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
         print(
             f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
             f" {p.config.sampling.n:>5} {p.steps:>6} {_fmt(c['rollouts']):>9}"
@@ -126,7 +132,7 @@ class Driver:
         plans: Sequence[RunPlan],
         backend: Backend,
         *,
-        root: Path,
+        root: str,
         recipe: str,
         retry_failed: bool = False,
         resume_stopped: bool = False,
@@ -139,7 +145,8 @@ class Driver:
         self.spec = spec
         self.plans = list(plans)
         self.backend = backend
-        self.root = Path(root)
+        self.root = str(root)
+        self.runs = backend.runs_root(self.root)
         self.recipe = recipe
         self.retry_failed = retry_failed
         self.resume_stopped = resume_stopped
@@ -158,7 +165,8 @@ class Driver:
     def _finish(self, st: GridState, a: Active, rc: int | None, queue: list[RunPlan]) -> None:
         p = a.plan
         rec = st.record(p.run_id, p.name)
-        done = is_done(self.root, p)
+        self._upload_log(p, a.attempt)
+        done = is_done(self.runs, p)
         rec.history.append(
             {"attempt": a.attempt, "rc": rc, "end": time.time(), "stopping": a.stopping or None}
         )
@@ -178,7 +186,7 @@ class Driver:
             what = "config error" if rc == CONFIG_ERROR else "the run fails where it resumes"
             self._say(
                 f"FAILED   {p.name}: {what} (exit {rc}), retrying cannot help;"
-                f" log: {self._log_path(p, a.attempt)}"
+                f" log: {self._log_url(p, a.attempt)}"
             )
         else:
             rec.failures += 1
@@ -186,23 +194,24 @@ class Driver:
                 rec.status = "failed"
                 self._say(
                     f"FAILED   {p.name} (exit {rc}); gave up after {rec.failures} failures;"
-                    f" log: {self._log_path(p, a.attempt)}"
+                    f" log: {self._log_url(p, a.attempt)}"
                 )
             else:
                 rec.status = "pending"
                 queue.append(p)
                 self._say(
                     f"failed   {p.name} (exit {rc}), retry {rec.failures}/"
-                    f"{self.spec.max_attempts - 1}; log: {self._log_path(p, a.attempt)}"
+                    f"{self.spec.max_attempts - 1}; log: {self._log_url(p, a.attempt)}"
                 )
 
     def _check_run_id(self, p: RunPlan) -> None:
         """The trainer resolves the same overrides itself; a different id means the grid's
         expansion and the trainer disagree about the config, and the report would mislabel."""
-        path = run_dir(self.root, p) / "config.json"
-        if not path.exists():
+        try:
+            rid = json.loads(open_store(run_dir(self.runs, p)).read_bytes("config.json"))
+        except (FileNotFoundError, ValueError):
             return
-        rid = json.loads(path.read_text()).get("run_id")
+        rid = rid.get("run_id") if isinstance(rid, dict) else None
         if rid not in (None, p.run_id):
             self._say(
                 f"WARNING  {p.name}: the trainer's run id is {rid}, the grid's {p.run_id};"
@@ -210,17 +219,30 @@ class Driver:
             )
 
     def _log_path(self, p: RunPlan, attempt: int) -> Path:
-        return self.root / "logs" / f"{p.name}.{attempt}.log"
+        """Where an attempt's output is written: the grid's logs/, or for a grid in a
+        bucket a local staging copy that `_upload_log` puts in the bucket's logs/."""
+        name = f"{p.name}.{attempt}.log"
+        if not is_remote(self.root):
+            return Path(self.root) / "logs" / name
+        from rl_jax.runtime import user_cache_dir
+
+        key = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+        return Path(user_cache_dir("grid-logs")) / key / name
+
+    def _upload_log(self, p: RunPlan, attempt: int) -> None:
+        local = self._log_path(p, attempt)
+        if is_remote(self.root) and local.exists():
+            open_store(self.root).write(f"logs/{local.name}", local.read_bytes())
+
+    def _log_url(self, p: RunPlan, attempt: int) -> str:
+        return join(self.root, "logs", f"{p.name}.{attempt}.log")  # a path for a local grid
 
     def _poll(self, a: Active) -> tuple[bool, int | None]:
         if a.handle is None:
-            if is_locked(run_dir(self.root, a.plan)):
+            if is_locked(run_dir(self.runs, a.plan)):
                 return False, None
-            rec_path = attempt_path(run_dir(self.root, a.plan), a.attempt)
-            rc = None
-            if rec_path.exists():
-                rc = json.loads(rec_path.read_text()).get("rc")
-            return True, rc
+            record = read_attempt(run_dir(self.runs, a.plan), a.attempt)
+            return True, None if record is None else record.get("rc")
         rc = self.backend.poll(a.handle)
         return rc is not None, rc
 
@@ -230,8 +252,7 @@ class Driver:
     # -- the loop -----------------------------------------------------------------------
 
     def run(self) -> dict[str, int]:
-        lock = DriverLock(self.root)
-        lock.acquire()
+        lock = driver_lock(self.root)  # a second driver: LockBusy, exit 2 naming this one
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._run()
@@ -242,18 +263,18 @@ class Driver:
 
     def _run(self) -> dict[str, int]:
         st = GridState.load(self.root, self.spec.name)
-        atomic_write_json(
-            self.root / PLAN_FILE, {"grid": self.spec.name, "runs": plan_rows(self.plans)}
+        open_store(self.root).write_json(
+            PLAN_FILE, {"grid": self.spec.name, "runs": plan_rows(self.plans)}
         )
         queue: list[RunPlan] = []
         active: list[Active] = []
         for p in self.plans:
             rec = st.record(p.run_id, p.name)
-            if is_done(self.root, p):
+            if is_done(self.runs, p):
                 rec.status = "done"
             elif rec.status == "stopped" and not self.resume_stopped:
                 pass
-            elif is_locked(run_dir(self.root, p)):
+            elif is_locked(run_dir(self.runs, p)):
                 # Still running under a driver that was killed: follow it, do not restart.
                 rec.status = "running"
                 active.append(Active(plan=p, attempt=rec.launches, handle=None))
@@ -281,7 +302,7 @@ class Driver:
                 if not finished:
                     continue
                 active.remove(a)
-                if rc == BUSY and not is_done(self.root, a.plan):
+                if rc == BUSY and not is_done(self.runs, a.plan):
                     # Someone else holds the run: follow it rather than count a failure.
                     active.append(Active(plan=a.plan, attempt=a.attempt, handle=None))
                     continue
@@ -292,17 +313,20 @@ class Driver:
                     continue
                 queue.remove(p)
                 rec = st.record(p.run_id, p.name)
-                if is_done(self.root, p):
+                if is_done(self.runs, p):
                     rec.status = "done"
                     st.save()
                     continue
                 rec.launches += 1
                 rec.status = "running"
                 st.save()  # before the launch: a crash here costs one attempt, never a rerun
-                rd = run_dir(self.root, p)
+                rd = run_dir(self.runs, p)
                 cmd = self.backend.command(p, recipe=self.recipe, grid_dir=self.root)
                 handle = self.backend.start(
-                    p, guard_argv(rd, rec.launches, cmd), self._log_path(p, rec.launches)
+                    p,
+                    guard_argv(rd, rec.launches, cmd),
+                    self._log_path(p, rec.launches),
+                    self._log_url(p, rec.launches) if is_remote(self.root) else None,
                 )
                 active.append(Active(plan=p, attempt=rec.launches, handle=handle))
                 self._say(f"start    {p.name} (attempt {rec.launches})")
@@ -321,7 +345,9 @@ class Driver:
     def _check_early_stop(self, st: GridState, active: list[Active]) -> None:
         from rl_jax.runs.atomic import read_jsonl
 
-        curves = {p.run_id: read_jsonl(run_dir(self.root, p) / "curve.jsonl") for p in self.plans}
+        curves = {
+            p.run_id: read_jsonl(join(run_dir(self.runs, p), "curve.jsonl")) for p in self.plans
+        }
         running = [a.plan for a in active if not a.stopping]
         try:
             decisions = self.early_stop(curves, running)
@@ -339,11 +365,14 @@ class Driver:
         if a.handle is not None:
             self.backend.stop(a.handle, self.grace_s)
             return
-        # Adopted: the guard wrote its pid into the lock file it still holds.
+        # Adopted: the lock names the guard (or the trainer) that holds the run.
+        h = holder(run_dir(self.runs, a.plan)) or {}
+        if h.get("host", socket.gethostname()) != socket.gethostname():
+            self._say(f"cannot stop {a.plan.name}: it runs on {h.get('host')} (pid {h.get('pid')})")
+            return
         try:
-            pid = int(lock_path(run_dir(self.root, a.plan)).read_text().split()[0])
-            os.kill(pid, signal.SIGTERM)
-        except (OSError, ValueError, IndexError):
+            os.kill(int(h.get("pid", "")), signal.SIGTERM)
+        except (OSError, ValueError, TypeError):
             pass
 
     def _interrupt(self, st: GridState, active: list[Active]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from rl_jax.grid.expand import RunPlan
 from rl_jax.grid.spec import GridSpec
 from rl_jax.grid.state import GridState
 from rl_jax.runs.atomic import atomic_write_text, read_jsonl
+from rl_jax.runs.storage import is_remote, join, open_store
 
 FITS_DIR = "fits"
 GROUP_KEY = "group"  # the column scaling groups runs by (seeds of one axis point pooled)
@@ -36,13 +38,17 @@ GROUP_KEY = "group"  # the column scaling groups runs by (seeds of one axis poin
 # ---- gathering --------------------------------------------------------------------------
 
 
-def gather(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> list[dict[str, Any]]:
-    """Every curve row of the grid, labelled, in plan order; written to curves.jsonl."""
+def gather(
+    spec: GridSpec, plans: Sequence[RunPlan], root: str, runs: str | None = None
+) -> list[dict[str, Any]]:
+    """Every curve row of the grid, labelled, in plan order; written to curves.jsonl.
+    `runs`: where the runs' directories are (Backend.runs_root; default root/runs)."""
+    runs = runs or join(root, "runs")
     st = GridState.load(root, spec.name)
     out = []
     for p in plans:
         rec = st.runs.get(p.run_id)
-        status = "done" if is_done(root, p) else (rec.status if rec else "new")
+        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
         extra = {
             "grid": spec.name,
             "run_name": p.name,
@@ -51,10 +57,10 @@ def gather(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> list[dict[st
             "status": status,
             **dict(p.labels),
         }
-        for row in read_jsonl(run_dir(root, p) / "curve.jsonl"):
+        for row in read_jsonl(join(run_dir(runs, p), "curve.jsonl")):
             out.append({**row, **extra, "run_id": p.run_id})
     text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in out)
-    atomic_write_text(root / "curves.jsonl", text)
+    open_store(root).write_text("curves.jsonl", text)
     return out
 
 
@@ -188,9 +194,22 @@ def _img(root: Path, path: Path, alt: str) -> str:
     return f"![{alt}]({path.relative_to(root).as_posix()})" if path.exists() else ""
 
 
-def write_report(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> Path:
-    """Gather the curves, fit them with rl_jax.scaling and write <root>/report.md."""
-    rows = gather(spec, plans, root)
+def write_report(
+    spec: GridSpec, plans: Sequence[RunPlan], root: str, runs: str | None = None
+) -> str:
+    """Gather the curves, fit them with rl_jax.scaling and write <root>/report.md (for
+    a grid in a bucket: written locally, then uploaded with its fits and plots)."""
+    if not is_remote(root):
+        return str(_write_report(spec, plans, root, runs, Path(root)))
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_report(spec, plans, root, runs, Path(tmp))
+        open_store(root).upload_tree(Path(tmp))
+    return join(root, "report.md")
+
+
+def _write_report(spec, plans, root: str, runs: str | None, local: Path) -> Path:
+    runs = runs or join(root, "runs")
+    rows = gather(spec, plans, root, runs)
     st = GridState.load(root, spec.name)
     x, metric = spec.report.x, spec.report.metric
     per_run: dict[str, list[dict]] = defaultdict(list)
@@ -214,7 +233,7 @@ def write_report(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> Path:
     counts: dict[str, int] = defaultdict(int)
     for p in plans:
         rec = st.runs.get(p.run_id)
-        status = "done" if is_done(root, p) else (rec.status if rec else "new")
+        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
         counts[status] += 1
         evals = sorted(
             (r for r in per_run.get(p.run_id, []) if _finite(r.get(metric))),
@@ -240,8 +259,8 @@ def write_report(spec: GridSpec, plans: Sequence[RunPlan], root: Path) -> Path:
         md += ([] if stopped else ["No run was stopped early."]) + [""]
     names = {p.run_id: p.name for p in plans}
     for split, (rep, note) in fit_grid(spec, plans, rows).items():
-        md += _split_section(spec, root, split, rep, note, names)
-    path = root / "report.md"
+        md += _split_section(spec, local, split, rep, note, names)
+    path = local / "report.md"
     atomic_write_text(path, "\n".join(md) + "\n")
     return path
 

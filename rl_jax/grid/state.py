@@ -7,15 +7,13 @@ was stopped early. Losing the state file loses retry counts, never results.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from rl_jax.runs.atomic import atomic_write_json
+from rl_jax.runs import locks
+from rl_jax.runs.storage import join, open_store
 
 STATE_FILE = "state.json"
 DRIVER_LOCK = "driver.lock"
@@ -42,24 +40,25 @@ class RunRecord:
 
 
 class GridState:
-    def __init__(self, grid_dir: Path, grid: str, runs: dict[str, RunRecord]):
-        self.grid_dir = Path(grid_dir)
+    def __init__(self, grid_dir: str, grid: str, runs: dict[str, RunRecord]):
+        self.grid_dir = str(grid_dir)
         self.grid = grid
         self.runs = runs
 
     @property
-    def path(self) -> Path:
-        return self.grid_dir / STATE_FILE
+    def path(self) -> str:
+        return join(self.grid_dir, STATE_FILE)
 
     @classmethod
-    def load(cls, grid_dir: Path, grid: str) -> GridState:
-        path = Path(grid_dir) / STATE_FILE
+    def load(cls, grid_dir: str, grid: str) -> GridState:
         runs: dict[str, RunRecord] = {}
-        if path.exists():
-            d = json.loads(path.read_text(encoding="utf-8"))
-            for rid, r in d.get("runs", {}).items():
-                runs[rid] = RunRecord(**r)
-        return cls(Path(grid_dir), grid, runs)
+        try:
+            d = json.loads(open_store(grid_dir).read_bytes(STATE_FILE).decode("utf-8"))
+        except FileNotFoundError:
+            d = {}
+        for rid, r in d.get("runs", {}).items():
+            runs[rid] = RunRecord(**r)
+        return cls(str(grid_dir), grid, runs)
 
     def record(self, run_id: str, name: str) -> RunRecord:
         if run_id not in self.runs:
@@ -67,8 +66,8 @@ class GridState:
         return self.runs[run_id]
 
     def save(self) -> None:
-        atomic_write_json(
-            self.path,
+        open_store(self.grid_dir).write_json(
+            STATE_FILE,
             {
                 "grid": self.grid,
                 "updated": time.time(),
@@ -77,30 +76,7 @@ class GridState:
         )
 
 
-class DriverLock:
-    """One driver per grid directory; a second one exits with a clear message."""
-
-    def __init__(self, grid_dir: Path):
-        self.path = Path(grid_dir) / DRIVER_LOCK
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RuntimeError(
-                f"another grid driver (pid {other}) is running {self.path.parent}; "
-                "wait for it or stop it first"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+def driver_lock(grid_dir: str):
+    """One driver per grid directory: a second one is refused (LockBusy: exit 2) naming
+    the holder. An flock on a disk, a renewed lease in a bucket (rl_jax.runs.locks)."""
+    return locks.acquire(grid_dir, DRIVER_LOCK, what=f"grid directory {grid_dir} (a grid driver)")

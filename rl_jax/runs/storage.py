@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -177,6 +178,13 @@ class Store:
         """Move a file or directory to `dest` (relative to the same root)."""
         raise NotImplementedError
 
+    def upload_tree(self, local: Path, rel: str = "") -> None:
+        """Put every file under local directory `local` at `rel/<its relative path>`."""
+        for f in sorted(Path(local).rglob("*")):
+            if f.is_file():
+                dest = f.relative_to(local).as_posix()
+                self.write(f"{rel.rstrip('/')}/{dest}" if rel else dest, f.read_bytes())
+
     def check_writable(self, rel: str = "") -> None:
         """Write and remove a probe file under `rel`: StorageError naming it if that fails."""
         probe = f"{rel.rstrip('/')}/.write-probe-{os.getpid()}" if rel else ".write-probe"
@@ -213,11 +221,17 @@ class LocalStore(Store):
         return self.path(rel).exists()
 
     def write(self, rel: str, data: bytes) -> None:
-        atomic_write_bytes(self.path(rel), data)
+        try:
+            atomic_write_bytes(self.path(rel), data)
+        except OSError as e:
+            raise StorageError(f"cannot write {self.path(rel)}: {_os_reason(e)}") from e
 
     def append(self, rel: str, data: bytes) -> None:
         if data:
-            append_bytes(self.path(rel), data)
+            try:
+                append_bytes(self.path(rel), data)
+            except OSError as e:
+                raise StorageError(f"cannot append to {self.path(rel)}: {_os_reason(e)}") from e
 
     def list(self, rel: str = "") -> list[str]:
         p = self.path(rel)
@@ -248,7 +262,9 @@ class BucketStore(Store):
         self.root = root.rstrip("/")
         self.key = key
         _quiet_gcsfs_defaults()
-        self.fs, self._inner = paths.filesystem(self.root, key)
+        # No listing cache: other processes (the trainer, another host, the grid driver)
+        # change what is in the bucket, and a cached listing would hide it.
+        self.fs, self._inner = paths.filesystem(self.root, key, use_listings_cache=False)
         self._inner = self._inner.rstrip("/")
         self._content: dict[str, bytearray] = {}  # appended-to files, whole
         self._dirty: set[str] = set()
@@ -331,12 +347,23 @@ class BucketStore(Store):
         """Buckets have no directories: a prefix exists once an object is under it."""
 
 
+class _GcsfsGaveUp(logging.Filter):
+    """Drops gcsfs's ERROR records (a traceback per request that ran out of its own
+    retries): `retrying` retries further and names what failed in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 def _quiet_gcsfs_defaults() -> None:
-    """gcsfs settings that must be in the environment before it first loads."""
+    """gcsfs settings that must be in place before it first loads."""
     # Against an emulator (STORAGE_EMULATOR_HOST), gcsfs >= 2026.10 first probes the
     # bucket's type over gRPC, which an emulator does not serve, and waits 2 x 60 s.
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    log = logging.getLogger("gcsfs")
+    if not any(isinstance(f, _GcsfsGaveUp) for f in log.filters):
+        log.addFilter(_GcsfsGaveUp())
 
 
 def _cut_torn(data: bytes) -> bytes:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_jax.config import DataConfig, ModelConfig, RewardConfig, RunConfig
 from rl_jax.knobs import ConfigError
+from rl_jax.runs.storage import check_out_dir
 
 if TYPE_CHECKING:
     from rl_jax.data import Task
@@ -24,7 +25,8 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     as the trainer will read them. Prints (to `out`, default stderr) the verifier chosen
     and any warning, one line each."""
     out = sys.stderr if out is None else out
-    task_reward = check_data_files(cfg.data)  # first: it needs no model
+    check_out_dir(cfg.out_dir)  # where the run writes, before anything is read
+    task_reward = check_data_files(cfg.data)  # it needs no model
     check_model_files(cfg.model)
     check_lora_targets(cfg)
     check_reward(cfg.rewards, task_reward=task_reward)

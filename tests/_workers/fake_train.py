@@ -23,14 +23,13 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 if os.environ.get("FAKE_FAIL_ALWAYS"):  # before the imports: failing fast keeps tests fast
     print("fake trainer: told to fail", file=sys.stderr)
     sys.exit(int(os.environ["FAKE_FAIL_ALWAYS"]))
 
 from rl_jax.config import flatten, load_recipe, run_id  # noqa: E402
-from rl_jax.runs import create_run_dir, read_jsonl, truncate_jsonl_after  # noqa: E402
+from rl_jax.runs import create_run_dir  # noqa: E402
 
 
 def ledger(line: str) -> None:
@@ -56,14 +55,16 @@ def metric(cfg, rid: str, rollouts: float) -> float:
 
 def main(argv: list[str]) -> int:
     cfg = load_recipe(argv[0], argv[1:])
-    root = Path(cfg.out_dir) / cfg.name
-    if (root / "DONE").exists():
-        return 0
     rd = create_run_dir(cfg)
+    if rd.is_done():
+        rd.close()
+        return 0
     rid = run_id(cfg)
-    steps_done = sorted(int(p.stem) for p in rd.checkpoints_dir.glob("*.json"))
+    steps_done = sorted(
+        int(n.split(".")[0]) for n in rd.store.list("checkpoints") if n.endswith(".json")
+    )
     start = steps_done[-1] if steps_done else 0
-    truncate_jsonl_after(rd.curve_path, "step", start if steps_done else -1)
+    rd.rewind(start if steps_done else -1)
     ledger(f"{rid} start {start}")
     knobs = flatten(cfg)
     per_step = cfg.data.prompts_per_batch * cfg.sampling.n
@@ -74,9 +75,9 @@ def main(argv: list[str]) -> int:
     for step in range(start, steps + 1):
         if step > start:
             time.sleep(sleep)
-        marker = root / ".fake_failed_once"
-        if step == fail_at and not marker.exists():
-            marker.write_text("x")
+        marker = ".fake_failed_once"
+        if step == fail_at and not rd.store.exists(marker):
+            rd.store.write(marker, b"x")
             print(f"fake trainer: failing at step {step}", file=sys.stderr)
             return 1
         evaluate = (step == 0 and cfg.eval.at_start) or step == steps
@@ -102,11 +103,13 @@ def main(argv: list[str]) -> int:
             rd.append_curve(row)
             rd.append_metrics({"step": step, "train/reward": row["train/reward"]})
         if step > start and (step % ck_every == 0 or step == steps):
-            (rd.checkpoints_dir / f"{step}.json").write_text(json.dumps({"step": step}))
+            rd.flush()  # rows before the checkpoint, as the trainer does
+            rd.store.write(f"checkpoints/{step}.json", json.dumps({"step": step}).encode())
     hold = os.environ.get("FAKE_HOLD")
     while hold and not os.path.exists(hold):  # released by the test, whatever the machine's speed
         time.sleep(0.02)
-    rd.mark_done({"run_id": rid, "steps": steps, "curve_rows": len(read_jsonl(rd.curve_path))})
+    rd.mark_done({"run_id": rid, "steps": steps, "curve_rows": len(rd.curve())})
+    rd.close()
     ledger(f"{rid} done")
     return 0
 

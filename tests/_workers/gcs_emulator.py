@@ -48,11 +48,13 @@ class GcsEmulator:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def env(self) -> dict[str, str]:
-        """What a client process needs to talk to this server instead of Google's."""
+    def env(self, port: int | None = None) -> dict[str, str]:
+        """What a client process needs to talk to this server instead of Google's (through
+        `port`, e.g. a Proxy's, when given)."""
+        url = f"http://127.0.0.1:{port}" if port else self.url
         return {
-            "STORAGE_EMULATOR_HOST": self.url,
-            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "STORAGE_EMULATOR_HOST": url,
+            "TENSORSTORE_GCS_HTTP_URL": url,
             # gcsfs >= 2026.10 probes a bucket's type over gRPC, which the emulator does
             # not serve, and waits 2 x 60 s before falling back.
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
@@ -133,3 +135,69 @@ class GcsEmulator:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Proxy:
+    """A TCP proxy in front of a server: clients talk to `port`; while the server is down,
+    every connection it cannot pass on is counted (`failures`), so a test can wait for a
+    client to have met the outage instead of sleeping."""
+
+    def __init__(self, upstream_port: int):
+        import threading
+
+        self.upstream = upstream_port
+        self.failures = 0
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self._failed = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        import threading
+
+        try:
+            server = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+        except OSError:
+            client.close()
+            with self._failed:
+                self.failures += 1
+                self._failed.notify_all()
+            return
+        server.settimeout(None)
+
+        def pipe(a: socket.socket, b: socket.socket) -> None:
+            try:
+                while data := a.recv(65536):
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (a, b):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pipe, args=(server, client), daemon=True).start()
+        pipe(client, server)
+
+    def wait_failures(self, n: int, timeout_s: float = 300.0) -> None:
+        with self._failed:
+            if not self._failed.wait_for(lambda: self.failures >= n, timeout=timeout_s):
+                raise TimeoutError(f"no client met the outage ({self.failures} failures)")
+
+    def close(self) -> None:
+        self._sock.close()
