@@ -214,6 +214,13 @@ def test_a_bucket_run_killed_on_one_machine_finishes_on_another_with_identical_r
     names = gcs.objects(gcs.bucket, "runs/r/")
     assert "runs/r/DONE" in names and "runs/r/plots/curve.png" in names
     assert not any("/.lock" in n for n in names)  # released at the end
+    # The run is read where it is: eval restores (and verifies) its checkpoint there.
+    cli = [sys.executable, str(WORKERS / "train_even_first.py")]
+    ev = subprocess.run([*cli, "eval", url, "--json"], capture_output=True, text=True)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    got = json.loads(ev.stdout.strip().splitlines()[-1])
+    last = read_jsonl(f"{url}/curve.jsonl")[-1]
+    assert got["step"] == 6 and got["val/pass@1"] == last["val/pass@1"]
 
 
 def test_a_bucket_run_rides_out_a_server_outage(gcs, tmp_path, reference):

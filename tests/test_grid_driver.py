@@ -16,6 +16,7 @@ from rl_jax.grid import load_spec
 from rl_jax.grid._guard import BUSY
 from rl_jax.grid._guard import main as guard_main
 from rl_jax.grid.state import GridState
+from rl_jax.knobs import ConfigError
 from rl_jax.runs import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +314,28 @@ def test_tpu_dry_run_prints_the_gcloud_commands(tmp_path, capsys):
     ).stdout.splitlines()
     assert host[:2] == ["train", "rl_jax/experiments/scalerl.py"]
     assert "mesh.distributed=true" in host and any(a.startswith("name=n2_bp2_s0-") for a in host)
+
+
+def test_tpu_runs_in_a_bucket_resume_on_any_slice_and_are_read_there(tmp_path, capsys, gcs):
+    spec = write_spec(tmp_path)
+    args = [str(spec), "--out", str(tmp_path / "out"), "--backend", "tpu", "--dry-run"]
+    args += ["--tpu-zone", "us-east5-a", "--tpu-type", "v5p-16", "--tpu-spot"]
+    args += ["--tpu-remote-out", f"{gcs.base}/rl_jax"]
+    assert grid_main(args) == 0
+    text = capsys.readouterr().out
+    # Every run writes its whole directory, checkpoints included, to the bucket...
+    assert f"out_dir={gcs.base}/rl_jax/tiny/runs" in text
+    # ...so nothing copies it back from a host (only the hosts' logs come back).
+    assert "tar -C" not in text and "--exclude=checkpoints" not in text
+    assert "rl_jax_logs/n2_bp2_s0-" in text
+    from rl_jax.cli.grid import build_parser, make_backend
+
+    backend = make_backend(build_parser().parse_args(args), load_spec(str(spec)))
+    assert backend.runs_root(str(tmp_path / "out" / "tiny")) == f"{gcs.base}/rl_jax/tiny/runs"
+    # A remote out the trainer could not lock is refused before anything runs.
+    bad = [*args[:-1], "s3://bkt/rl_jax"]
+    with pytest.raises(ConfigError, match="--tpu-remote-out"):
+        grid_main(bad)
 
 
 def test_warm_start_specs_train_through_warm_train():

@@ -1,4 +1,5 @@
-"""Two local processes under jax.distributed (gloo) run two RL steps and match one process."""
+"""Two local processes under jax.distributed (gloo) run two RL steps into a bucket (the GCS
+server of conftest's `gcs` fixture) and match one process on a local disk."""
 
 import json
 import socket
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from rl_jax.runs import open_store, read_jsonl
 
 WORKER = Path(__file__).parent / "_workers" / "distributed_train.py"
 
@@ -19,15 +22,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, gcs):
     port = str(_free_port())
+    bucket_out = f"{gcs.base}/runs"
     # Output to files, not pipes: nobody reads a pipe while the reference run below
     # goes on, and a worker blocked writing to a full one never reaches jax.distributed's
     # shutdown barrier (the other then fails it after 5 minutes).
     logs = [open(tmp_path / f"worker_{i}.log", "w+") for i in range(2)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), port, str(tmp_path)],
+            [sys.executable, str(WORKER), str(i), port, str(tmp_path), bucket_out],
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -58,7 +62,12 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_array_equal(multi[k], other[k], err_msg=k)
         np.testing.assert_allclose(multi[k], ref[k], atol=1e-5, rtol=1e-5, err_msg=k)
     # the two steps really trained (not a vacuous comparison of untouched weights)
-    done = json.loads((tmp_path / "dist" / "DONE").read_text())
+    run = open_store(f"{bucket_out}/dist")
+    done = json.loads(run.read_bytes("DONE"))
     assert done["version"] == 2
-    rows = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").open()]
+    rows = read_jsonl(f"{bucket_out}/dist/metrics.jsonl")
     assert sum(r.get("train/rows_trained", 0) for r in rows) > 0
+    # One process wrote the rows (none twice); orbax wrote each process's shards.
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    names = gcs.objects(gcs.bucket, "runs/dist/checkpoints/2/state/")
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {n.split("/")[5] for n in names}

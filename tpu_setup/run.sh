@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One grid run on a TPU slice: create or reuse the slice, install this checkout
-# on every host, run the command on all hosts, fetch the run directory back.
+# on every host, run the command on all hosts, fetch the run directory back (or,
+# for a run in a bucket, --remote-out gs://..., only the hosts' logs).
 # Used by `rl-jax grid SPEC --backend tpu`; runnable by hand too:
 #   run.sh --name NAME --zone ZONE --type v6e-8 --run-name RUN --local-out grids/G/runs \
 #          [--remote-out rl_jax_runs/G/runs] -- rl-jax train RECIPE key=value ...

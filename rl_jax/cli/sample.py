@@ -195,7 +195,7 @@ def main(argv: list[str]) -> int:
 
         model, run_ck = load_run_model(run_ck, purpose="sample")
         print(
-            f"sampling run {run_ck.run_dir.name} step {run_ck.step} with its settings: "
+            f"sampling run {run_ck.name} step {run_ck.step} with its settings: "
             f"max_new_tokens={scfg.max_new_tokens} temperature={scfg.temperature:g} "
             f"top_p={scfg.top_p:g} top_k={scfg.top_k} chat template "
             f"{'on' if cfg.data.chat_template or args.chat else 'off'}",

@@ -189,6 +189,12 @@ class Checkpointer:
                 found = step, out["state"], meta
                 break
             except Exception as e:  # noqa: BLE001 - any damage means: try the previous one
+                if self.remote and _unreachable(e):
+                    # The bucket, not the checkpoint: a good checkpoint is never set aside
+                    # for an outage.
+                    raise StorageError(
+                        f"reading checkpoint {self.step_url(step)} failed: {_short(e)}"
+                    ) from e
                 log.warning("checkpoint %d in %s is unusable: %s", step, self.url, _short(e))
                 print(
                     f"warning: checkpoint {self.step_url(step)} is unusable "
@@ -369,6 +375,24 @@ def _abstract(x):
         return x
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+# What TensorStore and the HTTP clients say when a bucket could not be reached.
+_UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "Connection refused", "Cannot connect")
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is the storage being out of reach."""
+    for _ in range(16):
+        if isinstance(e, (StorageError, ConnectionError, TimeoutError)):
+            return True
+        if any(m in str(e) for m in _UNREACHABLE):
+            return True
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            return False
+        e = inner
+    return False
 
 
 def _short(e: BaseException) -> str:

@@ -1,7 +1,7 @@
 """A trained policy out of a run directory: its config, tokenizer and checkpointed weights.
 
 `rl-jax sample`, `rl-jax convert` and `rl-jax eval` accept a run where they accept
-a model, as any of:
+a model, on a local disk or in a bucket (gs://...), as any of:
   RUN                          a run directory (config.json + checkpoints/): newest step
   RUN/checkpoints              the same
   RUN/checkpoints/STEP         that step
@@ -34,6 +34,7 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models import ModelSpec, Transformer, build_model, param_layout, param_shardings
 from rl_jax.models.hf import CheckpointError
 from rl_jax.models.transformer import dtype_of
+from rl_jax.runs.storage import is_remote, join, open_store
 from rl_jax.sharding import get_rules
 from rl_jax.train.checkpoint import CHECKSUMS, META_DIGEST, _short, seal_meta, state_checksums
 from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims
@@ -41,7 +42,7 @@ from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims
 
 @dataclass(frozen=True)
 class RunCheckpoint:
-    run_dir: Path
+    run_dir: str  # an absolute path or a URL
     step: int
     cfg: RunConfig
     # Whether the step was asked for (RUN/checkpoints/STEP, step=): a damaged one is then
@@ -50,62 +51,94 @@ class RunCheckpoint:
     saved: tuple[int, ...] = ()  # every step the run has, oldest first
 
     @property
-    def step_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / str(self.step)
+    def step_dir(self) -> str:
+        return join(self.run_dir, "checkpoints", str(self.step))
 
     @property
-    def state_dir(self) -> Path:
-        return self.step_dir / "state"
+    def state_dir(self) -> str:
+        return join(self.step_dir, "state")
+
+    @property
+    def name(self) -> str:
+        return _name(self.run_dir)
 
     def meta(self) -> dict:
         """The checkpoint's JSON metadata (step, version, compute counters, data state);
         empty if it does not read."""
         try:
             with _quiet_absl():
-                meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(self.step_dir / "meta")
+                meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+                    join(self.step_dir, "meta")
+                )
         except Exception:  # noqa: BLE001 - metadata is optional to what reads it
             return {}
         return dict(meta) if isinstance(meta, dict) else {}
 
 
-def _is_run_dir(p: Path) -> bool:
-    """A run directory: checkpoints/ beside a config.json that holds a run id (an HF
-    model directory also has a config.json, and may have a checkpoints folder)."""
-    if not (p / "checkpoints").is_dir() or not (p / "config.json").is_file():
-        return False
+def _name(loc: str) -> str:
+    return loc.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _parent(loc: str) -> str:
+    head = loc.rstrip("/").rsplit("/", 1)[0]
+    return head if head and not head.endswith(":/") else loc
+
+
+def _run_config(loc: str) -> dict | None:
+    """The run's config.json, if `loc` is a run directory (an HF model directory also has
+    a config.json, without a run id)."""
     try:
-        cfg = json.loads((p / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(cfg, dict) and "run_id" in cfg and "config" in cfg
+        cfg = json.loads(open_store(loc, key="run directory").read_bytes("config.json"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) and "run_id" in cfg and "config" in cfg else None
 
 
-def _run_root(p: Path) -> tuple[Path, int | None] | None:
-    """(run directory, step named by the path or None) if `p` is in a run's layout."""
-    if _is_run_dir(p):
-        return p, None
-    if p.name == "checkpoints" and _is_run_dir(p.parent):
-        return p.parent, None
-    if p.parent.name == "checkpoints" and _is_run_dir(p.parent.parent):
-        if not p.name.isdigit():
-            raise ConfigError(f"{p}: a checkpoint folder is named by its step number")
-        return p.parent.parent, int(p.name)
+def _run_root(loc: str) -> tuple[str, int | None] | None:
+    """(run directory, step named by the path or None) if `loc` is in a run's layout."""
+    if _run_config(loc) is not None:
+        return loc, None
+    parent = _parent(loc)
+    if _name(loc) == "checkpoints" and _run_config(parent) is not None:
+        return parent, None
+    if _name(parent) == "checkpoints" and _run_config(_parent(parent)) is not None:
+        if not _name(loc).isdigit():
+            raise ConfigError(f"{loc}: a checkpoint folder is named by its step number")
+        return _parent(parent), int(_name(loc))
     return None
+
+
+def _location(path: str | Path) -> str:
+    """An absolute local path (orbax wants one) or the URL as given."""
+    return str(path).rstrip("/") if is_remote(path) else str(Path(path).resolve())
 
 
 def is_run_path(path: str | Path) -> bool:
     """Whether `path` names a run directory or one of its checkpoints (see the module doc)."""
     try:
-        return _run_root(Path(path)) is not None
+        return _run_root(_location(path)) is not None
     except ConfigError:
         return True  # a run's layout with a malformed step: find_run_checkpoint says why
+
+
+def saved_steps(run: str) -> list[int]:
+    """The run's complete checkpoints: step folders holding their state (and, in a bucket,
+    their commit marker: a save killed before it is no checkpoint)."""
+    store = open_store(run, key="run directory")
+    out = []
+    for name in store.list("checkpoints"):
+        if not name.isdigit() or "state" not in store.list(f"checkpoints/{name}"):
+            continue
+        if store.remote and not store.exists(f"checkpoints/{name}/commit_success.txt"):
+            continue
+        out.append(int(name))
+    return sorted(out)
 
 
 def find_run_checkpoint(path: str | Path, step: int | None = None) -> RunCheckpoint:
     """The run checkpoint `path` names (its newest step unless the path or `step` names
     one); a ConfigError that lists the saved steps when there is no such checkpoint."""
-    p = Path(path).resolve()  # orbax wants absolute paths
-    found = _run_root(p)
+    found = _run_root(_location(path))
     if found is None:
         raise ConfigError(
             f"{path} is not a run directory (config.json and checkpoints/) nor one of its "
@@ -116,14 +149,10 @@ def find_run_checkpoint(path: str | Path, step: int | None = None) -> RunCheckpo
         raise ConfigError(f"{path} names step {named} but step={step} was asked for")
     step = named if named is not None else step
     try:
-        cfg = from_dict(json.loads((run / "config.json").read_text())["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{run / 'config.json'} is not a run config ({e})") from None
-    saved = sorted(
-        int(d.name)
-        for d in (run / "checkpoints").iterdir()
-        if d.is_dir() and d.name.isdigit() and (d / "state").is_dir()
-    )
+        cfg = from_dict(_run_config(run)["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{join(run, 'config.json')} is not a run config ({e})") from None
+    saved = saved_steps(run)
     if not saved:
         raise ConfigError(f"run {run} has no checkpoint yet")
     named = step is not None
@@ -222,13 +251,15 @@ def verified_meta(ck: RunCheckpoint) -> dict:
     saved before checksums existed has none and is taken as it is)."""
     try:
         with _quiet_absl():
-            meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(ck.step_dir / "meta")
+            meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(join(ck.step_dir, "meta"))
     except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged file
-        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: cannot read it ({_short(e)})") from None
+        raise DamagedCheckpoint(
+            f"{join(ck.step_dir, 'meta')}: cannot read it ({_short(e)})"
+        ) from None
     if not isinstance(meta, dict):
-        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: not a JSON object")
+        raise DamagedCheckpoint(f"{join(ck.step_dir, 'meta')}: not a JSON object")
     if META_DIGEST in meta and seal_meta(meta)[META_DIGEST] != meta[META_DIGEST]:
-        raise DamagedCheckpoint(f"{ck.step_dir / 'meta'}: does not match its checksum")
+        raise DamagedCheckpoint(f"{join(ck.step_dir, 'meta')}: does not match its checksum")
     return dict(meta)
 
 

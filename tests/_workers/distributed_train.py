@@ -1,7 +1,8 @@
 """Worker for test_train_distributed: RL steps under jax.distributed (2 processes, gloo).
 
-argv: process_id port out_dir [num_processes]; process_id -1 runs the single-process
-reference on the same 4 devices. Writes the final parameters to <out_dir>/params_<id>.npz.
+argv: process_id port out_dir [run_out]; process_id -1 runs the single-process reference
+on the same 4 devices. Writes the final parameters to <out_dir>/params_<id>.npz; the run
+directory goes under run_out (a path or a gs:// URL) when given, else under out_dir.
 """
 
 import os
@@ -11,6 +12,7 @@ from rl_jax.runtime import xla_flags_with_device_count  # imports no jax
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+run_out = sys.argv[4] if len(sys.argv) > 4 else out
 # The session's other XLA flags (its compile settings) carry over; the device count is ours.
 count = 4 if pid < 0 else 2
 os.environ["XLA_FLAGS"] = xla_flags_with_device_count(os.environ.get("XLA_FLAGS", ""), count)
@@ -35,7 +37,7 @@ ARGS = [
 
 
 def main() -> None:
-    extra = [f"out_dir={out}", "name=dist" if pid >= 0 else "name=single"]
+    extra = [f"out_dir={run_out}", "name=dist" if pid >= 0 else "name=single"]
     if pid >= 0:
         extra += [
             "mesh.distributed=true",
