@@ -161,7 +161,8 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 def _override_conf(key: str, value: str):
     """The one-knob config that `key=value` merges in: the value read as YAML, except that
     a str knob takes verbatim text YAML would read as a mapping or list, or cannot read
-    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`)."""
+    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`), and an
+    empty value as the empty string (`model.path=`; YAML reads it as null)."""
     expected = _type_name(RunConfig, key)
     try:
         conf = OmegaConf.from_dotlist([f"{key}={value}"])
@@ -172,7 +173,9 @@ def _override_conf(key: str, value: str):
                 f"{key}={value!r}: expected {expected} (not a YAML value: {_first_line(e)})"
             ) from None
         parsed = conf = None
-    if expected == "str" and (conf is None or isinstance(parsed, DictConfig | ListConfig)):
+    if expected == "str" and (
+        conf is None or value == "" or isinstance(parsed, DictConfig | ListConfig)
+    ):
         nested: Any = value
         for part in reversed(key.split(".")):
             nested = {part: nested}
