@@ -3,6 +3,7 @@ sized for, what a plan that does not fit says, and a search's rows as commands."
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -201,9 +202,12 @@ def test_every_shipped_tpu_recipe_says_which_slice_it_is_sized_for():
 
 @pytest.mark.parametrize("name", ["qwen3_math", "scalerl_8b"])
 def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
-    """The closed-form estimate (no compile) of every shipped TPU recipe fits its slice
-    with the headroom; the compiled plans are in docs/tpu_plans.md ("Shipped TPU
-    recipes") and the slow test below."""
+    """The closed-form estimate (no compile, a second) of every shipped TPU recipe fits
+    its slice with the headroom. A stand-in for the compiled plan, not the truth: for
+    these recipes it says 59.6 and 45.2 GB where the compiled programs need at most 54.6
+    and 52.8 (docs/tpu_plans.md, "Shipped TPU recipes"); the compiled check is the
+    opt-in test below. The recipes as they were (qwen3_math in float32 with 4 updates of
+    32 rows per chip) it put at 155.5 GB, the compiled train step at 127.4."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec
     from rl_jax.plan import HEADROOM
@@ -221,10 +225,19 @@ def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
     assert e["hbm_bytes"] <= (1 - HEADROOM) * chip.hbm_bytes, (name, e["hbm_bytes"] / 1e9)
 
 
-@pytest.mark.slow  # compiles qwen3_math's programs for v5p-8: see docs/tpu_plans.md
-def test_qwen3_math_compiled_fits_v5p_8(no_compilation_cache):
+@pytest.mark.skipif(
+    not os.environ.get("RL_JAX_PLAN_RECIPES"),
+    reason="compiles each shipped TPU recipe for its slice: minutes of CPU each (set"
+    " RL_JAX_PLAN_RECIPES=1; docs/tpu_plans.md 'Shipped TPU recipes')",
+)
+@pytest.mark.parametrize("name", ["qwen3_math", "scalerl_8b"])
+def test_shipped_tpu_recipes_compiled_fit_their_slice(name):
+    """What the estimate above stands in for: the recipe's programs compiled for its
+    slice (`--memory-only`) fit with the headroom. 4 and 4 CPU-minutes on the 2-core box
+    (docs/tpu_plans.md), too long for the suite."""
     _libtpu()
-    r = _plan_cli("qwen3_math", "--topology", "v5p-8", "--memory-only", "--json", "--jobs", "2")
+    topology = tpu_recipes()[name]
+    r = _plan_cli(name, "--topology", topology, "--memory-only", "--json", "--jobs", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = _last_json(r)
     assert plan["fits"], [(p["name"], p["hbm_total_gb"]) for p in plan["programs"]]

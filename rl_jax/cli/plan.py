@@ -235,11 +235,16 @@ def _gb(x: float | None) -> str:
 
 
 def format_search(res: dict) -> str:
-    estimated, sh = res["compiled"] == 0, res["shapes"]
+    estimated, sh = res["estimate_only"], res["shapes"]
+    prompt = (
+        f"{sh['prompt_tokens']} prompt"
+        if sh["prompt_tokens"]
+        else "no prompt (sampling.max_prompt_len=0)"
+    )
     compiled = [e for e in res["excluded"] if e["reason"] == "compiled"]
     lines = [
         f"shapes of every row: {sh['model']['source']}; {_model(sh['model'])}; batch"
-        f" {sh['prompts']} prompts x {sh['samples']} samples; {sh['prompt_tokens']} prompt +"
+        f" {sh['prompts']} prompts x {sh['samples']} samples; {prompt} +"
         f" {sh['new_tokens']} new tokens",
         sh["budget"],
         f"{res['topology']}: {res['candidates']} candidates, {res['passed_estimate']} within"
@@ -250,7 +255,7 @@ def format_search(res: dict) -> str:
     if estimated:
         lines.append(
             f"estimate only, nothing compiled: the {len(res['ranked'])} best estimates that fit"
-            " (the compiled plan decides; HBM GB is the estimate's)"
+            " (est GB; the compiled plan decides)"
         )
     else:
         lines.append(

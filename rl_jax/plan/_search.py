@@ -34,6 +34,7 @@ number is for (`_assumed.shapes`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -203,27 +204,34 @@ def search(
         "candidates": len(cands),
         "passed_estimate": len(ok),
         "top": top,
+        "estimate_only": estimate_only,
     }
     if estimate_only:
         ranked = [_estimated(c, budget_rollouts) for c in ok[:top]]
         return {**result, "compiled": 0, "excluded": excluded, "ranked": ranked}
-    ranked, compiled = [], 0
-    for c in ok:
+    plan = functools.partial(
+        plan_fn, topology=topology, headroom=headroom, budget_rollouts=budget_rollouts
+    )
+    ranked, failed = _compile_until(base, ok, top, plan, progress)
+    excluded += failed
+    compiled = len(ranked) + len(failed)
+    return {**result, "compiled": compiled, "excluded": excluded, "ranked": ranked}
+
+
+def _compile_until(base, ok, top, plan_fn, progress):
+    """(rows that fit, ranked; rows that did not, "reason": "compiled"): `ok`'s candidates
+    planned in order (from `base` with their overrides, as their command would plan
+    them) until `top` fit."""
+    ranked, excluded = [], []
+    for i, c in enumerate(ok, 1):
         if len(ranked) == top:
             break
-        compiled += 1
         if progress:
             progress(
-                f"compiling candidate {compiled} (of {len(ok)} the estimate lets through;"
+                f"compiling candidate {i} (of {len(ok)} the estimate lets through;"
                 f" {len(ranked)} of {top} found that fit): {' '.join(c['overrides'])}"
             )
-        plan = plan_fn(
-            apply_overrides(base, c["overrides"]),
-            topology,
-            headroom=headroom,
-            budget_rollouts=budget_rollouts,
-            flops_if_fits=True,
-        )
+        plan = plan_fn(apply_overrides(base, c["overrides"]), flops_if_fits=True)
         row = {
             **_name(c),
             "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9,
@@ -238,7 +246,7 @@ def search(
         else:
             excluded.append({**row, "reason": "compiled"})
     ranked.sort(key=lambda r: (-r["rollouts_per_hour"], r["hbm_gb"]))
-    return {**result, "compiled": compiled, "excluded": excluded, "ranked": ranked}
+    return ranked, excluded
 
 
 def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
