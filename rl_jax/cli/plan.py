@@ -1,11 +1,14 @@
 """`rl-jax plan RECIPE [key=value ...] --topology NAME [--search]`: compile a run's
 programs (train step, log-prob pass, the sampler's: the engine's prefill_insert and
 generate, or the batch Sampler's prefill and decode) for a TPU
-topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
-step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
-mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
+topology from this host and print per-chip HBM (a program fits with 10% of the chip
+free; one that does not says by how much and what to try), FLOPs and roofline times,
+the RL step's rollouts per hour and the hours ScaleRL's 8B budget of rollouts takes at
+these shapes. A model.path this host lacks is planned with model.preset's shapes.
+--search ranks mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
 train.pipeline_waves) and the engine's slots (sampling.engine_slots) by rollouts per
-hour; with --estimate-only, by a closed-form estimate alone, compiling nothing."""
+hour, compiling down a closed-form estimate's ranking until --top fit; each row with
+the command that plans it. --estimate-only: the estimate alone, compiling nothing."""
 
 from __future__ import annotations
 
