@@ -191,6 +191,8 @@ def test_a_program_that_does_not_fit_says_by_how_much_and_what_helps(
     assert "sampling.engine_slots=40" in advice["generate"]
     assert "train.pipeline_waves=4" in advice["generate"]
     assert "model.remat" not in advice["generate"]
+    # The sampler's weights and KV heads over twice the chips, from the fsdp axis.
+    assert "mesh.fsdp=1 mesh.tensor=2" in advice["generate"]
     text = format_plan(plan)
     assert "DOES NOT FIT:" in text and "0% headroom" in text
     assert "FLOPs not counted (a program does not fit)" in text

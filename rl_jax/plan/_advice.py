@@ -9,6 +9,8 @@ from typing import Any
 
 from rl_jax.config import RunConfig
 from rl_jax.knobs import ConfigError
+from rl_jax.models.load import resolve_spec
+from rl_jax.plan.chips import MAX_TENSOR
 from rl_jax.train.accounting import num_waves
 from rl_jax.train.parts import check_sizes
 
@@ -53,7 +55,7 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
         slots = plan["engine"]["slots"]
         fewer = slots // 2
         if fewer >= shards and fewer % shards == 0:
-            why = "a KV cache" if sampler else "stream state beside the update"
+            why = "KV cache" if sampler else "stream state beside the update"
             hints.append(f"sampling.engine_slots={fewer} (half the {slots} slots: half the {why})")
         w = num_waves(cfg)
         if stream and w > 1:
@@ -63,11 +65,32 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
             "sampling.engine=true with sampling.engine_slots below the batch's rows (the batch"
             " Sampler decodes every row at once)"
         )
-    if sampler and cfg.mesh.tensor < 8:
-        hints.append("a larger mesh.tensor (splits the sampler's weights and KV heads)")
+    if sampler:
+        tensor = _more_tensor(cfg, plan["mesh"])
+        if tensor:
+            hints.append(tensor)
     hints.append("a larger slice (--topology)")
     hints.append("or --search, which ranks these knobs by what fits")
     return hints
+
+
+def _more_tensor(cfg: RunConfig, mesh: dict[str, int]) -> str | None:
+    """Twice the tensor parallelism from the fsdp (else data) axis, where the heads and
+    the batch's rows still split: the sampler's weights and KV heads over twice the chips."""
+    t = 2 * mesh["tensor"]
+    if t > MAX_TENSOR or resolve_spec(cfg.model).num_heads % t:
+        return None
+    for axis in ("fsdp", "data"):
+        if mesh[axis] % 2 == 0:
+            try:
+                check_sizes(cfg, mesh["data"] * mesh["fsdp"] // 2)
+            except ConfigError:
+                return None
+            return (
+                f"mesh.{axis}={mesh[axis] // 2} mesh.tensor={t} (the sampler's weights and KV"
+                f" heads over {t} chips)"
+            )
+    return None
 
 
 def _micro_batches(cfg: RunConfig, shards: int) -> str | None:

@@ -45,11 +45,10 @@ from rl_jax.models.load import resolve_spec
 from rl_jax.plan._assumed import planned_model, shapes
 from rl_jax.plan._estimate import estimate
 from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
-from rl_jax.plan.chips import num_chips, parse_topology
+from rl_jax.plan.chips import MAX_TENSOR, num_chips, parse_topology
 from rl_jax.train.accounting import num_waves, sampler_rows
 from rl_jax.train.parts import check_sizes
 
-MAX_TENSOR = 8
 REMAT = ("none", "save_dots", "full")
 SLOT_SPLITS = (1, 2, 4, 8)
 DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots")
