@@ -208,7 +208,7 @@ def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
     """The closed-form estimate (no compile, a second) of every shipped TPU recipe fits
     its slice with the headroom. A stand-in for the compiled plan, not the truth: for
     these recipes it says 59.6 and 45.2 GB where the compiled programs need at most 54.6
-    and 52.8 (docs/tpu_plans.md, "Shipped TPU recipes"); the compiled check is the
+    and 52.8 (docs/tpu_plans.md, "How to use plan"); the compiled check is the
     opt-in test below. The recipes as they were (qwen3_math in float32 with 4 updates of
     32 rows per chip) it put at 155.5 GB, the compiled train step at 127.4."""
     from rl_jax.config import load_recipe, resolved
@@ -231,7 +231,7 @@ def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
 @pytest.mark.skipif(
     not os.environ.get("RL_JAX_PLAN_RECIPES"),
     reason="compiles each shipped TPU recipe for its slice: minutes of CPU each (set"
-    " RL_JAX_PLAN_RECIPES=1; docs/tpu_plans.md 'Shipped TPU recipes')",
+    " RL_JAX_PLAN_RECIPES=1; docs/tpu_plans.md 'How to use plan')",
 )
 @pytest.mark.parametrize("name", ["qwen3_math", "scalerl_8b"])
 def test_shipped_tpu_recipes_compiled_fit_their_slice(name):
