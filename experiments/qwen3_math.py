@@ -8,12 +8,18 @@ tpu_setup/README.md "Inputs"): the HF checkpoint in models/Qwen3-1.7B, the probl
 data/math/train.jsonl; or read from a bucket with model.path=gs://BUCKET/models/Qwen3-1.7B
 data.path=gs://BUCKET/data/math/train.jsonl (what a `rl-jax grid --backend tpu` run needs).
 
-    rl-jax plan qwen3_math model.path="''" --topology v5p:2x2x1   # HBM per chip, any host
+    rl-jax plan qwen3_math --topology v5p-8      # HBM per chip and hours, from any host
     tpu_setup/launch.sh ... -- rl-jax train qwen3_math mesh.distributed=true
 
-(`model.path=''` plans with the preset's shapes, which equal the released config.json's, when
-the checkpoint is not on the planning machine.) The mesh is FSDP over the 4 chips; params,
-Adam moments and gradients of 1.7B parameters in float32 are 27 GB, sharded to 7 GB a chip.
+(A plan on a machine without models/Qwen3-1.7B plans the preset's shapes, which equal the
+released config.json's, and says so.) How it fits the v5p-8's 4 chips: FSDP over them;
+bfloat16 weights and activations, the FP32 LM head, float32 master weights, Adam moments
+and accumulated gradients (27.5 GB, 6.9 GB a chip); full remat; each batch's 4 optimizer
+steps taken from 16 micro-batches of 2 prompts' 32 rows (8 rows x 2,560 tokens per chip
+each); PipelineRL-4 with 4 steps a batch keeps one batch in flight, a slot for each of its
+512 rows (a bfloat16 KV cache of 37.6 GB a chip, beside the update). Compiled, its largest
+program needs 54.6 GB a chip of the 91.8 GB that fit (docs/tpu_plans.md, "How to
+use plan").
 """
 
 from rl_jax.config import (
@@ -29,6 +35,8 @@ from rl_jax.config import (
     TrainConfig,
 )
 
+TOPOLOGY = "v5p-8"  # the slice the shapes below are sized for (tests/test_plan_recipes.py)
+
 
 def recipe() -> RunConfig:
     return RunConfig(
@@ -36,6 +44,8 @@ def recipe() -> RunConfig:
         model=ModelConfig(
             preset="qwen3-1.7b",
             path="models/Qwen3-1.7B",
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
             fp32_lm_head=True,
             remat="full",
             scan_layers=True,
@@ -56,7 +66,10 @@ def recipe() -> RunConfig:
         ),
         train=TrainConfig(
             steps=500,
-            updates_per_batch=4,
+            # 4 optimizer steps a batch (PipelineRL's k counts these), each from 4
+            # micro-batches: the same updates from programs a quarter the size.
+            updates_per_batch=16,
+            grad_accum=4,
             off_policy="pipeline",
             off_policy_k=4,
             lr=1e-6,

@@ -56,7 +56,9 @@ PAPER_SIZES = {
     "sampling.max_prompt_len": 1024,
     "sampling.max_new_tokens": 14336,
     "sampling.interrupt_lo": 10240,
-    "sampling.interrupt_hi": 12288,
+    # 12,288 thinking tokens at most, less room for the injected text (Qwen3 tokenizes it
+    # in about 20): the interruption, its text and the 2,048-token answer fit the 14,336.
+    "sampling.interrupt_hi": 12288 - 64,
     "sampling.answer_budget": 2048,
     "sampling.interrupt_text": (
         "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"

@@ -388,8 +388,21 @@ def test_search_compiles_the_best_candidate_of_a_tiny_run():
     assert plan["fits"] and plan["mesh"] == best["mesh"]
     assert plan["model"]["remat"] == best["remat"]
     assert best["rollouts_per_hour"] == plan["step"]["rollouts_per_hour"] > 0
-    # Every other candidate was only estimated: a search costs --top plans.
+    # Every other candidate was only estimated: the first compiled one fit.
     assert res["candidates"] > 1 and not res["excluded"]
+    # The row's command is the plan: the recipe, the overrides given less those the row
+    # sets, the row's. Run, it compiles the same programs to the same bytes.
+    import shlex
+
+    argv = shlex.split(best["command"])
+    assert argv[:3] == ["rl-jax", "plan", "scalerl"] and argv[-2:] == ["--topology", "v5e:2x2"]
+    assert argv[3:-2] == [o for o in TINY if not o.startswith("mesh.")] + best["overrides"]
+    again = _plan_cli(*argv[2:], "--memory-only", "--json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    again = json.loads(again.stdout.strip().splitlines()[-1])
+    assert again["mesh"] == plan["mesh"] and again["engine"] == plan["engine"]
+    for p, q in zip(plan["programs"], again["programs"], strict=True):
+        assert (q["name"], q["hbm_gb"]) == (p["name"], p["hbm_gb"])
 
 
 def test_search_estimate_only_ranks_the_estimates_that_fit_and_compiles_nothing():
@@ -405,6 +418,10 @@ def test_search_estimate_only_ranks_the_estimates_that_fit_and_compiles_nothing(
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["topology"] == "v5e:2x2" and res["compiled"] == 0
+    assert all(
+        r["command"].endswith(" ".join(r["overrides"]) + " --topology v5e-4") for r in res["ranked"]
+    )
+    assert res["shapes"]["prompts"] == 4 and res["shapes"]["new_tokens"] == 16
     ranked, limit = res["ranked"], (1 - HEADROOM) * res["hbm_capacity_gb"]
     assert len(ranked) == 4 and all(r["hbm_gb"] is None and "plan" not in r for r in ranked)
     assert all(r["hbm_estimate_gb"] <= limit for r in ranked)
@@ -426,7 +443,8 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
 
     seen = []
 
-    def fake_plan(cfg, topology, *, headroom, budget_rollouts):
+    def fake_plan(cfg, topology, *, headroom, budget_rollouts, flops_if_fits):
+        assert flops_if_fits  # a candidate that does not fit costs only its memory
         seen.append(cfg)
         rate = 1000.0 * cfg.mesh.tensor
         return {
@@ -438,20 +456,126 @@ def test_search_ranks_compiled_plans_and_drops_those_that_do_not_fit():
 
     cfg = load_recipe("scalerl", WIDE)
     res = search(cfg, "v5e:2x2", top=6, plan_fn=fake_plan, budget_rollouts=1e6)
-    assert len(seen) == res["compiled"] == 6
+    assert len(seen) == res["compiled"]
     ranked = res["ranked"]
-    assert ranked and all(r["remat"] != "none" for r in ranked)
+    assert len(ranked) == 6 and all(r["remat"] != "none" for r in ranked)
     rates = [r["rollouts_per_hour"] for r in ranked]
     assert rates == sorted(rates, reverse=True)
     assert ranked[0]["budget_hours"] == pytest.approx(1e6 / rates[0])
     compiled_out = [e for e in res["excluded"] if e["reason"] == "compiled"]
-    assert len(compiled_out) + len(ranked) == 6 and all(e["remat"] == "none" for e in compiled_out)
+    assert compiled_out and all(e["remat"] == "none" for e in compiled_out)
+    assert len(compiled_out) + len(ranked) == res["compiled"]
     # Parameters, gradients and AdamW of 1.4B float32 parameters on every chip: over
     # 16 GiB, dropped by the estimate before any compile.
     replicated = {"data": 4, "fsdp": 1, "tensor": 1}
     assert all(c.mesh.data * c.mesh.fsdp * c.mesh.tensor == 4 for c in seen)
     assert replicated not in [{"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": 1} for c in seen]
     assert any(e["mesh"] == replicated and e["reason"] == "estimate" for e in res["excluded"])
+
+
+def test_search_keeps_compiling_down_the_ranking_until_a_candidate_fits():
+    """--top 1 whose best estimates do not fit when compiled: the search compiles the next
+    ones, in the estimate's order, until one fits, and says so; where none fits, it has
+    tried every candidate the estimate let through and says that."""
+    from rl_jax.cli.plan import format_search
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import search
+
+    seen, told = [], []
+
+    def plan_fn(fits_from):
+        def fake_plan(cfg, topology, *, headroom, budget_rollouts, flops_if_fits):
+            seen.append(cfg)
+            fits = len(seen) > fits_from
+            return {
+                "fits": fits,
+                "programs": [{"hbm_total_gb": 1.0 if fits else 15.0}],
+                "step": {"rollouts_per_hour": 1e3, "mfu_estimate": 0.5},
+                "budget": {"hours": budget_rollouts / 1e3},
+            }
+
+        return fake_plan
+
+    # On-policy, the engine's slots set: no waves or slots to try, few candidates.
+    cfg = load_recipe("scalerl", [*WIDE, *ON_POLICY, "sampling.engine_slots=8"])
+    res = search(cfg, "v5e:2x2", top=1, plan_fn=plan_fn(3), progress=told.append)
+    assert res["compiled"] == len(seen) == len(told) == 4 and len(res["ranked"]) == 1
+    out = [e for e in res["excluded"] if e["reason"] == "compiled"]
+    assert [e["overrides"] for e in out] == [t.split(": ", 1)[1].split() for t in told[:3]]
+    assert told[0].startswith(f"compiling candidate 1 (of {res['passed_estimate']}")
+    text = format_search(res)
+    assert "compiled 4 in the estimate's order until 1 fit (--top): 1 fit, 3 did not" in text
+    assert text.count("15.00 GB (est ") == 3
+
+    seen.clear()
+    res = search(cfg, "v5e:2x2", top=1, plan_fn=plan_fn(10**9))
+    assert res["compiled"] == res["passed_estimate"] == len(seen) > 1 and res["ranked"] == []
+    text = format_search(res)
+    assert "every candidate was tried" in text and "no candidate fits" in text
+
+
+def test_search_rows_carry_the_overrides_that_make_their_candidate():
+    """Each candidate's `overrides`, given to the recipe after the search's own, make the
+    config the search estimated and compiled for it (micro-batches set two knobs)."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.plan import search
+    from rl_jax.plan._search import DIMENSIONS, apply, candidates, overrides
+
+    given = [*TINY, "data.prompts_per_batch=8"]
+    cfg = resolved(load_recipe("scalerl", given))
+    cands = candidates(cfg, 4, num_heads=4)
+    # Every value of every dimension at least once (each candidate costs a recipe load).
+    values = {(d, str(c[d])) for c in cands for d in DIMENSIONS}
+    some = [c for i, c in enumerate(cands) if i % 37 == 0]
+    for c in cands:
+        if {(d, str(c[d])) for d in DIMENSIONS} - {
+            (d, str(x[d])) for x in some for d in DIMENSIONS
+        }:
+            some.append(c)
+    assert {(d, str(c[d])) for c in some for d in DIMENSIONS} == values and len(some) < 40
+    assert {c["micro"] for c in some} > {1} and {c["slots"] for c in some} > {0}
+    for c in some:
+        ov = overrides(cfg, c)
+        assert resolved(load_recipe("scalerl", [*given, *ov])) == resolved(apply(cfg, c)), ov
+    m4 = next(c for c in cands if c["micro"] == 4)
+    assert {"train.updates_per_batch=4", "train.grad_accum=4"} <= set(overrides(cfg, m4))
+    seen = []
+
+    def fake_plan(c, topology, **_):
+        seen.append(c)
+        return {
+            "fits": True,
+            "programs": [{"hbm_total_gb": 1.0}],
+            "step": {"rollouts_per_hour": 1e3, "mfu_estimate": 0.5},
+            "budget": {"hours": 1.0},
+        }
+
+    res = search(load_recipe("scalerl", given), "v5e:2x2", top=2, plan_fn=fake_plan)
+    for row, c in zip(res["ranked"], seen, strict=True):
+        assert c == load_recipe("scalerl", [*given, *row["overrides"]])
+
+
+def test_search_states_the_shapes_its_numbers_are_for():
+    """A search states the model, dtypes, batch and lengths it assumed before any row, and
+    that its budget hours are ScaleRL's budget at these shapes: not that paper's cost
+    unless they are the paper's (scalerl_8b's)."""
+    from rl_jax.config import load_recipe
+    from rl_jax.plan._assumed import SCALERL_BUDGET_ROLLOUTS, budget_note, planned_model
+
+    r = _plan_cli(
+        "scalerl", "--topology", "v5p-128", "--search", "--estimate-only", "--top", "2",
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, budget = r.stdout.strip().splitlines()[:2]
+    assert first.startswith("shapes of every row: model: preset 'tiny';")
+    assert "params float32 / compute float32; batch 16 prompts x 8 samples" in first
+    assert "+ 10 new tokens" in first
+    assert "NOT ScaleRL's shapes" in budget and "rl-jax plan scalerl_8b" in budget
+    scalerl_8b, _ = planned_model(load_recipe("scalerl_8b"))
+    paper = budget_note(scalerl_8b, SCALERL_BUDGET_ROLLOUTS)
+    assert "NOT" not in paper and "ScaleRL's own" in paper
+    assert "--budget-rollouts" in budget_note(scalerl_8b, 1e6)
 
 
 def test_compile_jobs_compile_programs_at_once(monkeypatch):

@@ -1,11 +1,14 @@
 """`rl-jax plan RECIPE [key=value ...] --topology NAME [--search]`: compile a run's
 programs (train step, log-prob pass, the sampler's: the engine's prefill_insert and
 generate, or the batch Sampler's prefill and decode) for a TPU
-topology from this host and print per-chip HBM, FLOPs and roofline times, the RL
-step's rollouts per hour and the hours a ScaleRL-size budget takes. --search ranks
-mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
+topology from this host and print per-chip HBM (a program fits with 10% of the chip
+free; one that does not says by how much and what to try), FLOPs and roofline times,
+the RL step's rollouts per hour and the hours ScaleRL's 8B budget of rollouts takes at
+these shapes. A model.path this host lacks is planned with model.preset's shapes.
+--search ranks mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
 train.pipeline_waves) and the engine's slots (sampling.engine_slots) by rollouts per
-hour; with --estimate-only, by a closed-form estimate alone, compiling nothing."""
+hour, compiling down a closed-form estimate's ranking until --top fit; each row with
+the command that plans it. --estimate-only: the estimate alone, compiling nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from rl_jax.config import describe_knobs, load_recipe
@@ -44,7 +49,8 @@ def main(argv: list[str]) -> int:
         "--top",
         type=int,
         default=3,
-        help="--search: candidates to compile (shown, with --estimate-only)",
+        help="--search: candidates that fit to find: compiles down the estimate's ranking"
+        " until this many fit or all are tried (with --estimate-only: estimates shown)",
     )
     p.add_argument(
         "--estimate-only",
@@ -74,7 +80,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
     parse_topology(a.topology)  # a bad name is refused before JAX starts
-    a.topology = canonical_topology(a.topology)
+    given_topology, a.topology = a.topology, canonical_topology(a.topology)
     if a.top < 1:
         raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
     if a.memory_only and a.search:
@@ -104,8 +110,15 @@ def main(argv: list[str]) -> int:
     with compile_jobs(a.jobs):
         if a.search:
             plan = search(
-                cfg, a.topology, top=a.top, budget_rollouts=budget, estimate_only=a.estimate_only
+                cfg,
+                a.topology,
+                top=a.top,
+                budget_rollouts=budget,
+                estimate_only=a.estimate_only,
+                progress=lambda line: print(f"rl-jax plan: {line}", file=sys.stderr, flush=True),
             )
+            for row in plan["ranked"] + [e for e in plan["excluded"] if e["reason"] == "compiled"]:
+                row["command"] = command(a.recipe, a.overrides, row["overrides"], given_topology)
             text = format_search
         else:
             plan = plan_run(cfg, a.topology, budget_rollouts=budget, count_flops=not a.memory_only)
@@ -116,6 +129,14 @@ def main(argv: list[str]) -> int:
         (Path(a.out) / name).write_text(to_json(plan, indent=2) + "\n")
     print(to_json(plan) if a.json else text(plan))
     return 0
+
+
+def command(recipe: str, given: list[str], row: list[str], topology: str) -> str:
+    """The `rl-jax plan` command of a search's row: the recipe, the overrides it was given
+    (less those the row sets) and the row's, as one shell line."""
+    keys = {o.split("=", 1)[0] for o in row}
+    kept = [o for o in given if o.split("=", 1)[0].strip() not in keys]
+    return shlex.join(["rl-jax", "plan", recipe, *kept, *row, "--topology", topology])
 
 
 def to_json(tree, indent: int | None = None) -> str:
@@ -136,14 +157,15 @@ def _finite(x):
 
 def format_plan(plan: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
-    b, st, bud = plan["batch"], plan["step"], plan["budget"]
+    b, st, bud, m = plan["batch"], plan["step"], plan["budget"], plan["model"]
     lines = [
+        m["source"],
         f"{plan['topology']}: {plan['chips']} chips, {plan['hbm_capacity_gb']:.1f} GB HBM each;"
-        f" mesh {mesh}; model {plan['model']['params'] / 1e9:.3g}B params,"
-        f" {plan['model']['layers']} layers, remat {plan['model']['remat']}",
-        f"batch {b['prompts']} prompts x {b['samples']} samples, {b['updates']} minibatches"
-        f" (grad_accum {b['grad_accum']}), {b['prompt_len']}+{b['gen_len']} tokens; "
-        + _sampler_line(plan),
+        f" a program fits under {plan['fit_limit_gb']:.1f} GB ({plan['headroom']:.0%} headroom)"
+        f"; mesh {mesh}",
+        f"{_model(m)}; batch {b['prompts']} prompts x {b['samples']} samples,"
+        f" {b['updates']} minibatches (grad_accum {b['grad_accum']}),"
+        f" {b['prompt_len']}+{b['gen_len']} tokens; " + _sampler_line(plan),
         f"{'program':<14} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
         f"{'GFLOP':>9} {'useful':>6} {'x exp':>5} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
     ]
@@ -164,13 +186,26 @@ def format_plan(plan: dict) -> str:
         " stream's engine state; useful = model FLOPs / compiled FLOPs; x exp ="
         " compiled / (model + what remat, blockwise attention and the chunked LM head"
         " recompute); decode's and generate's row is one token per row or slot)",
-        f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
-        f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
-        f" (ScaleRL-size budget) in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours"
-        if plan["flops_counted"]
-        else "RL step: FLOPs not counted (--memory-only): no roofline, MFU or hours",
+        *(["DOES NOT FIT:"] + [f"  {a}" for a in plan["advice"]] if plan["advice"] else []),
     ]
+    if plan["flops_counted"]:
+        lines += [
+            f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
+            f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
+            f" in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
+            bud["note"],
+        ]
+    else:
+        why = "--memory-only" if plan["fits"] else "a program does not fit"
+        lines.append(f"RL step: FLOPs not counted ({why}): no roofline, MFU or hours")
     return "\n".join(lines)
+
+
+def _model(m: dict) -> str:
+    return (
+        f"model {m['params'] / 1e9:.3g}B params, {m['layers']} layers, remat {m['remat']},"
+        f" params {m['param_dtype']} / compute {m['compute_dtype']}"
+    )
 
 
 def _sampler_line(plan: dict) -> str:
@@ -203,25 +238,62 @@ def _gb(x: float | None) -> str:
 
 
 def format_search(res: dict) -> str:
-    estimated = res["compiled"] == 0
+    estimated, sh = res["estimate_only"], res["shapes"]
+    prompt = (
+        f"{sh['prompt_tokens']} prompt"
+        if sh["prompt_tokens"]
+        else "no prompt (sampling.max_prompt_len=0)"
+    )
+    compiled = [e for e in res["excluded"] if e["reason"] == "compiled"]
     lines = [
-        f"{res['topology']}: {res['candidates']} candidates, {res['compiled']} compiled,"
-        f" {len(res['ranked'])} {'shown that fit by the estimate' if estimated else 'fit'}"
-        f" ({res['hbm_capacity_gb']:.1f} GB HBM per chip)",
-        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
-        f" {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}",
+        f"shapes of every row: {sh['model']['source']}; {_model(sh['model'])}; batch"
+        f" {sh['prompts']} prompts x {sh['samples']} samples; {prompt} +"
+        f" {sh['new_tokens']} new tokens",
+        sh["budget"],
+        f"{res['topology']}: {res['candidates']} candidates, {res['passed_estimate']} within"
+        f" {res['fit_limit_gb'] if estimated else res['hbm_capacity_gb']:.1f} GB per chip by"
+        f" the memory estimate; a program fits under {res['fit_limit_gb']:.1f} GB of"
+        f" {res['hbm_capacity_gb']:.1f} ({res['headroom']:.0%} headroom)",
     ]
+    if estimated:
+        lines.append(
+            f"estimate only, nothing compiled: the {len(res['ranked'])} best estimates that fit"
+            " (est GB; the compiled plan decides)"
+        )
+    else:
+        lines.append(
+            f"compiled {res['compiled']} in the estimate's order until {res['top']} fit"
+            f" (--top): {len(res['ranked'])} fit, {len(compiled)} did not"
+            + ("" if len(res["ranked"]) == res["top"] else "; every candidate was tried")
+        )
+    lines.append(
+        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
+        f" {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}"
+    )
     for i, r in enumerate(res["ranked"], 1):
         m = r["mesh"]
-        lines.append(
+        lines += [
             f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {r['remat']:>9}"
             f" {r['micro']:>5} {r['waves'] or '-':>5}"
             f" {r['slots'] or 'recipe':>6} {_gb(r['hbm_gb']):>7}"
             f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
-            f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}"
+            f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}",
+            f"     {r.get('command') or ' '.join(r['overrides'])}",
+        ]
+    if not res["ranked"]:
+        lines.append(
+            "no candidate fits: a larger slice, shorter lengths or a smaller batch"
+            " (what the run learns) are left"
         )
+    if compiled:
+        lines.append("compiled and did not fit (per chip; estimate beside it):")
+        lines += [
+            f"  {e['hbm_gb']:.2f} GB (est {e['hbm_estimate_gb']:.2f}):"
+            f" {e.get('command') or ' '.join(e['overrides'])}"
+            for e in compiled
+        ]
     lines.append(
         f"excluded: {sum(e['reason'] == 'estimate' for e in res['excluded'])} by the memory"
-        f" estimate, {sum(e['reason'] == 'compiled' for e in res['excluded'])} after compiling"
+        f" estimate, {len(compiled)} after compiling"
     )
     return "\n".join(lines)

@@ -273,8 +273,8 @@ def _releasing_dependents(
 def _override_conf(key: str, value: str):
     """The one-knob config that `key=value` merges in: the value read as YAML, except that
     a str knob takes verbatim text YAML would read as a mapping or list, or cannot read
-    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`), and takes
-    an empty value as '' (`data.system_prompt=`)."""
+    (`data.prompt_template={question}`, `data.prompt_template={question}{x}`), and an
+    empty value as the empty string (`model.path=`; YAML reads it as null)."""
     expected = _type_name(RunConfig, key)
     try:
         conf = OmegaConf.from_dotlist([f"{key}={value}"])

@@ -32,6 +32,13 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import param_shardings
+from rl_jax.plan._advice import advice
+from rl_jax.plan._assumed import (
+    SCALERL_BUDGET_ROLLOUTS,
+    budget_note,
+    model_facts,
+    planned_model,
+)
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
@@ -97,7 +104,7 @@ def plan_target(cfg: RunConfig, topology: str) -> Target:
     of this host's devices), with its model spec, train rules and bucketed lengths. The
     batch's sizes are checked against the mesh as the trainer checks them, before libtpu
     loads: a ConfigError, not a compile that cannot shard the minibatch."""
-    cfg = resolved(cfg)
+    cfg = resolved(planned_model(cfg)[0])
     data, fsdp, _ = resolve_axis_sizes(cfg.mesh, num_chips(parse_topology(topology)[1]))
     check_sizes(cfg, data * fsdp)
     devices = topology_devices(topology)
@@ -114,12 +121,6 @@ def plan_target(cfg: RunConfig, topology: str) -> Target:
     )
 
 
-# ScaleRL's 8B run: 7,400 steps of 48 prompts x 16 samples for 100,000 GPU-hours
-# (arXiv 2510.13786, Figure 1); the budget a plan converts into hours on its topology.
-SCALERL_STEPS, SCALERL_ROLLOUTS_PER_STEP = 7400, 48 * 16
-SCALERL_BUDGET_ROLLOUTS = SCALERL_STEPS * SCALERL_ROLLOUTS_PER_STEP
-
-
 def plan_run(
     cfg: RunConfig,
     topology: str,
@@ -127,6 +128,7 @@ def plan_run(
     headroom: float = HEADROOM,
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
     count_flops: bool = True,
+    flops_if_fits: bool = False,
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
     the recipe needs one, and the sampler's: the engine's prefill_insert and generate
@@ -136,8 +138,11 @@ def plan_run(
     roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take.
     `count_flops=False` compiles the run's programs only, not the counting programs of
     `_layer_costs` (most of a plan's compiles): memory and `fits`, with FLOPs, bytes and
-    every time derived from them null."""
+    every time derived from them null; `flops_if_fits`: only where every program fits.
+    A `model.path` this host lacks is planned with the preset's shapes (`planned_model`;
+    "model" says where the shapes come from)."""
     chip, _ = parse_topology(topology)
+    cfg, source = planned_model(cfg)
     if cfg.mesh.sampler_devices:
         raise ConfigError(
             f"mesh.sampler_devices={cfg.mesh.sampler_devices}: a plan covers colocated runs "
@@ -191,123 +196,134 @@ def plan_run(
         scalar = _scalar(mesh)
         real["decode"] = _submit(sampler.decode_program, b.weights, state, scalar, scalar)
 
+    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
+    tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
+
+    def reports(costs) -> list[dict[str, Any]]:
+        """Every program's report, its FLOPs and bytes from `costs`."""
+        programs = []
+        # While the trainer updates, PipelineRL's stream keeps its engine state with the
+        # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
+        # their batches are sampled (`Engine.run`, `Sampler.generate`).
+        in_flight = state_bytes if off == "pipeline" else 0
+        # One call of the trainer's update program: the RL step's M minibatch updates.
+        programs.append(
+            report(
+                "train_step",
+                real["train_step"].result(),
+                tf["model"],
+                expected=tf["expected"],
+                resident=in_flight + ref_bytes,
+                calls=1,
+                cost=costs["train_step"],
+            )
+        )
+        if b.logprob is not None:
+            programs.append(
+                report(
+                    "logprob",
+                    real["logprob"].result(),
+                    fwd,
+                    resident=opt_bytes + in_flight + ref_bytes,
+                    calls=int(b.needs_old) + int(b.kl),
+                    cost=costs["logprob"],
+                )
+            )
+        # Sampler programs run while the optimizer state (and the reference) stay resident
+        # (the sampler's state is the programs' argument). The state the view is made from
+        # stays too, unless the view is the state itself.
+        state_resident = param_bytes if b.state_resident else 0
+        beside = opt_bytes + ref_bytes + state_resident
+        decoder = sampler if engine is None else engine
+        weight_bytes = _chip_bytes(
+            {
+                n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
+                for n, a in _resharded(b.weights, decoder.param_shardings()).items()
+            }
+        )
+        if engine is None:
+            per_step = 1 / k if off == "ppo_off_policy" else 1.0  # batches started per RL step
+            prefill = report(
+                "prefill",
+                start,
+                batch_prompts * _prefill_flops(spec, tp - 1),
+                resident=beside,
+                calls=per_step,
+                cost=costs["prefill"],
+            )
+            # One decode iteration samples one token for every row of the batch and reads
+            # every weight and the whole cache: the token loop's cost is its body's, once
+            # per call.
+            slots, steps, decode = batch_prompts * G, tg * per_step, "decode"
+        else:
+            # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
+            # the engine's slots (full occupancy: the least it takes). A generate call runs
+            # `chunk` of those steps; its cost, like decode's, is one step's (the step loop's
+            # body once) plus what runs once per call.
+            slots, steps = engine.slots, P * G * tg / engine.slots
+            # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
+            # P / prefill_prompts calls per step. The stream admits groups as slots free up,
+            # a call per generate call with new groups: at most one per group. Each call is
+            # counted whole, every prompt prefilled (an upper bound: the run's engine skips
+            # the prefill blocks a refill leaves empty).
+            calls = P / engine.prefill_prompts
+            if off == "pipeline":
+                calls = min(P, max(calls, steps / engine.chunk))
+            prefill = report(
+                "prefill_insert",
+                real["prefill_insert"].result(),
+                engine.prefill_prompts * _prefill_flops(spec, tp - 1),
+                resident=beside,
+                calls=calls,
+                cost=costs["prefill_insert"],
+            )
+            decode = "generate"
+        programs.append(prefill)
+        programs.append(
+            report(
+                decode,
+                real[decode].result(),
+                slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
+                resident=beside,
+                calls=steps,
+                bytes_analytic=weight_bytes + kv_bytes,
+                cost=costs[decode],
+            )
+        )
+        return programs
+
     # XLA's cost analysis counts a while loop's body once. The programs scan over the
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
     # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
     # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
+    # `flops_if_fits`: a program that does not fit gets no roofline, so its counting
+    # programs are not compiled (a search's candidate that does not fit costs its memory).
+    nan_costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
+    if count_flops and flops_if_fits:
+        count_flops = all(p["fits"] for p in reports(nan_costs))
     t0 = time.perf_counter()
     if count_flops:
         kw = dict(M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
         costs = _layer_costs(cfg, spec, mesh, rules, **kw)
     else:  # XLA's own counts of the scanned programs would miss all but one iteration
-        costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
+        costs = nan_costs
     cost_s = time.perf_counter() - t0
-
-    programs = []
-    # While the trainer updates, PipelineRL's stream keeps its engine state with the
-    # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
-    # their batches are sampled (`Engine.run`, `Sampler.generate`).
-    in_flight = state_bytes if off == "pipeline" else 0
-    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
-    # One call of the trainer's update program: the RL step's M minibatch updates.
-    programs.append(
-        report(
-            "train_step",
-            real["train_step"].result(),
-            tf["model"],
-            expected=tf["expected"],
-            resident=in_flight + ref_bytes,
-            calls=1,
-            cost=costs["train_step"],
-        )
-    )
-    if b.logprob is not None:
-        programs.append(
-            report(
-                "logprob",
-                real["logprob"].result(),
-                fwd,
-                resident=opt_bytes + in_flight + ref_bytes,
-                calls=int(b.needs_old) + int(b.kl),
-                cost=costs["logprob"],
-            )
-        )
-    # Sampler programs run while the optimizer state (and the reference) stay resident
-    # (the sampler's state is the programs' argument). The state the view is made from
-    # stays too, unless the view is the state itself.
-    state_resident = param_bytes if b.state_resident else 0
-    beside = opt_bytes + ref_bytes + state_resident
-    decoder = sampler if engine is None else engine
-    weight_bytes = _chip_bytes(
-        {
-            n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-            for n, a in _resharded(b.weights, decoder.param_shardings()).items()
-        }
-    )
-    if engine is None:
-        per_step = 1 / k if off == "ppo_off_policy" else 1.0  # batches started per RL step
-        prefill = report(
-            "prefill",
-            start,
-            batch_prompts * _prefill_flops(spec, tp - 1),
-            resident=beside,
-            calls=per_step,
-            cost=costs["prefill"],
-        )
-        # One decode iteration samples one token for every row of the batch and reads
-        # every weight and the whole cache: the token loop's cost is its body's, once
-        # per call.
-        slots, steps, decode = batch_prompts * G, tg * per_step, "decode"
-    else:
-        # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
-        # the engine's slots (full occupancy: the least it takes). A generate call runs
-        # `chunk` of those steps; its cost, like decode's, is one step's (the step loop's
-        # body once) plus what runs once per call.
-        slots, steps = engine.slots, P * G * tg / engine.slots
-        # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
-        # P / prefill_prompts calls per step. The stream admits groups as slots free up,
-        # a call per generate call with new groups: at most one per group. Each call is
-        # counted whole, every prompt prefilled (an upper bound: the run's engine skips
-        # the prefill blocks a refill leaves empty).
-        calls = P / engine.prefill_prompts
-        if off == "pipeline":
-            calls = min(P, max(calls, steps / engine.chunk))
-        prefill = report(
-            "prefill_insert",
-            real["prefill_insert"].result(),
-            engine.prefill_prompts * _prefill_flops(spec, tp - 1),
-            resident=beside,
-            calls=calls,
-            cost=costs["prefill_insert"],
-        )
-        decode = "generate"
-    programs.append(prefill)
-    programs.append(
-        report(
-            decode,
-            real[decode].result(),
-            slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
-            resident=beside,
-            calls=steps,
-            bytes_analytic=weight_bytes + kv_bytes,
-            cost=costs[decode],
-        )
-    )
+    programs = reports(costs)
     step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
     useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
     rollouts = P * G
     per_hour = rollouts * 3600 / step_s if step_s > 0 else float("nan")
     hours = budget_rollouts / per_hour
-    return {
+    plan = {
         "topology": topology,
         "chip": chip.name,
         "chips": chips,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "hbm_capacity_gb": chip.hbm_bytes / 1e9,
         "headroom": headroom,
-        "model": {"params": spec.num_params(), "layers": spec.num_layers, "remat": spec.remat},
+        "fit_limit_gb": (1 - headroom) * chip.hbm_bytes / 1e9,
+        "model": model_facts(cfg, source),
         "batch": {
             "prompts": P,
             "samples": G,
@@ -348,8 +364,11 @@ def plan_run(
             "rollouts": budget_rollouts,
             "hours": hours,
             "chip_hours": hours * chips,
+            "note": budget_note(cfg, budget_rollouts),
         },
     }
+    plan["advice"] = advice(cfg, plan)
+    return plan
 
 
 @dataclasses.dataclass
@@ -847,7 +866,7 @@ def _report(
     (`_layer_costs`), else XLA's count of the program. `done`: `_compile`'s result for
     the program, (compiled, seconds) or OutOfMemory."""
     if isinstance(done, OutOfMemory):
-        return _out_of_memory(name, done, chip, calls)
+        return _out_of_memory(name, done, chip, headroom, calls)
     compiled, compile_s = done
     mem = compiled.memory_analysis()
     flops, moved = _cost(done) if cost is None else cost
@@ -871,6 +890,7 @@ def _report(
         "hbm_gb": {k: v / 1e9 for k, v in parts.items()},
         "fits": total <= (1 - headroom) * chip.hbm_bytes,
         "headroom": 1 - total / chip.hbm_bytes,
+        "over_gb": _over_gb(total, chip, headroom),
         "flops": flops,
         "flops_analytic": analytic,
         "flops_ratio": flops / analytic if analytic else float("nan"),
@@ -895,7 +915,15 @@ def _report(
     return out
 
 
-def _out_of_memory(name: str, oom: OutOfMemory, chip: Chip, calls: float) -> dict[str, Any]:
+def _over_gb(total: float, chip: Chip, headroom: float) -> float:
+    """GB per chip above what fits with `headroom` left free (0 where it fits; NaN where
+    XLA did not say what it needs)."""
+    return max(0.0, total - (1 - headroom) * chip.hbm_bytes) / 1e9 if total == total else total
+
+
+def _out_of_memory(
+    name: str, oom: OutOfMemory, chip: Chip, headroom: float, calls: float
+) -> dict[str, Any]:
     nan = float("nan")
     out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected")}
     out["flops_expected_ratio"] = nan
@@ -907,6 +935,7 @@ def _out_of_memory(name: str, oom: OutOfMemory, chip: Chip, calls: float) -> dic
         "hbm_gb": {},
         "fits": False,
         "headroom": 1 - oom.required_bytes / chip.hbm_bytes,
+        "over_gb": _over_gb(oom.required_bytes, chip, headroom),
         "calls": calls,
         "error": oom.message,
     }

@@ -22,29 +22,33 @@ Dimensions, each a knob the trainer has:
                 the recipe leaves sampling.engine_slots unset
 
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
-exceeds the chip's HBM are dropped without compiling, and only the `top` best of the
-rest by estimated rollouts per hour are compiled, so a search costs `top` plans.
+exceeds the chip's HBM are dropped without compiling, and the rest are compiled in the
+order of their estimated rollouts per hour until `top` of them fit (or all are tried):
+a candidate that does not fit costs only its memory compile, one that fits a plan.
 `estimate_only` (`--estimate-only`) stops at the estimate: the `top` best candidates
-whose estimate fits with the headroom, in seconds.
+whose estimate fits with the headroom, in seconds. Every row carries the overrides
+(`overrides`) that make the recipe that candidate, and the result the shapes every
+number is for (`_assumed.shapes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
 
-from rl_jax.config import RunConfig, resolved
+from rl_jax.config import RunConfig, apply_overrides, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
+from rl_jax.plan._assumed import planned_model, shapes
 from rl_jax.plan._estimate import estimate
 from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
-from rl_jax.plan.chips import num_chips, parse_topology
+from rl_jax.plan.chips import MAX_TENSOR, num_chips, parse_topology
 from rl_jax.train.accounting import num_waves, sampler_rows
 from rl_jax.train.parts import check_sizes
 
-MAX_TENSOR = 8
 REMAT = ("none", "save_dots", "full")
 SLOT_SPLITS = (1, 2, 4, 8)
 DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots")
@@ -101,8 +105,27 @@ def _waves(cfg: RunConfig) -> list[int]:
     return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 
+def overrides(cfg: RunConfig, cand: dict[str, Any]) -> list[str]:
+    """The `key=value` overrides that make `cfg` a candidate's run (`apply` as a command
+    line: `rl-jax plan RECIPE <these> --topology T` plans the same run). Micro-batches
+    set two knobs: m x the minibatches and m x the accumulation."""
+    m, mesh = cand["micro"], cand["mesh"]
+    out = [f"mesh.{axis}={mesh[axis]}" for axis in ("data", "fsdp", "tensor")]
+    out += [
+        f"model.remat={cand['remat']}",
+        f"train.updates_per_batch={cfg.train.updates_per_batch * m}",
+        f"train.grad_accum={cfg.train.grad_accum * m}",
+    ]
+    if cand["waves"]:
+        out.append(f"train.pipeline_waves={cand['waves']}")
+    if cand.get("slots", 0):
+        out.append(f"sampling.engine_slots={cand['slots']}")
+    return out
+
+
 def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
-    """The run's config with a candidate's knobs set."""
+    """The run's config with a candidate's knobs set (what `overrides` says, without the
+    parsing: the search applies it to every candidate)."""
     m = cand["micro"]
     train = dataclasses.replace(
         cfg.train,
@@ -129,21 +152,27 @@ def search(
     budget_rollouts: float = SCALERL_BUDGET_ROLLOUTS,
     plan_fn: Callable[..., dict[str, Any]] = plan_run,
     estimate_only: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Estimate every candidate, compile the `top` most promising that may fit (`plan_fn`
-    makes a candidate's plan), and rank the ones whose programs fit by rollouts per hour.
-    `estimate_only`: compile nothing; rank the `top` best estimates that fit with
-    `headroom` (seconds instead of `top` plans; the estimate is a first pass)."""
+    """Estimate every candidate, then compile down the estimate's ranking until `top`
+    candidates fit or every candidate the estimate lets through is tried (`plan_fn` makes
+    a candidate's plan, its FLOPs counted only where it fits), and rank those that fit by
+    rollouts per hour. `estimate_only`: compile nothing; rank the `top` best estimates
+    that fit with `headroom` (seconds instead of plans; the estimate is a first pass).
+    `progress`: told of each compile before it starts. Every row carries the `overrides`
+    that reproduce it; "shapes" says what every number is for."""
     if top < 1:
         raise ConfigError(f"--top={top}: compile at least one candidate")
     chip, dims = parse_topology(topology)
     chips = num_chips(dims)
-    cfg = resolved(cfg)
+    base, source = planned_model(cfg)
+    cfg = resolved(base)
     spec = resolve_spec(cfg.model)
     cands = candidates(cfg, chips, spec.num_heads)
     for c in cands:
         c_cfg = resolved(apply(cfg, c))
         c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
+        c["overrides"] = overrides(cfg, c)
     # The compiled plan decides what fits with headroom; the estimate only drops what
     # exceeds the whole chip. Without a compile, the estimate must fit with headroom.
     limit = (1 - headroom) * chip.hbm_bytes if estimate_only else chip.hbm_bytes
@@ -163,14 +192,45 @@ def search(
         for c in cands
         if c["estimate"]["hbm_bytes"] > limit
     ]
+    result = {
+        "topology": topology,
+        "chips": chips,
+        "hbm_capacity_gb": chip.hbm_bytes / 1e9,
+        "headroom": headroom,
+        "fit_limit_gb": (1 - headroom) * chip.hbm_bytes / 1e9,
+        "shapes": shapes(cfg, source, budget_rollouts),
+        "dimensions": list(DIMENSIONS),
+        "candidates": len(cands),
+        "passed_estimate": len(ok),
+        "top": top,
+        "estimate_only": estimate_only,
+    }
     if estimate_only:
-        return {
-            **_result(topology, chips, chip, cands, compiled=0, excluded=excluded),
-            "ranked": [_estimated(c, budget_rollouts) for c in ok[:top]],
-        }
-    ranked = []
-    for c in ok[:top]:
-        plan = plan_fn(apply(cfg, c), topology, headroom=headroom, budget_rollouts=budget_rollouts)
+        ranked = [_estimated(c, budget_rollouts) for c in ok[:top]]
+        return {**result, "compiled": 0, "excluded": excluded, "ranked": ranked}
+    plan = functools.partial(
+        plan_fn, topology=topology, headroom=headroom, budget_rollouts=budget_rollouts
+    )
+    ranked, failed = _compile_until(base, ok, top, plan, progress)
+    excluded += failed
+    compiled = len(ranked) + len(failed)
+    return {**result, "compiled": compiled, "excluded": excluded, "ranked": ranked}
+
+
+def _compile_until(base, ok, top, plan_fn, progress):
+    """(rows that fit, ranked; rows that did not, "reason": "compiled"): `ok`'s candidates
+    planned in order (from `base` with their overrides, as their command would plan
+    them) until `top` fit."""
+    ranked, excluded = [], []
+    for i, c in enumerate(ok, 1):
+        if len(ranked) == top:
+            break
+        if progress:
+            progress(
+                f"compiling candidate {i} (of {len(ok)} the estimate lets through;"
+                f" {len(ranked)} of {top} found that fit): {' '.join(c['overrides'])}"
+            )
+        plan = plan_fn(apply_overrides(base, c["overrides"]), flops_if_fits=True)
         row = {
             **_name(c),
             "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9,
@@ -185,22 +245,7 @@ def search(
         else:
             excluded.append({**row, "reason": "compiled"})
     ranked.sort(key=lambda r: (-r["rollouts_per_hour"], r["hbm_gb"]))
-    return {
-        **_result(topology, chips, chip, cands, compiled=min(top, len(ok)), excluded=excluded),
-        "ranked": ranked,
-    }
-
-
-def _result(topology, chips, chip, cands, *, compiled, excluded) -> dict[str, Any]:
-    return {
-        "topology": topology,
-        "chips": chips,
-        "hbm_capacity_gb": chip.hbm_bytes / 1e9,
-        "dimensions": list(DIMENSIONS),
-        "candidates": len(cands),
-        "compiled": compiled,
-        "excluded": excluded,
-    }
+    return ranked, excluded
 
 
 def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
@@ -220,7 +265,7 @@ def _estimated(c: dict[str, Any], budget_rollouts: float) -> dict[str, Any]:
 
 
 def _name(c: dict[str, Any]) -> dict[str, Any]:
-    return {k: c[k] for k in DIMENSIONS}
+    return {**{k: c[k] for k in DIMENSIONS}, "overrides": c["overrides"]}
 
 
 def _divisors(n: int) -> list[int]:

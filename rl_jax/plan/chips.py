@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from rl_jax.knobs import ConfigError
 
+# The most chips a tensor-parallel group spans: those one host's interconnect joins
+# (a plan's meshes keep tensor parallelism within a host).
+MAX_TENSOR = 8
+
 
 @dataclass(frozen=True)
 class Chip:
