@@ -5,7 +5,7 @@ overlong penalty, no KL, on-policy.
 
 import dataclasses
 
-from _cpu import DATA, EVAL, MODEL, SAMPLING, TRAIN
+from _cpu import CHECKPOINT, DATA, EVAL, MODEL, SAMPLING, TRAIN
 
 from rl_jax.config import LossConfig, RewardConfig, RunConfig
 
@@ -28,4 +28,5 @@ def recipe() -> RunConfig:
         ),
         train=TRAIN,
         eval=EVAL,
+        checkpoint=CHECKPOINT,
     )

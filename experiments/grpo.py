@@ -7,7 +7,7 @@ on-policy.
 
 import dataclasses
 
-from _cpu import DATA, EVAL, MODEL, SAMPLING, TRAIN
+from _cpu import CHECKPOINT, DATA, EVAL, MODEL, SAMPLING, TRAIN
 
 from rl_jax.config import LossConfig, RunConfig
 
@@ -29,4 +29,5 @@ def recipe() -> RunConfig:
         data=dataclasses.replace(DATA, zero_variance_filter=False, no_positive_resampling=False),
         train=TRAIN,
         eval=EVAL,
+        checkpoint=CHECKPOINT,
     )

@@ -88,6 +88,7 @@ def recipe():
     cpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu)
     DATA, EVAL, MODEL, SAMPLING, TRAIN = cpu.DATA, cpu.EVAL, cpu.MODEL, cpu.SAMPLING, cpu.TRAIN
+    CHECKPOINT = cpu.CHECKPOINT
 
     return RunConfig(
         name="isocompute",
@@ -110,4 +111,5 @@ def recipe():
             TRAIN, lr=1.4e-4, lr_sqrt_batch_ref=1024, warmup_steps=10, schedule="constant"
         ),
         eval=dataclasses.replace(EVAL, temperature=0.6),
+        checkpoint=CHECKPOINT,
     )

@@ -5,7 +5,7 @@ advantage filtered out.
 
 import dataclasses
 
-from _cpu import DATA, EVAL, MODEL, SAMPLING, TRAIN
+from _cpu import CHECKPOINT, DATA, EVAL, MODEL, SAMPLING, TRAIN
 
 from rl_jax.config import LossConfig, RunConfig
 
@@ -21,4 +21,5 @@ def recipe() -> RunConfig:
         data=dataclasses.replace(DATA, zero_variance_filter=True, no_positive_resampling=False),
         train=TRAIN,
         eval=EVAL,
+        checkpoint=CHECKPOINT,
     )

@@ -5,7 +5,7 @@ then k updates), no KL.
 
 import dataclasses
 
-from _cpu import DATA, EVAL, MODEL, SAMPLING, TRAIN
+from _cpu import CHECKPOINT, DATA, EVAL, MODEL, SAMPLING, TRAIN
 
 from rl_jax.config import LossConfig, RunConfig
 
@@ -19,4 +19,5 @@ def recipe() -> RunConfig:
         data=dataclasses.replace(DATA, no_positive_resampling=False),
         train=dataclasses.replace(TRAIN, off_policy="ppo_off_policy", off_policy_k=2),
         eval=EVAL,
+        checkpoint=CHECKPOINT,
     )

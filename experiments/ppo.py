@@ -5,7 +5,7 @@ token-mean aggregation, two minibatch updates per batch.
 
 import dataclasses
 
-from _cpu import DATA, EVAL, MODEL, SAMPLING, TRAIN
+from _cpu import CHECKPOINT, DATA, EVAL, MODEL, SAMPLING, TRAIN
 
 from rl_jax.config import LossConfig, RunConfig
 
@@ -30,4 +30,5 @@ def recipe() -> RunConfig:
         data=dataclasses.replace(DATA, zero_variance_filter=False, no_positive_resampling=False),
         train=dataclasses.replace(TRAIN, updates_per_batch=2),
         eval=EVAL,
+        checkpoint=CHECKPOINT,
     )

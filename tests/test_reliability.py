@@ -192,3 +192,24 @@ def test_a_second_grid_driver_exits_2_naming_the_first(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "a grid driver" in err and "in use by another process" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_every_shipped_recipe_checkpoints_and_grids_keep_their_end_only_runs():
+    from rl_jax.config import experiments_dir
+    from rl_jax.grid import expand, load_spec
+
+    recipes = [
+        p.stem
+        for p in sorted(experiments_dir().glob("*.py"))
+        if not p.stem.startswith("_") and "def recipe()" in p.read_text()
+    ]
+    assert len(recipes) >= 9, recipes
+    for name in recipes:
+        cfg = load_recipe(name, [])
+        # A kill loses at most one interval, never the whole run.
+        assert 0 < cfg.checkpoint.every < cfg.train.steps, (name, cfg.checkpoint.every)
+    # A grid without checkpoints_per_run still checkpoints at the end only (its run ids
+    # and PipelineRL's drains are as before the recipes checkpointed).
+    spec = load_spec("scalerl_loo_cpu")
+    assert spec.checkpoints_per_run == 0
+    assert all(p.config.checkpoint.every == 0 for p in expand(spec))

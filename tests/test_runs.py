@@ -151,12 +151,29 @@ def test_unwritable_run_directory_is_a_clear_error(tmp_path):
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     rd = create_run_dir(RunConfig(out_dir=str(tmp_path), name="m"))
     log = MetricsLogger(rd, LoggingConfig(tensorboard=True))
-    log.log(1, {"loss": 0.5, "ok": True, "text": "x"})
+    log.log(1, {"loss": 0.5, "ok": True, "text": "x", "val/pass@1": 0.25})
     log.log(2, {"loss": float("nan")})
     log.close()
     rows = rd.metrics()
     assert rows[0]["step"] == 1 and rows[0]["loss"] == 0.5
-    assert any(p.name.startswith("events.out.tfevents") for p in Path(rd.events_dir).iterdir())
+    events = [p for p in Path(rd.events_dir).iterdir() if p.name.startswith("events.out.tfevents")]
+    scalars = {(e.step, v.tag): v.simple_value for e in _events(events[0]) for v in e.summary.value}
+    # Tags as the rows name them (tensorboardX's add_scalar wrote val/pass_1).
+    assert scalars == {(1, "loss"): 0.5, (1, "ok"): 1.0, (1, "val/pass@1"): 0.25}
+
+
+def _events(path: Path):
+    """The Event records of a TensorBoard event file (TFRecord framing: length, its CRC,
+    the record, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    data, pos = path.read_bytes(), 0
+    while pos < len(data):
+        (n,) = struct.unpack("<Q", data[pos : pos + 8])
+        yield Event.FromString(data[pos + 12 : pos + 12 + n])
+        pos += 12 + n + 4
 
 
 def test_tensorboard_does_not_load_torch(tmp_path):

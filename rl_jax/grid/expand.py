@@ -331,6 +331,9 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
             raise ConfigError(f"override {item!r} fights grid {spec.name!r} {owners[k]!r}")
 
     base_ov = [format_override(k, v) for k, v in spec.base] + list(extra)
+    end_only = "checkpoint.every" not in owners and not any(
+        o.split("=", 1)[0].strip() == "checkpoint.every" for o in base_ov
+    )
     base_cfg = _apply(base_cfg, base_ov, f"grid {spec.name!r} base")
 
     plans: list[RunPlan] = []
@@ -365,6 +368,10 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
                 derived.append(("eval.every", max(1, steps // spec.evals_per_run)))
             if spec.checkpoints_per_run:
                 derived.append(("checkpoint.every", max(1, steps // spec.checkpoints_per_run)))
+            elif end_only:
+                # No checkpoints_per_run: one checkpoint at the end, whatever the recipe's
+                # interval (a shipped recipe checkpoints for runs launched by hand).
+                derived.append(("checkpoint.every", 0))
             env = dict(flatten(resolved(cfg)))  # constraints see the loss's own defaults
             env.update({k: f(cfg) for k, f in ALIASES.items()})
             env["M"] = steps

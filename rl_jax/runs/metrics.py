@@ -40,6 +40,15 @@ def summary_writer_class():
     return SummaryWriter
 
 
+def _scalars_summary(values: list[tuple[str, float]]):
+    """One Summary of scalars under their own names: tensorboardX's add_scalar rewrites a
+    tag's characters outside [-/\\w.] (`val/pass@1` became `val/pass_1`), and TensorBoard
+    shows any tag as it is."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    return Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values])
+
+
 class MetricsLogger:
     """Writes each row to metrics.jsonl, TensorBoard and (if enabled) W&B."""
 
@@ -109,9 +118,9 @@ class MetricsLogger:
         self.run.append_metrics(row)
         sc = scalars(row)
         if self._tb is not None:
-            for k, v in sc.items():
-                if k != "step" and math.isfinite(v):
-                    self._tb.add_scalar(k, v, global_step=step)
+            values = [(k, v) for k, v in sc.items() if k != "step" and math.isfinite(v)]
+            if values:
+                self._tb._get_file_writer().add_summary(_scalars_summary(values), step)
         if self._wandb is not None:
             self._wandb.log(sc, step=step)
 
