@@ -55,7 +55,7 @@ def _rows(run: Path) -> dict[str, list[dict]]:
     """Rows less timings and the knobs of where and how the run was launched (the knobs of
     a row record the launch that wrote it)."""
     drop = ("time/", "device_seconds", "eval_device_seconds")
-    launch = ("out_dir", "checkpoint.resume", "checkpoint.async_save")
+    launch = ("name", "out_dir", "checkpoint.resume", "checkpoint.async_save")
     return {
         n: [
             {k: v for k, v in r.items() if not k.startswith(drop) and k not in (*drop, *launch)}
@@ -213,3 +213,21 @@ def test_every_shipped_recipe_checkpoints_and_grids_keep_their_end_only_runs():
     spec = load_spec("scalerl_loo_cpu")
     assert spec.checkpoints_per_run == 0
     assert all(p.config.checkpoint.every == 0 for p in expand(spec))
+
+
+def test_a_finished_run_continues_with_more_steps_to_the_longer_runs_rows(tmp_path, capsys):
+    constant = ["train.schedule=constant", "train.warmup_steps=0.25"]
+    ref = _run(tmp_path, "ref", "train.steps=8", "train.schedule=constant", "train.warmup_steps=1")
+    _run(tmp_path, "r", "train.steps=4", *constant)  # warms up for 1 step
+    # Rerun as it was: finished, and it says how to go on.
+    _run(tmp_path, "r", "train.steps=4", *constant)
+    assert "--continue" in capsys.readouterr().err
+    argv = ["train", "scalerl", *BASE, f"out_dir={tmp_path}", "name=r", "--quiet", *constant]
+    # A schedule that spans train.steps cannot be continued; the warm-up fraction is
+    # named with the count to give.
+    assert cli([*argv, "train.steps=8", "train.schedule=cosine", "--continue"]) == 2
+    assert cli([*argv, "train.steps=8", "--continue"]) == 2
+    assert "set train.warmup_steps=1" in capsys.readouterr().err
+    assert cli([*argv, "train.steps=8", "train.warmup_steps=1", "--continue"]) == 0
+    assert _rows(tmp_path / "r") == _rows(tmp_path / "ref")
+    assert ref.step == 8

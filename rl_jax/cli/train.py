@@ -21,11 +21,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--run-dir", default=None, help="run directory (default: out_dir/name)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--continue",
+        dest="extend",
+        action="store_true",
+        help="train a finished run further: the same command with a larger train.steps "
+        "(a constant learning-rate schedule); its rows become those of the longer run",
+    )
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
     from rl_jax.train.preflight import check_run_inputs
 
     check_run_inputs(cfg)
+    if a.extend:
+        from rl_jax.runs.run_dir import extend_run
+
+        had = extend_run(cfg, a.run_dir)
+        if had < cfg.train.steps:
+            print(f"continuing the run of {had} steps to {cfg.train.steps}", file=sys.stderr)
 
     from rl_jax.data import DataExhausted
     from rl_jax.train.loop import NonFiniteError, train

@@ -15,13 +15,14 @@ the file and line instead of finishing with a silent gap.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rl_jax.config import RunConfig, flatten, run_id, to_dict
+from rl_jax.config import RunConfig, flatten, from_dict, resolved, run_id, to_dict
 from rl_jax.knobs import ConfigError
 from rl_jax.runs import locks
 from rl_jax.runs.atomic import jsonl_bytes, scan_jsonl
@@ -45,6 +46,7 @@ PLOTS = "plots"
 CHECKPOINTS = "checkpoints"
 DONE = "DONE"
 LOCK = ".lock"
+CONTINUED = "continued_from"  # config.json: the run ids a continued run had before
 
 
 class RunDirError(ConfigError):
@@ -104,9 +106,21 @@ class RunDir:
         return summary if isinstance(summary, dict) else None
 
     def write_config(self, cfg: RunConfig) -> None:
-        self.store.write_json(
-            CONFIG, {"run_id": self.run_id, "config": to_dict(cfg), "knobs": flatten(cfg)}
-        )
+        doc = {"run_id": self.run_id, "config": to_dict(cfg), "knobs": flatten(cfg)}
+        earlier = self.continued_from()
+        if earlier:
+            doc[CONTINUED] = earlier
+        self.store.write_json(CONFIG, doc)
+
+    def continued_from(self) -> list[str]:
+        """Run ids this run was continued from (`extend_run`): their checkpoints are its."""
+        try:
+            old = json.loads(self.store.read_bytes(CONFIG))
+        except (FileNotFoundError, ValueError):
+            return []
+        if not isinstance(old, dict) or old.get("run_id") != self.run_id:
+            return []
+        return [str(r) for r in old.get(CONTINUED, [])]
 
     def check(self) -> None:
         """StorageError if the run's lock was lost (a bucket lease another host took)."""
@@ -230,6 +244,86 @@ def _step(row: dict[str, Any]) -> int:
 def run_root(cfg: RunConfig, root: str | Path | None = None) -> str:
     """The run directory of `cfg`: `root`, else <out_dir>/<name>."""
     return str(root) if root is not None else join(cfg.out_dir, cfg.name)
+
+
+def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
+    """Make the run directory of `cfg` hold `cfg`'s run, where it holds the same run with
+    fewer steps (`rl-jax train ... train.steps=N --continue`); returns the steps it had.
+
+    The two configs must differ in train.steps alone, and the learning-rate schedule must
+    not depend on it (a constant schedule after a warm-up given in steps): then training
+    on from the run's last checkpoint computes what a run of N steps computes, and its
+    rows become that run's (their run id and train.steps rewritten; DONE removed). A
+    ConfigError (exit 2) says what stands in the way otherwise."""
+    path = run_root(cfg, root)
+    store = open_store(path)
+    try:
+        old_doc = json.loads(store.read_bytes(CONFIG))
+        old = from_dict(old_doc["config"])
+    except FileNotFoundError:
+        raise ConfigError(f"--continue: {path} holds no run to continue") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--continue: {store.url(CONFIG)} is not a run config ({e})") from None
+    new_id, had = run_id(cfg), old.train.steps
+    if old_doc.get("run_id") == new_id:
+        return had  # continued already (or nothing changed): train on as usual
+    if cfg.train.steps <= had:
+        raise ConfigError(
+            f"--continue: train.steps={cfg.train.steps} must be more than the run's {had}"
+        )
+    same = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=had))
+    if run_id(same) != run_id(old):
+        a, b = flatten(resolved(old)), flatten(resolved(same))
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and "." in k)
+        raise ConfigError(
+            f"--continue: the run in {path} differs from this config in more than "
+            f"train.steps: {', '.join(diff) or 'its run id'}; continue it with its own knobs"
+        )
+    r_old, r_new = resolved(old).train, resolved(cfg).train
+    if r_new.schedule == "constant" and r_old.warmup_steps != r_new.warmup_steps:
+        raise ConfigError(
+            f"--continue: the run warmed up for {r_old.warmup_steps:g} steps, this config "
+            f"for {r_new.warmup_steps:g} (train.warmup_steps as a fraction of train.steps); "
+            f"set train.warmup_steps={r_old.warmup_steps:g}"
+        )
+    if r_new.schedule != "constant":
+        raise ConfigError(
+            f"--continue: train.schedule={r_new.schedule!r} with warm-up {r_new.warmup_steps} "
+            f"steps spans train.steps, so {had} more steps would not train as a run planned "
+            f"for {cfg.train.steps} does; continue runs with train.schedule=constant and "
+            "train.warmup_steps given in steps, or start a new run"
+        )
+    lock = locks.acquire(path, LOCK, what=f"run directory {path}")
+    try:
+        for name in (CURVE, METRICS, SAMPLES):
+            try:
+                scan = scan_jsonl(store.read_bytes(name))
+            except FileNotFoundError:
+                continue
+            knobs = flatten(resolved(cfg))  # as the trainer writes them
+            rows = [_continued_row(r, old_doc.get("run_id"), new_id, knobs) for r in scan.rows]
+            store.write(name, jsonl_bytes(rows))
+        store.write_json(
+            CONFIG,
+            {
+                "run_id": new_id,
+                "config": to_dict(cfg),
+                "knobs": flatten(cfg),
+                CONTINUED: [*old_doc.get(CONTINUED, []), old_doc.get("run_id")],
+            },
+        )
+        store.remove(DONE)
+    finally:
+        lock.release()
+    return had
+
+
+def _continued_row(row: dict[str, Any], old_id, new_id: str, knobs: dict) -> dict[str, Any]:
+    """A row of the run as the longer run's: its id, and the knobs a curve row carries."""
+    row = {**row, **{k: v for k, v in knobs.items() if k in row}}
+    if row.get("run_id") == old_id:
+        row["run_id"] = new_id
+    return row
 
 
 def run_exists(path: str | Path) -> bool:

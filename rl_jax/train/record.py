@@ -65,7 +65,8 @@ class Recorder:
             self._start_over()
             return None
         got = self.ckpt.restore_latest(abstract_state)
-        if got is not None and got[2].get("run_id", self.run_id) != self.run_id:
+        ours = {self.run_id, *self.run.continued_from()}
+        if got is not None and got[2].get("run_id", self.run_id) not in ours:
             raise ConfigError(
                 f"checkpoint {self.ckpt.step_url(got[0])} belongs to run "
                 f"{got[2]['run_id']}, not to this config's {self.run_id}; use another run name"
@@ -162,7 +163,7 @@ class Recorder:
             say(
                 f"run {self.run.url()} is finished ({done.get('steps', '?')} steps, DONE): "
                 "nothing to train. To train it further, rerun with a larger train.steps "
-                "and --continue"
+                "and --continue (docs/runs.md)"
             )
 
     def finish(self, summary: dict[str, Any]) -> None:
