@@ -221,6 +221,10 @@ def test_a_bucket_run_killed_on_one_machine_finishes_on_another_with_identical_r
     got = json.loads(ev.stdout.strip().splitlines()[-1])
     last = read_jsonl(f"{url}/curve.jsonl")[-1]
     assert got["step"] == 6 and got["val/pass@1"] == last["val/pass@1"]
+    # The fitting library reads curves there too (a file, or every curve below a URL).
+    from rl_jax.scaling import load_rows
+
+    assert len(load_rows(f"{url}/curve.jsonl")) == len(load_rows(gcs.base)) == 4
 
 
 def test_a_bucket_run_rides_out_a_server_outage(gcs, tmp_path, reference):

@@ -79,6 +79,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         return read_jsonl(path)
     except json.JSONDecodeError as e:
         raise CurveError(f"{path}: not JSON lines ({e})") from None
+    except ValueError as e:  # a line that is not JSON or not UTF-8: the message names both
+        raise CurveError(str(e)) from None
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
@@ -119,7 +121,11 @@ def load_rows(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files: list[Path] = []
-    for p in map(Path, paths):
+    for p in paths:
+        if _is_url(p):  # a bucket's curve file, or a run or grid directory in one
+            files.extend(_remote_files(str(p)))
+            continue
+        p = Path(p)
         if p.is_dir():
             found = sorted(p.rglob(CURVE_FILE))
             if not found:
@@ -131,15 +137,17 @@ def load_rows(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
             raise CurveError(f"{p}: no such file or directory")
     rows = []
     for f in files:
-        reader = _READERS.get(f.suffix.lower())
+        reader = _READERS.get(_suffix(f).lower())
         if reader is None:
-            raise CurveError(f"{f}: unknown file type {f.suffix!r}; use one of {sorted(_READERS)}")
+            raise CurveError(
+                f"{f}: unknown file type {_suffix(f)!r}; use one of {sorted(_READERS)}"
+            )
         try:
             read = reader(f)
         except UnicodeDecodeError as e:
             raise CurveError(
                 f"{f}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                f"a {f.suffix} curve file is UTF-8"
+                f"a {_suffix(f)} curve file is UTF-8"
             ) from None
         except OSError as e:
             raise CurveError(f"{f}: cannot read it ({e.strerror or e})") from None
@@ -150,6 +158,28 @@ def load_rows(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
             row[SOURCE_KEY] = str(f)
             rows.append(row)
     return rows
+
+
+def _is_url(p: str | Path) -> bool:
+    return isinstance(p, str) and "://" in p and not p.startswith("file://")
+
+
+def _suffix(f: str | Path) -> str:
+    return Path(str(f).rstrip("/").rsplit("/", 1)[-1]).suffix
+
+
+def _remote_files(url: str) -> list[str]:
+    """`url` itself when it names a file, else every curve.jsonl below it."""
+    from rl_jax.config import paths
+
+    fs, inner = paths.filesystem(url, "curve path", use_listings_cache=False)
+    proto = url.split("://", 1)[0]
+    if fs.isfile(inner):
+        return [url]
+    found = sorted(n for n in fs.find(inner) if n.rsplit("/", 1)[-1] == CURVE_FILE)
+    if not found:
+        raise CurveError(f"{url}: no such file, nor any {CURVE_FILE} below it")
+    return [f"{proto}://{n}" for n in found]
 
 
 def _is_missing(v: Any) -> bool:
