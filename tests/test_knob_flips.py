@@ -44,7 +44,7 @@ ENUMS = {
     "model.remat": model_cfg.REMAT_CHOICES,
     "model.attention": model_cfg.ATTENTION_CHOICES,
     "sampling.length_control": sampling_cfg.LENGTH_CONTROL,
-    "loss.name": loss_cfg.LOSSES,
+    "loss.name": loss_cfg.loss_names(),
     "loss.aggregation": loss_cfg.AGGREGATIONS,
     "loss.advantage": loss_cfg.ADV_ESTIMATORS,
     "loss.adv_norm": loss_cfg.ADV_NORMS,

@@ -18,8 +18,10 @@ from rl_jax.config import (
     resolved,
     run_id,
 )
-from rl_jax.config.loss import LOSS_DEFAULTS, LOSSES, PER_LOSS_KNOBS, SHARED_DEFAULTS
+from rl_jax.config.loss import LOSS_DEFAULTS, PER_LOSS_KNOBS, SHARED_DEFAULTS, loss_names
 from rl_jax.losses import LossInputs, advantages_from_config, get, loss_from_config
+
+LOSSES = loss_names()  # the built-in ones
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

@@ -116,8 +116,45 @@ def _grad_logp(name, d, **kw):
 # ---------------------------------------------------------------- registry / config
 
 
+def test_a_registered_loss_is_chosen_by_name_with_its_defaults():
+    """One list of losses: what `register` adds, `loss.name` can pick (with the loss's own
+    defaults for the knobs left unset), and the loss computes what its surrogate says."""
+    from rl_jax.config import RunConfig, apply_overrides
+    from rl_jax.losses import LossSpec, _registry, register
+
+    def half_cispo(logp, old, adv, layout, **p):
+        loss, stats = cispo_surrogate(logp, old, adv, **p)
+        return 0.5 * loss, stats
+
+    name = "test_half_cispo"
+    with pytest.raises(ConfigError, match="loss.name"):
+        LossConfig(name=name)
+    register(
+        LossSpec(
+            name=name,
+            fn=half_cispo,
+            params={"eps_max": 3.0, "eps_min": 0.0},
+            aggregation="token",
+            paper="a test",
+        )
+    )
+    try:
+        cfg = apply_overrides(RunConfig(), [f"loss.name={name}"]).loss.resolved()
+        assert (cfg.eps_max, cfg.aggregation, cfg.advantage) == (3.0, "token", "grpo")
+        d = _batch()
+        got, _ = loss_from_config(cfg, _inputs(d), num_groups=NUM_GROUPS, max_tokens=5)
+        cispo = dataclasses.replace(cfg, name="cispo")
+        want, _ = loss_from_config(cispo, _inputs(d), num_groups=NUM_GROUPS, max_tokens=5)
+        np.testing.assert_allclose(got, 0.5 * want, **TOL)
+        with pytest.raises(ValueError, match="not LossConfig knobs"):
+            register(dataclasses.replace(_registry.get(name), name="x", params={"bogus": 1.0}))
+    finally:
+        _registry._REGISTRY.pop(name)
+        loss_cfg.LOSS_DEFAULTS.pop(name)
+
+
 def test_registry_matches_config_choices():
-    assert set(names()) == set(loss_cfg.LOSSES)
+    assert set(names()) == set(loss_cfg.loss_names())
     assert tuple(AGGREGATIONS) == loss_cfg.AGGREGATIONS
     assert tuple(KL_ESTIMATORS) == loss_cfg.KL_ESTIMATORS
     assert set(ADV_ESTIMATORS) | {"gae"} == set(loss_cfg.ADV_ESTIMATORS)

@@ -26,7 +26,6 @@ from rl_jax.knobs import (
     knob,
 )
 
-LOSSES = ("ppo", "grpo", "dr_grpo", "dapo", "cispo", "gspo", "reinforce", "rloo", "reinforce_pp")
 AGGREGATIONS = ("token", "sample", "prompt", "seq_sum")
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
 ADV_NORMS = ("batch", "prompt", "none")
@@ -94,6 +93,14 @@ LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
         **_PPO_CLIP,
     },
 }
+
+
+def loss_names() -> tuple[str, ...]:
+    """The policy losses `loss.name` may pick: every loss `rl_jax.losses.register` knows
+    (registering one adds its paper's defaults to LOSS_DEFAULTS: one list, the registry's)."""
+    return tuple(LOSS_DEFAULTS)
+
+
 # What a knob a loss does not read resolves to: the one default every loss had
 # before defaults were per loss, so that configs leaving them unset keep their
 # run ids (the ScaleRL recipe's is cb561e1f1c82).
@@ -114,7 +121,10 @@ _UNSET = "None = this loss's default (rl_jax.config.loss.LOSS_DEFAULTS)"
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    name: str = knob("cispo", help=f"policy loss, one of {LOSSES}")
+    name: str = knob(
+        "cispo",
+        help=f"policy loss: one registered in rl_jax.losses (built in: {', '.join(LOSS_DEFAULTS)})",
+    )
     aggregation: str | None = knob(None, help=f"loss aggregation, one of {AGGREGATIONS}; {_UNSET}")
     advantage: str | None = knob(
         None, help=f"advantage estimator, one of {ADV_ESTIMATORS}; {_UNSET}"
@@ -161,7 +171,7 @@ class LossConfig:
 
     def __post_init__(self):
         check_numbers("loss", self)
-        check_choice("loss", "name", self.name, LOSSES)
+        check_choice("loss", "name", self.name, loss_names())
         # Knobs left unset (None) are this loss's defaults; set ones are checked as given.
         for k, choices in (
             ("aggregation", AGGREGATIONS),

@@ -37,7 +37,7 @@ from rl_jax.losses._policy import (
     clipped_value_loss,
     gspo_surrogate,
 )
-from rl_jax.losses._registry import get, names, register
+from rl_jax.losses._registry import LossSpec, get, names, register
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -46,6 +46,7 @@ __all__ = [
     "K3_MAX_LOG_RATIO",
     "KL_ESTIMATORS",
     "LossInputs",
+    "LossSpec",
     "advantages_from_config",
     "aggregate",
     "cispo_surrogate",

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from rl_jax.config.loss import LOSS_DEFAULTS
+from rl_jax.config.loss import LOSS_DEFAULTS, LossConfig
 from rl_jax.losses._policy import (
     cispo_surrogate,
     clipped_surrogate,
@@ -50,8 +50,25 @@ _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register(spec: LossSpec) -> LossSpec:
+    """Add a loss; `loss.name=<its name>` picks it from then on (a recipe file that
+    registers one can name it), with its paper's defaults for the knobs left unset."""
     if spec.name in _REGISTRY:
         raise ValueError(f"loss {spec.name!r} is already registered")
+    fields = {f.name for f in dataclasses.fields(LossConfig)}
+    unknown = sorted(set(spec.params) - fields)
+    if unknown:
+        raise ValueError(
+            f"loss {spec.name!r}: params {unknown} are not LossConfig knobs (a loss reads "
+            "its hyperparameters from the config by name)"
+        )
+    if spec.name not in LOSS_DEFAULTS:
+        LOSS_DEFAULTS[spec.name] = {
+            "aggregation": spec.aggregation,
+            "advantage": spec.advantage,
+            "adv_norm": spec.adv_norm,
+            **({"seq_sum_constant": spec.seq_sum_constant} if spec.seq_sum_constant else {}),
+            **spec.params,
+        }
     _REGISTRY[spec.name] = spec
     return spec
 
