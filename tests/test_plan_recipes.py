@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_plan import _libtpu
 
 from rl_jax.knobs import ConfigError
 
@@ -38,15 +39,6 @@ TINY_QWEN3_MATH = [
     "mesh.data=2",
     "mesh.fsdp=2",
 ]
-
-
-def _libtpu():
-    try:
-        from rl_jax.plan import topology_devices
-
-        topology_devices("v5e:2x2")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
 
 
 def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -27,28 +27,12 @@ BASE = [
 ]
 
 
-class Crash(Exception):
-    pass
-
-
 def _trainer(out, name="r", *extra) -> RLTrainer:
     return RLTrainer(load_recipe("scalerl", [*BASE, f"out_dir={out}", f"name={name}", *extra]))
 
 
 def _run(out, name="r", *extra, crash_at=None) -> RLTrainer:
-    tr = _trainer(out, name, *extra)
-    if crash_at is None:
-        tr.run_loop()
-        return tr
-
-    def hook(t):
-        if t.step == crash_at:
-            raise Crash
-
-    tr.step_hooks.append(hook)
-    with pytest.raises(Crash):
-        tr.run_loop()
-    return tr
+    return train_even_first.run_loop(_trainer(out, name, *extra), crash_at)
 
 
 def _rows(run: Path) -> dict[str, list[dict]]:

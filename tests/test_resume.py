@@ -31,29 +31,13 @@ PPO = [
 ]
 
 
-class Crash(Exception):
-    pass
-
-
 def _trainer(tmp_path, name, *extra):
     cfg = load_recipe("scalerl", [*BASE, f"out_dir={tmp_path}", f"name={name}", *extra])
     return RLTrainer(cfg, quiet=True)
 
 
 def _run(tmp_path, name, *extra, crash_at=None):
-    tr = _trainer(tmp_path, name, *extra)
-    if crash_at is not None:
-
-        def hook(t):
-            if t.step == crash_at:
-                raise Crash
-
-        tr.step_hooks.append(hook)
-        with pytest.raises(Crash):
-            tr.run_loop()
-    else:
-        tr.run_loop()
-    return tr
+    return train_even_first.run_loop(_trainer(tmp_path, name, *extra), crash_at)
 
 
 def _rows(run_dir: Path):

@@ -130,8 +130,8 @@ def test_pack_prompts_left_pads_to_bucket():
 def test_config_validation():
     with pytest.raises(ConfigError, match="interrupt_lo"):
         SamplingConfig(length_control="interrupt")
-    with pytest.raises(ConfigError, match="answer_budget"):
-        SamplingConfig(length_control="interrupt", interrupt_lo=2, interrupt_hi=3)
+    with pytest.raises(ConfigError, match="answer_budget"):  # 0 is auto (a seventh)
+        SamplingConfig(length_control="interrupt", interrupt_lo=2, interrupt_hi=3, answer_budget=-1)
     with pytest.raises(ConfigError, match="top_p"):
         SamplingConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="stop_token_ids"):

@@ -264,7 +264,7 @@ def test_cli_errors(tmp_path, capsys):
         assert not (tmp_path / "o4").exists()
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     assert main([str(tmp_path / "list.jsonl"), "--out", str(tmp_path / "o4")]) == 2
-    assert "row 1 is list, not an object" in capsys.readouterr().err
+    assert "line 1 is a JSON list, not an object" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--method", "newton"])
 

@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
 import train_even_first  # noqa: E402
 
+# scalerl_8b is scalerl at the paper's sizes (the same algorithm: scalerl's case covers it;
+# tests/test_plan_recipes.py plans it).
 RECIPES = sorted(
     p.stem
     for p in (ROOT / "experiments").glob("*.py")
-    if not p.stem.startswith("_") and "def recipe(" in p.read_text()
+    if not p.stem.startswith("_") and "def recipe(" in p.read_text() and p.stem != "scalerl_8b"
 )
 KL_COEF = 0.1
 # The tiny sizes, without the off-policy mode: each recipe keeps its own.

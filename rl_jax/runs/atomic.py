@@ -21,6 +21,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "jsonl_bytes",
+    "jsonl_rows",
     "read_jsonl",
     "scan_jsonl",
     "truncate_jsonl_after",
@@ -104,12 +105,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSONL file (a path or URL; none when it is absent). A torn last line
     is no row; a bad line elsewhere is a ValueError naming the file and the line."""
     data = _read_bytes(path)
-    if data is None:
-        return []
+    return [] if data is None else jsonl_rows(data, str(path))
+
+
+def jsonl_rows(data: bytes, where: str) -> list[dict[str, Any]]:
+    """The rows of JSONL bytes, a torn last line dropped; a bad line elsewhere is a
+    ValueError naming `where` and the line."""
     scan = scan_jsonl(data)
     if scan.bad:
         line, why = scan.bad[0]
-        raise ValueError(f"{path}: line {line} is {why}")
+        raise ValueError(f"{where}: line {line} is {why}")
     return scan.rows
 
 

@@ -5,13 +5,15 @@ dies, however it dies. The file records who holds it (host, pid, since when).
 
 In a bucket there is no flock and a VM can vanish with its process. A lock there is
 an object created only if absent (generation precondition 0) that holds a lease: the
-holder rewrites it every `lease_s / 4` seconds, each time on the condition that the
+holder rewrites it every `lease_s / 8` seconds, each time on the condition that the
 object is still the generation it wrote last. A second launch reads the object: while
 its lease is fresh it is refused, naming the holder; once the lease has gone
 `lease_s` without renewal (the holder's VM was deleted, its process killed) it is
 taken over, again on a generation precondition, so of two launches racing for it one
-wins. A holder that cannot renew in time, or finds its object replaced, has lost the
-lock: `check()` raises from then on, and the run directory refuses writes.
+wins. A holder that cannot renew for 3/4 of its lease, or finds its object replaced,
+has lost the lock: `check()` raises from then on, the run directory refuses writes,
+and a process that has not stopped by itself soon after is stopped (exit 74), before
+the lease ends and another host may take the run.
 
 Lease times are the holder's wall clock compared with the reader's (Cloud VMs keep
 theirs synchronized); $RL_JAX_LEASE_S sets the lease (default 120 s).
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_jax.knobs import ConfigError
-from rl_jax.runs.storage import StorageError, is_remote, join, retrying
+from rl_jax.runs.storage import STORAGE_EXIT, StorageError, _one_line, is_remote, join, retrying
 
 
 class LockBusy(ConfigError):
@@ -224,10 +226,13 @@ class LeaseLock:
     def _body(self) -> bytes:
         return (json.dumps({**self.holder, "renewed": time.time()}) + "\n").encode()
 
-    def _upload(self, generation: int) -> int:
+    def _upload(self, generation: int, *, once: bool = False) -> int:
+        """Write the lease if the object is at `generation` (0: absent). `once`: a single
+        try with a short timeout (renewals retry themselves, against the lease's clock)."""
         blob = _blob(self.url)
+        kw = {"retry": None, "timeout": min(30.0, max(1.0, self.lease_s / 8))} if once else {}
         blob.upload_from_string(
-            self._body(), content_type="application/json", if_generation_match=generation
+            self._body(), content_type="application/json", if_generation_match=generation, **kw
         )
         return int(blob.generation)
 
@@ -268,7 +273,7 @@ class LeaseLock:
             return
 
     def _renew_loop(self) -> None:
-        every = max(self.lease_s / 4, 0.05)
+        every = max(self.lease_s / 8, 0.05)
         last_ok = time.time()
         while not self._stop.wait(every):
             try:
@@ -278,15 +283,30 @@ class LeaseLock:
                 got = _read_lease(self.url)
                 who = _holder_text(got[0]) if got else "nobody (the lock object is gone)"
                 self._lose(f"the lock object was replaced: now held by {who}")
-                return
+                return self._fence()
             except Exception as e:  # noqa: BLE001 - the network: keep trying while the lease lasts
-                if time.time() - last_ok > self.lease_s:
-                    self._lose(f"it could not be renewed for {self.lease_s:.0f} s ({e})")
-                    return
+                # Given up at 3/4 of the lease, so that this process has stopped before
+                # another can take the lease over (at its end).
+                if time.time() - last_ok > 0.75 * self.lease_s:
+                    self._lose(
+                        f"it could not be renewed for {time.time() - last_ok:.0f} s of its "
+                        f"{self.lease_s:.0f} s lease ({_one_line(e)})"
+                    )
+                    return self._fence()
+
+    def _fence(self) -> None:
+        """Stop the process if it has not stopped itself by `check()` within 1/8 of the
+        lease: it may be stuck waiting on storage (a checkpoint save that retries for
+        minutes), and once the lease is over another host may take the run. A run
+        resumes exactly from its checkpoints, so stopping it loses nothing."""
+        if self._stop.wait(max(self.lease_s / 8, 0.05)):
+            return  # released: the process is stopping by itself
+        print(f"{self.what}: stopping this process", file=sys.stderr, flush=True)
+        os._exit(STORAGE_EXIT)
 
     def _renew(self) -> None:
         try:
-            self._gen = self._upload(self._gen)
+            self._gen = self._upload(self._gen, once=True)
         except _precondition_failed():
             # A retried upload whose first try did land leaves our own generation behind.
             got = _read_lease(self.url)

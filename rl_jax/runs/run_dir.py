@@ -25,7 +25,7 @@ from typing import Any
 from rl_jax.config import RunConfig, flatten, from_dict, resolved, run_id, to_dict
 from rl_jax.knobs import ConfigError
 from rl_jax.runs import locks
-from rl_jax.runs.atomic import jsonl_bytes, scan_jsonl
+from rl_jax.runs.atomic import jsonl_bytes, jsonl_rows, scan_jsonl
 from rl_jax.runs.storage import (
     FLUSH_EVERY_S,
     LocalStore,
@@ -168,14 +168,9 @@ class RunDir:
 
     def _rows_of(self, name: str) -> list[dict[str, Any]]:
         try:
-            data = self.store.read_bytes(name)
+            return jsonl_rows(self.store.read_bytes(name), self.url(name))
         except FileNotFoundError:
             return []
-        scan = scan_jsonl(data)
-        if scan.bad:
-            line, why = scan.bad[0]
-            raise ValueError(f"{self.url(name)}: line {line} is {why}")
-        return scan.rows
 
     def curve(self) -> list[dict[str, Any]]:
         return self._rows_of(CURVE)

@@ -125,11 +125,21 @@ class Checkpointer:
         if self._pending is not None:
             self.wait()  # one save at a time (orbax's own rule): its failure names its step
         self._pending = step
-        self._mngr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        try:  # the save's start (its directory, the arrays' copies) is synchronous
+            self._mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=force,
+            )
+        except Exception as e:
+            self._pending = None
+            if not _unreachable(e) and not isinstance(e, OSError):
+                raise
+            raise StorageError(
+                f"saving the checkpoint of step {step} to {self.url} failed: {_short(e)}"
+            ) from e
         return True
 
     def wait(self) -> None:
@@ -378,7 +388,13 @@ def _abstract(x):
 
 
 # What TensorStore and the HTTP clients say when a bucket could not be reached.
-_UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "Connection refused", "Cannot connect")
+_UNREACHABLE = (
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "Connection refused",
+    "Cannot connect",
+    "ClientConnectorError",
+)
 
 
 def _unreachable(e: BaseException) -> bool:

@@ -42,6 +42,29 @@ TINY_RUN = [
 ]
 
 
+class Crash(Exception):
+    """Raised from a step hook: a run stopped after a step's metrics row, before its
+    evaluation and checkpoint."""
+
+
+def run_loop(trainer, crash_at: int | None = None):
+    """`trainer.run_loop()`, or, with crash_at, the run stopped by Crash at that step."""
+    import pytest
+
+    if crash_at is None:
+        trainer.run_loop()
+        return trainer
+
+    def hook(t):
+        if t.step == crash_at:
+            raise Crash
+
+    trainer.step_hooks.append(hook)
+    with pytest.raises(Crash):
+        trainer.run_loop()
+    return trainer
+
+
 if __name__ == "__main__":
     sys.exit(main())
 
