@@ -95,6 +95,8 @@ class FileLock:
     def fd(self) -> int | None:
         return self._fd
 
+    lost = None  # an flock cannot be lost while its process lives
+
     def check(self) -> None:
         """An flock cannot be lost while its process lives."""
 
@@ -318,6 +320,11 @@ class LeaseLock:
     def _lose(self, why: str) -> None:
         self._lost = why
         print(f"{self.what}: lost the lock: {why}; stopping", file=sys.stderr, flush=True)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lock was lost, or None while it is held."""
+        return self._lost
 
     def check(self) -> None:
         """StorageError once the lock is lost (before any further write)."""

@@ -6,11 +6,12 @@ One process writes a run directory at a time: `create_run_dir` takes the run's l
 `RunDir.close()` or the process ends, so a second launch of the same run is refused
 instead of interleaving its rows and checkpoints with the first one's.
 
-The JSONL logs (metrics, curve, samples) are the rows of a curve. `rewind(step)` cuts
-them back to a checkpoint's step on resume, and `check_rows` compares what is left with
-the row counts that checkpoint recorded (`row_counts()` at save time), so a log that
-lost rows (emptied, deleted, a damaged line before the checkpoint) stops the run with
-the file and line instead of finishing with a silent gap.
+The JSONL logs (metrics, curve, samples) are the rows of a curve. `rewind(step, counts)`
+cuts them back to a checkpoint's step on resume and compares what is left with the row
+counts that checkpoint recorded (`row_counts()` at save time), so a log that lost rows
+(emptied, deleted, a damaged line before the checkpoint) stops the run with the file and
+line instead of finishing with a silent gap. `extend_run` makes a finished run's
+directory hold the same run with more steps (`rl-jax train ... --continue`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class RunDir:
     def close(self) -> None:
         """Upload pending rows and release the run directory's lock (idempotent)."""
         try:
-            if self.lock is None or getattr(self.lock, "_lost", None) is None:
+            if self.lock is None or self.lock.lost is None:
                 self.store.flush()
         finally:
             if self.lock is not None:
@@ -221,10 +222,10 @@ class RunDir:
             self._rows[name] = len(rows)
 
     def discard(self, stamp: str) -> str:
-        """Move the previous run's checkpoints, logs and DONE aside (checkpoint.resume=false)
+        """Move the previous run's logs, events and DONE aside (checkpoint.resume=false)
         into `discarded-<stamp>/`; returns that directory's URL."""
         dest = f"discarded-{stamp}"
-        for name in (CHECKPOINTS, *LOGS, DONE, EVENTS):
+        for name in (*LOGS, DONE, EVENTS):  # the checkpoints: Checkpointer.discard
             if self.store.exists(name):
                 self.store.move(name, f"{dest}/{name}")
         self._rows = dict.fromkeys(LOGS, 0)
