@@ -64,6 +64,8 @@ MODES = {
     "pipeline": ["train.off_policy=pipeline", "train.off_policy_k=2", "sampling.decode_chunk=2"],
 }
 DROP = ("time/", "device_seconds", "eval_device_seconds")
+# Knobs that name where a launch runs, not what it computes (a new port each launch).
+LAUNCH = ("name", "out_dir", "mesh.coordinator_address", "mesh.process_id")
 
 
 LEASE_S = 3.0
@@ -108,11 +110,7 @@ def rows(run: str) -> dict[str, list[dict]]:
     out = {}
     for name in ("metrics.jsonl", "curve.jsonl"):
         out[name] = [
-            {
-                k: v
-                for k, v in r.items()
-                if not k.startswith(DROP) and k not in (*DROP, "name", "out_dir")
-            }
+            {k: v for k, v in r.items() if not k.startswith(DROP) and k not in (*DROP, *LAUNCH)}
             for r in read_jsonl(f"{run}/{name}")
         ]
     return out
@@ -243,10 +241,18 @@ def check(out: str, mode: str, every: int, kills: int, rng, *, processes: int, f
         cb = collections.Counter(r["step"] for r in b[name])
         lost += sum((ca - cb).values())
         dup += sum((cb - ca).values())
+    differs = [
+        (name, i, k)
+        for name in a
+        for i, (ra, rb) in enumerate(zip(a[name], b[name], strict=False))
+        for k in sorted(set(ra) | set(rb))
+        if ra.get(k) != rb.get(k)
+    ]
     return {
         "mode": mode,
         "every": every,
         "processes": processes,
+        "first_differences": differs[:5],
         "kills": ends["killed"] + ends["killed_in_save"],
         "kills_in_save": ends["killed_in_save"],
         "finished_before_kill": ends["finished"],

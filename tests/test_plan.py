@@ -129,6 +129,14 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
         sum(p["roofline_s"] * p["calls"] for p in plan["programs"])
     )
     assert st["rollouts_per_hour"] == pytest.approx(4 * 2 * 3600 / st["roofline_s"])
+    # fsdp 2: the train step gathers weights and reduces gradients over the interconnect,
+    # priced at one torus axis's links; the step adds them, none overlapped.
+    assert step["collective_bytes"] > 0
+    assert step["collective_s"] == pytest.approx(step["collective_bytes"] / (400e9 * 2 / 4))
+    assert st["roofline_s_with_collectives"] == pytest.approx(
+        st["roofline_s"] + sum(p["collective_s"] * p["calls"] for p in plan["programs"])
+    )
+    assert st["rollouts_per_hour_with_collectives"] < st["rollouts_per_hour"]
     bud = plan["budget"]
     assert bud["rollouts"] == 7400 * 48 * 16
 

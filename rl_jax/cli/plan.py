@@ -167,7 +167,8 @@ def format_plan(plan: dict) -> str:
         f" {b['updates']} minibatches (grad_accum {b['grad_accum']}),"
         f" {b['prompt_len']}+{b['gen_len']} tokens; " + _sampler_line(plan),
         f"{'program':<14} {'HBM GB':>7} {'args':>7} {'temp':>7} {'other':>7} {'fits':>4} "
-        f"{'GFLOP':>9} {'useful':>6} {'x exp':>5} {'roofline s':>10} {'MFU':>5} {'calls':>7}",
+        f"{'GFLOP':>9} {'useful':>6} {'x exp':>5} {'roofline s':>10} {'ICI s':>9} {'MFU':>5}"
+        f" {'calls':>7}",
     ]
     for r in plan["programs"]:
         g = r["hbm_gb"]
@@ -178,14 +179,15 @@ def format_plan(plan: dict) -> str:
             f"{r['name']:<14} {r['hbm_total_gb']:>7.2f} {g['arguments']:>7.2f} "
             f"{g['temporaries']:>7.2f} {g['resident']:>7.2f} {'yes' if r['fits'] else 'NO':>4} "
             f"{r['flops'] / 1e9:>9.1f} {_useful(r):>6.2f} {r['flops_expected_ratio']:>5.2f}"
-            f" {r['roofline_s']:>10.4g} "
+            f" {r['roofline_s']:>10.4g} {r['collective_s']:>9.3g} "
             f"{r['mfu_estimate']:>5.2f} {r['calls']:>7.4g}"
         )
     lines += [
         "(per chip; other = buffers live beside the program: optimizer state, the"
         " stream's engine state; useful = model FLOPs / compiled FLOPs; x exp ="
         " compiled / (model + what remat, blockwise attention and the chunked LM head"
-        " recompute); decode's and generate's row is one token per row or slot)",
+        " recompute); ICI s = the collectives' bytes over one torus axis's links;"
+        " decode's and generate's row is one token per row or slot)",
         *(["DOES NOT FIT:"] + [f"  {a}" for a in plan["advice"]] if plan["advice"] else []),
     ]
     if plan["flops_counted"]:
@@ -193,6 +195,8 @@ def format_plan(plan: dict) -> str:
             f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"
             f" {st['rollouts_per_hour']:.4g} rollouts/hour; {bud['rollouts']:.4g} rollouts"
             f" in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
+            f"with collectives, none overlapped: {st['roofline_s_with_collectives']:.4g} s,"
+            f" {st['rollouts_per_hour_with_collectives']:.4g} rollouts/hour",
             bud["note"],
         ]
     else:

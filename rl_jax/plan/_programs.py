@@ -39,6 +39,7 @@ from rl_jax.plan._assumed import (
     model_facts,
     planned_model,
 )
+from rl_jax.plan._collectives import collective_bytes
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
@@ -288,6 +289,7 @@ def plan_run(
                 calls=steps,
                 bytes_analytic=weight_bytes + kv_bytes,
                 cost=costs[decode],
+                steps_per_call=1 if engine is None else engine.chunk,
             )
         )
         return programs
@@ -311,6 +313,8 @@ def plan_run(
     cost_s = time.perf_counter() - t0
     programs = reports(costs)
     step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
+    # The collectives added to the roofline, none overlapped with compute: the other bound.
+    step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
     useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
     rollouts = P * G
     per_hour = rollouts * 3600 / step_s if step_s > 0 else float("nan")
@@ -357,6 +361,10 @@ def plan_run(
             "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s else float("nan"),
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour,
+            "roofline_s_with_collectives": step_c,
+            "rollouts_per_hour_with_collectives": (
+                rollouts * 3600 / step_c if step_c > 0 else float("nan")
+            ),
         },
         "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
         "flops_counted": count_flops,
@@ -857,11 +865,14 @@ def _report(
     calls: float = 1,
     bytes_analytic: float | None = None,
     cost: tuple[float, float] | None = None,
+    steps_per_call: int = 1,
 ):
     """One compiled program's per-chip facts. `analytic_total`: its model FLOPs over all
     chips; `expected`: what the compiled count should be (rematerialization included);
     `resident`: bytes other live buffers hold on each chip while it runs; `calls`: times
-    it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline).
+    it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline);
+    `steps_per_call`: the token steps one call of a decode program runs (its collectives
+    are reported per step, as its roofline is).
     `cost`: its (FLOPs, bytes accessed) per chip with every loop iteration counted
     (`_layer_costs`), else XLA's count of the program. `done`: `_compile`'s result for
     the program, (compiled, seconds) or OutOfMemory."""
@@ -883,6 +894,7 @@ def _report(
     analytic = analytic_total / chips  # an SPMD program's costs are per chip
     expected = analytic if expected is None else expected / chips
     roofline = chip.roofline_s(flops, moved)
+    sent = sum(collective_bytes(compiled.as_text()).values()) / steps_per_call
     nan = float("nan")
     out = {
         "name": name,
@@ -897,6 +909,10 @@ def _report(
         "flops_expected": expected,
         "flops_expected_ratio": flops / expected if expected else float("nan"),
         "bytes_accessed": moved,
+        # What one call sends over the interconnect (its HLO's collectives, every loop
+        # iteration counted), priced at one torus axis's links: time the roofline omits.
+        "collective_bytes": sent,
+        "collective_s": sent / chip.collective_bandwidth,
         "roofline_s": roofline,
         "mfu_estimate": analytic / chip.bf16_flops / roofline if roofline > 0 else float("nan"),
         "calls": calls,
@@ -928,6 +944,7 @@ def _out_of_memory(
     out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected")}
     out["flops_expected_ratio"] = nan
     out.update({k: nan for k in ("bytes_accessed", "roofline_s", "mfu_estimate", "compile_s")})
+    out.update({k: nan for k in ("collective_bytes", "collective_s")})
     return {
         **out,
         "name": name,

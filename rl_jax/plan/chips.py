@@ -1,7 +1,7 @@
 """Accelerator chips a plan can target: published peak rates and memory, in one place.
 
 Per chip, from Google Cloud's TPU system-architecture pages: dense bfloat16
-peak FLOP/s, HBM capacity and HBM bandwidth. A topology name is
+peak FLOP/s, HBM capacity and bandwidth, and inter-chip interconnect bandwidth. A topology name is
 `<chip>:<shape>` as `jax.experimental.topologies` takes it (v5e:2x2,
 v5p:2x2x2, v6e:4x4, v4:2x2x1), or a Cloud TPU accelerator type (v5p-128,
 v6e-64, v5litepod-16, v4-32), which names the slice's default shape
@@ -26,6 +26,15 @@ class Chip:
     bf16_flops: float  # peak dense bf16 FLOP/s
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s
+    ici_bandwidth: float  # bidirectional inter-chip interconnect bytes/s, all ports
+    ici_ports: int  # 4 on a 2-D torus, 6 on a 3-D one
+
+    @property
+    def collective_bandwidth(self) -> float:
+        """Bytes/s one chip sends in a collective over one axis of its torus: the 2 of
+        its ports along that axis (a ring both ways). A model: a mesh axis laid over
+        several torus axes uses more links, one sharing its links with another less."""
+        return self.ici_bandwidth * 2 / self.ici_ports
 
     def roofline_s(self, flops: float, bytes_accessed: float) -> float:
         """Lower bound on a program's time on one chip: compute- or memory-bound."""
@@ -34,11 +43,13 @@ class Chip:
 
 GB = 1e9
 GIB = 2**30
+# ICI: "bidirectional inter-chip interconnect (ICI) bandwidth (per chip)" of the v5e,
+# v5p and v6e pages; the v4 page gives none (its collectives are priced as NaN).
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", 275e12, 32 * GIB, 1228 * GB),
-    "v5e": Chip("v5e", 197e12, 16 * GIB, 819 * GB),
-    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765 * GB),
-    "v6e": Chip("v6e", 918e12, 32 * GIB, 1640 * GB),
+    "v4": Chip("v4", 275e12, 32 * GIB, 1228 * GB, math.nan, 6),
+    "v5e": Chip("v5e", 197e12, 16 * GIB, 819 * GB, 400 * GB, 4),
+    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 6),
+    "v6e": Chip("v6e", 918e12, 32 * GIB, 1640 * GB, 800 * GB, 4),
 }
 
 
