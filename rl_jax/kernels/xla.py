@@ -282,6 +282,10 @@ class Decode:
     """
 
     platform_ops: tuple[str, ...] = ()  # ops in the platform's own kernels: none here
+    # A paged cache's positions per page where the engine is not told, and the multiple
+    # its pages must be of (a platform's layout may tile them).
+    page_size: int = 16
+    page_multiple: int = 1
 
     def __init__(self, platform: str, *, einsum=einsum_f32):
         self.platform = platform
@@ -309,9 +313,15 @@ class Decode:
 
     def cache_axes(self, cache: DecodeCache) -> tuple[tuple, tuple]:
         """Logical axes of (keys, values)."""
+        if isinstance(cache, PagedKV):
+            return self.paged_axes(cache)
         if cache[1].ndim == 6:
             return BLOCKED_KEYS_LOGICAL_AXES, BLOCKED_VALUES_LOGICAL_AXES
         return KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES
+
+    def paged_axes(self, cache: PagedKV) -> tuple[tuple, tuple]:
+        """Logical axes of a paged cache's keys and values."""
+        return PAGED_LOGICAL_AXES, PAGED_LOGICAL_AXES
 
     @staticmethod
     def cache_slots(cache: DecodeCache) -> int:
@@ -419,7 +429,9 @@ class Decode:
 
     @staticmethod
     def kv_geometry(cache: DecodeCache) -> tuple[int, int]:
-        """(kv heads, head width) of a cache in this layout."""
+        """(kv heads, head width) of a cache in this layout (or a paged one)."""
+        if isinstance(cache, PagedKV):
+            return cache.values.shape[0], cache.values.shape[-1]
         return cache[1].shape[-3], cache[1].shape[-1]
 
     @classmethod
@@ -465,6 +477,207 @@ class Decode:
         return online_softmax(
             jnp.max(slot) // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd), einsum=self.einsum
         )
+
+    # ---- the paged cache (`PagedKV`, the engine's) ------------------------------------
+
+    def paged_shapes(self, *, kv_heads, layers, pages, page, head_dim, dtype) -> PagedKV:
+        """The shapes of a paged cache of `pages` pages of `page` positions (abstract)."""
+        shape = (kv_heads, layers, pages, page, head_dim)
+        return PagedKV(*(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _ in range(2)))
+
+    def page_keys(self, keys: jax.Array) -> jax.Array:
+        """Keys [..., P, hd] of whole pages in this platform's layout of paged keys."""
+        return keys
+
+    def paged_attention(
+        self,
+        qkv: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        cache: PagedKV,
+        pages: Pages,
+        pos_b: jax.Array,
+        *,
+        layer,
+        num_heads: int,
+        qk_norm: tuple[jax.Array, jax.Array] | None = None,
+        eps: float = 0.0,
+    ) -> tuple[jax.Array, PagedKV]:
+        """`attention` over a paged cache: row b's key and value written at its position
+        pos_b[b] (where pages.live[b]), then its query over its positions 0 .. pos_b[b],
+        the pages of its table that hold them. Returns (attention [B, K, R, hd] or
+        [B, H hd], float32; the cache)."""
+        q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
+        B, K, R, hd = q.shape
+        dtype = qkv.dtype
+
+        def local(q, k, v, keys, values, table, live, pos, layer):
+            keys, values = self.write_page(keys, values, k, v, table, live, pos, layer)
+            att = self.read_pages(q, keys, values, table, pos, layer, dtype, live)
+            return att, keys, values
+
+        att, keys, values = self._paged_call(
+            local, pages.layout, q, k.reshape(B, K, hd), v.reshape(B, K, hd), cache, pages, pos_b
+        )(layer)
+        return att, PagedKV(keys, values)
+
+    def _paged_call(self, local, layout, q, k, v, cache, pages, pos_b):
+        """`local(q, k, v, keys, values, table, live, pos, layer)` -> (attention, keys,
+        values) per device where `layout` says; returns a function of the layer."""
+        if layout is None:
+            return lambda layer: local(q, k, v, *cache, pages.table, pages.live, pos_b, layer)
+        q_spec, row, paged = _paged_specs(layout)
+        kv_spec = jax.sharding.PartitionSpec(layout.rows, layout.heads, None)
+        specs = (q_spec, kv_spec, kv_spec, paged(cache.keys.ndim), paged(cache.values.ndim))
+        fn = _per_device(
+            local,
+            layout,
+            (*specs, row(2), row(1), row(1), jax.sharding.PartitionSpec()),
+            (q_spec, specs[3], specs[4]),
+        )
+        return lambda layer: fn(q, k, v, *cache, pages.table, pages.live, pos_b, layer)
+
+    def write_page(self, keys, values, k_bkh, v_bkh, table, live, pos, layer):
+        """Row b's key and value [B, K, hd] at its position pos[b] of `layer`, where
+        live[b] (the page: table[b, pos[b] // P]; other rows write nothing)."""
+        N, P = values.shape[2], values.shape[3]
+        page = jnp.take_along_axis(table, (pos // P)[:, None], axis=1, mode="clip")[:, 0]
+        page = jnp.where(live, page, N)
+        at = (slice(None), layer, page, pos % P)
+        keys = keys.at[at].set(jnp.swapaxes(k_bkh, 0, 1).astype(keys.dtype), mode="drop")
+        values = values.at[at].set(jnp.swapaxes(v_bkh, 0, 1).astype(values.dtype), mode="drop")
+        return keys, values
+
+    def read_pages(self, q, keys, values, table, pos, layer, dtype, live=None) -> jax.Array:
+        """q [B, K, R, hd] over positions 0 .. pos[b] of each row's pages of `layer`:
+        [B, K, R, hd] float32 (rows not `live` [B]: anything finite, a kernel may skip
+        them). Long tables on platforms of DECODE_BLOCK_PLATFORMS are
+        read in blocks of pages, up to the furthest row's (an online softmax), as the
+        blocked whole cache is; else every page of the table at once."""
+        B, K, R, hd = q.shape
+        N, P = values.shape[2], values.shape[3]
+        table = jnp.minimum(table, N - 1)  # past a row's pages: any page, masked
+        n_pages = table.shape[1]
+        _, blk = decode_cache_blocks(n_pages * P, self.platform)
+        per = max(1, blk // P)
+        if per >= n_pages:
+            per = n_pages
+        else:
+            table = jnp.pad(table, ((0, 0), (0, -n_pages % per)))
+        span = jnp.arange(per * P)
+
+        def block_fn(j):
+            t = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
+            kb = keys[:, layer, t].reshape(K, B, per * P, hd).astype(dtype)
+            vb = values[:, layer, t].reshape(K, B, per * P, hd).astype(dtype)
+            visible = (j * per * P + span)[None, :] <= pos[:, None]
+            s = self.einsum("bkrh,kbsh->bkrs", q, kb)
+            return jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE), vb
+
+        if per == n_pages:  # one pass, one softmax
+            s, vb = block_fn(0)
+            probs = jax.nn.softmax(s, axis=-1).astype(dtype)
+            return self.einsum("bkrs,kbsh->bkrh", probs, vb)
+        n_blocks = jnp.max(pos) // (per * P) + 1
+        return online_softmax(
+            n_blocks, block_fn, "bkrs,kbsh->bkrh", (B, K, R, hd), einsum=self.einsum
+        )
+
+    def write_prompt(self, cache: PagedKV, k, v, table, take, *, layout=None) -> PagedKV:
+        """Rows' prompt keys and values k, v [L, B, K, W, hd] (positions 0 .. W - 1, W a
+        multiple of the page size, at most the table's pages) into the first W / P pages
+        of their tables, where take [B]; other rows write nothing. Positions past a
+        row's prompt carry whatever k and v hold there: its decode steps write them
+        before they are read."""
+
+        def local(keys, values, k, v, table, take):
+            L, B, K, W, hd = k.shape
+            N, P = values.shape[2], values.shape[3]
+            n = W // P
+            pg = jnp.where(take[:, None], table[:, :n], N)  # [B, n]
+
+            def put(pages, x, as_keys):  # x [L, B, K, W, hd] -> [K, L, B, n, P, hd]
+                x = x.reshape(L, B, K, n, P, hd).transpose(2, 0, 1, 3, 4, 5).astype(pages.dtype)
+                x = self.page_keys(x) if as_keys else x
+                return pages.at[:, :, pg].set(x, mode="drop")
+
+            return put(keys, k, True), put(values, v, False)
+
+        if layout is None:
+            return PagedKV(*local(*cache, k, v, table, take))
+        _, row, paged = _paged_specs(layout)
+        P = jax.sharding.PartitionSpec
+        rows_kv = P(None, layout.rows, layout.heads, None, None)
+        specs = (paged(cache.keys.ndim), paged(cache.values.ndim))
+        fn = _per_device(local, layout, (*specs, rows_kv, rows_kv, row(2), row(1)), specs)
+        return PagedKV(*fn(*cache, k, v, table, take))
+
+
+# ---- the paged decode cache (the continuous-batching engine's) ---------------------------
+
+
+class PagedKV(NamedTuple):
+    """A paged KV cache: N pages of P positions per layer and kv head, which rows own
+    through their page tables (`Pages`). Keys and values [K, L, N, P, hd] (a platform
+    may keep its keys in a layout of its own: `rl_jax.kernels.cpu`, in tiles). Pages
+    are split over the mesh's batch shards like the rows that own them: a device's
+    rows own pages of that device only."""
+
+    keys: jax.Array
+    values: jax.Array
+
+
+PAGED_LOGICAL_AXES = ("kv_heads", "layers", "batch", None, "head_dim")
+
+
+class PagedLayout(NamedTuple):
+    """How a paged attention runs per device under `jax.shard_map`: the mesh, the mesh
+    axes of the rows (and of the pages: a row's pages are on its device) and of the kv
+    heads (None: not split)."""
+
+    mesh: jax.sharding.Mesh
+    rows: tuple | str | None
+    heads: tuple | str | None
+
+
+class Pages(NamedTuple):
+    """Where each row's keys and values are in a `PagedKV`: table [B, R] int32, row b's
+    position p at page table[b, p // P], offset p % P (page ids of the row's device;
+    N, no page, past the row's own); live [B] bool, the rows whose key and value a step
+    writes (a row that ended writes nothing: its pages may be another row's by then).
+    layout: run per device (`PagedLayout`), or None (one device, or already inside a
+    shard_map)."""
+
+    table: jax.Array
+    live: jax.Array
+    layout: PagedLayout | None = None
+
+
+def pages_needed(prompt_len: int, new_tokens: int, page: int) -> int:
+    """Pages a row of `prompt_len` prompt tokens and at most `new_tokens` completion
+    tokens writes: positions 0 .. prompt_len + new_tokens - 2 (the last token sampled
+    is never fed back)."""
+    return max(1, -(-(prompt_len + new_tokens - 1) // page))
+
+
+def _per_device(fn, layout: PagedLayout | None, in_specs, out_specs):
+    """`fn` on each device's rows, pages and heads (`layout`), or as is without one."""
+    if layout is None or layout.mesh.size == 1:
+        return fn
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return fn
+    return jax.shard_map(
+        fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+def _paged_specs(layout: PagedLayout):
+    """PartitionSpecs of q [B, K, R, hd], a row array [B, ...] and pages [K, L, N, ...]."""
+    P = jax.sharding.PartitionSpec
+    return (
+        P(layout.rows, layout.heads, None, None),
+        lambda ndim: P(layout.rows, *(None,) * (ndim - 1)),
+        lambda ndim: P(layout.heads, None, layout.rows, *(None,) * (ndim - 3)),
+    )
 
 
 def _write_rows(ck, cv, k_bkh, v_bkh, layer, slot_b) -> DecodeCache:
