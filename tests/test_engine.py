@@ -303,6 +303,24 @@ def test_evaluation_slots_bound_its_cache():
         assert pages == engine.slots * engine.row_pages
 
 
+def test_overlapped_host_loop_gives_the_same_rollouts(params_a):
+    """`run` dispatches chunk k + 1 before it reads chunk k (the default): slots refill a
+    chunk later, and a chunk's columns go to the rows that were in its slots when it
+    was dispatched, not to rows a refill put there since. Bit for bit the rollouts of
+    the loop that reads each chunk before the next, with stop tokens, per-row limits,
+    rows waiting for slots and the timeline's thread watching the chunks."""
+    stop = _stop_token(params_a)
+    engine = Engine(SPEC, SAMPLED, slots=3, chunk=2, pad_id=0, eos_id=stop)
+    limits = [3, 10, 7, 1, 9, 5]
+    a, sa = engine.run(params_a, PROMPTS, n=2, seed=4, max_new_tokens=limits, overlap=False)
+    b, sb = engine.run(params_a, PROMPTS, n=2, seed=4, max_new_tokens=limits, timeline=True)
+    _assert_same(b, a, exact=True)
+    assert (a.finish_reason == FinishReason.STOP).any()
+    assert sa.device_idle is None and 0 <= sb.device_idle < 1
+    assert sb.slot_steps > sa.slot_steps and sb.kept_tokens == sa.kept_tokens
+    assert sa.pages_held == sb.pages_held == 0
+
+
 def test_page_book_hands_each_page_to_one_slot_at_a_time():
     """Pages per batch shard: a slot takes pages of its own shard, never a held one,
     and gives them back; the book knows what is free."""

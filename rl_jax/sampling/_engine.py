@@ -62,6 +62,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -136,6 +139,13 @@ class ChunkOut:
     truncated: np.ndarray
 
 
+class PendingChunk(NamedTuple):
+    """A chunk `Engine.dispatch` queued: its outputs on the device, not read yet."""
+
+    rows: dict
+    steps: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class RunStats:
     """What a run of the host loop did (`Engine.run`)."""
@@ -149,6 +159,9 @@ class RunStats:
     pages: int = 0  # pages of the KV cache
     pages_peak: int = 0  # most pages rows held at once
     pages_held: int = 0  # pages rows held when the run ended (none: every row gave its back)
+    # The fraction of the run's time the device had no program to run (`timeline=True`):
+    # the gaps between one program's end and the next one's dispatch.
+    device_idle: float | None = None
 
     @property
     def occupancy(self) -> float:
@@ -238,6 +251,7 @@ class Engine(Decoder):
                 f"exceeds the model's max_position={self.spec.max_position}"
             )
         self._last_bucket = self.prompt_len
+        self._clock: _Timeline | None = None  # a run's timeline (`run(timeline=True)`)
         self._set_pages(page_size, kv_pages)
         opts = xla_options(mesh)
         # With a mesh, every call takes and returns the state in one layout (the one
@@ -540,8 +554,9 @@ class Engine(Decoder):
 
     def _chunk(self, ops: Decode, weights, state, version, refill_at, steps: int, *, manual):
         """Up to `steps` decode steps of every slot, fewer once every slot is done or
-        `refill_at` slots are (of this device's rows, in proportion, if `manual`); also
-        the chunk's columns and end flags of every slot and the steps run."""
+        `refill_at` rows have ended in the chunk (of this device's rows, in proportion,
+        if `manual`); also the chunk's columns and end flags of every slot and the steps
+        run."""
         greedy = self.cfg.temperature <= 0
         # This chunk's draws of every slot, [S, steps], from each row's own step on: a
         # row active at step i of the chunk is at its step state.step + i.
@@ -553,7 +568,8 @@ class Engine(Decoder):
 
         def cond(c):
             i, s = c
-            return (i < steps) & ~jnp.all(s.done) & (jnp.sum(s.done) < need)
+            ended = jnp.sum(s.done & ~state.done)
+            return (i < steps) & ~jnp.all(s.done) & (ended < need)
 
         def body(c):
             i, s = c
@@ -654,6 +670,8 @@ class Engine(Decoder):
             group_ids,
             lim,
         )
+        if self._clock:
+            self._clock.dispatched()
         return self._prefill_insert(
             self._as_params(params),
             state,
@@ -673,15 +691,36 @@ class Engine(Decoder):
         refill_at: int | None = None,
     ) -> tuple[EngineState, ChunkOut]:
         """`chunk` decode steps of every slot, fewer if every slot ends first, or once
-        `refill_at` slots are done (time to refill them); tokens sampled here carry
-        `version`. Returns the state (`state` is donated) and the chunk's `ChunkOut`
-        (one small device-to-host read)."""
+        `refill_at` rows have ended in it (time to refill their slots); tokens sampled
+        here carry `version`. Returns the state (`state` is donated) and the chunk's
+        `ChunkOut` (one small device-to-host read): `dispatch`, then `read`."""
+        state, pending = self.dispatch(params, state, version=version, refill_at=refill_at)
+        return state, self.read(pending)
+
+    def dispatch(
+        self,
+        params: Params | Transformer,
+        state: EngineState,
+        *,
+        version: int = 0,
+        refill_at: int | None = None,
+    ) -> tuple[EngineState, PendingChunk]:
+        """`generate`'s chunk, dispatched and not waited for (JAX dispatches
+        asynchronously): the host may queue the next program and do its own work while
+        the device decodes, then `read` the chunk."""
         at = self.slots + 1 if refill_at is None else int(refill_at)
+        if self._clock:
+            self._clock.dispatched()
         state, rows, steps = self._generate(
             self._as_params(params), state, np.int32(version), np.int32(at), steps=self.chunk
         )
-        rows, steps = to_host((rows, steps))
-        return state, ChunkOut(steps=int(steps), **rows)
+        return state, PendingChunk(rows, steps)
+
+    @staticmethod
+    def read(pending: PendingChunk) -> ChunkOut:
+        """A dispatched chunk's `ChunkOut` (waits for it)."""
+        rows, steps = to_host((pending.rows, pending.steps))
+        return ChunkOut(steps=int(steps), **rows)
 
     @staticmethod
     def finished(out: ChunkOut) -> np.ndarray:
@@ -705,6 +744,8 @@ class Engine(Decoder):
         weights: Callable[[int], tuple[Params, int]] | None = None,
         refill_min: int | None = None,
         row_ids: Sequence[int] | None = None,
+        overlap: bool = True,
+        timeline: bool = False,
     ) -> tuple[Rollouts, RunStats]:
         """Sample n rollouts of each prompt: R = P * n rows, row r = p * n + s of prompt
         p, its draws keyed by fold_in(key, row_ids[r]) (default r). Rows enter free
@@ -713,7 +754,14 @@ class Engine(Decoder):
         prompt is prefilled once, when its first row enters. `weights(chunk)` ->
         (params, version) gives the weights of each chunk (default: `params`, `version`
         throughout). `max_new_tokens`: one limit for all rows or one per row. A chunk
-        ends early once `refill_min` slots are free while rows wait (default S / 64).
+        ends early once `refill_min` rows have ended in it while rows wait (default
+        S / 64).
+
+        `overlap`: dispatch chunk k + 1 before reading chunk k, so that the device
+        decodes while the host reads a chunk, assembles its rows and refills the slots
+        (the refill then comes a chunk later: a slot whose row ended in chunk k is
+        refilled after chunk k + 1). `timeline`: measure the device's idle time between
+        programs (`RunStats.device_idle`; a thread waits on each chunk's outputs).
         Returns the rollouts in row order and the run's `RunStats`."""
         G = self.cfg.n if n is None else int(n)
         P = len(prompt_ids)
@@ -733,18 +781,37 @@ class Engine(Decoder):
             raise ValueError(f"row_ids needs {R} ids (prompts x n), got shape {ids.shape}")
         loop = _HostLoop(self, prompt_ids, G, key, limits, queue, ids)
         refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
+        if weights is None:
+            weights = lambda chunk: (params, version)  # noqa: E731
+        clock = _Timeline() if timeline else None
+        chunks = self._drive(loop, weights, refill_min, overlap=overlap, clock=clock)
+        return loop.rollouts(), loop.stats(chunks, clock.idle() if clock else None)
+
+    def _drive(self, loop: _HostLoop, weights, refill_min: int, *, overlap: bool, clock) -> int:
+        """`run`'s host loop: refill, dispatch a chunk, read the one before it (or this
+        one, without `overlap`); the chunks run."""
         state = self.init()
-        chunk = 0
-        while loop.slots.queue or loop.slots.busy():
-            if weights is not None:  # this chunk's weights prefill its new rows too
-                params, version = weights(chunk)
+        self._clock = clock
+        chunk, pending = 0, None
+        while loop.slots.queue or loop.slots.busy() or pending is not None:
+            params, version = weights(chunk)  # this chunk's weights prefill its new rows too
             state = loop.slots.refill(params, state)
-            # Slots left free (rows waiting for pages) count as done already.
-            at = loop.slots.free() + refill_min if loop.slots.queue else None
-            state, out = self.generate(params, state, version=version, refill_at=at)
-            chunk += 1
-            loop.collect(out)
-        return loop.rollouts(), loop.stats(chunk)
+            queued = None
+            if loop.slots.busy():
+                at = refill_min if loop.slots.queue else None
+                state, out = self.dispatch(params, state, version=version, refill_at=at)
+                queued = (out, loop.slots.held())
+                chunk += 1
+                if clock:
+                    clock.watch(out.steps)
+            if pending is not None:
+                loop.collect(self.read(pending[0]), pending[1])
+            pending = queued
+            if not overlap and pending is not None:
+                loop.collect(self.read(pending[0]), pending[1])
+                pending = None
+        self._clock = None
+        return chunk
 
 
 def _take_vector(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -837,9 +904,10 @@ class _HostLoop:
         self.cols = {k: np.full((R, Tg), blank[k], dtype) for k, (dtype, _) in COLUMNS.items()}
         self.ends = {k: np.zeros((R,), np.int32) for k in ("lengths", "finish", "truncated")}
 
-    def collect(self, out: ChunkOut) -> None:
-        """The rows the chunk ended into their buffers."""
-        ended = self.slots.collect(out)
+    def collect(self, out: ChunkOut, rows: np.ndarray) -> None:
+        """The rows the chunk ended into their buffers (`rows`: the slots' rows when
+        it was dispatched)."""
+        ended = self.slots.collect(out, rows)
         for k, v in ended.columns.items():
             self.cols[k][ended.rows] = v
         for k in self.ends:
@@ -865,7 +933,7 @@ class _HostLoop:
             }
         )
 
-    def stats(self, chunks: int) -> RunStats:
+    def stats(self, chunks: int, device_idle: float | None = None) -> RunStats:
         within = np.arange(self.engine.gen_len)[None, :] < self.ends["lengths"][:, None]
         return RunStats(
             chunks=chunks,
@@ -877,4 +945,42 @@ class _HostLoop:
             pages=self.slots.pages.total,
             pages_peak=self.slots.pages.peak,
             pages_held=self.slots.pages.in_use(),
+            device_idle=device_idle,
         )
+
+
+class _Timeline:
+    """When the host dispatched each program of a run and when each chunk's outputs were
+    ready (a thread waits on them in order, the GIL released): the device's idle time
+    is the gaps between a chunk's end and the next dispatch after it. A prefill_insert
+    is dispatched just before its chunk, so its time counts as busy."""
+
+    def __init__(self):
+        self._sent: list[float] = []  # dispatch times, every program's
+        self._ready: list[float] = []  # each chunk's end
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def dispatched(self) -> None:
+        self._sent.append(time.perf_counter())
+
+    def watch(self, output: jax.Array) -> None:
+        self._queue.put(output)
+
+    def _wait(self) -> None:
+        while (x := self._queue.get()) is not None:
+            jax.block_until_ready(x)
+            self._ready.append(time.perf_counter())
+
+    def idle(self) -> float:
+        """The idle fraction of the run, from the first dispatch to the last chunk's end."""
+        self._queue.put(None)
+        self._thread.join()
+        sent = np.asarray(self._sent)
+        idle = 0.0
+        for end in self._ready[:-1]:
+            after = sent[sent > end]  # the device waits for the host's next dispatch
+            idle += float(after[0] - end) if after.size else 0.0
+        span = self._ready[-1] - self._sent[0] if self._ready else 0.0
+        return idle / span if span > 0 else 0.0

@@ -234,11 +234,19 @@ class SlotBook:
                     self.free_entries.append(self.pooled.pop(g))
         return state
 
-    def collect(self, out: ChunkOut) -> Ended:
+    def held(self) -> np.ndarray:
+        """The row in each slot now ([S], -1 free): what a chunk dispatched now decodes
+        (`collect`'s `rows`)."""
+        return self.slot_row.copy()
+
+    def collect(self, out: ChunkOut, rows: np.ndarray | None = None) -> Ended:
         """The chunk's columns into each slot's row; the rows that ended leave their
-        slots and come back."""
+        slots and come back. `rows`: the slots' rows when the chunk was dispatched
+        (`held`; default: now): a host that dispatches a chunk before reading the one
+        before it skips the rows that one ended (their slots may hold new rows)."""
         self.slot_steps += self.engine.slots * out.steps
-        held = np.flatnonzero(self.slot_row >= 0)
+        at = self.slot_row if rows is None else rows
+        held = np.flatnonzero((at >= 0) & (at == self.slot_row))
         cols = out.start[held, None] + np.arange(out.tokens.shape[1])[None, :]
         ok = cols < self.engine.gen_len
         s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
