@@ -5,6 +5,7 @@ interruption, per-row limits, in-flight weight swaps, bounded compiles."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sampler import PROMPTS, SPEC, _params, _sequences, _swapped_logits
@@ -321,6 +322,35 @@ def test_overlapped_host_loop_gives_the_same_rollouts(params_a):
     assert sa.pages_held == sb.pages_held == 0
 
 
+def test_int8_kv_cache_stays_near_the_float_cache():
+    """kv_quant="int8": keys and values int8 with a float32 scale per position and kv
+    head. Each vector comes back within half a step of its scale (max |x| / 127); the
+    engine's rows follow the float32 cache's (the same first tokens, log-probs on the
+    tokens both drew within 0.05: benchmarks/kv_drift.py measures real models)."""
+    from rl_jax.kernels.xla import dequantize_int8, quantize_int8
+
+    x = jax.random.normal(jax.random.key(0), (5, 3, 16)) * jnp.arange(1, 4)[None, :, None]
+    q, scale = quantize_int8(x)
+    assert q.dtype == jnp.int8 and scale.shape == (5, 3)
+    err = jnp.abs(dequantize_int8(q, scale) - x)
+    assert bool((err <= scale[..., None] / 2 + 1e-6).all())
+    assert bool((quantize_int8(jnp.zeros((2, 16)))[0] == 0).all())
+
+    params = _params(0, 3.0)
+    cfg = dataclasses.replace(GREEDY, max_new_tokens=16)
+    ref, _ = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0).run(params, PROMPTS, n=2)
+    int8 = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0, kv_quant="int8")
+    cache = int8.init().slots.cache
+    assert cache.keys.dtype == cache.values.dtype == jnp.int8
+    assert cache.scales.shape == (*cache.values.shape[:4], 2)
+    out, stats = int8.run(params, PROMPTS, n=2)
+    same = out.completion_tokens == ref.completion_tokens
+    first = np.where((~same).any(axis=1), (~same).argmax(axis=1), same.shape[1])
+    assert (first >= 1).all() and stats.pages_held == 0
+    prefix = np.arange(same.shape[1])[None, :] < first[:, None]
+    np.testing.assert_allclose(out.logprobs[prefix], ref.logprobs[prefix], atol=0.05)
+
+
 def test_page_book_hands_each_page_to_one_slot_at_a_time():
     """Pages per batch shard: a slot takes pages of its own shard, never a held one,
     and gives them back; the book knows what is free."""
@@ -384,6 +414,8 @@ def test_engine_errors():
         engine.run({}, [list(range(1, 20))], n=1)
     with pytest.raises(ValueError, match="permutation"):
         engine.run({}, PROMPTS, n=1, order=[0, 0, 1])
+    with pytest.raises(ValueError, match="kv_quant='fp4': one of None, int8"):
+        Engine(SPEC, GREEDY, slots=2, kv_quant="fp4")
     with pytest.raises(ValueError, match="kv_pages=1: .* at least a longest row's 2 pages"):
         Engine(SPEC, GREEDY, slots=2, page_size=16, kv_pages=1)
     with pytest.raises(ValueError, match="kv_pages=5: need a multiple of the 2 batch shards"):

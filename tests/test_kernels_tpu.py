@@ -229,10 +229,12 @@ def test_paged_attention_kernel_equals_the_reference():
 
 
 def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache):
-    """The engine's generate for a bfloat16 model on v5e:2x2 (rows and pages over 2
-    devices, kv heads over 2), compiled through libtpu from this host: the paged
-    attention kernel runs in it (`tpu_custom_call`, one per layer of the scan's body),
-    and the CPU lowering of the same program holds none."""
+    """The engine's generate for a bfloat16 model on v5e:2x2 (rows and their pages over
+    the 4 chips), compiled through libtpu from this host: the paged attention kernel
+    runs in it (`tpu_custom_call`), the cache keeps the kernel's layout throughout (no
+    copy of a whole cache: libtpu laid it out token-major for a scatter of [K, B, hd]
+    windows and copied it at every layer, `xla.Decode.write_page`), and the CPU lowering
+    of the same program holds no kernel."""
     from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig
     from rl_jax.knobs import ConfigError
     from rl_jax.models import resolve_spec
@@ -249,8 +251,8 @@ def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache)
             preset="tiny",
             num_layers=2,
             hidden_size=256,
-            num_heads=4,
-            num_kv_heads=2,
+            num_heads=8,
+            num_kv_heads=4,
             head_dim=128,
             param_dtype="bfloat16",
             compute_dtype="bfloat16",
@@ -259,8 +261,8 @@ def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=112, max_prompt_len=16, length_bucket=16)
 
     def generate(devices):
-        mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2, rules="fsdp_tp"), devices=devices)
-        engine = Engine(spec, cfg, slots=4, chunk=4, mesh=mesh, pad_id=0)
+        mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=1), devices=devices)
+        engine = Engine(spec, cfg, slots=8, chunk=4, mesh=mesh, pad_id=0)
         shapes = jax.eval_shape(lambda: init_params(spec, jax.random.key(0)))
         shard = engine.param_shardings()
         params = {
@@ -271,5 +273,9 @@ def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache)
 
     engine, lowered = generate(devices[:4])
     assert engine.page_size == 64 and engine.row_pages == 2
-    assert "tpu_custom_call" in lowered.compile().as_text()
+    text = lowered.compile().as_text()
+    assert "tpu_custom_call" in text
+    K, L, N = 4, 2, engine.kv_pages // 4  # the cache per chip [K, L, N, P, hd]
+    whole = re.findall(rf"= bf16\[{K},{L},{N},64,128\]{{[^}}]*}} copy\(", text)
+    assert not whole, whole
     assert "tpu_custom_call" not in generate(jax.devices()[:4])[1].as_text()

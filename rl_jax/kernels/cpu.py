@@ -501,30 +501,39 @@ class Decode(xla.Decode):
         if attention:  # pages of whole key tiles
             self.page_multiple = KEY_TILE
 
-    def paged_shapes(self, *, kv_heads, layers, pages, page, head_dim, dtype) -> xla.PagedKV:
+    def paged_shapes(
+        self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
+    ) -> xla.PagedKV:
         shapes = super().paged_shapes(
-            kv_heads=kv_heads, layers=layers, pages=pages, page=page, head_dim=head_dim, dtype=dtype
+            kv_heads=kv_heads,
+            layers=layers,
+            pages=pages,
+            page=page,
+            head_dim=head_dim,
+            dtype=dtype,
+            quantized=quantized,
         )
-        if not self.tiled:
+        if not self.tiled or quantized:  # the kernel reads float32 pages
             return shapes
         keys = (kv_heads, layers, pages, page // KEY_TILE, head_dim, KEY_TILE)
         return shapes._replace(keys=jax.ShapeDtypeStruct(keys, shapes.keys.dtype))
 
-    def page_keys(self, keys: jax.Array) -> jax.Array:
-        if not self.tiled:
+    def page_keys(self, keys: jax.Array, cache: xla.PagedKV) -> jax.Array:
+        if cache.keys.ndim != 6:  # not in tiles
             return keys
         *lead, P, hd = keys.shape  # [..., P, hd] -> [..., P / KEY_TILE, hd, KEY_TILE]
         return keys.reshape(*lead, P // KEY_TILE, KEY_TILE, hd).swapaxes(-1, -2)
 
-    def paged_axes(self, cache: xla.PagedKV) -> tuple[tuple, tuple]:
+    def paged_axes(self, cache: xla.PagedKV) -> xla.PagedKV:
+        axes = super().paged_axes(cache)
         if cache.keys.ndim == 6:  # keys in tiles
-            return (*xla.PAGED_LOGICAL_AXES[:4], "head_dim", None), xla.PAGED_LOGICAL_AXES
-        return super().paged_axes(cache)
+            return axes._replace(keys=(*xla.PAGED_LOGICAL_AXES[:4], "head_dim", None))
+        return axes
 
     def paged_attention(
         self, qkv, rope, cache, pages, pos_b, *, layer, num_heads, qk_norm=None, eps=0.0
     ):
-        if not self.tiled:
+        if not self.tiled or cache.scales is not None:
             return super().paged_attention(
                 qkv,
                 rope,
@@ -545,7 +554,15 @@ class Decode(xla.Decode):
             B, K = q.shape[:2]
             inputs = (q, k.reshape(B, K, hd), v.reshape(B, K, hd))
         att, keys, values = paged_attention(
-            inputs, *cache, pages.table, pos_b, pages.live, layer, hd**-0.5, self.threads
+            inputs,
+            cache.keys,
+            cache.values,
+            pages.table,
+            pos_b,
+            pages.live,
+            layer,
+            hd**-0.5,
+            self.threads,
         )
         return att, xla.PagedKV(keys, values)
 

@@ -169,8 +169,8 @@ class Decode(xla.Decode):
     The engine's paged cache (`xla.PagedKV`, keys and values [K, L, N, P, hd], the
     layout the kernel reads) is read by the Pallas paged attention kernel (`paged_
     attention`), per device under `jax.shard_map` on a mesh: a row reads its filled
-    pages only. The kernel reads bfloat16; a cache of another dtype keeps XLA's
-    reference, as do the plan's counting programs (the kernel has no cost XLA can see).
+    pages only. The kernel reads bfloat16; a cache of another dtype (int8 too) keeps
+    XLA's reference, as do the plan's counting programs (the kernel has no cost XLA can see).
     `interpret`: the kernel in Pallas's interpreter (any backend: the CPU tests)."""
 
     page_size = 64
@@ -180,13 +180,15 @@ class Decode(xla.Decode):
         super().__init__(platform)
         self.interpret = interpret
 
-    def read_pages(self, q, keys, values, table, pos, layer, dtype, live=None):
-        if loops.mode().how != "run" or values.dtype != jnp.bfloat16:
-            return super().read_pages(q, keys, values, table, pos, layer, dtype, live)
+    def read_pages(self, q, cache, table, pos, layer, dtype, live=None):
+        if loops.mode().how != "run" or cache.values.dtype != jnp.bfloat16:
+            return super().read_pages(q, cache, table, pos, layer, dtype, live)
         hd = q.shape[-1]
         q = (q.astype(jnp.float32) * hd**-0.5).astype(dtype)  # the kernel scales nothing
         lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)  # ended: no reads
-        return paged_attention(q, keys, values, table, lengths, layer, interpret=self.interpret)
+        return paged_attention(
+            q, cache.keys, cache.values, table, lengths, layer, interpret=self.interpret
+        )
 
     def from_model_cache(self, cache, block: int) -> xla.DecodeCache:
         k, v = cache  # [L, B, K, S, hd]

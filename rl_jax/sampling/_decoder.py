@@ -159,9 +159,10 @@ class Decoder:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        k, v = cache
-        k_axes, v_axes = self.decode_ops.cache_axes(cache)
-        out = self._constrain(k, k_axes), self._constrain(v, v_axes)
+        axes = self.decode_ops.cache_axes(cache)
+        out = tuple(
+            None if x is None else self._constrain(x, a) for x, a in zip(cache, axes, strict=True)
+        )
         return PagedKV(*out) if isinstance(cache, PagedKV) else out
 
     def _paged_layout(self) -> PagedLayout | None:
@@ -178,7 +179,7 @@ class Decoder:
         axis (rows, or a paged cache's pages) over the batch axes."""
         rows = self._row_spec(1)[0]
         specs = tuple(
-            PartitionSpec(*(rows if a == "batch" else None for a in axes))
+            None if axes is None else PartitionSpec(*(rows if a == "batch" else None for a in axes))
             for axes in self.decode_ops.cache_axes(cache)
         )
         return PagedKV(*specs) if isinstance(cache, PagedKV) else specs

@@ -90,6 +90,7 @@ from rl_jax.sampling._state import THINK, SamplerState
 from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
 
 _NO_INTERRUPT = np.iinfo(np.int32).max
+KV_QUANT = (None, "int8")  # the engine's KV cache: the compute dtype, or int8 with scales
 # The columns of the chunk `generate` returns, and the per-slot values.
 _COLUMNS = tuple(COLUMNS)
 _SLOT_VALUES = ("done", "lengths", "finish", "truncated")
@@ -193,6 +194,9 @@ class Engine(Decoder):
     count); default a full table for every slot, so that a free slot can always take
     a row. Fewer make rows wait for pages (`SlotBook`); each shard must hold one
     longest row's.
+    kv_quant: "int8" keeps keys and values in int8, a float32 scale per position and
+    kv head (`xla.PagedKV`; XLA's paged reference reads it, on every platform); None
+    (default) keeps them in the compute dtype. Its log-prob drift: docs/performance.md.
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class Engine(Decoder):
         fixed_shapes: bool = False,
         page_size: int | None = None,
         kv_pages: int | None = None,
+        kv_quant: str | None = None,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
         pad_id: int = 0,
@@ -252,6 +257,11 @@ class Engine(Decoder):
             )
         self._last_bucket = self.prompt_len
         self._clock: _Timeline | None = None  # a run's timeline (`run(timeline=True)`)
+        if kv_quant not in KV_QUANT:
+            raise ConfigError(
+                f"engine kv_quant={kv_quant!r}: one of {', '.join(map(str, KV_QUANT))}"
+            )
+        self.kv_quant = kv_quant
         self._set_pages(page_size, kv_pages)
         opts = xla_options(mesh)
         # With a mesh, every call takes and returns the state in one layout (the one
@@ -369,7 +379,12 @@ class Engine(Decoder):
 
         slots = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.slots)
         axes = self.decode_ops.cache_axes(shape.slots.cache)
-        cache = PagedKV(*(logical(a, x) for a, x in zip(axes, shape.slots.cache, strict=True)))
+        cache = PagedKV(
+            *(
+                None if x is None else logical(a, x)
+                for a, x in zip(axes, shape.slots.cache, strict=True)
+            )
+        )
         pool = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.pool)
         pool_cache = KVCache(*(logical(KVCache.LOGICAL_AXES, x) for x in shape.pool.cache))
         return EngineState(
@@ -388,7 +403,13 @@ class Engine(Decoder):
         dt = dtype_of(spec.compute_dtype)
         L, S, K, hd = spec.num_layers, self.slots, spec.num_kv_heads, spec.head_dim
         layout = self.decode_ops.paged_shapes(
-            kv_heads=K, layers=L, pages=self.kv_pages, page=self.page_size, head_dim=hd, dtype=dt
+            kv_heads=K,
+            layers=L,
+            pages=self.kv_pages,
+            page=self.page_size,
+            head_dim=hd,
+            dtype=dt,
+            quantized=self.kv_quant == "int8",
         )
         key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         return _Empty(
@@ -396,7 +417,7 @@ class Engine(Decoder):
             prompt_len=self.prompt_len,
             gen_len=self.gen_len,
             pad_id=self.pad_id,
-            cache=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in layout),
+            cache=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(layout)),
             table=(self.row_pages, self.shard_pages),
             pool=(L, self.pool_size, K, self.prefix_slots, hd),
             dtype=jnp.dtype(dt).name,
