@@ -36,7 +36,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rl_jax.config import ModelConfig, SamplingConfig  # noqa: E402
-from rl_jax.models import load_model, model_params, positions_from_valid  # noqa: E402
+from rl_jax.models import (  # noqa: E402
+    Transformer,
+    load_model,
+    model_params,
+    positions_from_valid,
+)
 from rl_jax.models.logprobs import token_logprobs  # noqa: E402
 from rl_jax.sampling import Engine  # noqa: E402
 
@@ -90,13 +95,18 @@ def _trainer_logprobs(model, out) -> np.ndarray:
     valid = np.concatenate([out.prompt_mask, within], axis=1)
 
     @jax.jit
-    def run(tokens, valid):
+    def run(params, tokens, valid):  # the weights an argument, not constants to fold
         logp, _ = token_logprobs(
-            model, tokens, positions_from_valid(valid), kv_valid_bt=valid, chunk=None
+            Transformer(model.spec, params),
+            tokens,
+            positions_from_valid(valid),
+            kv_valid_bt=valid,
+            chunk=None,
         )
         return logp
 
-    logp = np.asarray(run(jnp.asarray(tokens), jnp.asarray(valid)), np.float32)
+    args = (model_params(model), jnp.asarray(tokens), jnp.asarray(valid))
+    logp = np.asarray(run(*args), np.float32)
     return logp[:, Tp - 1 : Tp - 1 + Tg]  # position Tp - 1 + t predicts completion token t
 
 
