@@ -35,7 +35,12 @@ the drain at its end (the last, longest rows finishing while slots empty), not t
 engine. Keys: occupancy / occupancy_wave
 (the fraction of slot-steps, rows x decode steps run, that produced a kept token),
 tokens_per_s / tokens_per_s_wave (kept tokens per second over the whole workload,
-median of the repeats, the two alternating), speedup_vs_wave.
+median of the repeats, the two alternating), speedup_vs_wave, device_idle (the
+fraction of the engine's run the device had no program queued: the gaps between a
+chunk's end and the host's next dispatch, `Engine.run(timeline=True)`), overlap
+(whether the engine's host loop dispatched chunk k + 1 before reading chunk k;
+--no-overlap reads each chunk first), and load_avg_start / load_avg_end (the 1, 5
+and 15-minute load averages).
 
 The reference workload also times the engine as the trainer builds it (a slot per
 row, one chunk to the end, fixed shapes), alternating with the Sampler on the same
@@ -111,6 +116,11 @@ def _parse(argv):
         help="longtail: free slots that end a chunk early (0 = the engine's default)",
     )
     p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="longtail: the engine reads each chunk before dispatching the next",
+    )
+    p.add_argument(
         "--vs-xla",
         action="store_true",
         help="also time the same sampler with the CPU decode kernels off (XLA's attention "
@@ -137,7 +147,7 @@ def _parse(argv):
 ARGS = _parse(sys.argv[1:])
 # Before any work of ours: what else loads the machine (the timings alternate samplers so
 # that load hits both alike, but a loaded machine slows both).
-LOAD_AVG_START = os.getloadavg()[0]
+LOAD_AVG_START = os.getloadavg()
 GPU = ARGS.platform == "gpu"
 if GPU:
     DEVICES = 1
@@ -378,11 +388,20 @@ def _longtail(spec, params, mesh) -> int:
             slot_steps += wave_rows * int(out.lengths.max())  # it decodes to the longest
         return kept, slot_steps
 
+    idle = []
+
     def continuous(seed: int) -> tuple[int, int]:
         out, stats = engine.run(
-            params, prompts, seed=seed, max_new_tokens=limits, refill_min=a.refill_min or None
+            params,
+            prompts,
+            seed=seed,
+            max_new_tokens=limits,
+            refill_min=a.refill_min or None,
+            overlap=not a.no_overlap,
+            timeline=True,
         )
-        assert (out.lengths == limits).all()
+        assert (out.lengths == limits).all() and stats.pages_held == 0
+        idle.append(stats.device_idle)
         return stats.kept_tokens, stats.slot_steps
 
     t = time.perf_counter()
@@ -405,6 +424,8 @@ def _longtail(spec, params, mesh) -> int:
         "tokens_per_s": round(kept / eng_s, 1),
         "tokens_per_s_wave": round(kept / wave_s, 1),
         "speedup_vs_wave": round(wave_s / eng_s, 3),
+        "device_idle": round(statistics.median(idle[1:]), 4),
+        "overlap": not a.no_overlap,
         "seconds": round(eng_s, 3),
         "seconds_wave": round(wave_s, 3),
         "first_call_s": round(first_call, 3),
@@ -424,6 +445,7 @@ def _longtail(spec, params, mesh) -> int:
         "devices": DEVICES,
         "prompt_len": a.prompt_len,
         "compiles": engine.compile_counts(),
+        "page_size": engine.page_size,
         **_load_avg(),
     }
     print(json.dumps(result))
@@ -459,9 +481,12 @@ def _hf_only(model, prompts: np.ndarray) -> int:
 
 def _load_avg() -> dict:
     """The 1-minute load average when the process started and now (at the result)."""
+    end = os.getloadavg()
     return {
-        "load_avg_1m_start": round(LOAD_AVG_START, 2),
-        "load_avg_1m_end": round(os.getloadavg()[0], 2),
+        "load_avg_1m_start": round(LOAD_AVG_START[0], 2),
+        "load_avg_1m_end": round(end[0], 2),
+        "load_avg_start": [round(x, 2) for x in LOAD_AVG_START],
+        "load_avg_end": [round(x, 2) for x in end],
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from rl_jax import kernels
 from rl_jax.kernels import loops, tpu, xla
-from rl_jax.models import layers
+from rl_jax.models import init_params, layers
 
 # (T, S, offset, left pads per row, right pads per row, packed): T and S not multiples
 # of the 128-slot blocks; "causal" spans 2 x 2 blocks (the kernel skips the one above
@@ -189,3 +189,93 @@ def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):
     assert tg % 16 == 0 and not odd, odd[:5]
     cpu_mesh = make_mesh(cfg.mesh, devices=jax.devices()[:4])
     assert "tpu_custom_call" not in update_program(cpu_mesh).as_text()
+
+
+def _paged_case(dtype=jnp.bfloat16):
+    """4 rows over a paged cache of 2 layers, 12 pages of 16 positions, 2 kv heads of
+    width 16 and 2 query heads each: tables of 4 pages (9: no page), rows at positions
+    0, 20, 37 and 63 (the last ended: it writes nothing), the projection's rows and
+    RoPE's angles of this step."""
+    ks = jax.random.split(jax.random.key(4), 3)
+    keys, values = (jax.random.normal(k, (2, 2, 12, 16, 16)).astype(dtype) for k in ks[:2])
+    qkv = jax.random.normal(ks[2], (4, (4 + 2 * 2) * 16))
+    table = jnp.asarray([[3, 12, 12, 12], [0, 5, 12, 12], [7, 1, 2, 12], [4, 6, 8, 10]], jnp.int32)
+    pos = jnp.asarray([0, 20, 37, 63], jnp.int32)
+    live = jnp.asarray([True, True, True, False])
+    angles = pos[:, None, None] * 0.01 * jnp.arange(8)[None, None, :]
+    return xla.PagedKV(keys, values), qkv, (jnp.cos(angles), jnp.sin(angles)), table, pos, live
+
+
+def test_paged_attention_kernel_equals_the_reference():
+    """The Pallas paged attention kernel (`tpu.Decode`, in Pallas's interpreter) against
+    XLA's paged reference (`xla.Decode`) on a bfloat16 cache, layer 1: the same cache
+    written (the step's keys and values of the live rows, nothing of the ended one),
+    and the same attention for the live rows to float32 rounding (both multiply the
+    bfloat16 keys in float32; the kernel's softmax runs online over blocks)."""
+    cache, qkv, rope, table, pos, live = _paged_case()
+    pages = xla.Pages(table, live)
+
+    def run(ops):
+        fn = jax.jit(lambda c, x: ops.paged_attention(x, rope, c, pages, pos, layer=1, num_heads=4))
+        return fn(cache, qkv)
+
+    want, want_cache = run(xla.Decode("cpu"))
+    got, got_cache = run(tpu.Decode("cpu", interpret=True))
+    for g, w in zip(got_cache, want_cache, strict=True):
+        np.testing.assert_array_equal(g, w)
+    changed = np.asarray(want_cache.keys != cache.keys).any(axis=(0, 1, 3, 4))  # [N] pages
+    assert changed.tolist() == [i in (3, 5, 2) for i in range(12)]  # rows 0-2's own pages
+    np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(want)[:3], atol=2e-6, rtol=2e-6)
+
+
+def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache):
+    """The engine's generate for a bfloat16 model on v5e:2x2 (rows and their pages over
+    the 4 chips), compiled through libtpu from this host: the paged attention kernel
+    runs in it (`tpu_custom_call`), the cache keeps the kernel's layout throughout (no
+    copy of a whole cache: libtpu laid it out token-major for a scatter of [K, B, hd]
+    windows and copied it at every layer, `xla.Decode.write_page`), and the CPU lowering
+    of the same program holds no kernel."""
+    from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig
+    from rl_jax.knobs import ConfigError
+    from rl_jax.models import resolve_spec
+    from rl_jax.plan._programs import topology_devices
+    from rl_jax.sampling import Engine
+    from rl_jax.sharding import make_mesh
+
+    try:
+        devices = topology_devices("v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    spec = resolve_spec(
+        ModelConfig(
+            preset="tiny",
+            num_layers=2,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=128,
+            param_dtype="bfloat16",
+            compute_dtype="bfloat16",
+        )
+    )
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=112, max_prompt_len=16, length_bucket=16)
+
+    def generate(devices):
+        mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=1), devices=devices)
+        engine = Engine(spec, cfg, slots=8, chunk=4, mesh=mesh, pad_id=0)
+        shapes = jax.eval_shape(lambda: init_params(spec, jax.random.key(0)))
+        shard = engine.param_shardings()
+        params = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shard[k]) for k, v in shapes.items()
+        }
+        fn, args, kw = engine.programs(params)["generate"]
+        return engine, fn.trace(*args, **kw).lower()
+
+    engine, lowered = generate(devices[:4])
+    assert engine.page_size == 64 and engine.row_pages == 2
+    text = lowered.compile().as_text()
+    assert "tpu_custom_call" in text
+    K, L, N = 4, 2, engine.kv_pages // 4  # the cache per chip [K, L, N, P, hd]
+    whole = re.findall(rf"= bf16\[{K},{L},{N},64,128\]{{[^}}]*}} copy\(", text)
+    assert not whole, whole
+    assert "tpu_custom_call" not in generate(jax.devices()[:4])[1].as_text()

@@ -102,10 +102,11 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     assert b["batch_prompts"] == 4 and b["batches_in_flight"] == 9
     assert plan["sampler"] == "engine"
     assert plan["engine"] == {"slots": 72, "chunk": 4, "prefill_prompts": 36}
-    # KV cache per chip: K and V, every layer, the 72 slots over 4 batch shards,
-    # 16 + 16 cache slots, float32 (the tiny preset's compute dtype).
+    # KV cache per chip: K and V, every layer, the 72 slots over 4 batch shards, a
+    # page of 64 positions each (the TPU engine's page; a row writes 16 + 16 - 1),
+    # float32 (the tiny preset's compute dtype).
     spec_kv_heads, head_dim = _tiny_attention()
-    kv = 2 * 2 * (72 // 4) * spec_kv_heads * (16 + 16) * head_dim * 4
+    kv = 2 * 2 * (72 // 4) * spec_kv_heads * 64 * head_dim * 4
     assert plan["kv_cache_gb"] * 1e9 == pytest.approx(kv)
     # The stream's engine state (its rows in flight) stays beside the train step; the
     # engine's programs take it as an argument, with the optimizer state beside them.
@@ -848,9 +849,10 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
         p = progs[name]
         assert p["fits"] and p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_s"] > 0
         assert 0 < p["hbm_gb"]["arguments"] and 0 < p["hbm_total_gb"] < plan["hbm_capacity_gb"]
-    # KV cache per chip: the slots', one per chip: K and V, 2 layers, 16 + 16 slots, f32.
+    # KV cache per chip: the slots', one per chip: K and V, 2 layers, a page of 64
+    # positions each (the TPU engine's page; a row writes 16 + 16 - 1), f32.
     kv_heads, head_dim = _tiny_attention()
-    kv = 2 * 2 * (4 // 4) * kv_heads * (16 + 16) * head_dim * 4
+    kv = 2 * 2 * (4 // 4) * kv_heads * 64 * head_dim * 4
     assert plan["kv_cache_gb"] * 1e9 == pytest.approx(kv)
     assert plan["sampler_state_gb"] > plan["kv_cache_gb"]  # rows and the prompts' pool
     gen, pre = progs["generate"], progs["prefill_insert"]

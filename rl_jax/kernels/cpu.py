@@ -60,6 +60,8 @@ HEADERS = (_HERE / "_cpu_common.h",)
 TARGETS = {
     "rl_jax_decode_attention": "RlJaxDecodeAttention",
     "rl_jax_decode_attention_qkv": "RlJaxDecodeAttentionQKV",
+    "rl_jax_paged_attention": "RlJaxPagedAttention",
+    "rl_jax_paged_attention_qkv": "RlJaxPagedAttentionQKV",
     "rl_jax_matmul": "RlJaxMatmul",
     "rl_jax_matmul_swiglu": "RlJaxMatmulSwiGLU",
     "rl_jax_matmul_add": "RlJaxMatmulAdd",
@@ -413,6 +415,55 @@ def decode_attention(
     )
 
 
+def paged_attention(
+    inputs: tuple[jax.Array, jax.Array, jax.Array],
+    keys: jax.Array,
+    values: jax.Array,
+    table: jax.Array,
+    pos: jax.Array,
+    live: jax.Array,
+    layer,
+    scale: float,
+    parallel: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention` over a paged cache (`xla.PagedKV`; keys in tiles, [K, L, N,
+    P / 16, hd, 16], values [K, L, N, P, hd]): row b's key and value written at its
+    position pos[b] of its pages (table [B, R]) where live[b], and its attention over
+    positions 0 .. pos[b] (zeros where not live). `inputs`: (q [B, K, R, hd], k, v
+    [B, K, hd]), or the projection's rows with RoPE's angles (qkv [B, (H + 2K) hd], cos,
+    sin [B, hd / 2]), as `decode_attention_qkv` takes them. Returns (attention
+    [B, K, R, hd] or [B, H hd], keys, values), the cache updated in place. Same
+    conditions as `decode_attention`."""
+    fused = inputs[0].ndim == 2
+    B = table.shape[0]
+    if fused:
+        K, hd = keys.shape[0], keys.shape[-2]
+        out_shape, target = (B, inputs[0].shape[1] - 2 * K * hd), "rl_jax_paged_attention_qkv"
+    else:
+        out_shape, target = inputs[0].shape, "rl_jax_paged_attention"
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(
+        target,
+        (
+            jax.ShapeDtypeStruct(out_shape, f32),
+            jax.ShapeDtypeStruct(keys.shape, f32),
+            jax.ShapeDtypeStruct(values.shape, f32),
+        ),
+        input_output_aliases={3: 1, 4: 2},
+    )
+    return call(
+        *(x.astype(f32) for x in inputs),
+        keys,
+        values,
+        table.astype(i32),
+        pos.astype(i32),
+        live.astype(i32),
+        jnp.asarray(layer, i32),
+        scale=np.float32(scale),
+        parallel=bool(parallel),
+    )
+
+
 # ---- the decode step's ops (rl_jax.models.decode) ---------------------------------------
 
 # Slots per key tile of the attention kernel's layout: its vector width (kLanes in
@@ -447,6 +498,73 @@ class Decode(xla.Decode):
         super().__init__("cpu", einsum=einsum_f32)
         self.tiled, self.packed, self.threads = attention, matmul, threads
         self.platform_ops = ("attention",) * attention + ("matmul",) * matmul
+        if attention:  # pages of whole key tiles
+            self.page_multiple = KEY_TILE
+
+    def paged_shapes(
+        self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
+    ) -> xla.PagedKV:
+        shapes = super().paged_shapes(
+            kv_heads=kv_heads,
+            layers=layers,
+            pages=pages,
+            page=page,
+            head_dim=head_dim,
+            dtype=dtype,
+            quantized=quantized,
+        )
+        if not self.tiled or quantized:  # the kernel reads float32 pages
+            return shapes
+        keys = (kv_heads, layers, pages, page // KEY_TILE, head_dim, KEY_TILE)
+        return shapes._replace(keys=jax.ShapeDtypeStruct(keys, shapes.keys.dtype))
+
+    def page_keys(self, keys: jax.Array, cache: xla.PagedKV) -> jax.Array:
+        if cache.keys.ndim != 6:  # not in tiles
+            return keys
+        *lead, P, hd = keys.shape  # [..., P, hd] -> [..., P / KEY_TILE, hd, KEY_TILE]
+        return keys.reshape(*lead, P // KEY_TILE, KEY_TILE, hd).swapaxes(-1, -2)
+
+    def paged_axes(self, cache: xla.PagedKV) -> xla.PagedKV:
+        axes = super().paged_axes(cache)
+        if cache.keys.ndim == 6:  # keys in tiles
+            return axes._replace(keys=(*xla.PAGED_LOGICAL_AXES[:4], "head_dim", None))
+        return axes
+
+    def paged_attention(
+        self, qkv, rope, cache, pages, pos_b, *, layer, num_heads, qk_norm=None, eps=0.0
+    ):
+        if not self.tiled or cache.scales is not None:
+            return super().paged_attention(
+                qkv,
+                rope,
+                cache,
+                pages,
+                pos_b,
+                layer=layer,
+                num_heads=num_heads,
+                qk_norm=qk_norm,
+                eps=eps,
+            )
+        hd = cache.values.shape[-1]
+        cos, sin = rope
+        if qk_norm is None:  # split, rotate, write, attend: all in the kernel
+            inputs = (qkv, cos[:, 0], sin[:, 0])
+        else:
+            q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
+            B, K = q.shape[:2]
+            inputs = (q, k.reshape(B, K, hd), v.reshape(B, K, hd))
+        att, keys, values = paged_attention(
+            inputs,
+            cache.keys,
+            cache.values,
+            pages.table,
+            pos_b,
+            pages.live,
+            layer,
+            hd**-0.5,
+            self.threads,
+        )
+        return att, xla.PagedKV(keys, values)
 
     def cache_blocks(self, slots: int) -> tuple[int, int]:
         if self.tiled:  # reads only filled slots at any length: no blocks
@@ -465,6 +583,8 @@ class Decode(xla.Decode):
         return k.reshape(L, B, K, S // KEY_TILE, KEY_TILE, hd).swapaxes(4, 5), v
 
     def cache_axes(self, cache: xla.DecodeCache) -> tuple[tuple, tuple]:
+        if isinstance(cache, xla.PagedKV):
+            return self.paged_axes(cache)
         if cache[0].ndim == 6 and cache[1].ndim == 5:  # keys in tiles
             return TILED_KEYS_LOGICAL_AXES, xla.VALUES_LOGICAL_AXES
         return super().cache_axes(cache)

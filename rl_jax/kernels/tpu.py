@@ -29,6 +29,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as paged
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import PartitionSpec
@@ -36,6 +38,7 @@ from jax.sharding import PartitionSpec
 from rl_jax.kernels import loops, xla
 
 LANES = 128  # splash's blocks are multiples of the vector lane count
+PAGED_BLOCK_SLOTS = 512  # positions per compute block of the paged attention kernel
 HIDDEN = jnp.iinfo(jnp.int32).min  # the key segment of a pad: equal to no query's
 
 
@@ -161,7 +164,31 @@ class Decode(xla.Decode):
     every `generate` call and holds a second cache as temporaries meanwhile: qwen3-0.6b,
     32 slots of 2,304 tokens on v5e:2x2, 2.34 GB of temporaries per chip beside a
     2.11 GB cache, against 1.19 GB token-major (the sampler's gathered weights). Whole
-    caches only (TPU is not among `xla.DECODE_BLOCK_PLATFORMS`)."""
+    caches only (TPU is not among `xla.DECODE_BLOCK_PLATFORMS`).
+
+    The engine's paged cache (`xla.PagedKV`, keys and values [K, L, N, P, hd], the
+    layout the kernel reads) is read by the Pallas paged attention kernel (`paged_
+    attention`), per device under `jax.shard_map` on a mesh: a row reads its filled
+    pages only. The kernel reads bfloat16; a cache of another dtype (int8 too) keeps
+    XLA's reference, as do the plan's counting programs (the kernel has no cost XLA can see).
+    `interpret`: the kernel in Pallas's interpreter (any backend: the CPU tests)."""
+
+    page_size = 64
+    page_multiple = 16  # a page is whole bfloat16 tiles (16 rows)
+
+    def __init__(self, platform: str, *, interpret: bool = False):
+        super().__init__(platform)
+        self.interpret = interpret
+
+    def read_pages(self, q, cache, table, pos, layer, dtype, live=None):
+        if loops.mode().how != "run" or cache.values.dtype != jnp.bfloat16:
+            return super().read_pages(q, cache, table, pos, layer, dtype, live)
+        hd = q.shape[-1]
+        q = (q.astype(jnp.float32) * hd**-0.5).astype(dtype)  # the kernel scales nothing
+        lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)  # ended: no reads
+        return paged_attention(
+            q, cache.keys, cache.values, table, lengths, layer, interpret=self.interpret
+        )
 
     def from_model_cache(self, cache, block: int) -> xla.DecodeCache:
         k, v = cache  # [L, B, K, S, hd]
@@ -170,6 +197,8 @@ class Decode(xla.Decode):
         return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
 
     def cache_axes(self, cache: xla.DecodeCache) -> tuple[tuple, tuple]:
+        if isinstance(cache, xla.PagedKV):
+            return self.paged_axes(cache)
         return TOKEN_MAJOR_LOGICAL_AXES, TOKEN_MAJOR_LOGICAL_AXES
 
     @staticmethod
@@ -178,6 +207,8 @@ class Decode(xla.Decode):
 
     @staticmethod
     def kv_geometry(cache: xla.DecodeCache) -> tuple[int, int]:
+        if isinstance(cache, xla.PagedKV):
+            return xla.Decode.kv_geometry(cache)
         return cache[1].shape[3], cache[1].shape[4]
 
     WHOLE_EINSUMS = ("bkrh,bskh->bkrs", "bkrs,bskh->bkrh")  # keys and values [B, S, K, hd]
@@ -192,6 +223,48 @@ class Decode(xla.Decode):
         at = (layer, 0, slot, 0, 0)
         ck = jax.lax.dynamic_update_slice(ck, k[None, :, None], at)
         return ck, jax.lax.dynamic_update_slice(cv, v[None, :, None], at)
+
+
+def paged_block(width: int, page: int) -> int:
+    """Pages per compute block of the paged attention kernel: about PAGED_BLOCK_SLOTS
+    positions, at most a table's `width` pages."""
+    return max(1, min(width, PAGED_BLOCK_SLOTS // page))
+
+
+def paged_attention(
+    q: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    table: jax.Array,
+    lengths: jax.Array,
+    layer,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Queries q [B, K, R, hd] (scaled) over positions 0 .. lengths[b] - 1 of each row's
+    pages of `layer` (keys, values [K, L, N, P, hd]; table [B, W] page ids, N past a
+    row's own) with the Pallas TPU paged attention kernel: only the pages a row has
+    filled are read, in blocks of `paged_block` pages. A row of length 0 reads nothing
+    (zeros). The kernel reads keys and values in bfloat16. [B, K, R, hd] float32."""
+    B, K, R, hd = q.shape
+    _, L, N, P, _ = values.shape
+    per = paged_block(table.shape[1], P)
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)), constant_values=N)
+    # The layers side by side: layer l's page i is page l * N + i (a free reshape).
+    pages = jnp.minimum(table, N - 1) + layer * N
+    kp, vp = (x.reshape(K, L * N, P, hd) for x in (keys, values))
+
+    def call():
+        return paged.paged_attention(
+            q.reshape(B, K * R, hd), kp, vp, lengths, pages, pages_per_compute_block=per
+        )
+
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            out = call()
+    else:
+        out = call()
+    return out.reshape(B, K, R, hd).astype(jnp.float32)
 
 
 def decode_ops(platform: str, **conditions) -> Decode:

@@ -282,6 +282,10 @@ class Decode:
     """
 
     platform_ops: tuple[str, ...] = ()  # ops in the platform's own kernels: none here
+    # A paged cache's positions per page where the engine is not told, and the multiple
+    # its pages must be of (a platform's layout may tile them).
+    page_size: int = 16
+    page_multiple: int = 1
 
     def __init__(self, platform: str, *, einsum=einsum_f32):
         self.platform = platform
@@ -309,9 +313,16 @@ class Decode:
 
     def cache_axes(self, cache: DecodeCache) -> tuple[tuple, tuple]:
         """Logical axes of (keys, values)."""
+        if isinstance(cache, PagedKV):
+            return self.paged_axes(cache)
         if cache[1].ndim == 6:
             return BLOCKED_KEYS_LOGICAL_AXES, BLOCKED_VALUES_LOGICAL_AXES
         return KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES
+
+    def paged_axes(self, cache: PagedKV) -> PagedKV:
+        """Logical axes of a paged cache's keys, values (and scales)."""
+        scales = None if cache.scales is None else PAGED_LOGICAL_AXES[:4] + (None,)
+        return PagedKV(PAGED_LOGICAL_AXES, PAGED_LOGICAL_AXES, scales)
 
     @staticmethod
     def cache_slots(cache: DecodeCache) -> int:
@@ -419,7 +430,9 @@ class Decode:
 
     @staticmethod
     def kv_geometry(cache: DecodeCache) -> tuple[int, int]:
-        """(kv heads, head width) of a cache in this layout."""
+        """(kv heads, head width) of a cache in this layout (or a paged one)."""
+        if isinstance(cache, PagedKV):
+            return cache.values.shape[0], cache.values.shape[-1]
         return cache[1].shape[-3], cache[1].shape[-1]
 
     @classmethod
@@ -465,6 +478,258 @@ class Decode:
         return online_softmax(
             jnp.max(slot) // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd), einsum=self.einsum
         )
+
+    # ---- the paged cache (`PagedKV`, the engine's) ------------------------------------
+
+    def paged_shapes(
+        self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
+    ) -> PagedKV:
+        """The shapes of a paged cache of `pages` pages of `page` positions (abstract):
+        keys and values in `dtype`, or int8 with scales (`quantized`)."""
+        shape = (kv_heads, layers, pages, page, head_dim)
+        if not quantized:
+            return PagedKV(*(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _ in range(2)))
+        int8 = jax.ShapeDtypeStruct(shape, jnp.int8)
+        return PagedKV(int8, int8, jax.ShapeDtypeStruct((*shape[:4], 2), jnp.float32))
+
+    def page_keys(self, keys: jax.Array, cache: PagedKV) -> jax.Array:
+        """Keys [..., P, hd] of whole pages in the layout of `cache`'s keys."""
+        return keys
+
+    def paged_attention(
+        self,
+        qkv: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        cache: PagedKV,
+        pages: Pages,
+        pos_b: jax.Array,
+        *,
+        layer,
+        num_heads: int,
+        qk_norm: tuple[jax.Array, jax.Array] | None = None,
+        eps: float = 0.0,
+    ) -> tuple[jax.Array, PagedKV]:
+        """`attention` over a paged cache: row b's key and value written at its position
+        pos_b[b] (where pages.live[b]), then its query over its positions 0 .. pos_b[b],
+        the pages of its table that hold them. Returns (attention [B, K, R, hd] or
+        [B, H hd], float32; the cache)."""
+        q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
+        B, K, R, hd = q.shape
+        dtype = qkv.dtype
+
+        def local(q, k, v, cache, table, live, pos, layer):
+            cache = self.write_page(cache, k, v, table, live, pos, layer)
+            return self.read_pages(q, cache, table, pos, layer, dtype, live), cache
+
+        k, v = k.reshape(B, K, hd), v.reshape(B, K, hd)
+        args = (q, k, v, cache, pages.table, pages.live, pos_b, layer)
+        if pages.layout is None:
+            return local(*args)
+        q_spec, row, _ = _paged_specs(pages.layout)
+        kv_spec = jax.sharding.PartitionSpec(pages.layout.rows, pages.layout.heads, None)
+        cache_spec = _paged_cache_specs(pages.layout, cache)
+        in_specs = (q_spec, kv_spec, kv_spec, cache_spec, row(2), row(1), row(1))
+        fn = _per_device(
+            local, pages.layout, (*in_specs, jax.sharding.PartitionSpec()), (q_spec, cache_spec)
+        )
+        return fn(*args)
+
+    def write_page(self, cache: PagedKV, k_bkh, v_bkh, table, live, pos, layer) -> PagedKV:
+        """Row b's key and value [B, K, hd] at its position pos[b] of `layer`, where
+        live[b] (the page: table[b, pos[b] // P]; other rows write nothing).
+
+        One scatter of B x K vectors into the cache seen as rows [K L N P, hd]: libtpu
+        keeps the cache's layout for it. Scattering [K, B, hd] windows instead made it
+        lay the cache out token-major inside the decode loop and copy the whole cache
+        to and from the kernel's layout at every layer (qwen3-0.6b, 32 slots on
+        v5e:2x2: 14.7 GB accessed per step against 2.3 GB)."""
+        K, L, N, P = cache.values.shape[:4]
+        page = jnp.take_along_axis(table, (pos // P)[:, None], axis=1, mode="clip")[:, 0]
+        at = ((jnp.arange(K)[None, :] * L + layer) * N + page[:, None]) * P + (pos % P)[:, None]
+        at = jnp.where(live[:, None], at, K * L * N * P).reshape(-1)  # [B K]; past the end: dropped
+
+        def put(dst, x):  # x [B, K, d] at rows `at` of dst [K, L, N, P, d]
+            flat = dst.reshape(-1, dst.shape[-1])
+            flat = flat.at[at].set(x.reshape(at.shape[0], -1).astype(dst.dtype), mode="drop")
+            return flat.reshape(dst.shape)
+
+        if cache.scales is None:
+            return PagedKV(put(cache.keys, k_bkh), put(cache.values, v_bkh))
+        (qk, sk), (qv, sv) = quantize_int8(k_bkh), quantize_int8(v_bkh)
+        scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
+        return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
+
+    def read_pages(self, q, cache: PagedKV, table, pos, layer, dtype, live=None) -> jax.Array:
+        """q [B, K, R, hd] over positions 0 .. pos[b] of each row's pages of `layer`:
+        [B, K, R, hd] float32 (rows not `live` [B]: anything finite, a kernel may skip
+        them). Long tables on platforms of DECODE_BLOCK_PLATFORMS are read in blocks of
+        pages, up to the furthest row's (an online softmax), as the blocked whole cache
+        is; else every page of the table at once. int8 pages are scaled back to `dtype`
+        as they are read."""
+        B, K, R, hd = q.shape
+        N, P = cache.values.shape[2], cache.values.shape[3]
+        table = jnp.minimum(table, N - 1)  # past a row's pages: any page, masked
+        n_pages = table.shape[1]
+        _, blk = decode_cache_blocks(n_pages * P, self.platform)
+        per = max(1, blk // P)
+        if per >= n_pages:
+            per = n_pages
+        else:
+            table = jnp.pad(table, ((0, 0), (0, -n_pages % per)))
+        span = jnp.arange(per * P)
+
+        def gather(pages, t, channel):  # [K, B, per * P, hd] in dtype
+            x = pages[:, layer, t]
+            if cache.scales is not None:
+                x = dequantize_int8(x, cache.scales[..., channel][:, layer, t])
+            return x.reshape(K, B, per * P, hd).astype(dtype)
+
+        def block_fn(j):
+            t = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
+            kb, vb = gather(cache.keys, t, 0), gather(cache.values, t, 1)
+            visible = (j * per * P + span)[None, :] <= pos[:, None]
+            s = self.einsum("bkrh,kbsh->bkrs", q, kb)
+            return jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE), vb
+
+        if per == n_pages:  # one pass, one softmax
+            s, vb = block_fn(0)
+            probs = jax.nn.softmax(s, axis=-1).astype(dtype)
+            return self.einsum("bkrs,kbsh->bkrh", probs, vb)
+        n_blocks = jnp.max(pos) // (per * P) + 1
+        out_shape = (B, K, R, hd)
+        return online_softmax(n_blocks, block_fn, "bkrs,kbsh->bkrh", out_shape, einsum=self.einsum)
+
+    def write_prompt(self, cache: PagedKV, k, v, table, take, *, layout=None) -> PagedKV:
+        """Rows' prompt keys and values k, v [L, B, K, W, hd] (positions 0 .. W - 1, W a
+        multiple of the page size, at most the table's pages) into the first W / P pages
+        of their tables, where take [B]; other rows write nothing. Positions past a
+        row's prompt carry whatever k and v hold there: its decode steps write them
+        before they are read."""
+
+        def local(cache, k, v, table, take):
+            L, B, K, W, hd = k.shape
+            N, P = cache.values.shape[2], cache.values.shape[3]
+            n = W // P
+            pg = jnp.where(take[:, None], table[:, :n], N)  # [B, n]
+            # Page (h, l, pg) of the cache seen as pages [K L N, ...]; past the end: dropped.
+            at = (jnp.arange(K)[:, None, None, None] * L + jnp.arange(L)[None, :, None, None]) * N
+            at = jnp.where(pg[None, None] < N, at + pg[None, None], K * L * N).reshape(-1)
+
+            def pages(x):  # [L, B, K, W, hd] -> [K, L, B, n, P, hd]
+                return x.reshape(L, B, K, n, P, hd).transpose(2, 0, 1, 3, 4, 5)
+
+            def put(dst, x):  # x [K, L, B, n, P, ...]: one scatter of whole pages
+                flat = dst.reshape(-1, *dst.shape[3:])
+                x = x.reshape(-1, *dst.shape[3:]).astype(dst.dtype)
+                return flat.at[at].set(x, mode="drop").reshape(dst.shape)
+
+            k, v = pages(k), pages(v)
+            if cache.scales is None:
+                return PagedKV(put(cache.keys, self.page_keys(k, cache)), put(cache.values, v))
+            (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
+            scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
+            return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
+
+        if layout is None:
+            return local(cache, k, v, table, take)
+        _, row, _ = _paged_specs(layout)
+        rows_kv = jax.sharding.PartitionSpec(None, layout.rows, layout.heads, None, None)
+        spec = _paged_cache_specs(layout, cache)
+        fn = _per_device(local, layout, (spec, rows_kv, rows_kv, row(2), row(1)), spec)
+        return fn(cache, k, v, table, take)
+
+
+# ---- the paged decode cache (the continuous-batching engine's) ---------------------------
+
+
+class PagedKV(NamedTuple):
+    """A paged KV cache: N pages of P positions per layer and kv head, which rows own
+    through their page tables (`Pages`). Keys and values [K, L, N, P, hd] (a platform
+    may keep its keys in a layout of its own: `rl_jax.kernels.cpu`, in tiles). Pages
+    are split over the mesh's batch shards like the rows that own them: a device's
+    rows own pages of that device only.
+
+    Quantized (`scales` given): keys and values int8, each position's key and value of
+    each kv head scaled by its own float32 scale, scales [K, L, N, P, 2] (the key's,
+    the value's): max |x| / 127 over the head's hd values (`quantize_int8`)."""
+
+    keys: jax.Array
+    values: jax.Array
+    scales: jax.Array | None = None
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., hd] as int8 [..., hd] and a float32 scale [...] per vector: round(x / s)
+    with s = max |x| / 127 (0 for a zero vector)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`quantize_int8`'s inverse (to its rounding): float32 q * scale."""
+    return q.astype(jnp.float32) * scale[..., None]
+
+
+PAGED_LOGICAL_AXES = ("kv_heads", "layers", "batch", None, "head_dim")
+
+
+class PagedLayout(NamedTuple):
+    """How a paged attention runs per device under `jax.shard_map`: the mesh, the mesh
+    axes of the rows (and of the pages: a row's pages are on its device) and of the kv
+    heads (None: not split)."""
+
+    mesh: jax.sharding.Mesh
+    rows: tuple | str | None
+    heads: tuple | str | None
+
+
+class Pages(NamedTuple):
+    """Where each row's keys and values are in a `PagedKV`: table [B, R] int32, row b's
+    position p at page table[b, p // P], offset p % P (page ids of the row's device;
+    N, no page, past the row's own); live [B] bool, the rows whose key and value a step
+    writes (a row that ended writes nothing: its pages may be another row's by then).
+    layout: run per device (`PagedLayout`), or None (one device, or already inside a
+    shard_map)."""
+
+    table: jax.Array
+    live: jax.Array
+    layout: PagedLayout | None = None
+
+
+def pages_needed(prompt_len: int, new_tokens: int, page: int) -> int:
+    """Pages a row of `prompt_len` prompt tokens and at most `new_tokens` completion
+    tokens writes: positions 0 .. prompt_len + new_tokens - 2 (the last token sampled
+    is never fed back)."""
+    return max(1, -(-(prompt_len + new_tokens - 1) // page))
+
+
+def _per_device(fn, layout: PagedLayout | None, in_specs, out_specs):
+    """`fn` on each device's rows, pages and heads (`layout`), or as is without one."""
+    if layout is None or layout.mesh.size == 1:
+        return fn
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return fn
+    return jax.shard_map(
+        fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+def _paged_cache_specs(layout: PagedLayout, cache: PagedKV) -> PagedKV:
+    """A paged cache's PartitionSpecs per device: kv heads, pages (with their rows)."""
+    _, _, paged = _paged_specs(layout)
+    return PagedKV(*(None if x is None else paged(x.ndim) for x in cache))
+
+
+def _paged_specs(layout: PagedLayout):
+    """PartitionSpecs of q [B, K, R, hd], a row array [B, ...] and pages [K, L, N, ...]."""
+    P = jax.sharding.PartitionSpec
+    return (
+        P(layout.rows, layout.heads, None, None),
+        lambda ndim: P(layout.rows, *(None,) * (ndim - 1)),
+        lambda ndim: P(layout.heads, None, layout.rows, *(None,) * (ndim - 3)),
+    )
 
 
 def _write_rows(ck, cv, k_bkh, v_bkh, layer, slot_b) -> DecodeCache:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.kernels.xla import Decode, DecodeCache
+from rl_jax.kernels.xla import Decode, DecodeCache, Pages
 from rl_jax.models.layers import rope_angles, rope_table
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
@@ -85,12 +85,16 @@ def decode_step(
     *,
     ops: Decode,
     constrain=lambda x, logical: x,
+    pages: Pages | None = None,
 ) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
 
     `slot`: [] the same slot for every row (a batch decoded in step), or [B] each row's
     own (a continuous-batching engine's slots). Row b attends to slots
     kv_start_b[b] .. its slot (its prompt's first real token on).
+    pages: the cache is paged (`xla.PagedKV`, the engine's): row b's token goes to its
+    position positions_b[b] in the pages of its table, and it attends to its positions
+    0 .. positions_b[b] (slot and kv_start_b unused).
     ops: the platform's decode ops (`Kernels.decode_ops`), which laid out `w`
     (decode_weights) and `cache`.
     """
@@ -109,32 +113,37 @@ def decode_step(
     x = ops.embed(w["embed"], tokens_b, cdt)  # [B, D]
 
     def layer(carry, i):
-        x, ck, cv = carry
+        x, cache = carry
         qkv = ops.normed_dense(
             x, stack["attn_norm"], stack["qkv"], i, eps=eps, cols=(H + 2 * K) * hd
         )
         if spec.qkv_bias:
             qkv = qkv + at("qkv_bias", i)
-        att, (ck, cv) = ops.attention(
-            qkv,
-            rope,
-            (ck, cv),
-            kv_start_b,
-            slot,
-            layer=i,
-            num_heads=H,
-            qk_norm=qk_norm,
-            eps=eps,
-            constrain=constrain,
-        )
+        if pages is not None:
+            att, cache = ops.paged_attention(
+                qkv, rope, cache, pages, positions_b, layer=i, num_heads=H, qk_norm=qk_norm, eps=eps
+            )
+        else:
+            att, cache = ops.attention(
+                qkv,
+                rope,
+                cache,
+                kv_start_b,
+                slot,
+                layer=i,
+                num_heads=H,
+                qk_norm=qk_norm,
+                eps=eps,
+                constrain=constrain,
+            )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
         act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
         x = constrain(ops.residual_dense(x, act, stack["down"], i), ("batch", "embed"))
-        return (x, ck, cv), None
+        return (x, cache), None
 
-    (x, ck, cv), _ = jax.lax.scan(layer, (x, *cache), jnp.arange(spec.num_layers))
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(spec.num_layers))
     logits = ops.logits(
         x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
     )
-    return logits, (ck, cv)
+    return logits, cache

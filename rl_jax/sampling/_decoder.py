@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import kernels
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.kernels.xla import Decode, DecodeCache
+from rl_jax.kernels.xla import Decode, DecodeCache, PagedKV, PagedLayout, Pages
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_step
 from rl_jax.models.spec import ModelSpec
@@ -159,9 +159,30 @@ class Decoder:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        k, v = cache
-        k_axes, v_axes = self.decode_ops.cache_axes(cache)
-        return self._constrain(k, k_axes), self._constrain(v, v_axes)
+        axes = self.decode_ops.cache_axes(cache)
+        out = tuple(
+            None if x is None else self._constrain(x, a) for x, a in zip(cache, axes, strict=True)
+        )
+        return PagedKV(*out) if isinstance(cache, PagedKV) else out
+
+    def _paged_layout(self) -> PagedLayout | None:
+        """How a paged cache's attention runs per device on the mesh (None without one):
+        rows and their pages over the batch axes, kv heads where the rules put them."""
+        if self.mesh is None or self.mesh.devices.size == 1:
+            return None
+        K = self.spec.num_kv_heads
+        heads = fit_spec(logical_to_spec(("kv_heads",), self.rules), (K,), self.mesh)
+        return PagedLayout(self.mesh, batch_sharding(self.mesh, 1).spec[0], tuple(heads)[0])
+
+    def _local_cache_specs(self, cache: DecodeCache):
+        """PartitionSpecs of a cache under a shard_map over the rows alone: its "batch"
+        axis (rows, or a paged cache's pages) over the batch axes."""
+        rows = self._row_spec(1)[0]
+        specs = tuple(
+            None if axes is None else PartitionSpec(*(rows if a == "batch" else None for a in axes))
+            for axes in self.decode_ops.cache_axes(cache)
+        )
+        return PagedKV(*specs) if isinstance(cache, PagedKV) else specs
 
     def _row_spec(self, ndim: int) -> PartitionSpec:
         """Rows over the batch axes; scalars (ndim 0) replicated."""
@@ -185,9 +206,7 @@ class Decoder:
         if not self._local_loops:
             return loop(weights, state, *scalars, manual=False)
         specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
-        # The cache is stacked over layers: its rows are its second axis.
-        cache_specs = tuple(PartitionSpec(None, *self._row_spec(x.ndim - 1)) for x in state.cache)
-        specs = dataclasses.replace(specs, cache=cache_specs)
+        specs = dataclasses.replace(specs, cache=self._local_cache_specs(state.cache))
         rep = self._row_spec(0)
         mapped = jax.shard_map(
             functools.partial(loop, manual=True),
@@ -214,6 +233,9 @@ class Decoder:
         cfg = self.cfg
         rows = (lambda x: x) if manual else self._rows
         constrain = (lambda x, logical: x) if manual else self._constrain
+        pages = None
+        if s.pages is not None:  # a row that ended writes nothing
+            pages = Pages(s.pages, ~s.done, None if manual else self._paged_layout())
         logits_bv, cache = decode_step(
             self.spec,
             weights,
@@ -224,6 +246,7 @@ class Decoder:
             s.kv_start,
             ops=ops,
             constrain=constrain,
+            pages=pages,
         )
         tok, logp = sample_with_uniforms(
             logits_bv, u_b, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k

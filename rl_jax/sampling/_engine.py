@@ -20,20 +20,35 @@ Two compiled programs, as the Sampler has: `prefill_insert` prefills up to
 `prefill_prompts` new prompts into a pool of prefixes (each prompt once, for all of
 its rows, in blocks of `prefill_block` prompts; blocks without a new prompt, and the
 whole prefill when a refill needs no new prompt, are skipped) and copies pool entries into
-free slots (a gather and a select over the slots, no scatter); `generate` lays the
+the pages of the rows entering free slots (a scatter of their pages only); `generate` lays the
 weights out for the decode step and decodes every slot for a chunk of steps. Its
 result carries, besides the state, the chunk's new columns of every slot and the
 slots' end flags: the host reads that one small output per chunk (`ChunkOut`) and
 assembles the rows itself, so collecting ended rows costs no program and no
 transfer of whole rows. `init` is a fill of empty buffers (no model code).
 
-Every row has the same cache layout, whatever its slot: its prompt left-padded to
-`prompt_len` (the longest prompt's bucket), completion token t at cache slot
-prompt_len + t, so each row decodes at its own slot (`decode_step` with a slot per
+The KV cache is paged (`rl_jax.kernels.xla.PagedKV`): N pages of `page_size`
+positions, which rows own through their page tables (`SamplerState.pages`). A row's
+position p (its prompt's first token is position 0) is at page table[p // page_size];
+a decode step writes each row's key and value at its position and attends only to
+the pages its row has filled (the platform's paged attention: a C++ kernel on CPU,
+the Pallas paged attention kernel on TPU, XLA's reference elsewhere), where a
+contiguous cache is read whole or up to the furthest row. The host hands out pages
+(`SlotBook`, `PageBook`): a row takes its worst case's pages (its prompt and its
+limit) when it enters a slot, on its slot's batch shard, and gives them back when it
+ends; it enters only when they are free, and no row is preempted. A group's prompt
+is prefilled once into the pool and copied into each of its rows' own pages when the
+row enters: every row's pages are its own and live on its device, so nothing is
+shared across devices or outlives a row, and a step reads the same bytes as with
+shared pages (each row reads its prompt's pages every step either way).
+
+A row's tokens sit at the same columns whatever its slot: its prompt left-padded to
+`prompt_len` (the longest prompt's bucket), completion token t fed at slot
+prompt_len + t, i.e. at its position prompt length + t (`decode_step` with a slot per
 row). A row's draws come from its key and its own step (`row_step_uniforms`), and no
 op mixes rows, so its tokens and log-probs depend only on its key, its prompt and
-the weights of each chunk: not on its slot, its neighbours or the slot count
-(tests/test_engine.py). Weights are an argument of `generate`: rows in flight keep
+the weights of each chunk: not on its slot, its pages, its neighbours or the slot
+count (tests/test_engine.py). Weights are an argument of `generate`: rows in flight keep
 the KV cache earlier weights wrote (PipelineRL's in-flight update), and every
 token records the version that sampled it.
 
@@ -47,6 +62,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -57,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rl_jax.config.sampling import SamplingConfig
 from rl_jax.kernels import loops
-from rl_jax.kernels.xla import Decode
+from rl_jax.kernels.xla import Decode, PagedKV, pages_needed
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
@@ -71,10 +89,8 @@ from rl_jax.sampling._slots import COLUMNS, SlotBook
 from rl_jax.sampling._state import THINK, SamplerState
 from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
 
-# Slots of a prefix cache are a multiple of this when the decode cache is one piece
-# (the CPU kernels' key tiles are 16 slots wide).
-_PREFIX_UNIT = 16
 _NO_INTERRUPT = np.iinfo(np.int32).max
+KV_QUANT = (None, "int8")  # the engine's KV cache: the compute dtype, or int8 with scales
 # The columns of the chunk `generate` returns, and the per-slot values.
 _COLUMNS = tuple(COLUMNS)
 _SLOT_VALUES = ("done", "lengths", "finish", "truncated")
@@ -124,6 +140,13 @@ class ChunkOut:
     truncated: np.ndarray
 
 
+class PendingChunk(NamedTuple):
+    """A chunk `Engine.dispatch` queued: its outputs on the device, not read yet."""
+
+    rows: dict
+    steps: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class RunStats:
     """What a run of the host loop did (`Engine.run`)."""
@@ -134,6 +157,12 @@ class RunStats:
     decoded_tokens: int  # tokens written, injected ones included
     prefills: int  # prefill_insert calls that prefilled prompts
     prompts_prefilled: int  # prompts prefilled (each once)
+    pages: int = 0  # pages of the KV cache
+    pages_peak: int = 0  # most pages rows held at once
+    pages_held: int = 0  # pages rows held when the run ended (none: every row gave its back)
+    # The fraction of the run's time the device had no program to run (`timeline=True`):
+    # the gaps between one program's end and the next one's dispatch.
+    device_idle: float | None = None
 
     @property
     def occupancy(self) -> float:
@@ -159,6 +188,15 @@ class Engine(Decoder):
     may be lower).
     fixed_shapes: prefill every prompt at `prompt_len`: one prefill_insert program
     instead of one per length bucket (more padding computed in exchange).
+    page_size: positions per page of the KV cache (default: the platform's,
+    `Decode.page_size`).
+    kv_pages: pages in the cache, all batch shards together (a multiple of their
+    count); default a full table for every slot, so that a free slot can always take
+    a row. Fewer make rows wait for pages (`SlotBook`); each shard must hold one
+    longest row's.
+    kv_quant: "int8" keeps keys and values in int8, a float32 scale per position and
+    kv head (`xla.PagedKV`; XLA's paged reference reads it, on every platform); None
+    (default) keeps them in the compute dtype. Its log-prob drift: docs/performance.md.
     """
 
     def __init__(
@@ -172,6 +210,9 @@ class Engine(Decoder):
         prefill_prompts: int = 4,
         prefill_block: int | None = None,
         fixed_shapes: bool = False,
+        page_size: int | None = None,
+        kv_pages: int | None = None,
+        kv_quant: str | None = None,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
         pad_id: int = 0,
@@ -215,6 +256,13 @@ class Engine(Decoder):
                 f"exceeds the model's max_position={self.spec.max_position}"
             )
         self._last_bucket = self.prompt_len
+        self._clock: _Timeline | None = None  # a run's timeline (`run(timeline=True)`)
+        if kv_quant not in KV_QUANT:
+            raise ConfigError(
+                f"engine kv_quant={kv_quant!r}: one of {', '.join(map(str, KV_QUANT))}"
+            )
+        self.kv_quant = kv_quant
+        self._set_pages(page_size, kv_pages)
         opts = xla_options(mesh)
         # With a mesh, every call takes and returns the state in one layout (the one
         # the programs' constraints give), so `init`'s state and every call's result
@@ -247,6 +295,30 @@ class Engine(Decoder):
             **pin,
         )
 
+    def _set_pages(self, page_size: int | None, kv_pages: int | None) -> None:
+        """The paged cache's geometry: page size, pages per row's table (R, a longest
+        row's), pages per batch shard."""
+        ops = self.decode_ops
+        self.page_size = int(page_size or ops.page_size)
+        if self.page_size < 1 or self.page_size % ops.page_multiple:
+            raise ConfigError(
+                f"engine page_size={self.page_size}: need a positive multiple of "
+                f"{ops.page_multiple} on this platform's decode ops"
+            )
+        self.row_pages = pages_needed(self.prompt_len, self.gen_len, self.page_size)
+        total = self.slots * self.row_pages if kv_pages is None else int(kv_pages)
+        if total % self.shards or total // self.shards < self.row_pages:
+            raise ConfigError(
+                f"engine kv_pages={total}: need a multiple of the {self.shards} batch "
+                f"shards with at least a longest row's {self.row_pages} pages "
+                f"(prompt_len {self.prompt_len} + {self.gen_len} new tokens, pages of "
+                f"{self.page_size}) on each"
+            )
+        self.kv_pages = total
+        self.shard_pages = total // self.shards
+        # The pool of prefilled prompts holds whole pages of a prompt.
+        self.prefix_slots = round_up(self.prompt_len, self.page_size)
+
     def abstract_state(self) -> EngineState:
         """The state's shapes and dtypes, with the layouts the programs give it on the
         mesh (none without one): what `init` would allocate."""
@@ -272,8 +344,8 @@ class Engine(Decoder):
 
         key = jax.eval_shape(jax.random.key, 0)
         state = self.abstract_state()
-        # take, source, row id, group id, limit of every slot
-        rows = (arr((S,), jnp.bool_), *(arr((S,)) for _ in range(4)))
+        # take, source, row id, group id, limit, page table of every slot
+        rows = (arr((S,), jnp.bool_), *(arr((S,)) for _ in range(4)), arr((S, self.row_pages)))
         prefill = (arr((P, Tp)), arr((P,)), arr((P,)), arr((), jnp.bool_))
         return {
             "prefill_insert": (
@@ -289,14 +361,10 @@ class Engine(Decoder):
         fns = {"prefill_insert": self._prefill_insert, "generate": self._generate}
         return {name: fn._cache_size() for name, fn in fns.items()}
 
-    def _geometry(self, ops: Decode) -> tuple[int, int, int, int]:
-        """(cache slots C, block, prefix slots W, the prefix's block): the decode cache
-        holds prompt_len + gen_len slots; a prefix holds the first W >= prompt_len,
-        in whole blocks of the decode cache's layout."""
-        C, block = ops.cache_blocks(self.prompt_len + self.gen_len)
-        unit = block if block < C else _PREFIX_UNIT
-        W = min(round_up(self.prompt_len, unit), C)
-        return C, block, W, (block if block < C else W)
+    @property
+    def positions(self) -> int:
+        """Positions a row may reach (its rotary table's rows)."""
+        return self.prompt_len + self.gen_len
 
     def _state_shardings(self) -> EngineState | None:
         """Each state array's layout on the mesh (None without one): rows over the batch
@@ -311,7 +379,12 @@ class Engine(Decoder):
 
         slots = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.slots)
         axes = self.decode_ops.cache_axes(shape.slots.cache)
-        cache = tuple(logical(a, x) for a, x in zip(axes, shape.slots.cache, strict=True))
+        cache = PagedKV(
+            *(
+                None if x is None else logical(a, x)
+                for a, x in zip(axes, shape.slots.cache, strict=True)
+            )
+        )
         pool = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.pool)
         pool_cache = KVCache(*(logical(KVCache.LOGICAL_AXES, x) for x in shape.pool.cache))
         return EngineState(
@@ -326,17 +399,17 @@ class Engine(Decoder):
         return _empty_state(self._empty_geometry())
 
     def _empty_geometry(self) -> _Empty:
-        ops = self.decode_ops
-        C, block, W, _ = self._geometry(ops)
         spec = self.spec
         dt = dtype_of(spec.compute_dtype)
         L, S, K, hd = spec.num_layers, self.slots, spec.num_kv_heads, spec.head_dim
-        # Zeros made in the decode layout's shapes, not laid out from the model's (XLA
-        # would fold the layout's transposes of constants: most of a second to compile).
-        layout = jax.eval_shape(
-            lambda: ops.from_model_cache(
-                KVCache(*(jnp.zeros((L, S, K, C, hd), dt) for _ in range(2))), block
-            )
+        layout = self.decode_ops.paged_shapes(
+            kv_heads=K,
+            layers=L,
+            pages=self.kv_pages,
+            page=self.page_size,
+            head_dim=hd,
+            dtype=dt,
+            quantized=self.kv_quant == "int8",
         )
         key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         return _Empty(
@@ -344,8 +417,9 @@ class Engine(Decoder):
             prompt_len=self.prompt_len,
             gen_len=self.gen_len,
             pad_id=self.pad_id,
-            cache=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in layout),
-            pool=(L, self.pool_size, K, W, hd),
+            cache=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(layout)),
+            table=(self.row_pages, self.shard_pages),
+            pool=(L, self.pool_size, K, self.prefix_slots, hd),
             dtype=jnp.dtype(dt).name,
             key=(tuple(key_data.shape), jnp.dtype(key_data.dtype).name),
         )
@@ -355,7 +429,7 @@ class Engine(Decoder):
         the last through the model, into a cache whose slots are the decode cache's."""
         model = self._model(params)
         P, Tp = prompt_pt.shape
-        _, _, W, _ = self._geometry(self.decode_ops)
+        W = self.prefix_slots
         kv_start = Tp - lens_p
         cache = model.init_cache(P, W)
         if bucket > 1:
@@ -385,12 +459,14 @@ class Engine(Decoder):
         row_ids_s,
         group_ids_s,
         limits_s,
+        pages_s,
         key,
         *,
         bucket: int,
     ) -> EngineState:
         """If `prefill`: prompts [P] into pool entries into_p (Q: padding, dropped). Then
-        slot s, where take_s[s], takes pool entry source_s[s] as a new row."""
+        slot s, where take_s[s], takes pool entry source_s[s] as a new row, its prompt's
+        keys and values copied into its pages pages_s[s] [R]."""
         cfg, ops = self.cfg, self.decode_ops
         S, Q = self.slots, self.pool_size
 
@@ -434,19 +510,15 @@ class Engine(Decoder):
 
         pool = jax.lax.cond(prefill, fill, lambda p: p, state.pool)
 
-        _, _, _, pblock = self._geometry(ops)
         s = state.slots
-        new = ops.from_model_cache(pool.cache.take(source_s), pblock)  # [L, S, ...] W slots
-
-        def place(c, x):  # the taken slots' leading part of every other axis
-            if x.ndim < c.ndim:  # a prefix of one block comes back whole: [.., N = 1, ..]
-                x = jnp.expand_dims(x, 2)
-            at = (0,) * c.ndim
-            old = jax.lax.slice(c, at, (c.shape[0], c.shape[1], *x.shape[2:]))
-            mask = take_s.reshape((1, S) + (1,) * (x.ndim - 2))
-            return jax.lax.dynamic_update_slice(c, jnp.where(mask, x.astype(c.dtype), old), at)
-
-        cache = self._cache_layout(tuple(place(c, x) for c, x in zip(s.cache, new, strict=True)))
+        kv_start_s = _take_vector(pool.kv_start, source_s)
+        # Each taken row's prompt from its first real token (position 0) on: its pages
+        # hold positions, not the pool's left-padded slots. [L, S, K, W, hd]
+        W = self.prefix_slots
+        at = jnp.minimum(kv_start_s[:, None] + jnp.arange(W), W - 1)[None, :, None, :, None]
+        k, v = (jnp.take_along_axis(x.take(source_s, axis=1), at, axis=3) for x in pool.cache)
+        cache = ops.write_prompt(s.cache, k, v, pages_s, take_s, layout=self._paged_layout())
+        cache = self._cache_layout(cache)
         if self.interrupt:
             interrupt_at = interrupt_lengths(key, row_ids_s, cfg.interrupt_lo, cfg.interrupt_hi)
         else:
@@ -456,7 +528,7 @@ class Engine(Decoder):
         Tg = self.gen_len
         fresh = {
             "prompt_tokens": prompts,
-            "kv_start": _take_vector(pool.kv_start, source_s),
+            "kv_start": kv_start_s,
             "tokens": jnp.full((S, Tg), self.pad_id, jnp.int32),
             "logprobs": jnp.zeros((S, Tg), jnp.float32),
             "versions": jnp.full((S, Tg), -1, jnp.int32),
@@ -475,6 +547,7 @@ class Engine(Decoder):
             "group_ids": group_ids_s,
             "row_ids": row_ids_s,
             "real": jnp.ones((S,), bool),
+            "pages": pages_s,
         }
 
         def put(old, x):
@@ -486,7 +559,7 @@ class Engine(Decoder):
 
     def _generate_impl(self, params, state: EngineState, version, refill_at, *, steps: int):
         ops = self.decode_ops
-        weights = decode_weights(self.spec, dict(params), self._geometry(ops)[0], ops=ops)
+        weights = decode_weights(self.spec, dict(params), self.positions, ops=ops)
         typed = dataclasses.replace(state.slots, keys=jax.random.wrap_key_data(state.slots.keys))
         slots, rows, ran = self._over_rows(
             lambda w, s, v, r, *, manual: self._chunk(ops, w, s, v, r, steps, manual=manual),
@@ -502,8 +575,9 @@ class Engine(Decoder):
 
     def _chunk(self, ops: Decode, weights, state, version, refill_at, steps: int, *, manual):
         """Up to `steps` decode steps of every slot, fewer once every slot is done or
-        `refill_at` slots are (of this device's rows, in proportion, if `manual`); also
-        the chunk's columns and end flags of every slot and the steps run."""
+        `refill_at` rows have ended in the chunk (of this device's rows, in proportion,
+        if `manual`); also the chunk's columns and end flags of every slot and the steps
+        run."""
         greedy = self.cfg.temperature <= 0
         # This chunk's draws of every slot, [S, steps], from each row's own step on: a
         # row active at step i of the chunk is at its step state.step + i.
@@ -515,7 +589,8 @@ class Engine(Decoder):
 
         def cond(c):
             i, s = c
-            return (i < steps) & ~jnp.all(s.done) & (jnp.sum(s.done) < need)
+            ended = jnp.sum(s.done & ~state.done)
+            return (i < steps) & ~jnp.all(s.done) & (ended < need)
 
         def body(c):
             i, s = c
@@ -560,14 +635,18 @@ class Engine(Decoder):
         group_ids: Sequence[int],
         *,
         key: jax.Array,
+        pages: Sequence[Sequence[int]],
         limits: Sequence[int] | None = None,
     ) -> EngineState:
         """Prefill up to `prefill_prompts` prompts (each computed once, for all of its
         rows; none: no prefill) into pool entries `into` (of `pool_size`), in the length
         bucket of the longest; then rows into free slots: row j samples the prompt of
         pool entry sources[j] in slot slots[j], its draws keyed by fold_in(key,
-        row_ids[j]); limits[j] its max new tokens (default cfg.max_new_tokens). A
-        prompt's KV depends only on it and on its bucket. `state` is donated."""
+        row_ids[j]); limits[j] its max new tokens (default cfg.max_new_tokens); pages[j]
+        the pages of the cache it writes (ids on its slot's batch shard, 0 ..
+        shard_pages - 1; at least `pages_needed` of its prompt and limit, which the
+        caller keeps from every other live row: `SlotBook` does). A prompt's KV
+        depends only on it and on its bucket. `state` is donated."""
         P, Q, S = self.prefill_prompts, self.pool_size, self.slots
         if len(prompts) > P or len(into) != len(prompts):
             raise ValueError(f"prefill takes 0 to {P} prompts with a pool entry each")
@@ -582,6 +661,14 @@ class Engine(Decoder):
         bad = [i for i in (*into, *sources) if not 0 <= i < Q]
         if bad or len(set(slots)) != m or any(not 0 <= s < S for s in slots):
             raise ValueError(f"pool entries are in [0, {Q}), slots distinct in [0, {S})")
+        R, N = self.row_pages, self.shard_pages
+        if len(pages) != m or any(
+            not 0 < len(p) <= R or not all(0 <= i < N for i in p) for p in pages
+        ):
+            raise ValueError(f"pages: a list of 1 to {R} page ids in [0, {N}) for each row")
+        table = np.full((S, R), N, np.int32)  # N: no page
+        for s, p in zip(slots, pages, strict=True):
+            table[s, : len(p)] = p
         prompt_pt = np.full((P, self.prompt_len), self.pad_id, np.int32)
         lens_p = np.ones((P,), np.int32)
         into_p = np.full((P,), Q, np.int32)  # padding prompts go past the pool: dropped
@@ -604,12 +691,14 @@ class Engine(Decoder):
             group_ids,
             lim,
         )
+        if self._clock:
+            self._clock.dispatched()
         return self._prefill_insert(
             self._as_params(params),
             state,
             *self._put_rows(prompt_pt, lens_p, into_p),
             np.bool_(bool(prompts)),
-            *self._put_rows(take, source_s, row_s, group_s, limit_s),
+            *self._put_rows(take, source_s, row_s, group_s, limit_s, table),
             key,
             bucket=self._last_bucket,
         )
@@ -623,15 +712,36 @@ class Engine(Decoder):
         refill_at: int | None = None,
     ) -> tuple[EngineState, ChunkOut]:
         """`chunk` decode steps of every slot, fewer if every slot ends first, or once
-        `refill_at` slots are done (time to refill them); tokens sampled here carry
-        `version`. Returns the state (`state` is donated) and the chunk's `ChunkOut`
-        (one small device-to-host read)."""
+        `refill_at` rows have ended in it (time to refill their slots); tokens sampled
+        here carry `version`. Returns the state (`state` is donated) and the chunk's
+        `ChunkOut` (one small device-to-host read): `dispatch`, then `read`."""
+        state, pending = self.dispatch(params, state, version=version, refill_at=refill_at)
+        return state, self.read(pending)
+
+    def dispatch(
+        self,
+        params: Params | Transformer,
+        state: EngineState,
+        *,
+        version: int = 0,
+        refill_at: int | None = None,
+    ) -> tuple[EngineState, PendingChunk]:
+        """`generate`'s chunk, dispatched and not waited for (JAX dispatches
+        asynchronously): the host may queue the next program and do its own work while
+        the device decodes, then `read` the chunk."""
         at = self.slots + 1 if refill_at is None else int(refill_at)
+        if self._clock:
+            self._clock.dispatched()
         state, rows, steps = self._generate(
             self._as_params(params), state, np.int32(version), np.int32(at), steps=self.chunk
         )
-        rows, steps = to_host((rows, steps))
-        return state, ChunkOut(steps=int(steps), **rows)
+        return state, PendingChunk(rows, steps)
+
+    @staticmethod
+    def read(pending: PendingChunk) -> ChunkOut:
+        """A dispatched chunk's `ChunkOut` (waits for it)."""
+        rows, steps = to_host((pending.rows, pending.steps))
+        return ChunkOut(steps=int(steps), **rows)
 
     @staticmethod
     def finished(out: ChunkOut) -> np.ndarray:
@@ -655,6 +765,8 @@ class Engine(Decoder):
         weights: Callable[[int], tuple[Params, int]] | None = None,
         refill_min: int | None = None,
         row_ids: Sequence[int] | None = None,
+        overlap: bool = True,
+        timeline: bool = False,
     ) -> tuple[Rollouts, RunStats]:
         """Sample n rollouts of each prompt: R = P * n rows, row r = p * n + s of prompt
         p, its draws keyed by fold_in(key, row_ids[r]) (default r). Rows enter free
@@ -663,7 +775,14 @@ class Engine(Decoder):
         prompt is prefilled once, when its first row enters. `weights(chunk)` ->
         (params, version) gives the weights of each chunk (default: `params`, `version`
         throughout). `max_new_tokens`: one limit for all rows or one per row. A chunk
-        ends early once `refill_min` slots are free while rows wait (default S / 64).
+        ends early once `refill_min` rows have ended in it while rows wait (default
+        S / 64).
+
+        `overlap`: dispatch chunk k + 1 before reading chunk k, so that the device
+        decodes while the host reads a chunk, assembles its rows and refills the slots
+        (the refill then comes a chunk later: a slot whose row ended in chunk k is
+        refilled after chunk k + 1). `timeline`: measure the device's idle time between
+        programs (`RunStats.device_idle`; a thread waits on each chunk's outputs).
         Returns the rollouts in row order and the run's `RunStats`."""
         G = self.cfg.n if n is None else int(n)
         P = len(prompt_ids)
@@ -683,17 +802,37 @@ class Engine(Decoder):
             raise ValueError(f"row_ids needs {R} ids (prompts x n), got shape {ids.shape}")
         loop = _HostLoop(self, prompt_ids, G, key, limits, queue, ids)
         refill_min = max(1, self.slots // 64) if refill_min is None else int(refill_min)
+        if weights is None:
+            weights = lambda chunk: (params, version)  # noqa: E731
+        clock = _Timeline() if timeline else None
+        chunks = self._drive(loop, weights, refill_min, overlap=overlap, clock=clock)
+        return loop.rollouts(), loop.stats(chunks, clock.idle() if clock else None)
+
+    def _drive(self, loop: _HostLoop, weights, refill_min: int, *, overlap: bool, clock) -> int:
+        """`run`'s host loop: refill, dispatch a chunk, read the one before it (or this
+        one, without `overlap`); the chunks run."""
         state = self.init()
-        chunk = 0
-        while loop.slots.queue or loop.slots.busy():
-            if weights is not None:  # this chunk's weights prefill its new rows too
-                params, version = weights(chunk)
+        self._clock = clock
+        chunk, pending = 0, None
+        while loop.slots.queue or loop.slots.busy() or pending is not None:
+            params, version = weights(chunk)  # this chunk's weights prefill its new rows too
             state = loop.slots.refill(params, state)
-            at = refill_min if loop.slots.queue else None
-            state, out = self.generate(params, state, version=version, refill_at=at)
-            chunk += 1
-            loop.collect(out)
-        return loop.rollouts(), loop.stats(chunk)
+            queued = None
+            if loop.slots.busy():
+                at = refill_min if loop.slots.queue else None
+                state, out = self.dispatch(params, state, version=version, refill_at=at)
+                queued = (out, loop.slots.held())
+                chunk += 1
+                if clock:
+                    clock.watch(out.steps)
+            if pending is not None:
+                loop.collect(self.read(pending[0]), pending[1])
+            pending = queued
+            if not overlap and pending is not None:
+                loop.collect(self.read(pending[0]), pending[1])
+                pending = None
+        self._clock = None
+        return chunk
 
 
 def _take_vector(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -714,7 +853,8 @@ class _Empty(NamedTuple):
     prompt_len: int
     gen_len: int
     pad_id: int
-    cache: tuple  # the decode cache's (shape, dtype) of keys and values
+    cache: tuple  # the paged cache's (shape, dtype) of keys and values
+    table: tuple  # (pages per row's table R, pages per batch shard N: a table's "no page")
     pool: tuple  # the pool's cache shape (L, Q, K, W, hd)
     dtype: str  # the pool's dtype
     key: tuple  # a key's data (shape, dtype)
@@ -724,7 +864,7 @@ def _empty_state(g: _Empty) -> EngineState:
     S, Q, Tp, Tg, pad = g.slots, g.pool[1], g.prompt_len, g.gen_len, g.pad_id
     zeros = jnp.zeros((S,), jnp.int32)
     slots = SamplerState(
-        cache=tuple(jnp.zeros(shape, dtype) for shape, dtype in g.cache),
+        cache=PagedKV(*(jnp.zeros(shape, dtype) for shape, dtype in g.cache)),
         prompt_tokens=jnp.full((S, Tp), pad, jnp.int32),
         kv_start=zeros,
         tokens=jnp.full((S, Tg), pad, jnp.int32),
@@ -745,6 +885,7 @@ def _empty_state(g: _Empty) -> EngineState:
         group_ids=zeros,
         row_ids=zeros,
         real=jnp.zeros((S,), bool),
+        pages=jnp.full((S, g.table[0]), g.table[1], jnp.int32),
     )
     pool = Prefix(
         cache=KVCache(*(jnp.zeros(g.pool, g.dtype) for _ in range(2))),
@@ -784,9 +925,10 @@ class _HostLoop:
         self.cols = {k: np.full((R, Tg), blank[k], dtype) for k, (dtype, _) in COLUMNS.items()}
         self.ends = {k: np.zeros((R,), np.int32) for k in ("lengths", "finish", "truncated")}
 
-    def collect(self, out: ChunkOut) -> None:
-        """The rows the chunk ended into their buffers."""
-        ended = self.slots.collect(out)
+    def collect(self, out: ChunkOut, rows: np.ndarray) -> None:
+        """The rows the chunk ended into their buffers (`rows`: the slots' rows when
+        it was dispatched)."""
+        ended = self.slots.collect(out, rows)
         for k, v in ended.columns.items():
             self.cols[k][ended.rows] = v
         for k in self.ends:
@@ -812,7 +954,7 @@ class _HostLoop:
             }
         )
 
-    def stats(self, chunks: int) -> RunStats:
+    def stats(self, chunks: int, device_idle: float | None = None) -> RunStats:
         within = np.arange(self.engine.gen_len)[None, :] < self.ends["lengths"][:, None]
         return RunStats(
             chunks=chunks,
@@ -821,4 +963,45 @@ class _HostLoop:
             decoded_tokens=int(self.ends["lengths"].sum()),
             prefills=self.slots.prefills,
             prompts_prefilled=self.slots.prefilled,
+            pages=self.slots.pages.total,
+            pages_peak=self.slots.pages.peak,
+            pages_held=self.slots.pages.in_use(),
+            device_idle=device_idle,
         )
+
+
+class _Timeline:
+    """When the host dispatched each program of a run and when each chunk's outputs were
+    ready (a thread waits on them in order, the GIL released): the device's idle time
+    is the gaps between a chunk's end and the next dispatch after it. A prefill_insert
+    is dispatched just before its chunk, so its time counts as busy."""
+
+    def __init__(self):
+        self._sent: list[float] = []  # dispatch times, every program's
+        self._ready: list[float] = []  # each chunk's end
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def dispatched(self) -> None:
+        self._sent.append(time.perf_counter())
+
+    def watch(self, output: jax.Array) -> None:
+        self._queue.put(output)
+
+    def _wait(self) -> None:
+        while (x := self._queue.get()) is not None:
+            jax.block_until_ready(x)
+            self._ready.append(time.perf_counter())
+
+    def idle(self) -> float:
+        """The idle fraction of the run, from the first dispatch to the last chunk's end."""
+        self._queue.put(None)
+        self._thread.join()
+        sent = np.asarray(self._sent)
+        idle = 0.0
+        for end in self._ready[:-1]:
+            after = sent[sent > end]  # the device waits for the host's next dispatch
+            idle += float(after[0] - end) if after.size else 0.0
+        span = self._ready[-1] - self._sent[0] if self._ready else 0.0
+        return idle / span if span > 0 else 0.0

@@ -5,6 +5,11 @@ bring their columns chunk by chunk (`ChunkOut`) until they end.
 
 Rows are numbered r = g * n + s (group g, sample s); the caller says what each group's
 prompt is and each row's id (the key of its draws) and limit.
+
+The KV cache is paged (`PageBook`): a row takes the pages of its worst case (its
+prompt and its limit) when it enters a slot and gives them back when it ends. A row
+enters only when its slot's batch shard has them free; none is ever preempted, so a
+row's tokens never depend on how full the cache was.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from rl_jax.kernels.xla import pages_needed
 from rl_jax.sampling._decoder import round_up
 
 if TYPE_CHECKING:
@@ -28,6 +34,55 @@ COLUMNS = {
     "versions": (np.int32, -1),
     "injected": (np.bool_, False),
 }
+
+
+class PageBook:
+    """The pages of an engine's KV cache, per batch shard: which are free and which slot
+    holds which. Slots s_0 .. of shard d (`slots_per_shard` each, in order) take pages
+    of that shard, numbered 0 .. pages_per_shard - 1 there (a row's pages live on its
+    device). A page is held by one slot at a time (`take` refuses a held one)."""
+
+    def __init__(self, *, shards: int, slots_per_shard: int, pages_per_shard: int):
+        self.slots_per_shard, self.pages_per_shard = int(slots_per_shard), int(pages_per_shard)
+        self._free = [collections.deque(range(pages_per_shard)) for _ in range(shards)]
+        self._owner = np.full((shards, pages_per_shard), -1, np.int64)  # page -> slot
+        self.held: dict[int, list[int]] = {}  # slot -> its pages
+        self.peak = 0  # most pages held at once
+
+    @property
+    def total(self) -> int:
+        return self._owner.size
+
+    def in_use(self) -> int:
+        return int((self._owner >= 0).sum())
+
+    def shard(self, slot: int) -> int:
+        return int(slot) // self.slots_per_shard
+
+    def free(self, slot: int) -> int:
+        """Free pages on `slot`'s shard."""
+        return len(self._free[self.shard(slot)])
+
+    def take(self, slot: int, n: int) -> list[int]:
+        """n free pages of `slot`'s shard for the row entering it."""
+        d, slot = self.shard(slot), int(slot)
+        if slot in self.held:
+            raise RuntimeError(f"slot {slot} takes pages while holding {self.held[slot]}")
+        if n > len(self._free[d]):
+            raise RuntimeError(f"slot {slot} needs {n} pages; shard {d} has {len(self._free[d])}")
+        pages = [self._free[d].popleft() for _ in range(n)]
+        if (self._owner[d, pages] >= 0).any():
+            raise RuntimeError(f"pages {pages} of shard {d} handed out twice")
+        self._owner[d, pages] = slot
+        self.held[slot] = pages
+        self.peak = max(self.peak, self.in_use())
+        return pages
+
+    def give_back(self, slot: int) -> None:
+        """The pages of `slot`'s row, which ended, free again."""
+        d, pages = self.shard(slot), self.held.pop(int(slot))
+        self._owner[d, pages] = -1
+        self._free[d].extend(pages)
 
 
 class Ended(NamedTuple):
@@ -68,6 +123,11 @@ class SlotBook:
         self.pooled: dict[int, int] = {}  # group -> its prompt's pool entry
         self.left: dict[int, int] = {}  # pooled group -> its rows not yet in a slot
         self.free_entries = list(range(engine.pool_size))
+        self.pages = PageBook(
+            shards=engine.shards,
+            slots_per_shard=S // engine.shards,
+            pages_per_shard=engine.shard_pages,
+        )
         self.cols = {k: np.empty((S, Tg), d) for k, (d, _) in COLUMNS.items()}  # [S, Tg]
         self.blank = {k: engine.pad_id if v is None else v for k, (_, v) in COLUMNS.items()}
         self.slot_steps = self.prefills = self.prefilled = 0
@@ -84,61 +144,81 @@ class SlotBook:
         """Whether any slot holds a row."""
         return bool((self.slot_row >= 0).any())
 
-    def _pick(self, free: int) -> tuple[list[int], list[int]]:
-        """Rows for up to `free` slots, in queue order, and the groups whose prompts they
-        need prefilled (at most a prefill's, of one length bucket, while pool entries
-        are free: a prompt's KV depends only on it and its bucket). A row whose prompt
-        cannot enter now lets later rows of pooled prompts pass."""
+    def need(self, r: int) -> int:
+        """Pages row r writes at most: its prompt and its limit (`pages_needed`)."""
         eng = self.engine
-        taken, new, bucket = [], [], None
+        limit = self.limit(r)
+        new_tokens = eng.cfg.max_new_tokens if limit is None else int(limit)
+        return pages_needed(len(self.prompt(r // self.G)), new_tokens, eng.page_size)
+
+    def _pick(self, free: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """Rows for the `free` slots, in queue order, their slots, and the groups whose
+        prompts they need prefilled (at most a prefill's, of one length bucket, while
+        pool entries are free: a prompt's KV depends only on it and its bucket). A row
+        whose prompt cannot enter now lets later rows of pooled prompts pass; a row
+        whose pages no free slot's shard has stops the pick (it enters first, later)."""
+        eng, book = self.engine, self.pages
+        open_slots = [int(s) for s in free]
+        spare = {book.shard(s): book.free(s) for s in open_slots}
+        taken, slots, new, bucket = [], [], [], None
         skipped = False
         for at, r in enumerate(self.queue):
-            if len(taken) == free:
+            if not open_slots:
                 break
             g = r // self.G
-            if g not in self.pooled and g not in new:
+            fresh = g not in self.pooled and g not in new
+            if fresh:
                 b = round_up(len(self.prompt(g)), eng.length_bucket)
                 room = len(new) < min(eng.prefill_prompts, len(self.free_entries))
                 if not room or (bucket is not None and b != bucket):
                     skipped = True
                     continue
+            need = self.need(r)
+            slot = next((s for s in open_slots if spare[book.shard(s)] >= need), None)
+            if slot is None:
+                break
+            if fresh:
                 bucket = b
                 new.append(g)
+            open_slots.remove(slot)
+            spare[book.shard(slot)] -= need
             taken.append(at)
+            slots.append(slot)
         if skipped:
             rows = [self.queue[at] for at in taken]
             keep = set(taken)
             self.queue = collections.deque(r for at, r in enumerate(self.queue) if at not in keep)
         else:
             rows = [self.queue.popleft() for _ in taken]
-        return rows, new
+        return rows, slots, new
 
     def refill(self, params, state: EngineState) -> EngineState:
         """Fill free slots from the queue: one prefill_insert call per set of new prompts
         (one, unless prompts of several buckets or over a prefill's count enter), with
-        the rows whose prompts are pooled."""
+        the rows whose prompts are pooled, each with the pages it needs."""
         while self.queue:
             free = np.flatnonzero(self.slot_row < 0)
             if not len(free):
                 break
-            rows, new = self._pick(len(free))
+            rows, slots, new = self._pick(free)
             if not rows:
                 break
             into = [self.free_entries.pop(0) for _ in new]
             self.pooled.update(zip(new, into, strict=True))
             self.left.update({g: self.G for g in new})
-            slots = free[: len(rows)]
             limits = [self.limit(r) for r in rows]
+            pages = [self.pages.take(s, self.need(r)) for s, r in zip(slots, rows, strict=True)]
             state = self.engine.prefill_insert(
                 params,
                 state,
                 [self.prompt(g) for g in new],
                 into,
-                slots.tolist(),
+                slots,
                 [self.pooled[r // self.G] for r in rows],
                 [int(self.row_id(r)) for r in rows],
                 [r // self.G for r in rows],
                 key=self.key,
+                pages=pages,
                 limits=None if any(x is None for x in limits) else [int(x) for x in limits],
             )
             self.prefills += bool(new)
@@ -154,11 +234,19 @@ class SlotBook:
                     self.free_entries.append(self.pooled.pop(g))
         return state
 
-    def collect(self, out: ChunkOut) -> Ended:
+    def held(self) -> np.ndarray:
+        """The row in each slot now ([S], -1 free): what a chunk dispatched now decodes
+        (`collect`'s `rows`)."""
+        return self.slot_row.copy()
+
+    def collect(self, out: ChunkOut, rows: np.ndarray | None = None) -> Ended:
         """The chunk's columns into each slot's row; the rows that ended leave their
-        slots and come back."""
+        slots and come back. `rows`: the slots' rows when the chunk was dispatched
+        (`held`; default: now): a host that dispatches a chunk before reading the one
+        before it skips the rows that one ended (their slots may hold new rows)."""
         self.slot_steps += self.engine.slots * out.steps
-        held = np.flatnonzero(self.slot_row >= 0)
+        at = self.slot_row if rows is None else rows
+        held = np.flatnonzero((at >= 0) & (at == self.slot_row))
         cols = out.start[held, None] + np.arange(out.tokens.shape[1])[None, :]
         ok = cols < self.engine.gen_len
         s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
@@ -173,4 +261,6 @@ class SlotBook:
             truncated=out.truncated[ended],
         )
         self.slot_row[ended] = -1
+        for slot in ended:
+            self.pages.give_back(int(slot))
         return got

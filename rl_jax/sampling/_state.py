@@ -31,7 +31,8 @@ class SamplerState:
     Cache slot layout: prompts are left-padded into slots [0, Tp); completion
     token t is fed to the model at slot Tp + t (the last prompt token is fed at
     slot Tp - 1 by the first decode step, which samples completion token 0).
-    A row attends to slots >= kv_start (its first real prompt token).
+    A row attends to slots >= kv_start (its first real prompt token). In a paged
+    cache (`pages`), slot s of a row is its position s - kv_start in its pages.
     """
 
     cache: object  # model KV cache, batch axis over rows, Tp + Tg slots
@@ -55,6 +56,9 @@ class SamplerState:
     group_ids: jax.Array  # [B] int32 prompt index
     row_ids: jax.Array  # [B] int32
     real: jax.Array  # [B] bool, False for rows padding B to the device count
+    # [B, R] int32 the engine's page tables (its cache is paged: `rl_jax.kernels.xla.Pages`);
+    # None for the Sampler's cache, a slot per row and position.
+    pages: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:

@@ -277,11 +277,11 @@ class EngineStream:
         self.state = slots.refill(params, self.state)
         if not slots.busy():
             return False
-        # End the chunk early to refill slots only when there is something to put in
-        # them: rows waiting, or a group that may enter.
+        # End the chunk early (once refill_min rows ended in it) to refill slots only
+        # when there is something to put in them: rows waiting, or a group that may enter.
         with self.cond:
             refill = bool(slots.queue) or self.book.can_admit()
-        at = slots.free() + self.refill_min if refill else None
+        at = self.refill_min if refill else None
         self.state, out = engine.generate(params, self.state, version=version, refill_at=at)
         self.chunks += 1
         self._collect(out)
