@@ -190,6 +190,13 @@ def format_plan(plan: dict) -> str:
         " decode's and generate's row is one token per row or slot)",
         *(["DOES NOT FIT:"] + [f"  {a}" for a in plan["advice"]] if plan["advice"] else []),
     ]
+    for r in plan["programs"]:
+        if r.get("bytes_floor_ratio") is not None:
+            lines.append(
+                f"{r['name']}: reads {r['bytes_analytic'] / 1e9:.3g} GB a step per chip,"
+                f" {r['bytes_floor_ratio']:.2f}x the floor ({r['bytes_floor'] / 1e9:.3g} GB:"
+                " the weights and the cache positions a step attends)"
+            )
     if plan["flops_counted"]:
         lines += [
             f"RL step: {st['roofline_s']:.4g} s roofline, MFU {st['mfu_estimate']:.2f},"

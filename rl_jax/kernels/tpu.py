@@ -180,6 +180,11 @@ class Decode(xla.Decode):
         super().__init__(platform)
         self.interpret = interpret
 
+    def pages_read(self, filled: int, width: int) -> int:
+        """The kernel reads a row's filled pages in blocks of `paged_block` pages."""
+        per = paged_block(width, self.page_size)
+        return min(width, -(-filled // per) * per)
+
     def read_pages(self, q, cache, table, pos, layer, dtype, live=None):
         if loops.mode().how != "run" or cache.values.dtype != jnp.bfloat16:
             return super().read_pages(q, cache, table, pos, layer, dtype, live)

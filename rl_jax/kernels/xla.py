@@ -559,6 +559,12 @@ class Decode:
         scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
         return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
 
+    def pages_read(self, filled: int, width: int) -> int:
+        """Pages of a `width`-page table a decode step reads for a row that has filled
+        `filled` of them: here the whole table (blocks on DECODE_BLOCK_PLATFORMS are read
+        up to the batch's furthest row, which a single row's count cannot know)."""
+        return width
+
     def read_pages(self, q, cache: PagedKV, table, pos, layer, dtype, live=None) -> jax.Array:
         """q [B, K, R, hd] over positions 0 .. pos[b] of each row's pages of `layer`:
         [B, K, R, hd] float32 (rows not `live` [B]: anything finite, a kernel may skip

@@ -200,6 +200,9 @@ def plan_run(
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
 
+    # Positions of cache a row holds: the engine's pages, the batch Sampler's columns.
+    cache_positions = tp + tg if engine is None else engine.row_pages * engine.page_size
+
     def reports(costs) -> list[dict[str, Any]]:
         """Every program's report, its FLOPs and bytes from `costs`."""
         programs = []
@@ -256,6 +259,7 @@ def plan_run(
             # every weight and the whole cache: the token loop's cost is its body's, once
             # per call.
             slots, steps, decode = batch_prompts * G, tg * per_step, "decode"
+            kv_read = kv_bytes
         else:
             # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
             # the engine's slots (full occupancy: the least it takes). A generate call runs
@@ -279,6 +283,7 @@ def plan_run(
                 cost=costs["prefill_insert"],
             )
             decode = "generate"
+            kv_read = kv_bytes * _mean_pages_read(engine, tp, tg) / engine.row_pages
         programs.append(prefill)
         programs.append(
             report(
@@ -287,7 +292,8 @@ def plan_run(
                 slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
                 resident=beside,
                 calls=steps,
-                bytes_analytic=weight_bytes + kv_bytes,
+                bytes_analytic=weight_bytes + kv_read,
+                bytes_floor=weight_bytes + kv_bytes * _mean_filled(tp, tg) / cache_positions,
                 cost=costs[decode],
                 steps_per_call=1 if engine is None else engine.chunk,
             )
@@ -667,6 +673,24 @@ def _cost(done, times: int = 1) -> tuple[float, float]:
     return times * float(flops), times * float(moved)
 
 
+def _mean_filled(tp: int, tg: int) -> float:
+    """Cache positions a decode step attends on average over a row's generation: its
+    prompt and half its tokens (each step reads the positions written so far)."""
+    return tp + (tg + 1) / 2
+
+
+def _mean_pages_read(engine, tp: int, tg: int) -> float:
+    """Pages of its table the engine's decode step reads for a row, averaged over the
+    row's `tg` steps: the filled ones as the platform's kernel rounds them
+    (`Decode.pages_read`: blocks of pages on TPU; the whole table for XLA's reference)."""
+    ops, page, width = engine.decode_ops, engine.page_size, engine.row_pages
+    pos = np.arange(tp, tp + tg) + 1  # positions the step attends (its own written first)
+    filled = -(-pos // page)
+    read = [ops.pages_read(int(f), width) for f in np.unique(filled)]
+    counts = np.unique(filled, return_counts=True)[1]
+    return float(np.dot(read, counts) / tg)
+
+
 def _prefill_flops(spec, T: int) -> float:
     """Model FLOPs of filling a KV cache with T prompt tokens: every layer but the last
     whole, the last one's K and V projections only, no LM head (nothing reads them)."""
@@ -864,6 +888,7 @@ def _report(
     resident: int = 0,
     calls: float = 1,
     bytes_analytic: float | None = None,
+    bytes_floor: float | None = None,
     cost: tuple[float, float] | None = None,
     steps_per_call: int = 1,
 ):
@@ -871,6 +896,7 @@ def _report(
     chips; `expected`: what the compiled count should be (rematerialization included);
     `resident`: bytes other live buffers hold on each chip while it runs; `calls`: times
     it runs per RL step; `bytes_analytic`: HBM bytes it must read (decode's roofline);
+    `bytes_floor`: the least any decode step could read (weights and filled positions);
     `steps_per_call`: the token steps one call of a decode program runs (its collectives
     are reported per step, as its roofline is).
     `cost`: its (FLOPs, bytes accessed) per chip with every loop iteration counted
@@ -921,9 +947,13 @@ def _report(
     if bytes_analytic is not None:
         # XLA's bytes of a decode call count the loop body once plus what runs once per
         # call (the weights' re-layout, the draws of every column), which for a large
-        # model is twice the weights again: per token, the bytes the step must read
-        # (weights and the whole cache) are the bound.
+        # model is twice the weights again, and see nothing of a Pallas kernel's reads:
+        # per token, the bytes the step must read (the weights and the cache the
+        # platform's attention reads: on TPU a row's filled pages) are the bound.
         out["bytes_analytic"] = float(bytes_analytic)
+        if bytes_floor:
+            out["bytes_floor"] = float(bytes_floor)
+            out["bytes_floor_ratio"] = float(bytes_analytic) / float(bytes_floor)
         out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
         out["roofline_compiled_s"] = roofline
         out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)

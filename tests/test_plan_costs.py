@@ -1,4 +1,5 @@
-"""The bytes a compiled program sends over the interconnect, read from its HLO."""
+"""What a plan prices beside FLOPs: the bytes a compiled program sends over the
+interconnect (read from its HLO), and the cache a decode step reads against the floor."""
 
 import numpy as np
 import pytest
@@ -118,3 +119,24 @@ def test_a_compiled_gather_is_counted_for_a_tpu_topology(no_compilation_cache):
     # The 1 MiB array is gathered whole on every chip (or reduced after a local sum: the
     # compiler's choice); either way it is counted, never zero.
     assert sent["all-gather"] == pytest.approx(1024 * 512 * 2 * 3 / 4) or sent["all-reduce"] > 0
+
+
+def test_a_paged_decode_step_reads_the_filled_pages_near_the_floor():
+    """ScaleRL's rows (1,024 prompt + 14,336 new tokens) on the TPU engine's pages of 64
+    positions: a step reads a row's filled pages in the kernel's blocks, on average
+    close to the positions it attends; XLA's reference reads the whole table."""
+    from types import SimpleNamespace
+
+    from rl_jax.kernels import tpu, xla
+    from rl_jax.plan._programs import _mean_filled, _mean_pages_read
+
+    tp, tg, page = 1024, 14336, 64
+    width = (tp + tg) // page
+    paged = SimpleNamespace(decode_ops=tpu.Decode("tpu"), page_size=page, row_pages=width)
+    read = _mean_pages_read(paged, tp, tg) * page
+    floor = _mean_filled(tp, tg)
+    assert floor == 1024 + 7168.5
+    # Blocks of 512 positions: on average half a block (256) more than the filled part.
+    assert 1.0 < read / floor < 1.05
+    whole = SimpleNamespace(decode_ops=xla.Decode("cpu"), page_size=page, row_pages=width)
+    assert _mean_pages_read(whole, tp, tg) == width
