@@ -124,7 +124,9 @@ def test_a_compiled_gather_is_counted_for_a_tpu_topology(no_compilation_cache):
 def test_a_paged_decode_step_reads_the_filled_pages_near_the_floor():
     """ScaleRL's rows (1,024 prompt + 14,336 new tokens) on the TPU engine's pages of 64
     positions: a step reads a row's filled pages in the kernel's blocks, on average
-    close to the positions it attends; XLA's reference reads the whole table."""
+    close to the positions it attends; XLA's reference reads the whole table, and so
+    does the TPU engine where the kernel cannot read its cache (int8 keys and values, a
+    head width that is not whole 128-lane tiles)."""
     from types import SimpleNamespace
 
     from rl_jax.kernels import tpu, xla
@@ -132,11 +134,18 @@ def test_a_paged_decode_step_reads_the_filled_pages_near_the_floor():
 
     tp, tg, page = 1024, 14336, 64
     width = (tp + tg) // page
-    paged = SimpleNamespace(decode_ops=tpu.Decode("tpu"), page_size=page, row_pages=width)
-    read = _mean_pages_read(paged, tp, tg) * page
+
+    def engine(ops, head_dim=128, kv_quant=None):
+        spec = SimpleNamespace(head_dim=head_dim, compute_dtype="bfloat16")
+        return SimpleNamespace(
+            decode_ops=ops, page_size=page, row_pages=width, spec=spec, kv_quant=kv_quant
+        )
+
+    read = _mean_pages_read(engine(tpu.Decode("tpu")), tp, tg) * page
     floor = _mean_filled(tp, tg)
     assert floor == 1024 + 7168.5
     # Blocks of 512 positions: on average half a block (256) more than the filled part.
     assert 1.0 < read / floor < 1.05
-    whole = SimpleNamespace(decode_ops=xla.Decode("cpu"), page_size=page, row_pages=width)
-    assert _mean_pages_read(whole, tp, tg) == width
+    assert _mean_pages_read(engine(xla.Decode("cpu")), tp, tg) == width
+    assert _mean_pages_read(engine(tpu.Decode("tpu"), kv_quant="int8"), tp, tg) == width
+    assert _mean_pages_read(engine(tpu.Decode("tpu"), head_dim=64), tp, tg) == width

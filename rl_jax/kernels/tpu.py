@@ -169,8 +169,10 @@ class Decode(xla.Decode):
     The engine's paged cache (`xla.PagedKV`, keys and values [K, L, N, P, hd], the
     layout the kernel reads) is read by the Pallas paged attention kernel (`paged_
     attention`), per device under `jax.shard_map` on a mesh: a row reads its filled
-    pages only. The kernel reads bfloat16; a cache of another dtype (int8 too) keeps
-    XLA's reference, as do the plan's counting programs (the kernel has no cost XLA can see).
+    pages only. The kernel reads bfloat16 and blocks its softmax statistics as its
+    queries, so it needs a head width of whole 128-lane tiles; another cache dtype (int8
+    too) or head width keeps XLA's reference (`kernel_reads`), as do the plan's counting
+    programs (the kernel has no cost XLA can see).
     `interpret`: the kernel in Pallas's interpreter (any backend: the CPU tests)."""
 
     page_size = 64
@@ -180,15 +182,23 @@ class Decode(xla.Decode):
         super().__init__(platform)
         self.interpret = interpret
 
-    def pages_read(self, filled: int, width: int) -> int:
+    def kernel_reads(self, dtype, head_dim: int) -> bool:
+        """Whether the Pallas kernel reads a paged cache of `dtype` and `head_dim` (its
+        per-head softmax statistics are blocked like its queries: on TPU, a head width of
+        whole 128-lane tiles; Pallas's interpreter takes any)."""
+        return jnp.dtype(dtype) == jnp.bfloat16 and (self.interpret or head_dim % 128 == 0)
+
+    def pages_read(self, filled: int, width: int, *, dtype, head_dim: int) -> int:
         """The kernel reads a row's filled pages in blocks of `paged_block` pages."""
+        if not self.kernel_reads(dtype, head_dim):
+            return super().pages_read(filled, width, dtype=dtype, head_dim=head_dim)
         per = paged_block(width, self.page_size)
         return min(width, -(-filled // per) * per)
 
     def read_pages(self, q, cache, table, pos, layer, dtype, live=None):
-        if loops.mode().how != "run" or cache.values.dtype != jnp.bfloat16:
-            return super().read_pages(q, cache, table, pos, layer, dtype, live)
         hd = q.shape[-1]
+        if loops.mode().how != "run" or not self.kernel_reads(cache.values.dtype, hd):
+            return super().read_pages(q, cache, table, pos, layer, dtype, live)
         q = (q.astype(jnp.float32) * hd**-0.5).astype(dtype)  # the kernel scales nothing
         lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)  # ended: no reads
         return paged_attention(

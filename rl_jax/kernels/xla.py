@@ -559,9 +559,9 @@ class Decode:
         scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
         return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
 
-    def pages_read(self, filled: int, width: int) -> int:
+    def pages_read(self, filled: int, width: int, *, dtype, head_dim: int) -> int:
         """Pages of a `width`-page table a decode step reads for a row that has filled
-        `filled` of them: here the whole table (blocks on DECODE_BLOCK_PLATFORMS are read
+        `filled` of them, from a cache of `dtype` and `head_dim`: here the whole table (blocks on DECODE_BLOCK_PLATFORMS are read
         up to the batch's furthest row, which a single row's count cannot know)."""
         return width
 

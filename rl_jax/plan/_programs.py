@@ -31,7 +31,7 @@ from rl_jax.kernels import loops
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import param_shardings
+from rl_jax.models.transformer import dtype_of, param_shardings
 from rl_jax.plan._advice import advice
 from rl_jax.plan._assumed import (
     SCALERL_BUDGET_ROLLOUTS,
@@ -686,7 +686,12 @@ def _mean_pages_read(engine, tp: int, tg: int) -> float:
     ops, page, width = engine.decode_ops, engine.page_size, engine.row_pages
     pos = np.arange(tp, tp + tg) + 1  # positions the step attends (its own written first)
     filled = -(-pos // page)
-    read = [ops.pages_read(int(f), width) for f in np.unique(filled)]
+    spec = engine.spec
+    dtype = jnp.int8 if engine.kv_quant == "int8" else dtype_of(spec.compute_dtype)
+    read = [
+        ops.pages_read(int(f), width, dtype=dtype, head_dim=spec.head_dim)
+        for f in np.unique(filled)
+    ]
     counts = np.unique(filled, return_counts=True)[1]
     return float(np.dot(read, counts) / tg)
 
