@@ -432,6 +432,9 @@ _LATER_KNOB_DEFAULTS = {
     # Blockwise attention computes dense attention's numbers up to float32 rounding.
     "model.attention": "auto",
     "model.attention_block": 512,
+    # The code verifier's options (they change nothing for other verifiers).
+    "rewards.code_partial": False,
+    "rewards.code_memory_mb": 512,
 }
 # Knobs that were ints and now also take a fraction (so are floats): a whole number is
 # hashed as the int it was, so `train.warmup_steps=50` keeps its run id.
