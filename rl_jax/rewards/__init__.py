@@ -20,6 +20,7 @@ from rl_jax.rewards._gym import encode_gym_answer
 from rl_jax.rewards._numeric import last_boxed, parse_number
 from rl_jax.rewards._registry import (
     SCALES,
+    TaskAnswer,
     from_config,
     get,
     names,
@@ -34,6 +35,7 @@ from rl_jax.rewards._sandbox import SandboxPool
 __all__ = [
     "SCALES",
     "SandboxPool",
+    "TaskAnswer",
     "encode_gym_answer",
     "evaluate_expression",
     "format_countdown_answer",

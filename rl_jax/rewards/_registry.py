@@ -153,7 +153,7 @@ def get(
 def config_options(cfg: RewardConfig, name: str) -> dict:
     """The options of verifier `name` that RewardConfig sets (rewards.code_*)."""
     given = {"partial": cfg.code_partial, "memory_mb": cfg.code_memory_mb}
-    return {k: v for k, v in given.items() if k in _OPTIONS[name]}
+    return {k: v for k, v in given.items() if k in _OPTIONS.get(name, ())}
 
 
 def from_config(cfg: RewardConfig, *, task_reward: str = "") -> RewardFn:
@@ -297,6 +297,74 @@ class _CodeRewardFn(RewardFn):
 
     def close(self) -> None:
         self.pool.close()
+
+
+class TaskAnswer(str):
+    """An answer that names the verifier it is checked with: a task mixture's problems
+    carry theirs (rl_jax.data), and the `mixture` verifier routes each to it. Otherwise
+    it is the answer string itself."""
+
+    verifier: str
+
+    def __new__(cls, text: str, verifier: str):
+        obj = super().__new__(cls, text)
+        obj.verifier = verifier
+        return obj
+
+    def __reduce__(self):
+        return (TaskAnswer, (str(self), self.verifier))
+
+
+class _MixtureRewardFn(RewardFn):
+    """Each answer scored by the verifier it names (`TaskAnswer`), all at this scale; the
+    verifiers are built on first use with this one's time limit, workers and options."""
+
+    def __init__(self, scale, *, timeout_s, workers, opts):
+        super().__init__("mixture", scale, well_formed=self._any_well_formed)
+        self.timeout_s, self._workers, self._opts = timeout_s, workers, opts
+        self.verifiers: dict[str, RewardFn] = {}
+        self._warned = False
+
+    def verifier(self, name: str) -> RewardFn:
+        fn = self.verifiers.get(name)
+        if fn is None:
+            own = {k: v for k, v in self._opts.items() if k in _OPTIONS[name]}
+            fn = self.verifiers[name] = get(
+                name, scale="01", timeout_s=self.timeout_s, workers=self._workers, **own
+            )
+        return fn
+
+    def _any_well_formed(self, completion) -> bool:
+        return any(fn.well_formed(completion) for fn in self.verifiers.values())
+
+    def scores(self, completions, answers):
+        out = np.zeros(len(completions), np.float32)
+        groups: dict[str, list[int]] = {}
+        for i, a in enumerate(answers):
+            if isinstance(a, TaskAnswer) and a.verifier in _REGISTRY and a.verifier != "mixture":
+                groups.setdefault(a.verifier, []).append(i)
+            elif not self._warned:
+                self._warned = True
+                log.warning(
+                    "mixture verifier: no credit for answer %r: it names no verifier (a task "
+                    "mixture's problems do; rewards.name picks one for all)",
+                    str(a)[:80],
+                )
+        for name, idx in groups.items():
+            got = self.verifier(name).scores(
+                [completions[i] for i in idx], [str(answers[i]) for i in idx]
+            )
+            out[idx] = got
+        return out
+
+    def close(self) -> None:
+        for fn in self.verifiers.values():
+            fn.close()
+
+
+@register("mixture", options=("partial", "memory_mb"))
+def _mixture_reward(scale, timeout_s, workers, **opts):
+    return _MixtureRewardFn(scale, timeout_s=timeout_s, workers=workers, opts=opts)
 
 
 # Past its time limit a program's worker still kills and reaps its process group and
