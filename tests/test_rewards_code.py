@@ -89,6 +89,17 @@ def test_extract_program():
     )
 
 
+def test_a_programs_syntax_warnings_are_not_printed():
+    import warnings
+
+    from rl_jax.rewards._code import _compiles
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _compiles("x = [0x1for x in y]")  # SyntaxWarning: invalid hexadecimal literal
+    assert not seen
+
+
 # ---- verdicts -----------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ import signal
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from rl_jax.rewards import _code_jail
@@ -191,10 +192,13 @@ def _defines(program: str, name: str) -> bool:
 
 
 def _compiles(src: str) -> bool:
-    try:
-        compile(src, "<program>", "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
-        return False
+    # A program's SyntaxWarnings ("invalid decimal literal") are not the trainer's to print.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            compile(src, "<program>", "exec")
+        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+            return False
     return True
 
 

@@ -278,12 +278,13 @@ class _CodeRewardFn(RewardFn):
                 text = bounded_text(c, limit=_code.PROGRAM_CHARS, keep="tail")
                 idx.append(i)
                 jobs.append((text, a, self.timeout_s, self.memory_mb))
-        res = self.pool.run(
-            "rl_jax.rewards._code:code_score", jobs, timeout_s=self.timeout_s + CODE_SLACK_S
-        )
-        for i, r in zip(idx, res, strict=True):
+        limit = self.timeout_s + CODE_SLACK_S
+        res = self.pool.run("rl_jax.rewards._code:code_score", jobs, timeout_s=limit)
+        elapsed = self.pool.last_elapsed
+        for j, (i, r) in enumerate(zip(idx, res, strict=True)):
             if r is None:
-                outcomes[i] = "error"
+                # The pool's own limit (a worker that overran its program's), or a worker lost.
+                outcomes[i] = "timeout" if elapsed[j] >= limit else "error"
                 continue
             passed, total, outcomes[i], refused = r
             self.refused += refused
