@@ -150,3 +150,21 @@ def test_field_mapping_and_what_a_tests_field_may_hold(tmp_path, code):
         build_task(DataConfig(**{**vars(cfg), "answer_extract": "boxed"}))
     with pytest.raises(ConfigError, match="data.answer_field='nope' is not a field"):
         build_task(DataConfig(source="file", path=f, format="code", answer_field="nope"))
+
+
+def test_warm_up_rows_hold_the_reference_program_whole():
+    from rl_jax.data import CharTokenizer
+    from rl_jax.train.sft import sft_arrays, sft_length, target_text
+
+    tok = CharTokenizer()
+    code = build_task(DataConfig(source="code", difficulty=1, train_size=8, val_size=1)).train
+    countdown = build_task(DataConfig(source="countdown", train_size=8, val_size=1)).train
+    for problems in (code, countdown):
+        length = sft_length(tok, problems)
+        arr = sft_arrays(tok, problems, length)
+        for p, mask in zip(problems, arr["mask"], strict=True):
+            # every token of the target and the EOS is trained on (none cut at 16 tokens)
+            assert mask.sum() == len(tok.encode(target_text(p))) + 1
+    assert target_text(code[0]).startswith("def ") and "\ufffd" not in tok.decode(
+        tok.encode(target_text(code[0]))
+    )

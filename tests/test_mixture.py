@@ -246,3 +246,13 @@ def test_a_mixture_run_writes_per_task_curves_and_resumes_exactly(tmp_path):
     _run(tmp_path, "crash", crash_at=3)
     _run(tmp_path, "crash")
     assert _curve(tmp_path / "crash") == ref
+
+
+def test_tpu_recipe_reads_its_tasks_files_from_the_bucket(monkeypatch):
+    monkeypatch.setenv("RL_JAX_DATA", "gs://b/data/")
+    cfg = load_recipe("code_mix_tpu")
+    tasks = {t.name: (t.weight, dict(t.settings)["path"]) for t in cfg.data.mixture_tasks()}
+    assert tasks == {
+        "math": (0.5, "gs://b/data/math/train.jsonl"),
+        "code": (0.5, "gs://b/data/code/train.jsonl"),
+    }
