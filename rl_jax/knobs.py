@@ -23,11 +23,17 @@ class DependentKnobError(ConfigError):
 
     An override that switches one of `on` and leaves `knob` as the recipe had it puts
     `knob` back to its default instead (`rl_jax.config.apply_overrides`): one flag is one
-    ablation. Set on the same command line, the two are checked together as given."""
+    ablation. Set on the same command line, the two are checked together as given.
 
-    def __init__(self, message: str, *, knob: str = "", on: tuple[str, ...] = ()):
+    mutual: the two exclude each other: when the command set `knob` and none of `on`,
+    those of `on` take their defaults instead (the knob the command set wins).
+    """
+
+    def __init__(
+        self, message: str, *, knob: str = "", on: tuple[str, ...] = (), mutual: bool = False
+    ):
         super().__init__(message)
-        self.knob, self.on = knob, tuple(on)
+        self.knob, self.on, self.mutual = knob, tuple(on), mutual
 
 
 def knob(

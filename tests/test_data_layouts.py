@@ -11,7 +11,7 @@ import pytest
 
 from rl_jax.cli import main
 from rl_jax.config import DataConfig, load_recipe
-from rl_jax.config.data import FILE_FORMATS
+from rl_jax.config.data import CODE_FORMATS, FILE_FORMATS
 from rl_jax.data import PromptPipeline, build_task
 from rl_jax.data._files import extract_answer
 from rl_jax.knobs import ConfigError
@@ -47,7 +47,8 @@ def no_trainer(monkeypatch):
     monkeypatch.setattr(loop, "train", tripwire)
 
 
-@pytest.mark.parametrize("fmt", FILE_FORMATS)
+# Code layouts read tests, not answers (tests/test_code_layouts.py).
+@pytest.mark.parametrize("fmt", [f for f in FILE_FORMATS if f not in CODE_FORMATS])
 def test_a_prompt_solution_file_loads_under_every_format_with_the_mapping_knobs(tmp_path, fmt):
     f = write_jsonl(tmp_path / "ps.jsonl", prompt_solution_rows())
     cfg = DataConfig(

@@ -79,6 +79,7 @@ FREE_TEXT = {
     "data.question_field",
     "data.answer_field",
     "data.answer_regex",
+    "data.mixture",
     "sampling.interrupt_text",
     "lora.targets",
     "logging.wandb_project",

@@ -1,7 +1,9 @@
 """`rl-jax fit CURVES... --x flops --metric val/pass@1 --out DIR`: fit, compare, report.
 
 Writes DIR/fits.json (one object per run or recipe), DIR/recipes.{md,csv},
-DIR/report.md and DIR/plots/*.{png,svg}. Exit status: 0 when something was
+DIR/report.md and DIR/plots/*.{png,svg}. Curves of a task mixture (val/<task>/pass@1
+beside val/pass@1) are also fitted per task (--per-task): DIR/tasks/<task>/ holds each
+task's report, DIR/tasks.md and DIR/tasks.json the per-task table. Exit status: 0 when something was
 fitted (a curve that does not fit is named on stderr and in the report); 2, with
 one line naming the file and what is wrong and nothing written, for unusable input:
 an unreadable or non-UTF-8 file, an unknown column, a bad option, or curves none of
@@ -11,6 +13,7 @@ which can be fitted (fewer points than the sigmoid has parameters, ...).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +24,10 @@ from rl_jax.scaling import (
     SOURCE_KEY,
     FitError,
     fit_runs,
+    fit_tasks,
     load_rows,
+    task_table,
+    task_table_markdown,
     write_report,
 )
 
@@ -100,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bp-key", default="data.prompts_per_batch", help="column of B_p (problems per batch)"
     )
+    p.add_argument(
+        "--per-task",
+        default="auto",
+        choices=("auto", "off"),
+        help="auto (default): also fit each task of a mixture (val/<task>/<leaf> columns "
+        "beside --metric); off: --metric only",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -107,34 +120,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    opts = dict(
+        x=args.x,
+        group_by=None if args.group_by.lower() == "none" else args.group_by,
+        fit_start=args.fit_start,
+        n_boot=args.n_boot,
+        level=args.level,
+        bootstrap_kind=args.bootstrap,
+        extrapolate=args.extrapolate or None,
+        a_tol=args.a_tol,
+        stop_threshold=args.stop_threshold,
+        frontier=args.frontier,
+        n_key=args.n_key,
+        bp_key=args.bp_key,
+        seed=args.seed,
+        r0=args.r0,
+        method=args.method,
+        a_grid=args.a_grid,
+        c_mid_grid=args.c_mid_grid,
+        metric_range=tuple(args.metric_range),
+    )
     try:
         rows = load_rows(args.curves)
-        report = fit_runs(
-            rows,
-            x=args.x,
-            metric=args.metric,
-            group_by=None if args.group_by.lower() == "none" else args.group_by,
-            fit_start=args.fit_start,
-            n_boot=args.n_boot,
-            level=args.level,
-            bootstrap_kind=args.bootstrap,
-            extrapolate=args.extrapolate or None,
-            a_tol=args.a_tol,
-            stop_threshold=args.stop_threshold,
-            frontier=args.frontier,
-            n_key=args.n_key,
-            bp_key=args.bp_key,
-            seed=args.seed,
-            r0=args.r0,
-            method=args.method,
-            a_grid=args.a_grid,
-            c_mid_grid=args.c_mid_grid,
-            metric_range=tuple(args.metric_range),
-        )
+        report = fit_runs(rows, metric=args.metric, **opts)
         fitted = [e for e in report.entries if e.fit is not None]
         if not fitted:
             raise FitError("nothing could be fitted: " + "; ".join(_failures(report, rows)))
+        tasks = fit_tasks(rows, metric=args.metric, **opts) if args.per_task == "auto" else {}
         written = write_report(report, args.out, plots=not args.no_plots)
+        written += _write_tasks(tasks, args.out, x=args.x, plots=not args.no_plots)
     except (FitError, ValueError) as e:
         print(f"rl-jax fit: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -143,11 +157,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rl-jax fit: {e.name}: {e.error}", file=sys.stderr)
         elif not e.reliable:
             print(f"rl-jax fit: {e.name}: fit flagged unreliable (see report.md)", file=sys.stderr)
+    for row in task_table(tasks):
+        if "error" in row:
+            print(f"rl-jax fit: task {row['task']}: {row['name']}: {row['error']}", file=sys.stderr)
+        else:
+            print(
+                f"task {row['task']}: {row['name']}: A {row['A']:.3f}  B {row['B']:.2f}  "
+                f"C_mid {row['C_mid']:.3g}  R0 {row['R0']:.3f}  ({row['points']} points)"
+            )
     print(
-        f"fitted {len(fitted)} of {len(report.entries)} runs/recipes; wrote {len(written)} files "
-        f"to {args.out} (report.md, fits.json)"
+        f"fitted {len(fitted)} of {len(report.entries)} runs/recipes"
+        + (f" and {len(tasks)} tasks" if tasks else "")
+        + f"; wrote {len(written)} files to {args.out} (report.md, fits.json"
+        + (", tasks.md)" if tasks else ")")
     )
     return 0
+
+
+def _write_tasks(tasks: dict, out: str, *, x: str, plots: bool) -> list[Path]:
+    """Each task's full report under OUT/tasks/<task>/, and OUT/tasks.{md,json}."""
+    if not tasks:
+        return []
+    written: list[Path] = []
+    for task, rep in tasks.items():
+        if not isinstance(rep, str):
+            written += write_report(rep, Path(out) / "tasks" / task, plots=plots)
+    rows = task_table(tasks)
+    md = Path(out) / "tasks.md"
+    md.write_text(
+        "# Per-task fits\n\nEach task of the mixture fitted on its own column "
+        f"(val/<task>/...); reports in tasks/<task>/.\n\n{task_table_markdown(rows, x)}\n"
+    )
+    js = Path(out) / "tasks.json"
+    js.write_text(json.dumps(rows, indent=1, default=float) + "\n")
+    return [*written, md, js]
 
 
 def _failures(report, rows) -> list[str]:

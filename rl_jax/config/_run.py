@@ -254,16 +254,24 @@ def _releasing_dependents(
             cfg = build()
         except DependentKnobError as e:
             switched = [k for k in e.on if k in keys]
-            if not switched or e.knob in keys or e.knob in released:
+            # Two knobs that exclude each other: the one the command set wins.
+            if e.mutual and e.knob in keys and not switched and e.knob not in released:
+                give_way, switched = [k for k in e.on if k not in released], [e.knob]
+            elif switched and e.knob not in keys and e.knob not in released:
+                give_way = [e.knob]
+            else:
                 raise
-            released.add(e.knob)
-            old = release(e.knob)
-            default = knob_default(e.knob)
-            notes.append(
-                f"note: {e.knob} takes its default, {'null' if default is None else repr(default)}"
-                f": the {old!r} it had does not go with the {' and '.join(switched)} set here "
-                f"({e})"
-            )
+            if not give_way:
+                raise
+            for k in give_way:
+                released.add(k)
+                old = release(k)
+                default = knob_default(k)
+                notes.append(
+                    f"note: {k} takes its default, {'null' if default is None else repr(default)}"
+                    f": the {old!r} it had does not go with the {' and '.join(switched)} set "
+                    f"here ({e})"
+                )
             continue
         for line in notes:
             print(line, file=sys.stderr, flush=True)
@@ -432,6 +440,10 @@ _LATER_KNOB_DEFAULTS = {
     # Blockwise attention computes dense attention's numbers up to float32 rounding.
     "model.attention": "auto",
     "model.attention_block": 512,
+    # The code verifier's options (they change nothing for other verifiers).
+    "rewards.code_partial": False,
+    "rewards.code_memory_mb": 512,
+    "data.mixture": "",
 }
 # Knobs that were ints and now also take a fraction (so are floats): a whole number is
 # hashed as the int it was, so `train.warmup_steps=50` keeps its run id.
@@ -485,11 +497,17 @@ def resolved(cfg: RunConfig) -> RunConfig:
         changes["rewards"] = dataclasses.replace(
             cfg.rewards, overlong_max=l_max, overlong_cache=l_cache
         )
-    if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown"):
+    mixture = cfg.data.mixture
+    if cfg.rewards.name == "auto" and cfg.data.source in ("arith", "countdown") and not mixture:
         changes["rewards"] = dataclasses.replace(
             changes.get("rewards", cfg.rewards), name=cfg.data.source
         )
-    if cfg.data.source in GENERATED and cfg.data.val_size < 1:
+    if mixture:
+        # One spelling per mixture; each task resolves its own validation count.
+        canonical = cfg.data.canonical_mixture()
+        if canonical != mixture:
+            changes["data"] = dataclasses.replace(cfg.data, mixture=canonical)
+    elif cfg.data.source in GENERATED and cfg.data.val_size < 1:
         val = cfg.data.generated_val_size
         if cfg.data.val_size == 0:  # auto: enough problems for every evaluation prompt
             val = max(val, cfg.eval.num_prompts)

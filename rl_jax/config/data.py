@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass
 
+from rl_jax.config._mixture import INHERITED, MIXTURE_ONLY, canonical_mixture, parse_mixture
 from rl_jax.knobs import (
     ConfigError,
     DependentKnobError,
@@ -15,16 +17,18 @@ from rl_jax.knobs import (
     knob,
 )
 
-SOURCES = ("arith", "countdown", "file", "hf", "tfds", "reasoning_gym")
+# Record layouts of code problems (rl_jax.data._code_layouts); their verifier is `code`.
+CODE_FORMATS = ("code", "mbpp", "humaneval", "apps", "livecodebench")
+SOURCES = ("arith", "countdown", "code", "file", "hf", "tfds", "reasoning_gym")
 # Sources whose problems are generated here (val_size counts extra problems generated).
-GENERATED = ("arith", "countdown", "reasoning_gym")
+GENERATED = ("arith", "countdown", "code", "reasoning_gym")
 # Sources of datasets read from disk (val_size problems are held out of them).
 DATASETS = ("file", "hf")
 # data.val_size=0 (auto): this many generated validation problems; of a dataset, 10% of its
 # problems up to this many.
 AUTO_VAL_SIZE = 128
 AUTO_VAL_FRAC = 0.1
-FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl")
+FILE_FORMATS = ("auto", "gsm8k", "math", "polaris", "jsonl", *CODE_FORMATS)
 # Sources whose problems are records read in a layout (data.format and the field knobs).
 RECORD_SOURCES = ("file", "hf", "tfds")
 # How an answer is read from its field: auto = the layout's own; none = the whole field;
@@ -54,7 +58,11 @@ class DataConfig:
         help=f"arith: one of {ARITH_TASKS}; reasoning_gym: dataset name; "
         "tfds: dataset name (e.g. from rl_jax.data.prepare_tfds)",
     )
-    difficulty: int = knob(2, help="arith: digits per operand; countdown: how many numbers (2..8)")
+    difficulty: int = knob(
+        2,
+        help="arith: digits per operand; countdown: how many numbers (2..8); code: 1 (one "
+        "operation), 2 (strings and lists), 3 (loops)",
+    )
     num_terms: int = knob(3, help="arith task=chain: number of terms summed")
     path: str = knob(
         "",
@@ -143,9 +151,18 @@ class DataConfig:
     npr_threshold: float = knob(0.9, help="No-Positive-Resampling pass-rate threshold")
     dynamic_sampling: bool = knob(False, help="DAPO: resample until B_p groups have variance")
     max_resample_rounds: int = knob(4, help="bound on DAPO dynamic-sampling rounds")
+    mixture: str = knob(
+        "",
+        help="several sources in one run: 'arith:1,code:1' (sources, weights) or a mapping "
+        "{name: {weight, reward, data knobs}} (YAML/JSON); each batch draws from them in "
+        "those proportions, validation reports val/<name>/pass@1 per task (docs/code.md); "
+        "'' = one source (data.source)",
+    )
 
     def __post_init__(self):
         check_numbers("data", self)
+        if self.mixture:
+            self._check_mixture()
         check_choice("data", "source", self.source, SOURCES)
         check_choice("data", "format", self.format, FILE_FORMATS)
         # What data.task and data.difficulty mean, and so what they allow, is the source's.
@@ -157,6 +174,8 @@ class DataConfig:
                 check_range("data", "difficulty", self.difficulty, lo=1, hi=18)
             elif self.source == "countdown":
                 check_range("data", "difficulty", self.difficulty, lo=2, hi=8)
+            elif self.source == "code":
+                check_range("data", "difficulty", self.difficulty, lo=1, hi=3)
             else:
                 check_range("data", "difficulty", self.difficulty, lo=1)
         if self.source == "file" and not self.path:
@@ -194,6 +213,36 @@ class DataConfig:
                 "data.split_file and data.split_name go together; got "
                 f"split_file={self.split_file!r}, split_name={self.split_name!r}"
             )
+
+    def _check_mixture(self) -> None:
+        """A mixture's tasks parse; the knobs only a task reads are left at their defaults
+        here (a recipe's value goes back to its default when an override sets a mixture)."""
+        for f in dataclasses.fields(self):
+            if f.name in MIXTURE_ONLY or f.name in INHERITED:
+                continue
+            if getattr(self, f.name) != f.default:
+                # Either wins: a mixture set here drops the recipe's single source, and a
+                # source set here drops the recipe's mixture.
+                raise DependentKnobError(
+                    f"data.{f.name}={getattr(self, f.name)!r} is a task's knob: with "
+                    "data.mixture set it goes in a task's settings (data.mixture='{name: "
+                    f"{{{f.name}: ...}}}}')",
+                    knob=f"data.{f.name}",
+                    on=("data.mixture",),
+                    mutual=True,
+                )
+        for t in self.mixture_tasks():
+            t.data(self)  # each task's own knobs, checked as a DataConfig
+
+    def mixture_tasks(self):
+        """The tasks of data.mixture (rl_jax.config._mixture.MixtureTask); () without one."""
+        if not self.mixture:
+            return ()
+        return parse_mixture(self.mixture, data_cls=DataConfig, sources=SOURCES)
+
+    def canonical_mixture(self) -> str:
+        """data.mixture in one spelling (JSON, weights normalized; '' without one)."""
+        return canonical_mixture(self.mixture_tasks()) if self.mixture else ""
 
     def _check_fields(self) -> None:
         check_choice("data", "answer_extract", self.answer_extract, ANSWER_EXTRACTS)

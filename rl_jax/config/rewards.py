@@ -20,8 +20,18 @@ class RewardConfig:
         "(arith, countdown; numeric or math by a file's layout and answers)",
     )
     scale: str = knob("pm1", help=f"reward scale: 'pm1' (+1/-1) or '01' (1/0); one of {SCALES}")
-    timeout_s: float = knob(2.0, help="per-call time limit of a sandboxed verifier (math, gym)")
-    workers: int = knob(2, help="sandbox worker processes for math-verify / reasoning-gym")
+    timeout_s: float = knob(
+        2.0,
+        help="per-call time limit of a sandboxed verifier (math, gym; code: the wall time of "
+        "a program and all its tests)",
+    )
+    workers: int = knob(2, help="sandbox worker processes for math-verify / reasoning-gym / code")
+    code_partial: bool = knob(
+        False,
+        help="code: reward the fraction of tests passed instead of 1 only when all pass "
+        "(pass@k still counts only programs that pass every test)",
+    )
+    code_memory_mb: int = knob(512, help="code: address-space limit of a program's process, MiB")
     format_coef: float = knob(
         0.0, help="format reward: added when an answer can be read from the completion"
     )
@@ -54,6 +64,8 @@ class RewardConfig:
         check_choice("rewards", "scale", self.scale, SCALES)
         check_range("rewards", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
         check_range("rewards", "workers", self.workers, lo=1)
+        # Below ~64 MiB the interpreter itself cannot start.
+        check_range("rewards", "code_memory_mb", self.code_memory_mb, lo=64, hi=1 << 20)
         check_range("rewards", "overlong_max", self.overlong_max, lo=0)
         check_range("rewards", "overlong_cache", self.overlong_cache, lo=0)
         # Set (nonzero) ones are checked here; with one left to its default, the filled-in

@@ -79,6 +79,17 @@ def build_task(
     chat_template: instead of a tokenizer, `fn(user_text) -> prompt` applied after
         data.prompt_template.
     """
+    if cfg.mixture:
+        from rl_jax.data._mixture import mixture_task
+
+        def one(task_cfg: DataConfig, reward: str) -> Task:
+            # rewards.name, when set, scores every task; else the task's own verifier.
+            chosen = verifier if verifier not in ("", "auto") else reward or "auto"
+            return build_task(
+                task_cfg, tokenizer=tokenizer, verifier=chosen, chat_template=chat_template
+            )
+
+        return mixture_task(cfg, one)
     render: list[Callable[[str], str] | None] = [chat_template]
     make = lambda p: templated(p, cfg.prompt_template, render[0])
     if cfg.source == "tfds":
@@ -119,5 +130,6 @@ def build_task(
     info.update(train_size=len(train), val_size=len(val))
     if report is not None:
         report.train, report.val = len(train), len(val)
-    name = cfg.source if cfg.source in ("countdown", "file", "hf") else f"{cfg.source}:{cfg.task}"
+    own = ("countdown", "code", "file", "hf")
+    name = cfg.source if cfg.source in own else f"{cfg.source}:{cfg.task}"
     return Task(name=name, train=train, val=val, reward_name=reward, info=info, report=report)

@@ -22,6 +22,7 @@ ANSWER_INSTRUCTIONS = {
     "the last line, after '####' (for example: #### 42).",
     "math": "Solve the problem step by step, then put the final answer in \\boxed{} "
     "(for example: \\boxed{42}).",
+    "code": "Write your solution in Python, in one ```python code block.",
 }
 # Sources of natural-language questions written for people, which do not say how to answer
 # (generated tasks have a fixed format of their own).

@@ -12,6 +12,8 @@ auto     picks one of the above from the first record's fields; records with oth
          names (a question in question / problem / prompt, an answer in answer /
          solution, or the fields data.question_field / data.answer_field name) are
          read as gsm8k if the answer holds '####', math if it holds \\boxed{}, else jsonl.
+code layouts (code, mbpp, humaneval, apps, livecodebench: rl_jax.data._code_layouts)
+         read a problem's tests into the code verifier's answer; auto picks them by field.
 
 data.question_field, data.answer_field and data.answer_extract (with data.answer_regex)
 replace a layout's fields and how its answer is read. A row whose answer cannot be read
@@ -31,7 +33,8 @@ from typing import Any
 
 from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
-from rl_jax.data._problem import Problem, problem_id
+from rl_jax.data._code_layouts import CODE_LAYOUTS, CodeLayout, detect_code_layout
+from rl_jax.data._problem import Problem, RowError, problem_id
 from rl_jax.knobs import ConfigError
 from rl_jax.rewards import last_boxed, parse_number
 
@@ -90,19 +93,15 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-class _RowError(ValueError):
-    """What is wrong with one record (the caller adds the file and row)."""
-
-
 def _field(r: Record, key: str) -> str:
     """A question/answer/solution field as text. Null, a list or an object is refused: as
     `str()` they would become 'None' or '[...]', a wrong answer that also switches the
     verifier (a non-number answer makes the jsonl layout pick `math`)."""
     if key not in r:
-        raise _RowError(f"no {key!r} field (fields: {sorted(r)})")
+        raise RowError(f"no {key!r} field (fields: {sorted(r)})")
     x = r[key]
     if x is None or isinstance(x, bool | list | dict):
-        raise _RowError(f"{key}={x!r}: expected a string or a number")
+        raise RowError(f"{key}={x!r}: expected a string or a number")
     return _text(x)
 
 
@@ -184,7 +183,7 @@ class Layout:
         """(question, answer or None when the answer field holds none to read)."""
         q = next((f for f in self.question if f in r), None)
         if q is None:
-            raise _RowError(
+            raise RowError(
                 f"no {' or '.join(map(repr, self.question))} field (fields: {sorted(r)})"
             )
         question = _field(r, q)
@@ -243,12 +242,16 @@ def record_layout(first: Record, cfg: DataConfig, source: str) -> Layout:
             raise ConfigError(
                 f"data.{knob}={name!r} is not a field of {source}: its records have {sorted(first)}"
             )
+    code = CODE_LAYOUTS.get(cfg.format) or (cfg.format == "auto" and detect_code_layout(first))
+    if code:
+        return _code_layout(code, first, cfg, source)
     if cfg.format == "auto":
         base = detect_layout(first, cfg.question_field, cfg.answer_field)
     elif cfg.format in LAYOUTS:
         base = LAYOUTS[cfg.format]
     else:
-        raise ConfigError(f"data.format={cfg.format!r} is not one of {['auto', *sorted(LAYOUTS)]}")
+        known = ["auto", *sorted(LAYOUTS), *CODE_LAYOUTS]
+        raise ConfigError(f"data.format={cfg.format!r} is not one of {known}")
     lay = base.mapped(cfg)
     if not any(f in first for f in lay.question):
         knob, want = "question_field", lay.question
@@ -261,6 +264,24 @@ def record_layout(first: Record, cfg: DataConfig, source: str) -> Layout:
         f"layout (data.format={cfg.format!r}); their fields: {sorted(first)}; set "
         f"data.{knob} to one of them"
     )
+
+
+def _code_layout(base: CodeLayout, first: Record, cfg: DataConfig, source: str) -> CodeLayout:
+    """A code layout with the field knobs applied, checked against the first record."""
+    if cfg.extract != "auto":
+        raise ConfigError(
+            f"data.answer_extract={cfg.answer_extract!r}: the {base.name} layout reads tests, "
+            "not an answer; leave it auto (data.answer_field names the tests' field)"
+        )
+    lay = base.mapped(cfg)
+    for knob, names in (("question_field", lay.question), ("answer_field", lay.tests)):
+        if not any(f in first for f in names):
+            raise ConfigError(
+                f"{source}: records have no {' or '.join(map(repr, names))} field for the "
+                f"{lay.name} layout (data.format={cfg.format!r}); their fields: "
+                f"{sorted(first)}; set data.{knob} to one of them"
+            )
+    return lay
 
 
 def problems_from_records(
@@ -283,7 +304,7 @@ def problems_from_records(
             raise ConfigError(f"{source} row {n}: a {type(r).__name__}, expected a record")
         try:
             question, answer = layout.read(r)
-        except _RowError as e:
+        except RowError as e:
             raise ConfigError(f"{source} row {n} ({layout.name} layout): {e}") from None
         if answer is None:
             unparsable.append(n)
@@ -291,6 +312,8 @@ def problems_from_records(
         # The id ignores the file path, so moving a file keeps curriculum and split ids valid.
         pid = problem_id(f"file:{layout.name}", question, answer)
         meta = {"task": f"file:{layout.name}", "question": question, "row": n}
+        if isinstance(layout, CodeLayout) and layout.reference(r):
+            meta["reference"] = layout.reference(r)
         out.setdefault(pid, Problem(id=pid, prompt=question, answer=answer, meta=meta))
     if not out:
         first = _text(records[0].get(layout.answer))[:80]

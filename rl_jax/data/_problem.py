@@ -32,6 +32,10 @@ def problem_id(source: str, question: str, answer: str) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
 
+class RowError(ValueError):
+    """What is wrong with one record of a dataset (the caller adds the file and row)."""
+
+
 @dataclass
 class LoadReport:
     """What reading a dataset kept and dropped; `line()` says it in one line at load."""

@@ -1,5 +1,6 @@
-"""Untemplated problems of the in-memory sources (arith, countdown, file, hf, reasoning_gym),
-by source name; `source=tfds` datasets are written from these (rl_jax.data._tfds)."""
+"""Untemplated problems of the in-memory sources (arith, countdown, code, file, hf,
+reasoning_gym), by source name; `source=tfds` datasets are written from these
+(rl_jax.data._tfds)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def _countdown(cfg: DataConfig) -> RawSplits:
     from rl_jax.data._synthetic import countdown_problems
 
     return (*countdown_problems(cfg), "countdown", None)
+
+
+def _code(cfg: DataConfig) -> RawSplits:
+    from rl_jax.data._code_tasks import code_problems
+
+    return (*code_problems(cfg), "code", None)
 
 
 def _gym(cfg: DataConfig) -> RawSplits:
@@ -96,6 +103,7 @@ def hold_out(
 _RAW_SOURCES: dict[str, Callable[[DataConfig], RawSplits]] = {
     "arith": _arith,
     "countdown": _countdown,
+    "code": _code,
     "file": _file,
     "hf": _hf,
     "reasoning_gym": _gym,

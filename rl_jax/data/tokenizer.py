@@ -3,11 +3,12 @@
 Implements the tokenizer protocol shared with the model package's HF tokenizer:
 `encode(text) -> list[int]`, `decode(ids) -> str`, `pad_id`, `bos_id`,
 `eos_id`, `vocab_size`. One alphabet covers every built-in task (arithmetic,
-countdown, `<answer>` tags, a `;` interruption marker, short English prompts),
+countdown, `<answer>` tags, a `;` interruption marker, short English prompts, the
+one-operation functions of the generated code task),
 so one tiny model can be trained on any of them.
 
 Ids: pad 0, bos 1, eos 2, unk 3, then the characters of `ALPHABET` from 4;
-`vocab_size` = 62 (fits the tiny preset's 64).
+`vocab_size` = 64 (the tiny preset's).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-ALPHABET = "0123456789+-*/=^(){}\\ \n.,;:?<>|_abcdefghijklmnopqrstuvwxyz"
+# '%' and "'" (appended: earlier ids stay) let the tiny model write the code task's
+# remainders and string literals.
+ALPHABET = "0123456789+-*/=^(){}\\ \n.,;:?<>|_abcdefghijklmnopqrstuvwxyz%'"
 _SPECIALS = 4
 
 

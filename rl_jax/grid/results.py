@@ -69,39 +69,55 @@ def split_of(spec: GridSpec, plan: RunPlan) -> str:
     return dict(plan.labels)[spec.report.split_by] if spec.report.split_by else "all"
 
 
-def fit_grid(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
-    """{split: (scaling.FitReport or None, note)} for the grid's rows."""
+def _rows_by_split(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
     split = {p.run_id: split_of(spec, p) for p in plans}
     by_split: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_split[split[r["run_id"]]].append(r)
+    return {name: by_split.get(name, []) for name in dict.fromkeys(split.values())}
+
+
+def _fit_options(spec: GridSpec) -> dict[str, Any]:
     r = spec.report
-    threshold = spec.early_stop.threshold if spec.early_stop else 0.05
+    return dict(
+        x=r.x,
+        group_by=GROUP_KEY,
+        extrapolate=r.fit_fraction,
+        n_boot=r.n_boot,
+        fit_start=r.fit_start,
+        r0=r.r0,
+        stop_threshold=spec.early_stop.threshold if spec.early_stop else 0.05,
+        frontier="auto" if r.kind == "isocompute" else "off",
+        n_key=r.frontier[0],
+        bp_key=r.frontier[1],
+    )
+
+
+def fit_grid(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
+    """{split: (scaling.FitReport or None, note)} for the grid's rows."""
     out: dict[str, tuple[Any, str]] = {}
-    for name in dict.fromkeys(split_of(spec, p) for p in plans):
-        subset = by_split.get(name, [])
+    for name, subset in _rows_by_split(spec, plans, rows).items():
         if not subset:
             out[name] = (None, "no curve rows yet")
             continue
         try:
-            rep = scaling.fit_runs(
-                subset,
-                x=r.x,
-                metric=r.metric,
-                group_by=GROUP_KEY,
-                extrapolate=r.fit_fraction,
-                n_boot=r.n_boot,
-                fit_start=r.fit_start,
-                r0=r.r0,
-                stop_threshold=threshold,
-                frontier="auto" if r.kind == "isocompute" else "off",
-                n_key=r.frontier[0],
-                bp_key=r.frontier[1],
-            )
+            rep = scaling.fit_runs(subset, metric=spec.report.metric, **_fit_options(spec))
         except scaling.FitError as e:
             out[name] = (None, str(e))
             continue
         out[name] = (rep, "")
+    return out
+
+
+def fit_grid_tasks(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
+    """{split: {task: scaling.FitReport or why not}} for grids of task mixtures (rows with
+    val/<task>/... columns of the report's metric); splits without tasks left out."""
+    out = {}
+    for name, subset in _rows_by_split(spec, plans, rows).items():
+        opts = {**_fit_options(spec), "frontier": "off"}
+        tasks = scaling.fit_tasks(subset, metric=spec.report.metric, **opts)
+        if tasks:
+            out[name] = tasks
     return out
 
 
@@ -260,6 +276,8 @@ def _write_report(spec, plans, root: str, runs: str | None, local: Path) -> Path
     names = {p.run_id: p.name for p in plans}
     for split, (rep, note) in fit_grid(spec, plans, rows).items():
         md += _split_section(spec, local, split, rep, note, names)
+    for split, tasks in fit_grid_tasks(spec, plans, rows).items():
+        md += _tasks_section(spec, local, split, tasks)
     path = local / "report.md"
     atomic_write_text(path, "\n".join(md) + "\n")
     return path
@@ -313,6 +331,17 @@ def _split_section(spec, root: Path, split: str, rep, note: str, names) -> list[
     if spec.report.kind == "isocompute":
         md += _frontier_section(root, rep, plots)
     return md
+
+
+def _tasks_section(spec, root: Path, split: str, tasks: dict) -> list[str]:
+    """Each task of a mixture fitted on its own column, as ScaleRL's math + code figure."""
+    where = f"{FITS_DIR}/{split}/tasks"
+    title = "Per-task fits" + ("" if split == "all" else f": {spec.report.split_by} = {split}")
+    for task, rep in tasks.items():
+        if not isinstance(rep, str):
+            scaling.write_report(rep, root / where / task)
+    table = scaling.task_table_markdown(scaling.task_table(tasks), spec.report.x)
+    return [f"## {title}", "", f"Each task's full report: `{where}/<task>/`.", "", table, ""]
 
 
 def _frontier_section(root: Path, rep, plots: Path) -> list[str]:

@@ -561,8 +561,9 @@ class Decode:
 
     def pages_read(self, filled: int, width: int, *, dtype, head_dim: int) -> int:
         """Pages of a `width`-page table a decode step reads for a row that has filled
-        `filled` of them, from a cache of `dtype` and `head_dim`: here the whole table (blocks on DECODE_BLOCK_PLATFORMS are read
-        up to the batch's furthest row, which a single row's count cannot know)."""
+        `filled` of them, from a cache of `dtype` and `head_dim`: here the whole table
+        (blocks on DECODE_BLOCK_PLATFORMS are read up to the batch's furthest row, which a
+        single row's count cannot know)."""
         return width
 
     def read_pages(self, q, cache: PagedKV, table, pos, layer, dtype, live=None) -> jax.Array:

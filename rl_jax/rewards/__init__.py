@@ -6,7 +6,9 @@
 
 Names: arith, countdown, numeric (pure Python, bounded by construction);
 math (math-verify, `math` extra) and gym (reasoning-gym, `gym` extra) run in
-sandbox worker processes with a per-call time limit.
+sandbox worker processes with a per-call time limit; code runs a completion's program
+against its problem's tests (the answer: JSON, rl_jax.rewards._code) in a fresh
+process behind kernel limits, from those workers (docs/code.md).
 """
 
 from rl_jax.rewards._countdown import (
@@ -18,9 +20,11 @@ from rl_jax.rewards._gym import encode_gym_answer
 from rl_jax.rewards._numeric import last_boxed, parse_number
 from rl_jax.rewards._registry import (
     SCALES,
+    TaskAnswer,
     from_config,
     get,
     names,
+    options,
     overlong_penalty,
     register,
     score_batch,
@@ -31,6 +35,7 @@ from rl_jax.rewards._sandbox import SandboxPool
 __all__ = [
     "SCALES",
     "SandboxPool",
+    "TaskAnswer",
     "encode_gym_answer",
     "evaluate_expression",
     "format_countdown_answer",
@@ -38,6 +43,7 @@ __all__ = [
     "get",
     "last_boxed",
     "names",
+    "options",
     "overlong_penalty",
     "parse_countdown_answer",
     "parse_number",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rl_jax.rewards import _gym, _math
+from rl_jax.rewards import _code, _gym, _math
 from rl_jax.rewards._arith import arith_score, arith_well_formed
 from rl_jax.rewards._countdown import countdown_score, countdown_well_formed
 from rl_jax.rewards._numeric import last_boxed, numeric_score, numeric_well_formed
@@ -107,17 +108,19 @@ class _PooledRewardFn(RewardFn):
         self.pool.close()
 
 
-_Factory = Callable[[str, float, int], RewardFn]
+_Factory = Callable[..., RewardFn]  # factory(scale, timeout_s, workers, **options)
 _REGISTRY: dict[str, _Factory] = {}
+_OPTIONS: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str) -> Callable[[_Factory], _Factory]:
-    """Register `factory(scale, timeout_s, workers) -> RewardFn` under `name`."""
+def register(name: str, *, options: tuple[str, ...] = ()) -> Callable[[_Factory], _Factory]:
+    """Register `factory(scale, timeout_s, workers, **options) -> RewardFn` under `name`;
+    `options` are the keyword options it takes (rl_jax.rewards.get refuses others)."""
 
     def deco(factory: _Factory) -> _Factory:
         if name in _REGISTRY:
             raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = factory
+        _REGISTRY[name], _OPTIONS[name] = factory, tuple(options)
         return factory
 
     return deco
@@ -127,11 +130,30 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str, *, scale: str = "pm1", timeout_s: float = 2.0, workers: int = 2) -> RewardFn:
-    """The verifier `name` as `fn(completion, answer) -> float` at `scale` ('pm1' or '01')."""
+def options(name: str) -> tuple[str, ...]:
+    """The keyword options verifier `name` takes (e.g. code: partial, memory_mb)."""
+    return _OPTIONS[name]
+
+
+def get(
+    name: str, *, scale: str = "pm1", timeout_s: float = 2.0, workers: int = 2, **opts
+) -> RewardFn:
+    """The verifier `name` as `fn(completion, answer) -> float` at `scale` ('pm1' or '01');
+    `opts` are its own options (`options(name)`)."""
     if name not in _REGISTRY:
         raise KeyError(f"unknown reward {name!r}; known rewards: {names()}")
-    return _REGISTRY[name](scale, timeout_s, workers)
+    unknown = sorted(set(opts) - set(_OPTIONS[name]))
+    if unknown:
+        raise ValueError(
+            f"reward {name!r} takes no option {unknown[0]!r}; its options: {list(_OPTIONS[name])}"
+        )
+    return _REGISTRY[name](scale, timeout_s, workers, **opts)
+
+
+def config_options(cfg: RewardConfig, name: str) -> dict:
+    """The options of verifier `name` that RewardConfig sets (rewards.code_*)."""
+    given = {"partial": cfg.code_partial, "memory_mb": cfg.code_memory_mb}
+    return {k: v for k, v in given.items() if k in _OPTIONS.get(name, ())}
 
 
 def from_config(cfg: RewardConfig, *, task_reward: str = "") -> RewardFn:
@@ -141,7 +163,13 @@ def from_config(cfg: RewardConfig, *, task_reward: str = "") -> RewardFn:
         if not task_reward:
             raise ValueError("rewards.name=auto needs the task's reward name (Task.reward_name)")
         name = task_reward
-    return get(name, scale=cfg.scale, timeout_s=cfg.timeout_s, workers=cfg.workers)
+    return get(
+        name,
+        scale=cfg.scale,
+        timeout_s=cfg.timeout_s,
+        workers=cfg.workers,
+        **config_options(cfg, name),
+    )
 
 
 @register("arith")
@@ -207,6 +235,148 @@ def _gym_reward(scale, timeout_s, workers):
         workers=workers,
         timeout_s=timeout_s,
         well_formed=_gym_well_formed,
+    )
+
+
+class _CodeRewardFn(RewardFn):
+    """Programs run against their problems' tests in sandbox workers (rl_jax.rewards._code):
+    1 when every test passes (with `partial`, the fraction passed). `last_outcomes` and
+    `outcomes` (cumulative) count how each program ended (_code.OUTCOMES, plus
+    'bad_tests' for an answer that is no code problem and 'error' for a worker lost)."""
+
+    def __init__(self, scale, *, timeout_s, workers, partial, memory_mb):
+        super().__init__("code", scale, well_formed=_code.well_formed)
+        self.timeout_s, self._workers = timeout_s, workers
+        self.partial, self.memory_mb = bool(partial), int(memory_mb)
+        self.last_outcomes: list[str] = []
+        self.outcomes: Counter[str] = Counter()
+        self.refused = 0  # operations the sandbox refused, cumulative
+        self._warned: set[str] = set()
+
+    @property
+    def pool(self):
+        return shared_pool(workers=self._workers, preload=("rl_jax.rewards._code",))
+
+    def _tests_ok(self, answer: str) -> bool:
+        try:
+            _code.CodeTests.parse(answer)
+        except ValueError as e:
+            if answer not in self._warned and len(self._warned) < 100:
+                self._warned.add(answer)
+                log.warning("code verifier: no credit for answer %r (%s)", answer[:80], e)
+            return False
+        return True
+
+    def scores(self, completions, answers):
+        n = len(completions)
+        out = np.zeros(n, np.float32)
+        outcomes = ["bad_tests"] * n
+        idx, jobs = [], []
+        for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
+            a = str(a)
+            if self._tests_ok(a):
+                text = bounded_text(c, limit=_code.PROGRAM_CHARS, keep="tail")
+                idx.append(i)
+                jobs.append((text, a, self.timeout_s, self.memory_mb))
+        limit = self.timeout_s + CODE_SLACK_S
+        res = self.pool.run("rl_jax.rewards._code:code_score", jobs, timeout_s=limit)
+        elapsed = self.pool.last_elapsed
+        for j, (i, r) in enumerate(zip(idx, res, strict=True)):
+            if r is None:
+                # The pool's own limit (a worker that overran its program's), or a worker lost.
+                outcomes[i] = "timeout" if elapsed[j] >= limit else "error"
+                continue
+            passed, total, outcomes[i], refused = r
+            self.refused += refused
+            if self.partial:
+                out[i] = passed / total
+            else:
+                out[i] = float(passed == total and outcomes[i] == "pass")
+        self.last_outcomes = outcomes
+        self.outcomes.update(outcomes)
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class TaskAnswer(str):
+    """An answer that names the verifier it is checked with: a task mixture's problems
+    carry theirs (rl_jax.data), and the `mixture` verifier routes each to it. Otherwise
+    it is the answer string itself."""
+
+    verifier: str
+
+    def __new__(cls, text: str, verifier: str):
+        obj = super().__new__(cls, text)
+        obj.verifier = verifier
+        return obj
+
+    def __reduce__(self):
+        return (TaskAnswer, (str(self), self.verifier))
+
+
+class _MixtureRewardFn(RewardFn):
+    """Each answer scored by the verifier it names (`TaskAnswer`), all at this scale; the
+    verifiers are built on first use with this one's time limit, workers and options."""
+
+    def __init__(self, scale, *, timeout_s, workers, opts):
+        super().__init__("mixture", scale, well_formed=self._any_well_formed)
+        self.timeout_s, self._workers, self._opts = timeout_s, workers, opts
+        self.verifiers: dict[str, RewardFn] = {}
+        self._warned = False
+
+    def verifier(self, name: str) -> RewardFn:
+        fn = self.verifiers.get(name)
+        if fn is None:
+            own = {k: v for k, v in self._opts.items() if k in _OPTIONS[name]}
+            fn = self.verifiers[name] = get(
+                name, scale="01", timeout_s=self.timeout_s, workers=self._workers, **own
+            )
+        return fn
+
+    def _any_well_formed(self, completion) -> bool:
+        return any(fn.well_formed(completion) for fn in self.verifiers.values())
+
+    def scores(self, completions, answers):
+        out = np.zeros(len(completions), np.float32)
+        groups: dict[str, list[int]] = {}
+        for i, a in enumerate(answers):
+            if isinstance(a, TaskAnswer) and a.verifier in _REGISTRY and a.verifier != "mixture":
+                groups.setdefault(a.verifier, []).append(i)
+            elif not self._warned:
+                self._warned = True
+                log.warning(
+                    "mixture verifier: no credit for answer %r: it names no verifier (a task "
+                    "mixture's problems do; rewards.name picks one for all)",
+                    str(a)[:80],
+                )
+        for name, idx in groups.items():
+            got = self.verifier(name).scores(
+                [completions[i] for i in idx], [str(answers[i]) for i in idx]
+            )
+            out[idx] = got
+        return out
+
+    def close(self) -> None:
+        for fn in self.verifiers.values():
+            fn.close()
+
+
+@register("mixture", options=("partial", "memory_mb"))
+def _mixture_reward(scale, timeout_s, workers, **opts):
+    return _MixtureRewardFn(scale, timeout_s=timeout_s, workers=workers, opts=opts)
+
+
+# Past its time limit a program's worker still kills and reaps its process group and
+# deletes its directory; the pool kills the worker only if that overruns this.
+CODE_SLACK_S = 0.5
+
+
+@register("code", options=("partial", "memory_mb"))
+def _code_reward(scale, timeout_s, workers, *, partial=False, memory_mb=512):
+    return _CodeRewardFn(
+        scale, timeout_s=timeout_s, workers=workers, partial=partial, memory_mb=memory_mb
     )
 
 

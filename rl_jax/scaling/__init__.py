@@ -12,6 +12,7 @@ matplotlib alone, so an analyst can use it on a laptop.
     bs = scaling.bootstrap(fit)                           # bs.interval("A")
     report = scaling.fit_runs(rows, x="flops", metric="val/pass@1")
     scaling.write_report(report, "fits/")
+    per_task = scaling.fit_tasks(rows, x="flops")          # a mixture's val/<task>/pass@1
     study = scaling.analyse_study(curves, baseline="scalerl")  # seeded leave-one-out
 """
 
@@ -49,6 +50,7 @@ from rl_jax.scaling._sigmoid import (
 )
 from rl_jax.scaling._study import PaperFinding, Study, analyse_study
 from rl_jax.scaling._study_report import study_json, write_study
+from rl_jax.scaling._tasks import fit_tasks, task_metrics, task_table, task_table_markdown
 
 # Plotting pulls in matplotlib; load it on first use so fitting alone stays quick to import.
 _PLOTS = ("plot_curve",)
@@ -92,6 +94,7 @@ __all__ = [
     "fit_runs",
     "fit_sigmoid",
     "fit_sigmoid_runs",
+    "fit_tasks",
     "load_rows",
     "p_greater",
     "parse_fit_start",
@@ -104,6 +107,9 @@ __all__ = [
     "study_json",
     "table_csv",
     "table_markdown",
+    "task_metrics",
+    "task_table",
+    "task_table_markdown",
     "write_report",
     "write_study",
 ]

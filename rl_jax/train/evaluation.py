@@ -9,9 +9,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from rl_jax.data._mixture import task_of
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.rewards import get as get_reward
 from rl_jax.rewards import score_batch
+from rl_jax.rewards._registry import config_options
 
 # Folded into the run's seed for validation sampling: the same key at every
 # evaluation (and in `rl-jax eval`), so checkpoints are compared on the same draws.
@@ -136,11 +138,11 @@ def correctness_fn(rewards_cfg, task, reward_fn=None):
     given): what pass@k counts as correct."""
     if reward_fn is None:
         reward_fn = reward_from_config(rewards_cfg, task_reward=task.reward_name)
+    name = getattr(reward_fn, "name", task.reward_name)
+    # The verifier's own options, but never partial credit: pass@k counts whole passes.
+    opts = {k: v for k, v in config_options(rewards_cfg, name).items() if k != "partial"}
     return get_reward(
-        getattr(reward_fn, "name", task.reward_name),
-        scale="01",
-        timeout_s=rewards_cfg.timeout_s,
-        workers=rewards_cfg.workers,
+        name, scale="01", timeout_s=rewards_cfg.timeout_s, workers=rewards_cfg.workers, **opts
     )
 
 
@@ -150,12 +152,15 @@ def pass_metrics(
     lengths_pk: np.ndarray | None = None,
     truncated_pk: np.ndarray | None = None,
     difficulty_p: list | None = None,
+    task_p: list[str] | None = None,
     prefix: str = "val/",
 ) -> dict[str, float]:
     """correct_pk: [P, k] 0/1 per sample. mean@k is pass@1 averaged over k samples.
 
     best@k (coverage) = fraction of prompts with at least one correct sample;
-    worst@k (sharpening) = fraction with all k correct.
+    worst@k (sharpening) = fraction with all k correct. `task_p` (a task mixture's task
+    of each prompt) adds every metric per task as `<prefix><task>/<metric>`
+    (val/code/pass@1); the unprefixed ones stay the whole mixture's.
     """
     c = np.asarray(correct_pk, dtype=np.float64)
     if c.ndim != 2 or c.size == 0:
@@ -176,6 +181,20 @@ def pass_metrics(
             groups[d].append(i)
         for d, idx in sorted(groups.items(), key=lambda kv: str(kv[0])):
             out[f"{prefix}pass@1/{d}"] = float(c[idx].mean())
+    if task_p is not None:
+        # A task mixture's tasks, each as a run of its own would report it.
+        tasks: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(task_p):
+            tasks[t].append(i)
+        for t, idx in sorted(tasks.items()):
+            out.update(
+                pass_metrics(
+                    c[idx],
+                    lengths_pk=None if lengths_pk is None else np.asarray(lengths_pk)[idx],
+                    truncated_pk=None if truncated_pk is None else np.asarray(truncated_pk)[idx],
+                    prefix=f"{prefix}{t}/",
+                )
+            )
     return out
 
 
@@ -202,10 +221,12 @@ def evaluate_policy(
     texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
     answers = [problems[g].answer for g in ro.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)
+    tasks = [task_of(p) for p in problems]
     metrics = pass_metrics(
         correct > 0.5,
         lengths_pk=ro.lengths.reshape(len(problems), k),
         truncated_pk=ro.truncated.reshape(len(problems), k),
         difficulty_p=[p.meta.get("difficulty", "all") for p in problems],
+        task_p=tasks if any(tasks) else None,
     )
     return metrics, ro

@@ -32,9 +32,10 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     check_reward(cfg.rewards, task_reward=task_reward)
     check_eval_size(cfg)
     task = None
-    if cfg.data.source in ("file", "hf") or cfg.data.split_file or cfg.sampling.max_prompt_len:
+    reads = cfg.data.source in ("file", "hf") or cfg.data.split_file or cfg.data.mixture
+    if reads or cfg.sampling.max_prompt_len:
         task = run_task(cfg, run_tokenizer(cfg))
-    if task is not None and (cfg.data.source in ("file", "hf") or cfg.data.split_file):
+    if task is not None and reads:
         if not cfg.data.split_file and len(task.val) < cfg.eval.num_prompts:
             print(
                 f"warning: eval.num_prompts={cfg.eval.num_prompts} but the validation split "
@@ -48,9 +49,7 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     # rewards.name picks another.
     if task is not None and task.report is not None:
         print(task.report.line(), file=out, flush=True)
-    if task_reward and (
-        cfg.data.source in ("file", "hf") or cfg.rewards.name not in ("auto", task_reward)
-    ):
+    if task_reward and (reads or cfg.rewards.name not in ("auto", task_reward)):
         print(verifier_line(cfg, task_reward), file=out, flush=True)
     for line in schedule_warnings(cfg):
         print(line, file=out, flush=True)
@@ -64,7 +63,7 @@ def check_eval_size(cfg: RunConfig) -> None:
     from rl_jax.config.data import GENERATED
 
     data = resolved(cfg).data
-    if data.source in GENERATED and not data.split_file:
+    if data.source in GENERATED and not data.split_file and not data.mixture:
         have = data.generated_val_size
         if have < cfg.eval.num_prompts:
             raise ConfigError(
@@ -263,7 +262,7 @@ def check_data_files(data: DataConfig) -> str:
     """Reads the data files a DataConfig names (data.path, data.val_path, data.split_file),
     every row checked; returns the task's verifier name ('' when not known without
     opening a dataset)."""
-    if data.source not in ("file", "hf") and not data.split_file:
+    if data.source not in ("file", "hf") and not data.split_file and not data.mixture:
         return data.source if data.source in ("arith", "countdown") else ""
     from rl_jax.data import build_task
 

@@ -18,15 +18,30 @@ import optax
 from rl_jax.models import ModelSpec, Transformer, positions_from_valid, token_logprobs
 
 
+def target_text(p) -> str:
+    """What a warm-up teaches a problem's completion to be: its reference completion when
+    the answer is not one (a code problem's answer is its tests), else the answer."""
+    return p.meta.get("reference", p.answer)
+
+
+def sft_length(tokenizer, problems: Sequence, *, at_least: int = 16, bucket: int = 16) -> int:
+    """Tokens of the longest `prompt target <eos>` row, in whole buckets."""
+    longest = max(
+        len(tokenizer.encode(p.prompt)) + len(tokenizer.encode(target_text(p))) + 1
+        for p in problems
+    )
+    return max(at_least, -(-longest // bucket) * bucket)
+
+
 def sft_arrays(tokenizer, problems: Sequence, length: int) -> dict[str, np.ndarray]:
-    """Left-aligned rows `prompt answer <eos>` padded to `length`; loss on answer + eos."""
+    """Left-aligned rows `prompt target <eos>` padded to `length`; loss on target + eos."""
     B = len(problems)
     tokens = np.full((B, length), tokenizer.pad_id, np.int32)
     valid = np.zeros((B, length), bool)
     target_mask = np.zeros((B, length), np.float32)  # on the column that predicts the token
     for i, p in enumerate(problems):
         pr = tokenizer.encode(p.prompt)
-        ans = tokenizer.encode(p.answer) + [tokenizer.eos_id]
+        ans = tokenizer.encode(target_text(p)) + [tokenizer.eos_id]
         row = (pr + ans)[:length]
         tokens[i, : len(row)] = row
         valid[i, : len(row)] = True
@@ -64,13 +79,16 @@ def supervised_warmup(
     max_steps: int = 2000,
     eval_every: int = 25,
     seed: int = 0,
-    length: int = 16,
+    length: int | None = None,
     on_eval: Callable[[int, float, float], None] | None = None,
 ) -> tuple[dict, dict]:
     """Train until `evaluate(params)` (a greedy pass rate) reaches `target`, or max_steps.
 
+    length: tokens a row is padded to (None: the longest row's, `sft_length`).
     Returns (params, info) with the steps taken and the last measured pass rate.
     """
+    if length is None:
+        length = sft_length(tokenizer, problems)
     sched = optax.join_schedules(
         [optax.linear_schedule(lr / warmup, lr, warmup), optax.constant_schedule(lr)], [warmup]
     )
