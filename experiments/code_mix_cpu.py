@@ -15,6 +15,8 @@ aggregation, zero-variance filtering, on-policy. docs/code.md has the measured c
 and fits; code_mix_tpu is the TPU-sized recipe (math and code files from a bucket).
 """
 
+from _cpu import CHECKPOINT
+
 from rl_jax.config import (
     DataConfig,
     EvalConfig,
@@ -48,4 +50,5 @@ def recipe() -> RunConfig:
         train=TrainConfig(steps=200, lr=5e-5, warmup_steps=20, schedule="cosine"),
         # 32 prompts per task (the validation problems interleave the tasks).
         eval=EvalConfig(every=20, k=4, num_prompts=64),
+        checkpoint=CHECKPOINT,
     )

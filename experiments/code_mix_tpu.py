@@ -36,6 +36,7 @@ from rl_jax.config import (
 )
 
 DATA = os.environ.get("RL_JAX_DATA", "data").rstrip("/")
+TOPOLOGY = "v5p-8"  # the slice the shapes below are sized for (tests/test_plan_recipes.py)
 
 
 def mixture(data: str) -> str:

@@ -192,10 +192,10 @@ def test_a_program_that_does_not_fit_says_by_how_much_and_what_helps(
 
 def test_every_shipped_tpu_recipe_says_which_slice_it_is_sized_for():
     recipes = tpu_recipes()
-    assert recipes == {"qwen3_math": "v5p-8", "scalerl_8b": "v5p-128"}
+    assert recipes == {"code_mix_tpu": "v5p-8", "qwen3_math": "v5p-8", "scalerl_8b": "v5p-128"}
 
 
-@pytest.mark.parametrize("name", ["qwen3_math", "scalerl_8b"])
+@pytest.mark.parametrize("name", ["code_mix_tpu", "qwen3_math", "scalerl_8b"])
 def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
     """The closed-form estimate (no compile, a second) of every shipped TPU recipe fits
     its slice with the headroom. A stand-in for the compiled plan, not the truth: for

@@ -36,6 +36,7 @@ TINY = [o for o in train_even_first.TINY_RUN if not o.startswith("train.off_poli
 # tiny model and the generated task (the real files are tested in test_real_data.py).
 NO_FILES = [
     "model.path=''",
+    "data.mixture=''",
     "data.source=arith",
     "data.path=''",
     "data.answer_instruction=auto",
