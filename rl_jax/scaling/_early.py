@@ -8,6 +8,9 @@ runs). A grid can stop a recipe once that probability falls below a threshold.
 A curve that has not bent yet has a wide bootstrap distribution of A (often
 reaching the metric's maximum), so its probability stays high and it is not
 stopped: uncertainty protects young runs rather than condemning them.
+
+For an iso-compute grid, `reach_decision` asks the question that matters there:
+will a run ever lie on the compute-optimal frontier in the compute it has left?
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import special
 
 from rl_jax.scaling._bootstrap import Bootstrap, bootstrap
 from rl_jax.scaling._sigmoid import FitError, SigmoidFit
@@ -108,3 +112,121 @@ def early_decision(
         )
     rows.sort(key=lambda r: -r.A)
     return EarlyDecision(leader=leader, threshold=threshold, margin=margin, rows=tuple(rows))
+
+
+# ---- reaching the frontier (IsoCompute grids) -------------------------------------------
+#
+# In an iso-compute grid every run has its own budget and the question is not whose asymptote
+# is highest but whether a run will ever lie on the compute-optimal frontier (PAPERS.md
+# section 2): a run that stays below it over all the compute it has left adds no record to
+# the frontier, so the rest of its budget is wasted.
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """A group of runs (one grid cell, its seeds pooled) part-way through its budget."""
+
+    fit: Bootstrap | SigmoidFit
+    first: float  # compute of its first evaluation after the base model's (> 0)
+    reached: float  # compute measured so far
+    end: float  # compute it is planned to reach
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachRow:
+    name: str
+    p_reach: float | None  # None: finished, nothing left to decide
+    stop: bool
+    reached: float
+    end: float
+    reliable: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachDecision:
+    threshold: float
+    margin: float
+    rows: tuple[ReachRow, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "threshold": self.threshold,
+            "margin": self.margin,
+            "rows": [r.__dict__ for r in self.rows],
+        }
+
+
+def _draw_curves(bs: Bootstrap, idx: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """[len(idx), len(c)] the bootstrap replicates `idx` of a curve at compute c."""
+    s = {k: v[idx][:, None] for k, v in bs.samples.items()}
+    with np.errstate(divide="ignore"):
+        u = np.log(c)[None, :]
+    return s["R0"] + (s["A"] - s["R0"]) * special.expit(s["B"] * (u - np.log(s["C_mid"])))
+
+
+def reach_decision(
+    groups: Mapping[str, Progress],
+    *,
+    threshold: float = 0.05,
+    margin: float = 0.0,
+    n_boot: int = 200,
+    draws: int = 400,
+    n_grid: int = 96,
+    seed: int = 0,
+) -> ReachDecision:
+    """Per unfinished group: P(its curve rises above the frontier of the others somewhere in
+    the compute it has left), and whether to stop it (probability below threshold).
+
+    The frontier is drawn as `fit_frontier` draws it: each other group's curve from its first
+    evaluation on, held flat past the compute it has reached, so it compares measurements,
+    never another run's extrapolation; the candidate's own future is its fit extrapolated to
+    its planned end. Both come from bootstrap replicates drawn independently (separate runs),
+    so a young curve, whose replicates spread wide, is rarely stopped. Where no other group
+    has been measured the candidate counts as reaching the frontier.
+    """
+    if len(groups) < 2:
+        raise FitError(f"reaching a frontier compares groups; got {len(groups)}")
+    if not 0 < threshold < 1:
+        raise FitError(f"threshold={threshold!r} must be in (0, 1)")
+    names = list(groups)
+    boots: dict[str, Bootstrap] = {}
+    for i, k in enumerate(names):
+        f = groups[k].fit
+        boots[k] = f if isinstance(f, Bootstrap) else bootstrap(f, n_boot=n_boot, seed=seed + i)
+    lo = min(g.first for g in groups.values())
+    hi = max(max(g.end, g.reached) for g in groups.values())
+    marks = [v for g in groups.values() for v in (g.first, g.reached, g.end)]
+    c = np.unique(np.concatenate([np.geomspace(lo, hi, n_grid), marks]))
+    rng = np.random.default_rng(seed)
+    measured = []  # [G, D, len(c)] each group's curve over what it has measured
+    future = {}
+    for k in names:
+        g, bs = groups[k], boots[k]
+        cur = _draw_curves(bs, rng.integers(0, bs.samples["A"].size, draws), c)
+        at_reach = np.argmin(np.abs(c - g.reached))
+        held = np.where(c[None, :] > g.reached, cur[:, at_reach : at_reach + 1], cur)
+        measured.append(np.where(c[None, :] < g.first, -np.inf, held))
+        future[k] = cur
+    m = np.stack(measured)  # [G, D, C]
+    # The bar for group i is the best of the others: the top value unless i holds it.
+    order = np.argsort(-m, axis=0)
+    top, second = np.take_along_axis(m, order[:2], axis=0)
+    rows = []
+    for i, k in enumerate(names):
+        g = groups[k]
+        p = None
+        if g.reached < g.end:
+            bar = np.where(order[0] == i, second, top)
+            ahead = (future[k] > bar + margin) & (c > g.reached) & (c <= g.end)
+            p = float(ahead.any(axis=1).mean())
+        rows.append(
+            ReachRow(
+                name=k,
+                p_reach=p,
+                stop=p is not None and p < threshold,
+                reached=g.reached,
+                end=g.end,
+                reliable=boots[k].fit.reliable,
+            )
+        )
+    return ReachDecision(threshold=threshold, margin=margin, rows=tuple(rows))
