@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="src", required=True, metavar="FITS_OR_GRID")
     p.add_argument("--budget", required=True, help="compute C to spend, in --unit (e.g. 1e6)")
     p.add_argument(
-        "--unit", choices=sorted(UNITS), default=None, help="what C counts (default: the grid's)"
+        "--unit",
+        default=None,
+        help=f"what C counts: one of {', '.join(UNITS)} (default: the grid's compute column)",
     )
     p.add_argument("--split", default=None, help="the split whose frontier to use (e.g. easy)")
     p.add_argument("--metric", default=None, help="metric (default: the grid's, or val/pass@1)")
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     a = build_parser().parse_intermixed_args(argv)
     budget = _budget(a.budget)
+    if a.unit is not None and a.unit not in UNITS:
+        raise ConfigError(f"--unit {a.unit!r} is not one of {list(UNITS)}")
     if not 0 < a.level < 1:
         raise ConfigError(f"--level={a.level}: an interval level is in (0, 1), e.g. 0.95")
     if a.n_boot < 20:
@@ -305,7 +309,8 @@ def format_result(res: dict) -> str:
         *al.notes,
         f"budget C = {al.budget:.6g} {al.x}: n = {b.n:g}, B_p = {b.bp:g}, M ="
         f" {b.steps if b.steps is not None else 'unknown'} steps; frontier {res['metric']} at C ="
-        f" {al.reward:.4f} ({al.level:.0%} interval {al.interval[0]:.4f} .. {al.interval[1]:.4f})",
+        f" {al.reward:.4f} ({al.level:.0%} interval {al.interval[0]:.4f} .. {al.interval[1]:.4f};"
+        f" one new run's evaluation: {al.predictive[0]:.4f} .. {al.predictive[1]:.4f})",
         f"P(n* = {b.n:g}) = {b.p_best:.2f} over the bootstrap"
         + ("" if trend is None else f"; the fitted n*(C) trend at C: {trend:.3g}"),
     ]

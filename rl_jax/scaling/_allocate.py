@@ -22,7 +22,7 @@ from rl_jax.scaling._bootstrap import bootstrap
 from rl_jax.scaling._curves import Curve, knob_value
 from rl_jax.scaling._early import _draw_curves
 from rl_jax.scaling._isocompute import Frontier, FrontierError, _interp_log
-from rl_jax.scaling._sigmoid import FitError
+from rl_jax.scaling._sigmoid import FitError, fit_sigmoid, fit_sigmoid_runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +48,9 @@ class Allocation:
     extrapolation: float  # 1 inside the fitted range; else C / its end (or its start / C)
     reward: float  # the frontier at C
     interval: tuple[float, float]  # bootstrap interval of the frontier at C
+    # where one new run of the chosen cell should evaluate at C: the interval above widened by
+    # the chosen n's evaluation noise (its fit's residual scale, Student-t)
+    predictive: tuple[float, float]
     n_star_trend: float | None  # the fitted n*(C) sigmoid at C (a continuous trend)
     candidates: tuple[Candidate, ...]  # best predicted reward first
     notes: tuple[str, ...]
@@ -61,6 +64,7 @@ class Allocation:
             **{k: getattr(self, k) for k in ("budget", "x", "level", "reward", "extrapolation")},
             "fitted": list(self.fitted),
             "interval": list(self.interval),
+            "predictive": list(self.predictive),
             "n_star_trend": self.n_star_trend,
             "candidates": [c.__dict__ | {"interval": list(c.interval)} for c in self.candidates],
             "notes": list(self.notes),
@@ -111,6 +115,20 @@ def _cells(curves: Sequence[Curve], fr: Frontier, budget: float) -> dict[float, 
             )
         )
     return out
+
+
+def _evaluation_noise(curves: Sequence[Curve], runs: tuple[str, ...], fallback) -> tuple:
+    """(sigma, dof) of one evaluation of the chosen cell: the residuals of a sigmoid through
+    its runs' own curves. The frontier's fit goes through best-so-far records, whose scatter
+    understates how far one new evaluation falls from the curve."""
+    pairs = [(c.x, c.y) for c in curves if c.run_id in runs]
+    try:
+        f = fit_sigmoid_runs(pairs) if len(pairs) > 1 else fit_sigmoid(*pairs[0])
+    except (FitError, IndexError):
+        f = fallback
+    if not (math.isfinite(f.sigma) and f.dof > 0):
+        f = fallback
+    return f.sigma, f.dof
 
 
 def allocate(
@@ -182,6 +200,10 @@ def allocate(
     if fr.n_star_fit is not None:
         trend = float(fr.n_star_at(budget))
     lo, hi = np.quantile(best, q)
+    sigma, dof = _evaluation_noise(curves, cands[0].runs, fr.fits[cands[0].n])
+    rng = np.random.default_rng(seed)
+    noisy = best[None, :] + sigma * rng.standard_t(max(dof, 1), (20, best.size))
+    p_lo, p_hi = np.quantile(noisy, q) if math.isfinite(sigma) else (lo, hi)
     return Allocation(
         budget=float(budget),
         x=x,
@@ -190,6 +212,7 @@ def allocate(
         extrapolation=factor,
         reward=cands[0].reward,
         interval=(float(lo), float(hi)),
+        predictive=(float(p_lo), float(p_hi)),
         n_star_trend=trend,
         candidates=tuple(cands),
         notes=tuple(notes),
