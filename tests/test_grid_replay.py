@@ -133,6 +133,15 @@ def test_replay_stops_runs_that_cannot_reach_the_frontier_and_keeps_its_pick(gri
     assert (top["full"]["n"], top["full"]["bp"]) == (32, 16)
 
 
+def test_replay_keeps_cells_tied_with_the_frontier(grid_rows):
+    # Every cell on one curve: each is on the frontier by noise (its evaluations set records),
+    # so none can be said to fall short of it.
+    same = {k: {"r0": 0.1, "a": 0.6, "b": 1.5, "c_mid": 1e4} for k in CELLS}
+    rows = isocompute_rows(np.random.default_rng(1), same, c_max=C_MAX)
+    rep = replay_early(REPLAY, rows, jobs=0)
+    assert rep.stopped == () and rep.saved == 0.0 and not rep.pick_changed
+
+
 SPEC = """
 from rl_jax.grid import Axis, Budget, EarlyStop, GridSpec, ReportSpec
 

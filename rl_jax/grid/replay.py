@@ -198,6 +198,9 @@ def _picks(spec: GridSpec, full: list, kept: list, runs: dict) -> tuple[dict, ..
             a = scaling.allocate(fr_full, c_full, b, x=x, n_boot=50)
             k = scaling.allocate(fr_kept, c_kept, b, x=x, n_boot=50)
             full_pick, kept_pick = (a.best.n, a.best.bp), (k.best.n, k.best.bp)
+            # How often the full grid's own bootstrap picks the replay's n: a change between
+            # choices the full grid cannot tell apart is a tie, not a loss.
+            p_tie = next((c.p_best for c in a.candidates if c.n == k.best.n), 0.0)
             out.append(
                 {
                     "split": split,
@@ -205,6 +208,7 @@ def _picks(spec: GridSpec, full: list, kept: list, runs: dict) -> tuple[dict, ..
                     "full": {"n": full_pick[0], "bp": full_pick[1], "reward": a.reward},
                     "replay": {"n": kept_pick[0], "bp": kept_pick[1], "reward": k.reward},
                     "changed": full_pick != kept_pick,
+                    "p_full_picks_replay_n": p_tie,
                 }
             )
     return tuple(out)
@@ -228,7 +232,13 @@ def format_replay(rep: Replay, unit: str) -> str:
         lines.append(
             f"  {p['split']} at {p['budget']:.4g} {unit}: full grid n = {f['n']:g}, B_p ="
             f" {f['bp']:g} ({f['reward']:.3f}); replay n = {r['n']:g}, B_p = {r['bp']:g}"
-            f" ({r['reward']:.3f})" + ("  CHANGED" if p["changed"] else "")
+            f" ({r['reward']:.3f})"
+            + (
+                f"  CHANGED (the full grid's bootstrap picks n = {r['n']:g} in"
+                f" {p['p_full_picks_replay_n']:.0%} of replicates)"
+                if p["changed"]
+                else ""
+            )
         )
     lines.append(
         "frontier's pick " + ("CHANGED" if rep.pick_changed else "unchanged") + " by stopping"

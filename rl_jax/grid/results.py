@@ -253,8 +253,12 @@ def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str]) -> dict[str
         per_step = [xs[-1] / st[-1] for _, xs, _, st in members if st[-1] > 0]
         planned = max(runs[rid].steps for rid, _, _, _ in members)
         end = max(planned * max(per_step), reached) if per_step else reached
+        gaps = [b - a for _, xs, _, _ in members for a, b in zip(xs, xs[1:], strict=False)]
+        every = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
         if math.isfinite(first):
-            progress[g] = scaling.Progress(fit=bs, first=first, reached=reached, end=end)
+            progress[g] = scaling.Progress(
+                fit=bs, first=first, reached=reached, end=end, every=every
+            )
     if len(progress) < 2:
         return {}
     rd = scaling.reach_decision(progress, threshold=es.threshold)
