@@ -206,3 +206,26 @@ def test_cli_replay_without_curves_exits_2(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "curves.jsonl" in err
+
+
+def test_stop_early_turns_on_the_drivers_check(tmp_path, monkeypatch):
+    import rl_jax.cli.grid as cli
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, spec, plans, backend, **kw):
+            seen.update(kw, spec=spec)
+
+        def run(self):
+            return {"done": 3}
+
+    monkeypatch.setattr(cli, "Driver", Recorder)
+    spec = _spec_file(tmp_path)  # no early_stop of its own
+    args = [str(spec), "--out", str(tmp_path / "g"), "--no-report"]
+    assert cli.main(args) == 0
+    assert seen["early_stop"] is None
+    assert cli.main([*args, "--stop-early", "0.02"]) == 0
+    assert callable(seen["early_stop"]) and seen["spec"].early_stop.threshold == 0.02
+    assert cli.main([*args, "--stop-early"]) == 0
+    assert seen["spec"].early_stop == EarlyStop()  # the defaults
