@@ -31,7 +31,7 @@ class Replay:
     jobs: int
     total: float  # compute of every run to its last evaluation
     used: float  # compute with early stopping
-    stopped: tuple[dict, ...]  # run, group, split, at (compute), of (its full compute), why
+    stopped: tuple[dict, ...]  # run, name, group, split, at (compute), of (its full), why
     picks: tuple[dict, ...]  # per split and budget: the full grid's and the replay's pick
     notes: tuple[str, ...]
 
@@ -110,6 +110,7 @@ def replay_early(spec: GridSpec, rows: Sequence[Mapping[str, Any]], *, jobs: int
     stopped = tuple(
         {
             "run": rid,
+            "name": str(runs[rid][1][0].get("run_name") or rid),
             "group": runs[rid][0].group,
             "split": runs[rid][0].split,
             "at": float(runs[rid][1][seen.counts[rid] - 1][x]),
@@ -221,8 +222,7 @@ def format_replay(rep: Replay, unit: str) -> str:
         f" ({rep.saved:.1%} saved), {len(rep.stopped)} run(s) stopped",
     ]
     lines += [
-        f"  stopped {s['run']} ({s['group']}) at {s['at']:.4g} of {s['of']:.4g}: {s['why']}"
-        for s in rep.stopped
+        f"  stopped {s['name']} at {s['at']:.4g} of {s['of']:.4g}: {s['why']}" for s in rep.stopped
     ]
     for p in rep.picks:
         if p["budget"] is None:

@@ -171,7 +171,7 @@ def early_check(spec: GridSpec, runs: Mapping[str, RunInfo]):
             if len(boots) < 2:
                 continue
             if rep.kind == "isocompute":
-                stop_groups.update(_reach_stops(es, runs, gs, boots, set(running)))
+                stop_groups.update(_reach_stops(es, runs, gs, boots, set(running), rep.x))
             else:
                 stop_groups.update(_leader_stops(es, boots))
         out = {}
@@ -239,7 +239,7 @@ def _leader_stops(es, boots: dict) -> dict[str, dict]:
     }
 
 
-def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str]) -> dict[str, dict]:
+def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str], x: str) -> dict[str, dict]:
     """Groups of an iso-compute split that will not reach the frontier of the others.
 
     A group's future starts where its least advanced running run is (a finished seed does not
@@ -265,7 +265,7 @@ def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str]) -> dict[str
     return {
         row.name: {
             "reason": (
-                f"P(reaching the frontier in the {row.end - row.reached:.4g} compute left)"
+                f"P(reaching the frontier in the {row.end - row.reached:.4g} {x} left)"
                 f" = {row.p_reach:.3f} < {es.threshold}"
             ),
             "p": row.p_reach,
