@@ -256,7 +256,11 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
             budget_rollouts=rollouts if rollouts > 0 else 1.0,
         )
         ranked = found["ranked"]
-        if not ranked or not math.isfinite(rollouts):
+        if not math.isfinite(rollouts):
+            why = f"no rollouts column beside {alloc.x} to convert C into rollouts"
+            prices.append({"n": cand.n, "bp": cand.bp, "fits": None, "why": why})
+            continue
+        if not ranked:
             prices.append({"n": cand.n, "bp": cand.bp, "fits": False})
             continue
         r = ranked[0]
@@ -329,6 +333,8 @@ def format_result(res: dict) -> str:
             line += (
                 f" {_f(p['rollouts_per_hour']):>11} {_f(p['hours']):>8} {_f(p['chip_hours']):>8}"
                 if p["fits"]
+                else f"  not priced: {p['why']}"
+                if p["fits"] is None
                 else f"  does not fit on {res['topology']}"
             )
         lines.append(line)

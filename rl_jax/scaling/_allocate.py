@@ -131,6 +131,29 @@ def _evaluation_noise(curves: Sequence[Curve], runs: tuple[str, ...], fallback) 
     return f.sigma, f.dof
 
 
+def _at(fr: Frontier, n: float, budget: float, factor: float) -> float:
+    """Where n's curve is read for budget C: held at its reach inside the fitted range."""
+    return budget if factor > 1 else min(budget, fr.ranges[n][1])
+
+
+def _replicates(fr, budget, factor, *, n_boot, level, seed, notes) -> np.ndarray:
+    """[len(fits), n_boot] every n's curve at C per bootstrap replicate (-inf where an n
+    was never evaluated at so little compute)."""
+    draws = []
+    for i, n in enumerate(sorted(fr.fits)):
+        at = _at(fr, n, budget, factor)
+        try:
+            bs = bootstrap(fr.fits[n], n_boot=n_boot, level=level, seed=seed + i)
+            v = _draw_curves(bs, np.arange(bs.samples["A"].size), np.array([at]))[:, 0]
+        except FitError as e:
+            notes.append(f"n = {n:g}: no bootstrap ({e}); its interval is its point estimate")
+            v = np.full(n_boot, float(fr.fits[n].predict(at)))
+        if factor == 1 and budget < fr.ranges[n][0]:
+            v = np.full_like(v, -np.inf)  # below its first evaluation an n says nothing
+        draws.append(np.resize(v, n_boot))  # replicates that failed to refit are redrawn
+    return np.stack(draws)
+
+
 def allocate(
     fr: Frontier,
     curves: Sequence[Curve],
@@ -150,45 +173,30 @@ def allocate(
     factor, note = extrapolation_note(budget, fitted, x)
     notes = [note] if note else []
     ns = sorted(fr.fits)
-    draws = []  # per n: [n_boot] its curve at C
-    for i, n in enumerate(ns):
-        lo_n, hi_n = fr.ranges[n]
-        at = budget if factor > 1 else min(budget, hi_n)
-        try:
-            bs = bootstrap(fr.fits[n], n_boot=n_boot, level=level, seed=seed + i)
-            v = _draw_curves(bs, np.arange(bs.samples["A"].size), np.array([at]))[:, 0]
-        except FitError as e:
-            notes.append(f"n = {n:g}: no bootstrap ({e}); its interval is its point estimate")
-            v = np.full(n_boot, float(fr.fits[n].predict(at)))
-        if factor == 1 and budget < lo_n:
-            v = np.full_like(v, -np.inf)  # below its first evaluation an n says nothing
-        draws.append(np.resize(v, n_boot))  # replicates that failed to refit are redrawn
-    table = np.stack(draws)  # [n, n_boot]
+    table = _replicates(fr, budget, factor, n_boot=n_boot, level=level, seed=seed, notes=notes)
     if not np.isfinite(table).any():
         raise FrontierError(f"no n of the frontier was evaluated at C = {budget:.4g} {x}")
-    best = table.max(0)
     q = [(1 - level) / 2, (1 + level) / 2]
     p_best = np.bincount(table.argmax(0), minlength=len(ns)) / table.shape[1]
     cells = _cells(curves, fr, budget)
     cands = []
     for i, n in enumerate(ns):
-        lo_n, hi_n = fr.ranges[n]
-        if factor == 1 and budget < lo_n:
+        if not np.isfinite(table[i]).any():
             continue
-        at = budget if factor > 1 else min(budget, hi_n)
         bp, cell_r, cost, runs = max(
             cells[n], key=lambda t: (t[1] if math.isfinite(t[1]) else -math.inf, -t[0])
         )
         steps = int(budget // cost) if math.isfinite(cost) and cost > 0 else None
         if steps == 0:
             notes.append(f"n = {n:g}, B_p = {bp:g}: one step ({cost:.4g} {x}) exceeds C")
-        lo, hi = np.quantile(draws[i], q)
+        lo, hi = np.quantile(table[i], q)
+        reward = float(fr.fits[n].predict(_at(fr, n, budget, factor)))
         cands.append(
             Candidate(
                 n=n,
                 bp=bp,
                 steps=steps,
-                reward=float(fr.fits[n].predict(at)),
+                reward=reward,
                 interval=(float(lo), float(hi)),
                 p_best=float(p_best[i]),
                 cell_reward=cell_r,
@@ -196,13 +204,12 @@ def allocate(
             )
         )
     cands.sort(key=lambda c: -c.reward)
-    trend = None
-    if fr.n_star_fit is not None:
-        trend = float(fr.n_star_at(budget))
+    best = table.max(0)
     lo, hi = np.quantile(best, q)
     sigma, dof = _evaluation_noise(curves, cands[0].runs, fr.fits[cands[0].n])
-    rng = np.random.default_rng(seed)
-    noisy = best[None, :] + sigma * rng.standard_t(max(dof, 1), (20, best.size))
+    noisy = best[None, :] + sigma * np.random.default_rng(seed).standard_t(
+        max(dof, 1), (20, best.size)
+    )
     p_lo, p_hi = np.quantile(noisy, q) if math.isfinite(sigma) else (lo, hi)
     return Allocation(
         budget=float(budget),
@@ -213,7 +220,7 @@ def allocate(
         reward=cands[0].reward,
         interval=(float(lo), float(hi)),
         predictive=(float(p_lo), float(p_hi)),
-        n_star_trend=trend,
+        n_star_trend=None if fr.n_star_fit is None else float(fr.n_star_at(budget)),
         candidates=tuple(cands),
         notes=tuple(notes),
     )
