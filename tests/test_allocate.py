@@ -176,4 +176,6 @@ def test_cli_prices_candidates_on_a_topology(tmp_path, rows, capsys):
     argv = res["command"]["argv"]
     assert all(o in argv for o in prices[0]["mesh_overrides"])
     assert res["command"]["plan_argv"][:3] == ["rl-jax", "plan", "isocompute"]
-    assert res["command"]["plan_argv"][-2:] == ["--topology", "v5p-8"]
+    assert res["command"]["plan_argv"][-4:] == ["--topology", "v5p-8", "--budget-rollouts", "80000"]
+    # The tiny recipe's prompts are sized by its data: the price says what it leaves out.
+    assert any("sampling.max_prompt_len" in n for n in res["command"]["notes"])

@@ -275,9 +275,16 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
                 "hours": hours,
                 "chip_hours": hours * chips,
                 "mesh_overrides": r["overrides"],
+                "rollouts": rollouts,
             }
         )
     res["topology"], res["prices"] = a.topology, prices
+    if not cfg.sampling.max_prompt_len:
+        # The estimate then counts no prompt tokens, and the compiled plan refuses the run.
+        res["command"].setdefault("notes", []).append(
+            "the recipe leaves sampling.max_prompt_len to the data (0): priced without prompt"
+            " tokens, and `rl-jax plan` needs it; add sampling.max_prompt_len=... to both"
+        )
     chosen = prices[0]
     if chosen["fits"] and cmd["argv"]:
         keys = {o.split("=", 1)[0] for o in chosen["mesh_overrides"]}
@@ -285,6 +292,7 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
         cmd["argv"] += chosen["mesh_overrides"]
         plan_over = cmd["argv"][cmd["argv"].index(cmd["recipe"]) + 1 :]
         cmd["plan_argv"] = ["rl-jax", "plan", cmd["recipe"], *plan_over, "--topology", a.topology]
+        cmd["plan_argv"] += ["--budget-rollouts", f"{chosen['rollouts']:.6g}"]
 
 
 def _json(v):
