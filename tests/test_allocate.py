@@ -179,3 +179,21 @@ def test_cli_prices_candidates_on_a_topology(tmp_path, rows, capsys):
     assert res["command"]["plan_argv"][-4:] == ["--topology", "v5p-8", "--budget-rollouts", "80000"]
     # The tiny recipe's prompts are sized by its data: the price says what it leaves out.
     assert any("sampling.max_prompt_len" in n for n in res["command"]["notes"])
+
+
+def test_cli_reads_a_grid_in_a_bucket(tmp_path, rows, capsys):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    local = write_grid(tmp_path, rows)
+    root = f"/{tmp_path.name}/grids/syn_grid"
+    for f in local.iterdir():
+        fs.pipe(f"{root}/{f.name}", f.read_bytes())
+    fs.pipe(f"{root}/fits/all/fits.json", b"{}")
+    try:
+        url = f"memory://{root.lstrip('/')}/fits/all"
+        args = ["allocate", "--from", url, "--budget", "8e4", "--recipe", "isocompute"]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "n = 32, B_p = 16, M = 156 steps" in out and "train.steps=156" in out
+    finally:
+        fs.rm(f"/{tmp_path.name}", recursive=True)

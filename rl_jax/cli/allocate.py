@@ -14,15 +14,16 @@ import argparse
 import json
 import math
 import os
+import posixpath
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from rl_jax.knobs import ConfigError
 
 UNITS = {"rollouts": "rollouts", "tokens": "generated_tokens", "flops": "flops"}
 CURVES = "curves.jsonl"
+CURVE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 # Knobs the allocation sets; a cell's own values of them are dropped from its overrides.
 SET_KEYS = ("sampling.n", "data.prompts_per_batch", "train.steps", "eval.every")
 
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
 
         parse_topology(a.topology)  # a bad name is refused before any fitting
         canonical_topology(a.topology)
-    src = Path(a.src)
+    src = a.src
     grid, curves_file, split = _locate(src, a.split)
     spec = _spec(grid)
     rows = _rows(curves_file)
@@ -95,36 +96,53 @@ def _budget(text: str) -> float:
     return c
 
 
-def _locate(src: Path, split: str | None) -> tuple[Path | None, Path, str | None]:
-    """(grid directory or None, curve file, split implied by the path)."""
-    if src.is_file():
-        return (src.parent if src.name == CURVES else None), src, split
-    if src.is_dir() and (src / CURVES).is_file():
-        return src, src / CURVES, split
-    grid = src.parent.parent
-    if src.is_dir() and src.parent.name == "fits" and (grid / CURVES).is_file():
-        if split not in (None, src.name):
-            raise ConfigError(f"--split {split!r} contradicts --from {src} (split {src.name!r})")
-        return grid, grid / CURVES, None if src.name == "all" else src.name
+def _locate(src: str, split: str | None) -> tuple[str | None, str, str | None]:
+    """(grid directory or None, curve file, split implied by the path); paths or bucket
+    URLs (a grid written to gs://...)."""
+    from rl_jax.runs.storage import is_remote
+
+    src = src.rstrip("/") or src
+    parent, name = posixpath.split(src) if is_remote(src) else os.path.split(src)
+    if name.endswith(CURVE_SUFFIXES) and _has(parent or ".", name):
+        return (parent if name == CURVES else None), src, split
+    if _has(src, CURVES):
+        return src, _join(src, CURVES), split
+    grid, fits = posixpath.split(parent) if is_remote(src) else os.path.split(parent)
+    if fits == "fits" and _has(grid, CURVES):
+        if split not in (None, name):
+            raise ConfigError(f"--split {split!r} contradicts --from {src} (split {name!r})")
+        return grid, _join(grid, CURVES), None if name == "all" else name
     raise ConfigError(
         f"--from {src}: not a grid directory (with {CURVES}), a fits/<split> directory of one,"
         " or a curve file (.jsonl, .csv, .parquet)"
     )
 
 
-def _spec(grid: Path | None):
+def _has(root: str, rel: str) -> bool:
+    from rl_jax.runs.storage import open_store
+
+    return open_store(root, key="--from").exists(rel)
+
+
+def _join(root: str, rel: str) -> str:
+    from rl_jax.runs.storage import join
+
+    return join(root, rel)
+
+
+def _spec(grid: str | None):
     """The grid's spec when its name is a spec in experiments/ (its split axis, recipe, ...)."""
     if grid is None:
         return None
     from rl_jax.grid.spec import load_spec
 
     try:
-        return load_spec(grid.name)
+        return load_spec(posixpath.basename(grid.rstrip("/")))
     except ConfigError:
         return None
 
 
-def _rows(path: Path) -> list[dict]:
+def _rows(path: str) -> list[dict]:
     from rl_jax import scaling
 
     try:
@@ -167,11 +185,14 @@ def fit_and_allocate(rows, spec, *, budget: float, x: str, metric: str, a) -> di
     }
 
 
-def _plan_rows(grid: Path | None) -> dict[str, dict]:
+def _plan_rows(grid: str | None) -> dict[str, dict]:
     """run id -> the grid's plan row (plan.json), {} without one."""
-    if grid is None or not (grid / "plan.json").is_file():
+    if grid is None or not _has(grid, "plan.json"):
         return {}
-    return {r["run_id"]: r for r in json.loads((grid / "plan.json").read_text())["runs"]}
+    from rl_jax.runs.storage import open_store
+
+    runs = json.loads(open_store(grid, key="--from").read_text("plan.json"))["runs"]
+    return {r["run_id"]: r for r in runs}
 
 
 def _run_overrides(best, plan: dict[str, dict], a) -> tuple[list[str], list[str]]:
