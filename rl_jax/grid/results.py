@@ -262,19 +262,32 @@ def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str], x: str) -> 
     if len(progress) < 2:
         return {}
     rd = scaling.reach_decision(progress, threshold=es.threshold)
-    return {
-        row.name: {
+    out = {}
+    for row in rd.rows:
+        if not row.stop:
+            continue
+        lead = _frontier_at(progress, row.name, row.end)
+        out[row.name] = {
             "reason": (
                 f"P(reaching the frontier in the {row.end - row.reached:.4g} {x} left)"
-                f" = {row.p_reach:.3f} < {es.threshold}"
+                f" = {row.p_reach:.3f} < {es.threshold}; at its end {lead} holds it"
             ),
             "p": row.p_reach,
             "reached": row.reached,
             "end": row.end,
+            "leader": lead,
         }
-        for row in rd.rows
-        if row.stop
+    return out
+
+
+def _frontier_at(progress: dict, name: str, c: float) -> str:
+    """The other group whose measured curve (held past its reach) is highest at compute c."""
+    fits = {
+        g: float(p.fit.fit.predict(min(c, p.reached)))
+        for g, p in progress.items()
+        if g != name and p.first <= c
     }
+    return max(fits, key=fits.get) if fits else ""
 
 
 def _finite(v) -> bool:
