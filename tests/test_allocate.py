@@ -197,3 +197,37 @@ def test_cli_reads_a_grid_in_a_bucket(tmp_path, rows, capsys):
         assert "n = 32, B_p = 16, M = 156 steps" in out and "train.steps=156" in out
     finally:
         fs.rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_cli_on_a_committed_study_takes_cell_knobs_from_its_spec(tmp_path, capsys):
+    # A study committed as curves.jsonl alone (experiments/results/<grid>/): the cells'
+    # other knobs (the split's) and the trainer come from the grid's spec.
+    from rl_jax.grid import expand, load_spec
+
+    plans = expand(load_spec("isocompute_cpu"))
+    rng = np.random.default_rng(0)
+    rows = []
+    for p in plans:
+        n, bp = p.config.sampling.n, p.config.data.prompts_per_batch
+        steps = np.arange(0, p.steps + 1, p.steps // 8)
+        x = steps * float(n * bp)
+        y = sigmoid(x, r0=0.3, a=0.5 + 0.05 * np.log2(n), b=1.5, c_mid=500.0 * n)
+        for s, xi, yi in zip(steps, x, y + rng.normal(0, 0.003, x.size), strict=True):
+            rows.append(
+                {
+                    "run_id": p.run_id,
+                    "step": int(s),
+                    "rollouts": xi,
+                    "val/pass@1": yi,
+                    "sampling.n": n,
+                    "data.prompts_per_batch": bp,
+                    **dict(p.labels),
+                }
+            )
+    d = tmp_path / "isocompute_cpu"
+    d.mkdir()
+    (d / "curves.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["allocate", "--from", str(d), "--split", "easy", "--budget", "16384"]) == 0
+    run = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run: "))
+    assert run.startswith("run: python -m rl_jax.cli.warm_train --target 0.45 isocompute ")
+    assert "data.reverse_digits=true" in run and "sampling.n=8" in run

@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     rows, split = _split(rows, spec, split)
     res = fit_and_allocate(rows, spec, budget=budget, x=x, metric=metric, a=a)
     res["source"], res["split"] = str(src), split
-    plan = _plan_rows(grid)
+    plan = _plan_rows(grid, spec)
     res["command"] = _command(res, spec, plan, a)
     if a.topology:
         _price(res, spec, plan, a, rows)
@@ -185,14 +185,23 @@ def fit_and_allocate(rows, spec, *, budget: float, x: str, metric: str, a) -> di
     }
 
 
-def _plan_rows(grid: str | None) -> dict[str, dict]:
-    """run id -> the grid's plan row (plan.json), {} without one."""
-    if grid is None or not _has(grid, "plan.json"):
-        return {}
-    from rl_jax.runs.storage import open_store
+def _plan_rows(grid: str | None, spec) -> dict[str, dict]:
+    """run id -> the grid's plan row: its plan.json, else the spec's expansion (a committed
+    study keeps curves.jsonl only), {} without either."""
+    if grid is not None and _has(grid, "plan.json"):
+        from rl_jax.runs.storage import open_store
 
-    runs = json.loads(open_store(grid, key="--from").read_text("plan.json"))["runs"]
-    return {r["run_id"]: r for r in runs}
+        runs = json.loads(open_store(grid, key="--from").read_text("plan.json"))["runs"]
+        return {r["run_id"]: r for r in runs}
+    if spec is None:
+        return {}
+    from rl_jax.grid.driver import plan_rows
+    from rl_jax.grid.expand import expand
+
+    try:
+        return {r["run_id"]: r for r in plan_rows(expand(spec))}
+    except ConfigError:
+        return {}
 
 
 def _run_overrides(best, plan: dict[str, dict], a) -> tuple[list[str], list[str]]:
@@ -203,8 +212,9 @@ def _run_overrides(best, plan: dict[str, dict], a) -> tuple[list[str], list[str]
     cell = list(row["overrides"]) if row else []
     if not row:
         notes.append(
-            "no plan.json beside the curves: the grid's other knobs for this cell (its split's,"
-            " say) are not known; add them as overrides"
+            "the grid's other knobs for this cell (its split's, say) are not known (no"
+            " plan.json beside the curves, no spec of this grid whose runs they are); add them"
+            " as overrides"
         )
     evals = 0
     for o in cell:
