@@ -262,6 +262,8 @@ def test_early_stop_stops_runs_that_cannot_catch_the_leader(tmp_path, monkeypatc
     keep = "n4_bp4" if kind == "isocompute" else "n4_"
     assert all(r.status == "done" for name, r in by_n.items() if name.startswith(keep))
     report = (out / "tiny" / "report.md").read_text()
+    # The report's asymptote comparison is the compare grids' rule only.
+    assert ("Early decision: leader" in report) == (kind == "compare")
     for r in (r for r in by_n.values() if r.status == "stopped"):
         assert r.stopped["leader"].startswith(keep) and r.stopped["p"] < 0.05
         assert ("frontier" in r.stopped["reason"]) == (kind == "isocompute")

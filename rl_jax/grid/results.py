@@ -416,7 +416,9 @@ def _split_section(spec, root: Path, split: str, rep, note: str, names) -> list[
                 f" {ex.final_error:+.4f} | {ex.coverage:.0%} |"
             )
         md.append("")
-    if rep.early is not None:
+    # An iso-compute grid stops runs by the frontier (reach_decision), not by asymptotes: the
+    # asymptote comparison would contradict what its driver did.
+    if rep.early is not None and spec.report.kind != "isocompute":
         stops = [r.name for r in rep.early.rows if r.stop]
         md += [
             f"Early decision: leader `{rep.early.leader}`; "
