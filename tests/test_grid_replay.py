@@ -142,6 +142,33 @@ def test_replay_keeps_cells_tied_with_the_frontier(grid_rows):
     assert rep.stopped == () and rep.saved == 0.0 and not rep.pick_changed
 
 
+def test_replay_on_a_compare_grid_keeps_the_top_recipe():
+    # Compare grids (ScaleRL studies) stop by the leader's asymptote; the pick is the recipe
+    # the ScaleRL rule ranks first.
+    spec = GridSpec(
+        name="cmp",
+        recipe="scalerl",
+        early_stop=EarlyStop(threshold=0.05, min_fraction=0.3),
+        report=ReportSpec(kind="compare", x="rollouts"),
+    )
+    cells = {("good", 0): 0.7, ("bad", 0): 0.4, ("good", 1): 0.7, ("bad", 1): 0.4}
+    rng = np.random.default_rng(0)
+    rows = []
+    for (name, seed), a in cells.items():
+        x = np.linspace(0, 1e4, 13)
+        y = sigmoid(x, r0=0.1, a=a, b=1.5, c_mid=2e3) + rng.normal(0, 0.004, x.size)
+        rid = f"{name}-{seed}"
+        rows += [
+            {"run_id": rid, "group": name, "step": i, "rollouts": xi, "val/pass@1": yi}
+            for i, (xi, yi) in enumerate(zip(x, y, strict=True))
+        ]
+    rep = replay_early(spec, rows, jobs=2)
+    assert {s["group"] for s in rep.stopped} == {"bad"} and rep.saved > 0.2
+    ((pick,),) = [rep.picks]
+    assert pick["full"]["rank_1"] == pick["replay"]["rank_1"] == ["good"]
+    assert not rep.pick_changed
+
+
 SPEC = """
 from rl_jax.grid import Axis, Budget, EarlyStop, GridSpec, ReportSpec
 
@@ -171,7 +198,7 @@ def test_cli_replays_recorded_curves(tmp_path, grid_rows, capsys):
     assert main([*args, "--stop-early", "0.05", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "early-stop replay (2 at a time)" in out and "% saved" in out
-    assert "stopped n2_bp4" in out and "frontier's pick unchanged" in out
+    assert "stopped n2_bp4" in out and "the grid's pick unchanged" in out
     assert not (tmp_path / "g").exists()  # a replay runs and writes nothing
     # From OUT/<grid>/curves.jsonl, the spec's own early_stop, as JSON.
     (tmp_path / "g" / "replay_cli").mkdir(parents=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_jax import scaling
-from rl_jax.grid.results import GROUP_KEY, RunInfo, early_check
+from rl_jax.grid.results import GROUP_KEY, RunInfo, _fit_options, early_check
 from rl_jax.grid.spec import GridSpec
 from rl_jax.knobs import ConfigError
 
@@ -32,7 +32,9 @@ class Replay:
     total: float  # compute of every run to its last evaluation
     used: float  # compute with early stopping
     stopped: tuple[dict, ...]  # run, name, group, split, at (compute), of (its full), why
-    picks: tuple[dict, ...]  # per split and budget: the full grid's and the replay's pick
+    # per split (and budget): the full grid's and the replay's pick, the frontier's
+    # allocation for iso-compute grids, the recipes ranked first for others
+    picks: tuple[dict, ...]
     notes: tuple[str, ...]
 
     @property
@@ -121,7 +123,8 @@ def replay_early(spec: GridSpec, rows: Sequence[Mapping[str, Any]], *, jobs: int
     )
     kept = [r for rid, (_, rs) in runs.items() for r in rs[: seen.counts[rid]]]
     full = [r for _, rs in runs.values() for r in rs]
-    picks = _picks(spec, full, kept, runs)
+    pick = _picks if spec.report.kind == "isocompute" else _ranking_picks
+    picks = pick(spec, full, kept, runs)
     return Replay(
         jobs=jobs,
         total=total,
@@ -215,6 +218,35 @@ def _picks(spec: GridSpec, full: list, kept: list, runs: dict) -> tuple[dict, ..
     return tuple(out)
 
 
+def _ranking_picks(spec: GridSpec, full: list, kept: list, runs: dict) -> tuple[dict, ...]:
+    """Per split of a compare grid: the recipe the ScaleRL rule ranks first (A within
+    PAPER_A_TOL is a tie, broken by B), on all the curves and on those kept."""
+    out = []
+    for split in dict.fromkeys(info.split for info, _ in runs.values()):
+        tops = []
+        for rows in (full, kept):
+            rows = [r for r in rows if runs[str(r["run_id"])][0].split == split]
+            try:
+                opts = {**_fit_options(spec), "extrapolate": None, "n_boot": 50}
+                rep = scaling.fit_runs(rows, metric=spec.report.metric, **opts)
+            except scaling.FitError as e:
+                tops = None
+                out.append({"split": split, "budget": None, "changed": False, "note": str(e)})
+                break
+            tops.append(sorted(r["recipe"] for r in rep.table if r["rank"] == 1))
+        if tops is not None:
+            out.append(
+                {
+                    "split": split,
+                    "budget": None,
+                    "full": {"rank_1": tops[0]},
+                    "replay": {"rank_1": tops[1]},
+                    "changed": tops[0] != tops[1],
+                }
+            )
+    return tuple(out)
+
+
 def format_replay(rep: Replay, unit: str) -> str:
     jobs = "all at once" if rep.jobs == 0 else f"{rep.jobs} at a time"
     lines = [
@@ -225,8 +257,14 @@ def format_replay(rep: Replay, unit: str) -> str:
         f"  stopped {s['name']} at {s['at']:.4g} of {s['of']:.4g}: {s['why']}" for s in rep.stopped
     ]
     for p in rep.picks:
-        if p["budget"] is None:
-            lines.append(f"  {p['split']}: no frontier ({p['note']})")
+        if "note" in p:
+            lines.append(f"  {p['split']}: no pick to compare ({p['note']})")
+            continue
+        if p["budget"] is None:  # a compare grid: the recipes ranked first
+            lines.append(
+                f"  {p['split']}: ranked first on all curves {p['full']['rank_1']}, on those"
+                f" kept {p['replay']['rank_1']}" + ("  CHANGED" if p["changed"] else "")
+            )
             continue
         f, r = p["full"], p["replay"]
         lines.append(
@@ -240,8 +278,6 @@ def format_replay(rep: Replay, unit: str) -> str:
                 else ""
             )
         )
-    lines.append(
-        "frontier's pick " + ("CHANGED" if rep.pick_changed else "unchanged") + " by stopping"
-    )
+    lines.append("the grid's pick " + ("CHANGED" if rep.pick_changed else "unchanged"))
     lines += [f"note: {n}" for n in rep.notes]
     return "\n".join(lines)
