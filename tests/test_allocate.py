@@ -138,6 +138,8 @@ def test_cli_reads_a_split_from_its_fits_directory(tmp_path, rows, capsys):
         (["--budget", "1e4", "--topology", "v9z-8"], "v9z"),
         (["--budget", "1e4", "--level", "95"], "--level"),
         (["--budget", "1e4", "notakeyvalue"], "key=value"),
+        (["--budget", "1e4", "--recipe", "isocompute", "train.lrr=1"], "train.lrr"),
+        (["--budget", "1e4", "--recipe", "nosuchrecipe"], "nosuchrecipe"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, rows, capsys, args, needle):

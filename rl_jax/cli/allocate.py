@@ -248,6 +248,9 @@ def _command(res: dict, spec, plan: dict, a) -> dict[str, Any]:
         head = ["python", "-m", "rl_jax.cli.warm_train", "--target", repr(spec.warm_start), *warm]
     else:
         head = ["rl-jax", "train"]
+    from rl_jax.config import load_recipe
+
+    load_recipe(recipe, overrides)  # the printed command must resolve: an unknown key is exit 2
     argv = [*head, recipe, *overrides]
     return {"recipe": recipe, "overrides": overrides, "argv": argv, "notes": notes}
 
