@@ -160,7 +160,7 @@ def early_check(spec: GridSpec, runs: Mapping[str, RunInfo]):
     es = spec.early_stop
     assert es is not None
     rep = spec.report
-    cache: dict[tuple, Any] = {}
+    cache: dict[str, tuple] = {}  # group -> (evaluations seen, its bootstrap or None)
 
     def check(curves: dict[str, list[dict]], running: Sequence[str]) -> dict[str, dict]:
         groups = _early_groups(spec, runs, curves)
@@ -202,22 +202,25 @@ def _early_groups(spec: GridSpec, runs: Mapping[str, RunInfo], curves: dict[str,
 
 
 def _boot(rep, cache: dict, group: str, members: list):
-    """The group's pooled fit, bootstrapped; None when it cannot be fitted yet."""
-    key = (group, tuple((rid, len(xs)) for rid, xs, _, _ in members))
-    if key not in cache:
-        pairs = [(xs, ys) for _, xs, ys, _ in members]
-        x_max = max(max(xs) for xs, _ in pairs)
-        opts = {"r0": rep.r0, "fit_start": scaling.parse_fit_start(rep.fit_start, x_max)}
-        try:
-            f = (
-                scaling.fit_sigmoid_runs(pairs, **opts)
-                if len(pairs) > 1
-                else scaling.fit_sigmoid(*pairs[0], **opts)
-            )
-            cache[key] = scaling.bootstrap(f, n_boot=100)
-        except scaling.FitError:
-            cache[key] = None
-    return cache[key]
+    """The group's pooled fit, bootstrapped; None when it cannot be fitted yet. The cache
+    keeps each group's latest fit with the evaluations it saw."""
+    seen = tuple((rid, len(xs)) for rid, xs, _, _ in members)
+    if group in cache and cache[group][0] == seen:
+        return cache[group][1]
+    pairs = [(xs, ys) for _, xs, ys, _ in members]
+    x_max = max(max(xs) for xs, _ in pairs)
+    opts = {"r0": rep.r0, "fit_start": scaling.parse_fit_start(rep.fit_start, x_max)}
+    try:
+        f = (
+            scaling.fit_sigmoid_runs(pairs, **opts)
+            if len(pairs) > 1
+            else scaling.fit_sigmoid(*pairs[0], **opts)
+        )
+        boot = scaling.bootstrap(f, n_boot=100)
+    except scaling.FitError:
+        boot = None
+    cache[group] = (seen, boot)
+    return boot
 
 
 def _leader_stops(es, boots: dict) -> dict[str, dict]:
