@@ -241,23 +241,32 @@ def test_guard_never_starts_a_finished_or_busy_run(tmp_path):
     assert marker.exists()
 
 
-def test_early_stop_stops_runs_that_cannot_catch_the_leader(tmp_path, monkeypatch):
+# compare grids stop by the leader's asymptote; iso-compute grids (here with the threshold
+# from --stop-early) by the probability of reaching the frontier in the compute left.
+@pytest.mark.parametrize("kind, extra", [("compare", ()), ("isocompute", ("--stop-early", "0.04"))])
+def test_early_stop_stops_runs_that_cannot_catch_the_leader(tmp_path, monkeypatch, kind, extra):
     monkeypatch.setenv("FAKE_BAD_N", "2")  # n=2 saturates at 0.3, n=4 near 0.55
     monkeypatch.setenv("FAKE_SLEEP", "0.08")
     es = "EarlyStop(threshold=0.05, min_fraction=0.3, min_points=4, every_s=0.3)"
-    spec = write_spec(tmp_path, kind="compare", early_stop=es)
+    spec = write_spec(tmp_path, kind=kind, early_stop=es)
     out = tmp_path / "out"
-    assert run_grid(spec, out, "--jobs", "4") == 0
+    assert run_grid(spec, out, "--jobs", "4", *extra) == 0
     st = GridState.load(out / "tiny", "tiny")
     by_n = {r.name: r for r in st.runs.values()}
     # Every n=2 run is stopped unless it finished before it could be judged; n=4 runs finish.
     stopped = [r for name, r in by_n.items() if name.startswith("n2_") and r.status == "stopped"]
     assert stopped, by_n
     assert all(r.status in ("stopped", "done") for r in by_n.values())
-    assert all(r.status == "done" for name, r in by_n.items() if name.startswith("n4_"))
+    # The frontier at the budget is n4_bp4's (B_p = 4 starts faster); in an iso-compute grid
+    # n4_bp2, below it all the way, may be stopped too.
+    keep = "n4_bp4" if kind == "isocompute" else "n4_"
+    assert all(r.status == "done" for name, r in by_n.items() if name.startswith(keep))
     report = (out / "tiny" / "report.md").read_text()
-    for r in stopped:
-        assert r.stopped["leader"].startswith("n4_") and r.stopped["p"] < 0.05
+    # The report's asymptote comparison is the compare grids' rule only.
+    assert ("Early decision: leader" in report) == (kind == "compare")
+    for r in (r for r in by_n.values() if r.status == "stopped"):
+        assert r.stopped["leader"].startswith(keep) and r.stopped["p"] < 0.05
+        assert ("frontier" in r.stopped["reason"]) == (kind == "isocompute")
         assert f"- {r.name}: stopped at step" in report
     # Stopped runs are decisions: a rerun leaves them alone.
     launches = {r.name: r.launches for r in st.runs.values()}

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("rl_jax.cli.demo", "the CPU demo: ScaleRL on the tiny model, with a report"),
     "grid": ("rl_jax.cli.grid", "run an experiment grid spec (local, ray, tpu backends)"),
     "fit": ("rl_jax.cli.fit", "fit scaling curves: rl-jax fit CURVES... --out DIR"),
+    "allocate": (
+        "rl_jax.cli.allocate",
+        "the compute-optimal (n, B_p, M) for a budget from a grid's frontier, priced on a TPU",
+    ),
     "study": ("rl_jax.cli.study", "a seeded leave-one-out study's report from a grid's curves"),
     "eval": ("rl_jax.cli.eval", "evaluate a run's checkpoint: rl-jax eval RUN [--step N]"),
     "sample": ("rl_jax.cli.sample", "sample completions from a model"),

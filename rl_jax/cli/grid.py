@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -12,8 +13,9 @@ from rl_jax.config import resolve_recipe_path
 from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
 from rl_jax.grid.driver import Driver, grid_dir, plan_rows, print_plan
 from rl_jax.grid.expand import expand
-from rl_jax.grid.spec import GridSpec, known_specs, load_spec
-from rl_jax.runs.storage import STORAGE_EXIT, StorageError, check_out_dir, is_remote
+from rl_jax.grid.spec import EarlyStop, GridSpec, known_specs, load_spec
+from rl_jax.knobs import ConfigError
+from rl_jax.runs.storage import STORAGE_EXIT, StorageError, check_out_dir, is_remote, join
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("local", "ray", "tpu"), default="local")
     p.add_argument("--jobs", type=int, default=1, help="local: concurrent runs")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their compute")
-    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
+    p.add_argument(
+        "--json", action="store_true", help="with --dry-run or --replay-early: JSON output"
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -50,6 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-stopped", action="store_true", help="continue runs stopped early before"
     )
     p.add_argument("--no-early-stop", action="store_true", help="ignore the spec's early_stop")
+    p.add_argument(
+        "--stop-early",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="THRESHOLD",
+        help="stop runs that cannot reach the frontier (iso-compute grids) or the leader's"
+        " asymptote: probability below THRESHOLD (default: the spec's, else 0.05)",
+    )
+    p.add_argument(
+        "--replay-early",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="CURVES",
+        help="replay the early stop on recorded curves (default OUT/<grid>/curves.jsonl) with"
+        " --jobs at a time (0: all at once): compute saved, whether the frontier's pick moves;"
+        " runs nothing",
+    )
     p.add_argument("--no-report", action="store_true", help="skip report.md")
     p.add_argument("--report-only", action="store_true", help="only rebuild report.md")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between polls of the runs")
@@ -114,12 +137,53 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
     )
 
 
+def with_early_stop(spec: GridSpec, a: argparse.Namespace) -> GridSpec:
+    """The spec with --stop-early's threshold (the spec's early_stop or the defaults)."""
+    if a.stop_early is None:
+        return spec
+    if a.no_early_stop:
+        raise ConfigError("--stop-early and --no-early-stop contradict each other; drop one")
+    es = spec.early_stop or EarlyStop()
+    if a.stop_early:
+        try:
+            threshold = float(a.stop_early)
+        except ValueError:
+            raise ConfigError(
+                f"--stop-early {a.stop_early!r}: give a probability in (0, 0.5), e.g. 0.05"
+            ) from None
+        es = dataclasses.replace(es, threshold=threshold)
+    return spec.replace(early_stop=es)
+
+
+def replay(spec: GridSpec, a: argparse.Namespace) -> int:
+    """--replay-early: the early stop replayed on a grid's recorded curves."""
+    from rl_jax import scaling
+    from rl_jax.grid.replay import format_replay, replay_early
+
+    src = a.replay_early or join(grid_dir(spec, a.out), "curves.jsonl")
+    try:
+        rows = scaling.load_rows(src)
+    except scaling.FitError as e:
+        raise ConfigError(
+            f"--replay-early: {e} (run the grid's report first, or name CURVES)"
+        ) from None
+    rep = replay_early(spec, rows, jobs=a.jobs)
+    if a.json:
+        print(json.dumps(rep.to_dict(), indent=2, default=str))
+    else:
+        print(f"grid {spec.name}: curves {src}")
+        print(format_replay(rep, spec.report.x))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     check_out_dir(a.out, "--out")
     if a.backend == "tpu":
         check_out_dir(a.tpu_remote_out, "--tpu-remote-out")
-    spec = load_spec(a.spec)
+    spec = with_early_stop(load_spec(a.spec), a)
+    if a.replay_early is not None:
+        return replay(spec, a)
     backend = make_backend(a, spec)
     plans = expand(spec, extra=[*backend.extra_overrides(), *a.set])
     backend.check(plans)

@@ -19,7 +19,8 @@ import json
 import math
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,71 +125,172 @@ def fit_grid_tasks(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
 # ---- early stopping ---------------------------------------------------------------------
 
 
-def early_stopper(spec: GridSpec, plans: Sequence[RunPlan]):
-    """The driver's early-stop check, by rl_jax.scaling's early decision.
+@dataclass(frozen=True)
+class RunInfo:
+    """What the early-stop check needs of a run: its group, its split, its planned steps."""
 
-    Per split, each group (an axis point, its seeds pooled) with at least
-    `min_points` evaluations is fitted and bootstrapped; `scaling.early_decision`
-    flags groups whose P(A > the leader's A) is below `threshold`. Runs of a
-    flagged group stop once they have done `min_fraction` of their steps.
+    group: str
+    split: str
+    steps: int
+
+
+def early_stopper(spec: GridSpec, plans: Sequence[RunPlan]):
+    """The driver's early-stop check (`early_check` over the grid's plans)."""
+    check = early_check(
+        spec, {p.run_id: RunInfo(p.group, split_of(spec, p), p.steps) for p in plans}
+    )
+
+    def on_plans(curves: dict[str, list[dict]], running: Sequence[RunPlan]) -> dict[str, dict]:
+        return check(curves, [p.run_id for p in running])
+
+    return on_plans
+
+
+def early_check(spec: GridSpec, runs: Mapping[str, RunInfo]):
+    """check(curves, running ids) -> {run id: why to stop it}, by rl_jax.scaling's decisions.
+
+    Per split, each group (an axis point, its seeds pooled) whose runs have at least
+    `min_points` evaluations is fitted and bootstrapped. An iso-compute grid stops groups
+    whose probability of reaching the frontier in the compute they have left is below
+    `threshold` (`scaling.reach_decision`); other grids, groups whose P(A > the leader's A)
+    is (`scaling.early_decision`). Runs of a flagged group stop once they have done
+    `min_fraction` of their steps. Fits are cached on the rows they saw: a check refits only
+    the groups that have a new evaluation.
     """
     es = spec.early_stop
     assert es is not None
     rep = spec.report
-    x, metric = rep.x, rep.metric
-    by_id = {p.run_id: p for p in plans}
+    cache: dict[str, tuple] = {}  # group -> (evaluations seen, its bootstrap or None)
 
-    def check(curves: dict[str, list[dict]], running: Sequence[RunPlan]) -> dict[str, dict]:
-        groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for rid, rows in curves.items():
-            rows = [r for r in rows if _finite(r.get(x)) and _finite(r.get(metric))]
-            if len(rows) < es.min_points:
-                continue
-            rows.sort(key=lambda r: r.get("step", 0))
-            p = by_id[rid]
-            xs = [float(r[x]) for r in rows]
-            ys = [float(r[metric]) for r in rows]
-            groups[split_of(spec, p)][p.group].append((xs, ys))
+    def check(curves: dict[str, list[dict]], running: Sequence[str]) -> dict[str, dict]:
+        groups = _early_groups(spec, runs, curves)
         stop_groups: dict[str, dict] = {}
         for gs in groups.values():
-            boots = {}
-            for g, runs in gs.items():
-                x_max = max(max(xs) for xs, _ in runs)
-                opts = {"r0": rep.r0, "fit_start": scaling.parse_fit_start(rep.fit_start, x_max)}
-                try:
-                    f = (
-                        scaling.fit_sigmoid_runs(runs, **opts)
-                        if len(runs) > 1
-                        else scaling.fit_sigmoid(*runs[0], **opts)
-                    )
-                    boots[g] = scaling.bootstrap(f, n_boot=100)
-                except scaling.FitError:
-                    continue
+            boots = {g: _boot(rep, cache, g, members) for g, members in gs.items()}
+            boots = {g: b for g, b in boots.items() if b is not None}
             if len(boots) < 2:
                 continue
-            ed = scaling.early_decision(boots, threshold=es.threshold)
-            lead = next(r for r in ed.rows if r.name == ed.leader)
-            for row in ed.rows:
-                if row.stop:
-                    stop_groups[row.name] = {
-                        "reason": (
-                            f"P(A > leader's) = {row.p_beats_leader:.3f} < {es.threshold}:"
-                            f" A = {row.A:.3f} vs {lead.A:.3f} of {ed.leader}"
-                        ),
-                        "p": row.p_beats_leader,
-                        "A": row.A,
-                        "leader": ed.leader,
-                        "leader_A": lead.A,
-                    }
+            if rep.kind == "isocompute":
+                stop_groups.update(_reach_stops(es, runs, gs, boots, set(running), rep.x))
+            else:
+                stop_groups.update(_leader_stops(es, boots))
         out = {}
-        for p in running:
-            info = stop_groups.get(p.group)
-            step = max((r.get("step", 0) for r in curves.get(p.run_id, [])), default=0)
-            if info is not None and step >= es.min_fraction * p.steps:
-                out[p.run_id] = {**info, "step": step}
+        for rid in running:
+            info = stop_groups.get(runs[rid].group)
+            step = max((r.get("step", 0) for r in curves.get(rid, [])), default=0)
+            if info is not None and step >= es.min_fraction * runs[rid].steps:
+                out[rid] = {**info, "step": step}
         return out
 
     return check
+
+
+def _early_groups(spec: GridSpec, runs: Mapping[str, RunInfo], curves: dict[str, list[dict]]):
+    """{split: {group: [(run id, xs, ys, steps)]}} of runs with `min_points` evaluations."""
+    x, metric = spec.report.x, spec.report.metric
+    groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for rid, rows in curves.items():
+        rows = [r for r in rows if _finite(r.get(x)) and _finite(r.get(metric))]
+        if len(rows) < spec.early_stop.min_points or rid not in runs:
+            continue
+        rows.sort(key=lambda r: r.get("step", 0))
+        xs = [float(r[x]) for r in rows]
+        ys = [float(r[metric]) for r in rows]
+        steps = [int(r.get("step", 0)) for r in rows]
+        groups[runs[rid].split][runs[rid].group].append((rid, xs, ys, steps))
+    return groups
+
+
+def _boot(rep, cache: dict, group: str, members: list):
+    """The group's pooled fit, bootstrapped; None when it cannot be fitted yet. The cache
+    keeps each group's latest fit with the evaluations it saw."""
+    seen = tuple((rid, len(xs)) for rid, xs, _, _ in members)
+    if group in cache and cache[group][0] == seen:
+        return cache[group][1]
+    pairs = [(xs, ys) for _, xs, ys, _ in members]
+    x_max = max(max(xs) for xs, _ in pairs)
+    opts = {"r0": rep.r0, "fit_start": scaling.parse_fit_start(rep.fit_start, x_max)}
+    try:
+        f = (
+            scaling.fit_sigmoid_runs(pairs, **opts)
+            if len(pairs) > 1
+            else scaling.fit_sigmoid(*pairs[0], **opts)
+        )
+        boot = scaling.bootstrap(f, n_boot=100)
+    except scaling.FitError:
+        boot = None
+    cache[group] = (seen, boot)
+    return boot
+
+
+def _leader_stops(es, boots: dict) -> dict[str, dict]:
+    ed = scaling.early_decision(boots, threshold=es.threshold)
+    lead = next(r for r in ed.rows if r.name == ed.leader)
+    return {
+        row.name: {
+            "reason": (
+                f"P(A > leader's) = {row.p_beats_leader:.3f} < {es.threshold}:"
+                f" A = {row.A:.3f} vs {lead.A:.3f} of {ed.leader}"
+            ),
+            "p": row.p_beats_leader,
+            "A": row.A,
+            "leader": ed.leader,
+            "leader_A": lead.A,
+        }
+        for row in ed.rows
+        if row.stop
+    }
+
+
+def _reach_stops(es, runs, gs: dict, boots: dict, running: set[str], x: str) -> dict[str, dict]:
+    """Groups of an iso-compute split that will not reach the frontier of the others.
+
+    A group's future starts where its least advanced running run is (a finished seed does not
+    make the others' compute free) and ends at its planned steps times its compute per step."""
+    progress = {}
+    for g, bs in boots.items():
+        members = gs[g]
+        first = min(min((v for v in xs if v > 0), default=math.inf) for _, xs, _, _ in members)
+        live = [xs[-1] for rid, xs, _, _ in members if rid in running]
+        reached = min(live) if live else max(xs[-1] for _, xs, _, _ in members)
+        per_step = [xs[-1] / st[-1] for _, xs, _, st in members if st[-1] > 0]
+        planned = max(runs[rid].steps for rid, _, _, _ in members)
+        end = max(planned * max(per_step), reached) if per_step else reached
+        gaps = [b - a for _, xs, _, _ in members for a, b in zip(xs, xs[1:], strict=False)]
+        every = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+        if math.isfinite(first):
+            progress[g] = scaling.Progress(
+                fit=bs, first=first, reached=reached, end=end, every=every
+            )
+    if len(progress) < 2:
+        return {}
+    rd = scaling.reach_decision(progress, threshold=es.threshold)
+    out = {}
+    for row in rd.rows:
+        if not row.stop:
+            continue
+        lead = _frontier_at(progress, row.name, row.end)
+        out[row.name] = {
+            "reason": (
+                f"P(reaching the frontier in the {row.end - row.reached:.4g} {x} left)"
+                f" = {row.p_reach:.3f} < {es.threshold}; at its end {lead} holds it"
+            ),
+            "p": row.p_reach,
+            "reached": row.reached,
+            "end": row.end,
+            "leader": lead,
+        }
+    return out
+
+
+def _frontier_at(progress: dict, name: str, c: float) -> str:
+    """The other group whose measured curve (held past its reach) is highest at compute c."""
+    fits = {
+        g: float(p.fit.fit.predict(min(c, p.reached)))
+        for g, p in progress.items()
+        if g != name and p.first <= c
+    }
+    return max(fits, key=fits.get) if fits else ""
 
 
 def _finite(v) -> bool:
@@ -317,7 +419,9 @@ def _split_section(spec, root: Path, split: str, rep, note: str, names) -> list[
                 f" {ex.final_error:+.4f} | {ex.coverage:.0%} |"
             )
         md.append("")
-    if rep.early is not None:
+    # An iso-compute grid stops runs by the frontier (reach_decision), not by asymptotes: the
+    # asymptote comparison would contradict what its driver did.
+    if rep.early is not None and spec.report.kind != "isocompute":
         stops = [r.name for r in rep.early.rows if r.stop]
         md += [
             f"Early decision: leader `{rep.early.leader}`; "

@@ -14,8 +14,10 @@ matplotlib alone, so an analyst can use it on a laptop.
     scaling.write_report(report, "fits/")
     per_task = scaling.fit_tasks(rows, x="flops")          # a mixture's val/<task>/pass@1
     study = scaling.analyse_study(curves, baseline="scalerl")  # seeded leave-one-out
+    alloc = scaling.allocate(frontier, curves, budget=2**20)  # (n, B_p, M) for a budget
 """
 
+from rl_jax.scaling._allocate import Allocation, Candidate, allocate, extrapolation_note
 from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, bootstrap_runs
 from rl_jax.scaling._compare import (
     PAPER_A_TOL,
@@ -26,7 +28,7 @@ from rl_jax.scaling._compare import (
     table_markdown,
 )
 from rl_jax.scaling._curves import SOURCE_KEY, Curve, CurveError, curves_from_rows, load_rows
-from rl_jax.scaling._early import early_decision, p_greater
+from rl_jax.scaling._early import Progress, early_decision, p_greater, reach_decision
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
 from rl_jax.scaling._isocompute import FrontierError, fit_frontier, record_breaking
 from rl_jax.scaling._power import fit_power_law
@@ -66,6 +68,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "SOURCE_KEY",
+    "Allocation",
+    "Candidate",
+    "Progress",
     "BOOTSTRAP_KINDS",
     "FRONTIER_MODES",
     "PAPER_A_GRID",
@@ -82,6 +87,7 @@ __all__ = [
     "PaperFinding",
     "SigmoidOptions",
     "Study",
+    "allocate",
     "analyse_study",
     "bootstrap",
     "bootstrap_runs",
@@ -89,6 +95,7 @@ __all__ = [
     "curves_from_rows",
     "early_decision",
     "extrapolation_check",
+    "extrapolation_note",
     "fit_frontier",
     "fit_power_law",
     "fit_runs",
@@ -100,6 +107,7 @@ __all__ = [
     "parse_fit_start",
     "plot_curve",
     "rank_fits",
+    "reach_decision",
     "recipe_table_rows",
     "record_breaking",
     "refit",

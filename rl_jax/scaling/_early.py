@@ -8,14 +8,19 @@ runs). A grid can stop a recipe once that probability falls below a threshold.
 A curve that has not bent yet has a wide bootstrap distribution of A (often
 reaching the metric's maximum), so its probability stays high and it is not
 stopped: uncertainty protects young runs rather than condemning them.
+
+For an iso-compute grid, `reach_decision` asks the question that matters there:
+will a run ever lie on the compute-optimal frontier in the compute it has left?
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import special
 
 from rl_jax.scaling._bootstrap import Bootstrap, bootstrap
 from rl_jax.scaling._sigmoid import FitError, SigmoidFit
@@ -108,3 +113,137 @@ def early_decision(
         )
     rows.sort(key=lambda r: -r.A)
     return EarlyDecision(leader=leader, threshold=threshold, margin=margin, rows=tuple(rows))
+
+
+# ---- reaching the frontier (IsoCompute grids) -------------------------------------------
+#
+# In an iso-compute grid every run has its own budget and the question is not whose asymptote
+# is highest but whether a run will ever lie on the compute-optimal frontier (PAPERS.md
+# section 2): the frontier is made of record-breaking evaluations, so a run none of whose
+# remaining evaluations can beat the others' curves adds nothing to it, and the rest of its
+# budget is wasted.
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """A group of runs (one grid cell, its seeds pooled) part-way through its budget."""
+
+    fit: Bootstrap | SigmoidFit
+    first: float  # compute of its first evaluation after the base model's (> 0)
+    reached: float  # compute measured so far
+    end: float  # compute it is planned to reach
+    every: float = 0.0  # compute between its evaluations (0: from the fitted points)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachRow:
+    name: str
+    p_reach: float | None  # None: finished, nothing left to decide
+    stop: bool
+    reached: float
+    end: float
+    reliable: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReachDecision:
+    threshold: float
+    margin: float
+    rows: tuple[ReachRow, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "threshold": self.threshold,
+            "margin": self.margin,
+            "rows": [r.__dict__ for r in self.rows],
+        }
+
+
+def _draw_curves(bs: Bootstrap, idx: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """[len(idx), len(c)] the bootstrap replicates `idx` of a curve at compute c."""
+    s = {k: v[idx][:, None] for k, v in bs.samples.items()}
+    with np.errstate(divide="ignore"):
+        u = np.log(c)[None, :]
+    return s["R0"] + (s["A"] - s["R0"]) * special.expit(s["B"] * (u - np.log(s["C_mid"])))
+
+
+def _future(g: Progress) -> np.ndarray:
+    """The compute of a group's remaining evaluations, spaced as its past ones, the last at
+    its end."""
+    every = g.every
+    if not every > 0:
+        x = np.unique(g.fit.x if isinstance(g.fit, SigmoidFit) else g.fit.fit.x)
+        every = float(np.median(np.diff(x))) if x.size > 1 else g.end - g.reached
+    k = max(1, int(np.ceil((g.end - g.reached) / every - 1e-9)))
+    return np.minimum(g.reached + every * np.arange(1, k + 1), g.end)
+
+
+def reach_decision(
+    groups: Mapping[str, Progress],
+    *,
+    threshold: float = 0.05,
+    margin: float = 0.0,
+    n_boot: int = 200,
+    draws: int = 200,
+    seed: int = 0,
+) -> ReachDecision:
+    """Per unfinished group: P(one of its remaining evaluations beats the frontier of the
+    others by `margin`), and whether to stop it (probability below threshold).
+
+    The frontier is drawn as `fit_frontier` draws it: each other group's curve from its first
+    evaluation on, held flat past the compute it has reached, so it compares measurements,
+    never another run's extrapolation. The candidate's evaluations are its fit extrapolated
+    to its planned end plus its evaluation noise (the fit's residual scale): a group tied
+    with the frontier sets records by noise, and is kept. Curves come from bootstrap
+    replicates drawn independently (separate runs), so a young curve, whose replicates
+    spread wide, is rarely stopped. Where no other group has been measured the candidate
+    counts as reaching the frontier.
+    """
+    if len(groups) < 2:
+        raise FitError(f"reaching a frontier compares groups; got {len(groups)}")
+    if not 0 < threshold < 1:
+        raise FitError(f"threshold={threshold!r} must be in (0, 1)")
+    names = list(groups)
+    boots: dict[str, Bootstrap] = {}
+    for i, k in enumerate(names):
+        f = groups[k].fit
+        boots[k] = f if isinstance(f, Bootstrap) else bootstrap(f, n_boot=n_boot, seed=seed + i)
+    live = {k: _future(g) for k, g in groups.items() if g.reached < g.end}
+    rows = {
+        k: ReachRow(
+            name=k,
+            p_reach=None,
+            stop=False,
+            reached=g.reached,
+            end=g.end,
+            reliable=boots[k].fit.reliable,
+        )
+        for k, g in groups.items()
+    }
+    if live:
+        # Every group's replicates on the union of the live groups' future evaluations.
+        c = np.unique(np.concatenate(list(live.values())))
+        rng = np.random.default_rng(seed)
+        curves, measured = {}, []
+        for k in names:
+            g, bs = groups[k], boots[k]
+            idx = rng.integers(0, bs.samples["A"].size, draws)
+            both = _draw_curves(bs, idx, np.append(c, g.reached))
+            cur, flat = both[:, :-1], both[:, -1:]
+            held = np.where(c[None, :] > g.reached, flat, cur)
+            measured.append(np.where(c[None, :] < g.first, -np.inf, held))
+            curves[k] = cur
+        m = np.stack(measured)  # [G, D, C]
+        # The bar for group i is the best of the others: the top value unless i holds it.
+        order = np.argsort(-m, axis=0)[:2]
+        top, second = np.take_along_axis(m, order, axis=0)
+        for i, k in enumerate(names):
+            if k not in live:
+                continue
+            at = np.searchsorted(c, live[k])
+            bar = np.where(order[0] == i, second, top)[:, at]
+            sigma = boots[k].fit.sigma if np.isfinite(boots[k].fit.sigma) else 0.0
+            evals = curves[k][:, at] + sigma * rng.standard_normal((draws, at.size))
+            p = float((evals > bar + margin).any(axis=1).mean())
+            rows[k] = dataclasses.replace(rows[k], p_reach=p, stop=p < threshold)
+    return ReachDecision(threshold=threshold, margin=margin, rows=tuple(rows.values()))

@@ -70,3 +70,43 @@ def curve_rows(
         }
         for i, (xi, yi) in enumerate(zip(x, y, strict=True))
     ]
+
+
+def isocompute_rows(
+    rng: np.random.Generator,
+    cells: dict[tuple[int, int], dict[str, float]],
+    *,
+    c_max: float,
+    n_points: int = 12,
+    noise: float = 0.004,
+    tokens_per_rollout: float = 0.0,
+    metric: str = "val/pass@1",
+) -> list[dict[str, Any]]:
+    """Curve rows of an iso-compute grid: one run per (n, B_p) cell with known sigmoid
+    parameters (r0, a, b, c_mid), each of M = c_max // (B_p * n) steps evaluated n_points
+    times after step 0, as a grid's curves.jsonl holds them (run_id = group = n<n>_bp<B_p>,
+    rollouts = step * B_p * n). tokens_per_rollout > 0 adds a generated_tokens column."""
+    rows = []
+    for (n, bp), params in cells.items():
+        steps = np.unique(np.round(np.linspace(0, c_max // (n * bp), n_points + 1)).astype(int))
+        x = steps * float(n * bp)
+        y = np.clip(sigmoid(x, **params) + rng.normal(0.0, noise, x.size), 0.0, 1.0)
+        name = f"n{n}_bp{bp}"
+        for r, step in zip(
+            curve_rows(
+                name,
+                x,
+                y,
+                recipe=name,
+                knobs={"sampling.n": n, "data.prompts_per_batch": bp, "group": name},
+                x_key="rollouts",
+                metric=metric,
+            ),
+            steps,
+            strict=True,
+        ):
+            r["step"], r["status"] = int(step), "done"
+            if tokens_per_rollout:
+                r["generated_tokens"] = r["rollouts"] * tokens_per_rollout
+            rows.append(r)
+    return rows
