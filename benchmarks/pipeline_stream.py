@@ -1,5 +1,5 @@
 """PipelineRL's sampling as the trainer runs it, a continuous stream on the engine, against
-waves on the batch Sampler as a baseline built here; one JSON line.
+waves (batches decoded in step) as a baseline built here; one JSON line.
 
 A PipelineRL-k run's sampling with an instant trainer (every batch trained the
 moment it is formed, the version advancing by one): --steps batches of --prompts
@@ -12,9 +12,10 @@ limits, which end a row as a stop token would).
           how train.off_policy=pipeline samples: groups enter as slots free up, a
           batch is the next B_p complete groups.
   waves   the baseline (the trainer's PipelineRL sampler until 2e07bd6, gone from
-          it since): --waves waves of --prompts x --samples rows on the batch
-          Sampler, decoded round robin --chunk steps at a time; each wave holds its
-          rows until its longest ends (W x B_p x n rows).
+          it since): each batch of --prompts x --samples rows decoded in step, --chunk
+          steps a call, on an engine with a slot per row (`Engine.for_batch`) until
+          its longest row ends. The waves ran --waves batches round robin; one after
+          another they decode the same slot-steps.
 
 Keys: occupancy / occupancy_wave (kept tokens over slot-steps: slots, or a wave's
 rows, x decode steps run), tokens_per_s / tokens_per_s_wave (kept tokens per second,
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
 
     from rl_jax.config import ModelConfig, SamplingConfig
     from rl_jax.models import init_params, resolve_spec
-    from rl_jax.sampling import Engine, Sampler
+    from rl_jax.sampling import Engine
     from rl_jax.train.stream import EngineStream, StreamBook
 
     spec = resolve_spec(ModelConfig(preset=a.preset))
@@ -74,37 +75,30 @@ def main(argv=None) -> int:
     cfg = SamplingConfig(
         n=G, temperature=1.0, max_new_tokens=cap, max_prompt_len=a.prompt_len, length_bucket=8
     )
-    sampler = Sampler(spec, _with_chunk(cfg, a.chunk), eos_id=None, pad_id=0)
+    batch = Engine.for_batch(
+        spec, _with_chunk(cfg, a.chunk), prompts=P, prompt_len=a.prompt_len, pad_id=0
+    )
     slots = a.slots or W * P * G
     engine = Engine(spec, cfg, slots=slots, chunk=a.chunk, pad_id=0, fixed_shapes=True)
 
     def waves(seed: int) -> tuple[int, int]:
-        """The waves baseline: up to W started, decoded round robin until the oldest
-        ends; that batch trains at once (the version advances)."""
+        """The waves baseline: each batch decoded until its longest row ends; that batch
+        trains at once (the version advances)."""
         key = jax.random.key(seed)
-        kept = slot_steps = version = 0
-        started, inflight = 0, []
-        for _ in range(a.steps):
-            while len(inflight) < W and started < a.steps:
-                g = slice(started * P, (started + 1) * P)
-                st = sampler.start(
-                    params,
-                    prompts[g],
-                    n=G,
-                    key=key,
-                    row_ids=np.arange(g.start * G, g.stop * G),
-                    max_new_tokens=limits[g].reshape(-1),
-                )
-                inflight.append(st)
-                started += 1
-            while not sampler.done(inflight[0]):
-                for i, st in enumerate(inflight):
-                    if not sampler.done(st):
-                        inflight[i] = sampler.decode(params, st, max_steps=a.chunk, version=version)
-            ro = sampler.result(inflight.pop(0))
+        kept = slot_steps = 0
+        for version in range(a.steps):
+            g = slice(version * P, (version + 1) * P)
+            ro, _ = batch.run(
+                params,
+                prompts[g],
+                n=G,
+                key=key,
+                version=version,
+                row_ids=np.arange(g.start * G, g.stop * G),
+                max_new_tokens=limits[g].reshape(-1),
+            )
             kept += int(ro.completion_mask.sum())
             slot_steps += P * G * int(ro.lengths.max())  # a wave decodes to its longest row
-            version += 1
         return kept, slot_steps
 
     def stream(seed: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Sampler throughput against transformers' `generate` on the same weights; one JSON line.
+"""Sampling throughput against transformers' `generate` on the same weights; one JSON line.
 
 Reference workload: the `bench` preset, 8 prompts x 8 samples = 64 rows,
 8-token prompts, 64 new tokens per row forced (no stop token), float32, CPU,
@@ -22,11 +22,11 @@ slots; rl_jax/kernels/cpu.py, rl_jax/kernels/xla.py).
 in the same process; keys xla_tokens_per_s and kernel_speedup.
 
 --lengths longtail times the continuous-batching engine (rl_jax.sampling.Engine)
-against today's wave sampler on a long-tailed workload: --waves x --prompts prompts
+against waves (batches decoded in step) on a long-tailed workload: --waves x --prompts prompts
 of --samples rows each, every row ended at a length drawn from a lognormal of median
 --new-tokens / 8 (sigma --sigma, clipped to [1, --new-tokens]; the same lengths for
-both, as per-row limits, which end a row as a stop token would). The wave sampler
-generates --prompts prompts at a time (PipelineRL's wave: each until its longest row
+both, as per-row limits, which end a row as a stop token would). The waves
+generate --prompts prompts at a time (PipelineRL's wave: each until its longest row
 ends); the engine has --slots slots (default the wave's rows), refilled after --chunk
 steps or as soon as --refill-min slots are free. Its defaults are the workload
 docs/performance.md reports: 64 waves (4096 rows), a 256-token cap, one timed run
@@ -42,10 +42,8 @@ chunk's end and the host's next dispatch, `Engine.run(timeline=True)`), overlap
 --no-overlap reads each chunk first), and load_avg_start / load_avg_end (the 1, 5
 and 15-minute load averages).
 
-The reference workload also times the engine as the trainer builds it (a slot per
-row, one chunk to the end, fixed shapes), alternating with the Sampler on the same
-prompts and seeds: keys engine_tokens_per_s and engine_vs_sampler (its tokens/s over
-the Sampler's); --no-engine skips it.
+The reference workload times the engine as the trainer builds it for one batch (a
+slot per row, one chunk to the end, fixed shapes: `Engine.for_batch`).
 
 --platform gpu runs both samplers on the first GPU (JAX's cuda backend, transformers
 on torch's cuda device) and times them with their results synchronized to the host;
@@ -96,9 +94,6 @@ def _parse(argv):
         help="tokens per row (default 64; --lengths longtail: the cap of the drawn lengths, 256)",
     )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers measurement")
-    p.add_argument(
-        "--no-engine", action="store_true", help="reference workload: skip the engine's timing"
-    )
     p.add_argument(
         "--lengths",
         default="fixed",
@@ -172,7 +167,7 @@ import numpy as np  # noqa: E402
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
 from rl_jax.models import export_hf, load_model, model_params  # noqa: E402
-from rl_jax.sampling import Engine, Sampler  # noqa: E402
+from rl_jax.sampling import Engine  # noqa: E402
 from rl_jax.sharding import make_mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -244,46 +239,28 @@ def main() -> int:
         return _hf_only(model, prompts)
     if a.lengths == "longtail":
         return _longtail(spec, params, mesh)
-    sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
     prompt_list = prompts.tolist()
+    # The engine as the trainer builds it for a batch: a slot per row, one chunk to the
+    # end, fixed shapes.
+    batch = dict(prompts=a.prompts, prompt_len=a.prompt_len, mesh=mesh, pad_id=0, rules="dp")
+    sampler = Engine.for_batch(spec, cfg, **batch)
 
     def ours(seed: int):
-        out = sampler.generate(params, prompt_list, seed=seed)
+        out, _ = sampler.run(params, prompt_list, seed=seed)
         assert (out.lengths == a.new_tokens).all()
 
     t = time.perf_counter()
     ours(0)
     first_call = time.perf_counter() - t
 
-    engine_run = None
-    if not a.no_engine:
-        engine = Engine(
-            spec,
-            cfg,
-            slots=rows,
-            chunk=a.new_tokens,
-            prefill_prompts=a.prompts,
-            fixed_shapes=True,
-            mesh=mesh,
-            eos_id=None,
-            pad_id=0,
-            rules="dp",
-        )
-
-        def engine_run(seed: int):
-            out, _ = engine.run(params, prompt_list, seed=seed)
-            assert (out.lengths == a.new_tokens).all()
-
-        engine_run(0)
-
     xla_run = None
     if a.vs_xla:
-        plain = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
+        plain = Engine.for_batch(spec, cfg, **batch)
         # Read when its functions are first traced: set before the first call.
         plain.platform_attention = plain.platform_matmul = False
 
         def xla_run(seed: int):
-            out = plain.generate(params, prompt_list, seed=seed)
+            out, _ = plain.run(params, prompt_list, seed=seed)
             assert (out.lengths == a.new_tokens).all()
 
         xla_run(0)
@@ -295,15 +272,11 @@ def main() -> int:
             hf_run = hf_generate_fn(hf_dir, prompts, a.samples, a.new_tokens)
             hf_run(0)  # warm-up
 
-    ours_t, hf_t, xla_t, eng_t = [], [], [], []
+    ours_t, hf_t, xla_t = [], [], []
     for r in range(a.repeats):
         t = time.perf_counter()
         ours(r + 1)
         ours_t.append(time.perf_counter() - t)
-        if engine_run is not None:
-            t = time.perf_counter()
-            engine_run(r + 1)
-            eng_t.append(time.perf_counter() - t)
         if xla_run is not None:
             t = time.perf_counter()
             xla_run(r + 1)
@@ -326,8 +299,6 @@ def main() -> int:
         "speedup": round(statistics.median(hf_t) / ours_s, 3) if hf_t else None,
         "xla_tokens_per_s": round(tokens / statistics.median(xla_t), 1) if xla_t else None,
         "kernel_speedup": round(statistics.median(xla_t) / ours_s, 3) if xla_t else None,
-        "engine_tokens_per_s": round(tokens / statistics.median(eng_t), 1) if eng_t else None,
-        "engine_vs_sampler": round(ours_s / statistics.median(eng_t), 3) if eng_t else None,
         "flops_fraction": round(flops / ours_s / peak, 4),
         "seconds": round(ours_s, 4),
         "hf_seconds": round(statistics.median(hf_t), 4) if hf_t else None,
@@ -367,7 +338,10 @@ def _longtail(spec, params, mesh) -> int:
         max_prompt_len=a.prompt_len,
         length_bucket=8,
     )
-    sampler = Sampler(spec, cfg, mesh=mesh, eos_id=None, pad_id=0, rules="dp")
+    # A wave: a batch decoded in step until its longest row ends.
+    wave = Engine.for_batch(
+        spec, cfg, prompts=a.prompts, prompt_len=a.prompt_len, mesh=mesh, pad_id=0, rules="dp"
+    )
     slots = a.slots or a.prompts * a.samples
     engine = Engine(spec, cfg, slots=slots, chunk=a.chunk, mesh=mesh, pad_id=0, rules="dp")
     wave_rows = a.prompts * a.samples
@@ -376,7 +350,7 @@ def _longtail(spec, params, mesh) -> int:
         kept = slot_steps = 0
         for w in range(a.waves):
             rows = slice(w * wave_rows, (w + 1) * wave_rows)
-            out = sampler.generate(
+            out, _ = wave.run(
                 params,
                 prompts[w * a.prompts : (w + 1) * a.prompts],
                 seed=seed,

@@ -36,7 +36,7 @@ def main() -> None:
     )
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     chips, L = len(devices), spec.num_layers
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, P, tp, tg, programs=("train_step",))
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=("train_step",))
     compiled = [M * float(c["train_step"][0]) for c in (c1, c2)]
     want = []
     for layers in (1, 2):

@@ -54,7 +54,7 @@ def _measure(fn, *args) -> dict:
 def _program(args, cfg, spec, mesh, rules, tp, tg) -> dict:
     """The chosen program (or both log-prob passes) compiled."""
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    b = _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=P, tp=tp, tg=tg)
+    b = _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg)
     if args.program == "train_step":
         return _measure(b.update, *b.update_args)
     params, stacked = b.logprob_args
@@ -79,9 +79,8 @@ def main() -> None:
         load_recipe(args.recipe, args.overrides), args.topology
     )
     sc, M = cfg.sampling, cfg.train.updates_per_batch
-    P = cfg.data.prompts_per_batch
     if args.program == "logprob" and (
-        _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=P, tp=tp, tg=tg).logprob is None
+        _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg).logprob is None
     ):
         print(
             f"--program logprob: recipe {args.recipe} runs no log-prob pass (it needs"

@@ -139,29 +139,26 @@ def test_logging_every_is_gone_and_old_configs_still_load(capsys):
 @pytest.mark.parametrize(
     "overrides, names",
     [
-        (
-            ["train.off_policy=pipeline", "sampling.engine=false"],
-            ["train.off_policy", "sampling.engine"],
-        ),
-        (
-            ["train.off_policy=pipeline", "mesh.sampler_devices=2", "sampling.engine=false"],
-            ["mesh.sampler_devices", "sampling.engine"],
-        ),
         (["sampling.stream=false"], ["sampling.stream", "stream on the engine"]),
+        (["sampling.engine=false"], ["sampling.engine", "samples on the"]),
     ],
 )
-def test_pipeline_runs_only_as_the_stream_on_the_engine(capsys, no_trainer, overrides, names):
-    # PipelineRL and split mode have no batch-Sampler path: refused before the trainer.
+def test_removed_sampling_knobs_are_refused_at_another_value(capsys, no_trainer, overrides, names):
+    # Every run samples on the engine, PipelineRL and split mode as its stream: the batch
+    # Sampler and its waves are gone, refused before the trainer.
     assert_refused(*run(capsys, "train", RECIPE, *overrides), *names)
 
 
-def test_sampling_stream_true_is_accepted_and_ignored_and_old_configs_still_load(capsys):
-    rc = main(["config", RECIPE, "sampling.stream=true", "--format", "json"])
+@pytest.mark.parametrize("knob, old_value", [("stream", False), ("engine", False)])
+def test_removed_sampling_knobs_true_are_ignored_and_old_configs_still_load(
+    capsys, knob, old_value
+):
+    rc = main(["config", RECIPE, f"sampling.{knob}=true", "--format", "json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and "stream" not in out["config"]["sampling"]
-    assert apply_overrides(RunConfig(), ["sampling.stream=true"]) == RunConfig()
+    assert rc == 0 and knob not in out["config"]["sampling"]
+    assert apply_overrides(RunConfig(), [f"sampling.{knob}=true"]) == RunConfig()
     old = to_dict(RunConfig())
-    old["sampling"]["stream"] = False  # a waves-era config.json
+    old["sampling"][knob] = old_value  # a config.json written while the knob existed
     assert from_dict(old) == RunConfig()
 
 

@@ -70,8 +70,6 @@ def test_validation_in_post_init():
         LossConfig(eps_max=0.0)
     with pytest.raises(ConfigError, match="train.off_policy_k"):
         apply_overrides(RunConfig(), ["train.off_policy_k=4"])
-    with pytest.raises(ConfigError, match="train.off_policy='pipeline' .* sampling.engine=true"):
-        apply_overrides(RunConfig(), ["train.off_policy=pipeline", "sampling.engine=false"])
 
 
 def test_run_id_stable_and_sensitive():
@@ -83,10 +81,7 @@ def test_run_id_stable_and_sensitive():
     assert run_id(apply_overrides(a, ["train.seed=1"])) != run_id(a)
     assert run_id(apply_overrides(a, ["loss.eps_max=4.0"])) != run_id(a)
     assert len(run_id(a)) == 12
-    # the engine or the Sampler, any slot count: the same tokens, the same run
-    on_policy = apply_overrides(a, ["train.off_policy=on_policy", "train.off_policy_k=1"])
-    sampler = apply_overrides(on_policy, ["sampling.engine=false", "sampling.engine_slots=8"])
-    assert a.sampling.engine and run_id(sampler) == run_id(on_policy)
+    # any slot count: the same tokens, the same run
     assert run_id(apply_overrides(a, ["sampling.engine_slots=8"])) == run_id(a)
 
 

@@ -1,5 +1,5 @@
-"""Evaluation in batches of rows (eval.batch_rows): the same rollouts as all rows at
-once, and no change of the run's id."""
+"""Evaluation in batches of rows (eval.batch_rows: the engine's slots): the same
+rollouts as all rows at once, and no change of the run's id."""
 
 import dataclasses
 
@@ -10,8 +10,8 @@ from test_sampler import SPEC, _params
 
 from rl_jax.config import EvalConfig, RunConfig, SamplingConfig, run_id
 from rl_jax.knobs import ConfigError
-from rl_jax.sampling import Sampler
-from rl_jax.train.evaluation import eval_prompts_per_batch, generate_in_batches, generate_rows
+from rl_jax.sampling import Engine
+from rl_jax.train.evaluation import eval_prompts_per_batch, generate_rows
 
 # Four prompts over two length buckets (8 and 16 tokens): the first two alone would be
 # packed to 8 tokens, all of them together to 16.
@@ -28,20 +28,18 @@ def test_prompts_per_batch():
 
 
 def test_batches_sample_the_rows_of_one_batch():
-    """Batches of 2 prompts give every row the tokens, lengths, ids and prompt padding
-    of the one batch, and its log-probs to float32 rounding (matmuls over fewer rows
-    may sum in another order: 1e-6 seen)."""
+    """Slots for 2 prompts' rows give every row the numbers of slots for all of them,
+    bit for bit (a row's numbers depend on its key, prompt and weights only)."""
     params = _params(0, 3.0)
-    sampler = Sampler(SPEC, CFG, pad_id=1)  # not the 0 that concatenation pads with
     key = jax.random.key(7)
-    ref = generate_rows(sampler, params, PROMPTS, n=2, key=key, version=1)
-    out = generate_in_batches(sampler, params, PROMPTS, n=2, key=key, version=1, prompts=2)
+
+    def rows(slots):
+        engine = Engine(SPEC, CFG, slots=slots, chunk=6, pad_id=1, fixed_shapes=True)
+        return generate_rows(engine, params, PROMPTS, n=2, key=key, version=1)
+
+    ref, out = rows(8), rows(4)
     for f in dataclasses.fields(ref):
-        a, b = getattr(out, f.name), getattr(ref, f.name)
-        if f.name == "logprobs":
-            np.testing.assert_allclose(a, b, atol=1e-5)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        np.testing.assert_array_equal(getattr(out, f.name), getattr(ref, f.name), err_msg=f.name)
     assert len({tuple(r) for r in ref.completion_tokens}) > len(PROMPTS)  # samples differ
 
 

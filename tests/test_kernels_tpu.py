@@ -172,7 +172,7 @@ def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):
         pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
 
     def update_program(mesh):
-        kw = dict(minibatches=1, batch_prompts=2, tp=tp, tg=tg)
+        kw = dict(minibatches=1, tp=tp, tg=tg)
         b = pp._build(cfg, spec, mesh, rules, **kw)
         return b.update.trace(*b.update_args).lower()
 

@@ -100,7 +100,6 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     # of their 9 x 4 x 2 rows; chunks of a quarter of the 16 new tokens.
     b = plan["batch"]
     assert b["batch_prompts"] == 4 and b["batches_in_flight"] == 9
-    assert plan["sampler"] == "engine"
     assert plan["engine"] == {"slots": 72, "chunk": 4, "prefill_prompts": 36}
     # KV cache per chip: K and V, every layer, the 72 slots over 4 batch shards, a
     # page of 64 positions each (the TPU engine's page; a row writes 16 + 16 - 1),
@@ -190,23 +189,26 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
         return compiled[key]
 
     monkeypatch.setattr(pp, "_compile_lowered", compile_once)
-    # The batch Sampler's prefill (sampling.engine=false, on_policy's batch).
-    knobs = [*TINY, *ON_POLICY, "sampling.engine=false", "train.updates_per_batch=2"]
+    # The engine's prefill of on_policy's batch.
+    knobs = [*TINY, *ON_POLICY, "train.updates_per_batch=2"]
     cfg = load_recipe("scalerl", knobs)
     cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
-    kw = dict(batch_prompts=4, tp=tp, tg=tg)
+    kw = dict(tp=tp, tg=tg)
     spec4 = dataclasses.replace(spec2, num_layers=4)
-    c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, **kw)
+    # generate's step loop is counted peeled (test_plan_compiles_the_engines_programs_...).
+    counted = ("train_step", "logprob", "prefill_insert")
+    c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, programs=counted, **kw)
     with pp.compile_jobs(2):  # the counting programs compiled on two threads
-        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, **kw)
+        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, programs=counted, **kw)
     b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
     scanned = pp._cost(pp._compile(b.update, *b.update_args))
     with pp._unrolled_scans(), loops.unrolled():
         b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
+        fn, args, static = b.engine_programs["prefill_insert"]
         truth = {
             "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
             "logprob": pp._cost(pp._compile(b.logprob, *b.logprob_args)),
-            "prefill": pp._cost(pp._compile(b.start_fn, *b.start_args, **b.start_kw)),
+            "prefill_insert": pp._cost(pp._compile(fn, *args, **static)),
         }
     for name, (flops, moved) in truth.items():
         assert c4[name][0] == pytest.approx(flops, rel=0.02), name
@@ -317,7 +319,7 @@ def test_engine_prefill_compiles_with_one_prompt_per_batch_shard(no_compilation_
         "sampling.engine_slots=96",
     ]
     cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
-    b = pp._build(cfg, spec, mesh, rules, minibatches=8, batch_prompts=48, tp=tp, tg=tg)
+    b = pp._build(cfg, spec, mesh, rules, minibatches=8, tp=tp, tg=tg)
     assert (b.engine.slots, b.engine.prefill_prompts) == (96, 16)
     fn, args, kw = b.engine_programs["prefill_insert"]
     compiled, _ = pp._compile(fn, *args, **kw)
@@ -350,7 +352,7 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
         load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
     )
-    kw = dict(batch_prompts=4, tp=tp, tg=tg)
+    kw = dict(tp=tp, tg=tg)
     got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
     with pp._unrolled_scans(), loops.unrolled():
         b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
@@ -733,8 +735,8 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
 def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     """The engine's slots (sampling.engine_slots): a slot for every row in flight (0)
     and that many split 2, 4 or 8 ways, in whole slots per batch shard; the estimate of
-    a split has a smaller cache and more decode steps. A recipe that sets the slots, or
-    samples on the batch Sampler, keeps its own."""
+    a split has a smaller cache and more decode steps. A recipe that sets the slots
+    keeps its own."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec
     from rl_jax.plan._estimate import estimate
@@ -770,9 +772,9 @@ def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     fwd = forward_flops(spec, [16] * 8, [16] * 16, 2)
     for e in full.values():
         assert e["mfu_estimate"] == pytest.approx(4 * fwd / 4 / chip.bf16_flops / e["step_s"])
-    for knobs in (["sampling.engine_slots=16"], [*ON_POLICY, "sampling.engine=false"]):
-        own = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8", *knobs]))
-        assert {c["slots"] for c in candidates(own, 4, num_heads=4)} == {0}
+    knobs = [*TINY, "data.prompts_per_batch=8", "sampling.engine_slots=16"]
+    own = resolved(load_recipe("scalerl", knobs))
+    assert {c["slots"] for c in candidates(own, 4, num_heads=4)} == {0}
 
 
 def test_expected_train_flops_add_what_each_knob_recomputes():
@@ -816,9 +818,9 @@ ON_POLICY = ["train.off_policy=on_policy", "train.off_policy_k=1"]
 def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     monkeypatch, no_compilation_cache
 ):
-    """on_policy samples on the engine (sampling.engine, the default): the plan compiles
-    its prefill_insert and generate at the trainer's slot count, chunk and prefill size,
-    in place of the Sampler's prefill and decode, and counts its slots' KV cache."""
+    """on_policy samples on the engine: the plan compiles its prefill_insert and
+    generate at the trainer's slot count, chunk and prefill size, and counts its slots'
+    KV cache."""
     _libtpu()
     import collections
 
@@ -845,7 +847,6 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     # 4 slots (one per batch shard) for the step's 4 x 2 rows; a chunk decodes to the
     # end (no sampling.decode_chunk); a prefill holds a refill's 4 / 2 prompts, in
     # whole batch shards.
-    assert plan["sampler"] == "engine"
     assert plan["engine"] == {"slots": 4, "chunk": 16, "prefill_prompts": 4}
     for name in ("prefill_insert", "generate"):
         p = progs[name]
@@ -873,10 +874,9 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     assert gen["roofline_s"] == pytest.approx(bound)
 
 
-def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
-    """The engine where the trainer samples on it (sampling.engine: every mode, pipeline's
-    stream always), the batch Sampler's batch with sampling.engine=false; the estimate
-    counts the engine's slots and pool."""
+def test_the_estimate_counts_the_engines_slots_and_pool():
+    """The trainer's engine in every mode (pipeline's stream too): the estimate counts
+    its slots and pool."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec
     from rl_jax.plan._estimate import estimate
@@ -894,14 +894,12 @@ def test_the_plan_and_its_estimate_count_the_sampler_the_trainer_uses():
     kv_row = 2 * 2 * kv_heads * head_dim * 4  # K and V, 2 layers, f32: per cache slot
     # on_policy: 4 x 2 rows over 4 batch shards, 16 + 16 cache slots; the engine's pool
     # holds 4 prompts (one per shard) of 16 tokens.
-    wave = est(*ON_POLICY, "sampling.engine=false")
     engine = est(*ON_POLICY)
-    assert wave["sampler_kv_bytes"] == kv_row * 2 * 32
     assert engine["sampler_kv_bytes"] == kv_row * 2 * 32 + kv_row * 1 * 16
     # Half the slots: half the cache, twice the decode steps, each reading the weights.
     half = est(*ON_POLICY, "sampling.engine_slots=4")
     assert half["sampler_kv_bytes"] == kv_row * 1 * 32 + kv_row * 1 * 16
-    assert half["step_s"] > engine["step_s"] == pytest.approx(wave["step_s"])
+    assert half["step_s"] > engine["step_s"]
     # PipelineRL-8's stream: a slot for each row of its 9 untrained batches
     # (sampling.engine_slots=0), a pool of 9 x 4 prompts over the 4 shards.
     stream = est()

@@ -4,7 +4,7 @@ CPUs compute float32 products exactly whatever the precision says, so the number
 of the other tests cannot see this; GPUs and TPUs do not: with JAX's default
 precision an H200 multiplied float32 in tf32 and the sampler's and the trainer's
 log-probs differed by up to 1.3e-3. These tests read the lowered programs of the
-model, the sampler and the train step instead, so a new matmul that bypasses
+model, the engine and the train step instead, so a new matmul that bypasses
 `rl_jax.kernels.xla.precision` fails here, on any machine.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from rl_jax.config import LossConfig, ModelConfig, SamplingConfig
 from rl_jax.models import Transformer, init_params, resolve_spec
-from rl_jax.sampling import Sampler
+from rl_jax.sampling import Engine
 from rl_jax.sharding import get_rules
 from rl_jax.train.step import assemble_batch, make_train_step, put_batch
 
@@ -50,7 +50,8 @@ def _precisions(lowered) -> list[tuple[str, str]]:
 
 
 def _lowered_programs(spec):
-    """The model's forward, the sampler's prefill and decode, and a GRPO train step."""
+    """The model's forward, the engine's prefill_insert and generate, and a GRPO train
+    step."""
     params = init_params(spec, jax.random.key(0))
     tokens = jnp.ones((2, 8), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
@@ -62,9 +63,9 @@ def _lowered_programs(spec):
 
     out = {"forward": jax.jit(forward).lower(params, tokens, positions)}
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, length_bucket=8, max_prompt_len=8)
-    sampler = Sampler(spec, cfg, pad_id=0, eos_id=None)
-    state = sampler.start(params, [[3, 4, 5, 6, 7]], n=2)
-    out["sampler_decode"] = sampler._decode.lower(params, state, np.int32(4), np.int32(0))
+    engine = Engine(spec, cfg, slots=2, chunk=4, pad_id=0, fixed_shapes=True)
+    for name, (fn, args, kw) in engine.programs(params).items():
+        out[f"engine_{name}"] = fn.lower(*args, **kw)
 
     rows, tp, tg = 4, 8, 8
     zeros = np.zeros((rows, tg), np.float32)

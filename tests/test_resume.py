@@ -25,9 +25,6 @@ PPO = [
     "train.off_policy_k=2",
     "checkpoint.every=3",
     "checkpoint.keep=2",
-    # Through the engine (a slot for each of a group's k x B_p x n rows; refilling
-    # freed slots is tests/test_engine.py's): training and evaluation resume exactly.
-    "sampling.engine=true",
 ]
 
 

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from rl_jax.config import ConfigError, SamplingConfig
-from rl_jax.sampling import FinishReason
+from rl_jax.sampling import FinishReason, pack_prompts
 from rl_jax.sampling._dist import row_keys
-from rl_jax.sampling._sampler import pack_prompts
 from rl_jax.sampling._state import SamplerState, advance
 
 PAD, STOP, VERSION = 0, 1, 7

@@ -116,7 +116,6 @@ def main(argv: list[str]) -> int:
         k=cfg.eval.k,
         key=eval_key(cfg.train.seed),
         version=version,
-        batch_rows=cfg.eval.batch_rows,
     )
     metrics["time/eval_s"] = time.perf_counter() - t0
     out = {

@@ -1,7 +1,6 @@
 """`rl-jax plan RECIPE [key=value ...] --topology NAME [--search]`: compile a run's
-programs (train step, log-prob pass, the sampler's: the engine's prefill_insert and
-generate, or the batch Sampler's prefill and decode) for a TPU
-topology from this host and print per-chip HBM (a program fits with 10% of the chip
+programs (train step, log-prob pass, the engine's prefill_insert and generate) for a
+TPU topology from this host and print per-chip HBM (a program fits with 10% of the chip
 free; one that does not says by how much and what to try), FLOPs and roofline times,
 the RL step's rollouts per hour and the hours ScaleRL's 8B budget of rollouts takes at
 these shapes. A model.path this host lacks is planned with model.preset's shapes.
@@ -220,22 +219,16 @@ def _model(m: dict) -> str:
 
 
 def _sampler_line(plan: dict) -> str:
-    b = plan["batch"]
-    if plan["sampler"] == "engine":
-        e = plan["engine"]
-        stream = (
-            f" (PipelineRL's stream: {b['batches_in_flight']} batches untrained at once)"
-            if b["batches_in_flight"] > 1
-            else ""
-        )
-        return (
-            f"sampler: the engine, {e['slots']} slots{stream}, chunks of {e['chunk']} steps,"
-            f" {e['prefill_prompts']} prompts a prefill; KV cache {plan['kv_cache_gb']:.2f}"
-            " GB/chip (its slots)"
-        )
+    b, e = plan["batch"], plan["engine"]
+    stream = (
+        f" (PipelineRL's stream: {b['batches_in_flight']} batches untrained at once)"
+        if b["batches_in_flight"] > 1
+        else ""
+    )
     return (
-        f"sampler: the batch Sampler, {b['batch_prompts']} prompts at once;"
-        f" KV cache {plan['kv_cache_gb']:.2f} GB/chip"
+        f"sampler: the engine, {e['slots']} slots{stream}, chunks of {e['chunk']} steps,"
+        f" {e['prefill_prompts']} prompts a prefill; KV cache {plan['kv_cache_gb']:.2f}"
+        " GB/chip (its slots)"
     )
 
 

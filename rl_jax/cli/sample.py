@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
 
     from rl_jax.models.load import load_model
-    from rl_jax.sampling._sampler import Sampler
+    from rl_jax.sampling import Engine
 
     if run_ck is not None:
         from rl_jax.train.policy_io import load_run_model
@@ -215,8 +215,16 @@ def main(argv: list[str]) -> int:
     if longest > scfg.max_prompt_len:
         # One-off use: let the prompt decide rather than fail on the training default.
         scfg = dataclasses.replace(scfg, max_prompt_len=longest)
-    sampler = Sampler(spec, scfg, eos_id=eos, pad_id=pad, interrupt_ids=interrupt_ids)
-    out = sampler.generate(model, prompts, seed=args.seed)
+    engine = Engine.for_batch(
+        spec,
+        scfg,
+        prompts=len(prompts),
+        prompt_len=longest,
+        eos_id=eos,
+        pad_id=pad,
+        interrupt_ids=interrupt_ids,
+    )
+    out, _ = engine.run(model, prompts, seed=args.seed)
     names = out.finish_names
     for r in range(out.num_rows):
         ids = out.completion(r)

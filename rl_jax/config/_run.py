@@ -73,20 +73,6 @@ class RunConfig:
                 "_ . , + = @ - (not starting with '.', at most 255 characters); "
                 "set out_dir for where runs go"
             )
-        # PipelineRL and split mode sample only as a stream on the engine (the batch
-        # Sampler has no stream): refused here, before any device work.
-        if not self.sampling.engine:
-            if self.mesh.sampler_devices > 0:
-                raise ConfigError(
-                    f"mesh.sampler_devices={self.mesh.sampler_devices} (split mode) runs the "
-                    "stream on the engine: it needs sampling.engine=true, got false"
-                )
-            if self.train.off_policy == "pipeline":
-                raise ConfigError(
-                    "train.off_policy='pipeline' runs as a stream on the engine: it needs "
-                    "sampling.engine=true, got false (sampling.engine=false serves on_policy "
-                    "and ppo_off_policy)"
-                )
         if self.mesh.sampler_devices > 0 and self.train.off_policy != "pipeline":
             raise DependentKnobError(
                 f"mesh.sampler_devices={self.mesh.sampler_devices} (split mode) needs "
@@ -338,7 +324,7 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
 
 
 # Knobs that were removed: a config.json written while they existed still loads.
-_RETIRED = (("logging", "every"), ("sampling", "stream"))
+_RETIRED = (("logging", "every"), ("sampling", "stream"), ("sampling", "engine"))
 # Removed knobs an override may still name: key -> (the value it is accepted with and
 # ignored, since it is now how every run behaves; the error for any other value).
 _RETIRED_OVERRIDES = {
@@ -347,6 +333,12 @@ _RETIRED_OVERRIDES = {
         "sampling.stream was removed: PipelineRL and split mode always run as a "
         "continuous stream on the engine (the waves on the batch Sampler are gone); "
         "drop the key (sampling.stream=true is accepted and ignored)",
+    ),
+    "sampling.engine": (
+        True,
+        "sampling.engine was removed: every batch and evaluation samples on the "
+        "continuous-batching engine (the batch Sampler is gone; it drew the same tokens); "
+        "drop the key (sampling.engine=true is accepted and ignored)",
     ),
 }
 
@@ -404,10 +396,8 @@ _NON_SEMANTIC = (
     "checkpoint.async_save",
     "checkpoint.compress",
     "checkpoint.resume",
-    # The engine and the batch Sampler draw the same tokens from the same keys
-    # (tests/test_engine.py, tests/test_train_loop.py): how rows are scheduled onto
-    # decode slots, not what they compute.
-    "sampling.engine",
+    # How rows are scheduled onto the engine's decode slots, not what they compute
+    # (tests/test_engine.py: the same rollouts whatever the slot count).
     "sampling.engine_slots",
     "eval.batch_rows",
 )

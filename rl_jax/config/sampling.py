@@ -1,4 +1,4 @@
-"""Sampler configuration."""
+"""Sampling configuration."""
 
 from __future__ import annotations
 
@@ -66,13 +66,6 @@ class SamplingConfig:
         "ScaleRL's 2048 of 14336)",
     )
     decode_chunk: int = knob(0, help="decode in chunks of this many tokens (0 = one loop)")
-    engine: bool = knob(
-        True,
-        help="batches and evaluation generate through the continuous-batching engine "
-        "(false: the batch Sampler, for on_policy and ppo_off_policy only: PipelineRL and "
-        "split mode run as a stream on the engine). Not part of a run's id: the same tokens "
-        "either way",
-    )
     engine_slots: int = knob(
         0,
         help="the engine's decode slots (0 = every row of a batch: B_p x n, x k for "

@@ -51,7 +51,7 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
     resident = program["hbm_gb"].get("resident", 0.0)
     stream = cfg.train.off_policy == "pipeline"
     sampler = program["name"] not in _TRAINER
-    if plan["sampler"] == "engine" and (sampler or (stream and resident > 0)):
+    if sampler or (stream and resident > 0):
         slots = plan["engine"]["slots"]
         fewer = slots // 2
         if fewer >= shards and fewer % shards == 0:
@@ -60,11 +60,6 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
         w = num_waves(cfg)
         if stream and w > 1:
             hints.append(f"train.pipeline_waves={w - 1} (fewer batches in flight than {w})")
-    elif sampler:
-        hints.append(
-            "sampling.engine=true with sampling.engine_slots below the batch's rows (the batch"
-            " Sampler decodes every row at once)"
-        )
     if sampler:
         tensor = _more_tensor(cfg, plan["mesh"])
         if tensor:

@@ -50,9 +50,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     layer's input each with full remat, its input and weight matmuls' outputs with
     save_dots; plus, in one layer's backward, its activations' gradients and, with
     remat, the activations it recomputes), fp32 logits of the completion,
-    and the sampler's KV caches (the engine's slots and prefilled prompts, by default a
-    slot for each row in flight: PipelineRL's W x B_p groups; else the batch Sampler's
-    batch). Time: train,
+    and the engine's KV caches (its slots and prefilled prompts, by default a slot for
+    each row in flight: PipelineRL's W x B_p groups). Time: train,
     log-prob and prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of
     the sampler's weights and the whole cache per decode step."""
     data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
@@ -101,25 +100,16 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
     logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
 
-    off, k = cfg.train.off_policy, cfg.train.off_policy_k
     kv_row = 2 * L * _split(K, tensor) * hd * cdt  # per cache slot of one row
-    if cfg.sampling.engine:
-        # The engine's slots, each a row's cache, and its pool of prefilled prompts;
-        # PipelineRL's stream keeps them beside the update. Every step's P x n rows
-        # decode S at a time.
-        shape = engine_shape(cfg.sampling, rows=sampler_rows(cfg), shards=shards)
-        slots, prompts = shape["slots"], round_up(shape["prefill_prompts"], shards)
-        kv = kv_row * slots / shards * T
-        sampler_kv = kv + kv_row * prompts / shards * tp
-        in_flight = sampler_kv if off == "pipeline" else 0.0
-        steps = P * G * tg / slots
-    else:
-        # The batch Sampler (on_policy, ppo_off_policy): a step's rows (k steps' for
-        # ppo_off_policy) decode together, their state gone before the update.
-        rows = (P * k if off == "ppo_off_policy" else P) * G
-        kv = sampler_kv = kv_row * math.ceil(rows / shards) * T
-        in_flight = 0.0
-        steps = tg * (1 / k if off == "ppo_off_policy" else 1)
+    # The engine's slots, each a row's cache, and its pool of prefilled prompts;
+    # PipelineRL's stream keeps them beside the update. Every step's P x n rows decode S
+    # at a time.
+    shape = engine_shape(cfg.sampling, rows=sampler_rows(cfg), shards=shards)
+    slots, prompts = shape["slots"], round_up(shape["prefill_prompts"], shards)
+    kv = kv_row * slots / shards * T
+    sampler_kv = kv + kv_row * prompts / shards * tp
+    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" else 0.0
+    steps = P * G * tg / slots
     sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
 
     # The view is made for sampling and dropped before the updates.

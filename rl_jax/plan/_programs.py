@@ -43,7 +43,7 @@ from rl_jax.plan._collectives import collective_bytes
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
-from rl_jax.sampling import Engine, Sampler
+from rl_jax.sampling import Engine
 from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import (
     batch_sharding,
@@ -132,10 +132,8 @@ def plan_run(
     flops_if_fits: bool = False,
 ) -> dict[str, Any]:
     """Compile the run's programs for `topology`: the train step, the log-prob pass where
-    the recipe needs one, and the sampler's: the engine's prefill_insert and generate
-    (sampling.engine: every mode; PipelineRL only samples on it), else the batch
-    Sampler's prefill and decode. The plan as a JSON-able
-    dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
+    the recipe needs one, and the engine's prefill_insert and generate. The plan as a
+    JSON-able dict: per program and chip HBM, FLOPs, bytes and a roofline time; per RL step a
     roofline time, rollouts per hour and the hours `budget_rollouts` rollouts take.
     `count_flops=False` compiles the run's programs only, not the counting programs of
     `_layer_costs` (most of a plan's compiles): memory and `fits`, with FLOPs, bytes and
@@ -160,14 +158,14 @@ def plan_run(
     def report(name, done, analytic, **kw):
         return _report(name, done, analytic, chip, chips, headroom, **kw)
 
-    # The batch Sampler (sampling.engine=false) generates every prompt of a step at once
-    # (PPO-off-policy-k: of its k steps). PipelineRL's stream keeps W batches untrained
-    # (W x B_p groups in flight), by default a slot for each of their rows.
+    # PPO-off-policy-k samples the prompts of its k steps at once; PipelineRL's stream
+    # keeps W batches untrained (W x B_p groups in flight), by default a slot for each of
+    # their rows.
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     batch_prompts = P * k if off == "ppo_off_policy" else P
     in_flight_batches = num_waves(cfg) if off == "pipeline" else 1
-    b = _build(cfg, spec, mesh, rules, minibatches=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
-    params, opt, sampler, engine = b.params, b.opt, b.sampler, b.engine
+    b = _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg)
+    params, opt, engine = b.params, b.opt, b.engine
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
     ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
@@ -177,38 +175,22 @@ def plan_run(
         real["logprob"] = _submit(b.logprob, *b.logprob_args)
     for name, (fn, args, kw) in b.engine_programs.items():
         real[name] = _submit(fn, *args, **kw)
-    start = None
-    if engine is not None:
-        # The engine's state is laid out by its own constraints, known before compiling.
-        state = engine.abstract_state()
-        state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
-    elif isinstance(
-        start := _submit(b.start_fn, *b.start_args, **b.start_kw).result(), OutOfMemory
-    ):
-        # No layout from the compiler: every array of the state split over the batch
-        # shards, as the sampler lays out its rows and caches.
-        state = jax.eval_shape(functools.partial(b.start_fn, **b.start_kw), *b.start_args)
-        state_bytes = _chip_bytes(state) // num_batch_shards(mesh)
-        kv_bytes = _chip_bytes(state.cache) // num_batch_shards(mesh)
-        real["decode"] = _Done(start)  # no state to decode: reported as not fitting too
-    else:
-        state = _state(b, mesh, start[0])
-        state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.cache)
-        scalar = _scalar(mesh)
-        real["decode"] = _submit(sampler.decode_program, b.weights, state, scalar, scalar)
+    # The engine's state is laid out by its own constraints, known before compiling.
+    state = engine.abstract_state()
+    state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
 
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
 
-    # Positions of cache a row holds: the engine's pages, the batch Sampler's columns.
-    cache_positions = tp + tg if engine is None else engine.row_pages * engine.page_size
+    # Positions of cache a row holds: its table's pages.
+    cache_positions = engine.row_pages * engine.page_size
 
     def reports(costs) -> list[dict[str, Any]]:
         """Every program's report, its FLOPs and bytes from `costs`."""
         programs = []
         # While the trainer updates, PipelineRL's stream keeps its engine state with the
         # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
-        # their batches are sampled (`Engine.run`, `Sampler.generate`).
+        # their batches are sampled (`Engine.run`).
         in_flight = state_bytes if off == "pipeline" else 0
         # One call of the trainer's update program: the RL step's M minibatch updates.
         programs.append(
@@ -233,48 +215,32 @@ def plan_run(
                     cost=costs["logprob"],
                 )
             )
-        # Sampler programs run while the optimizer state (and the reference) stay resident
+        # The engine's programs run while the optimizer state (and the reference) stay resident
         # (the sampler's state is the programs' argument). The state the view is made from
         # stays too, unless the view is the state itself.
         state_resident = param_bytes if b.state_resident else 0
         beside = opt_bytes + ref_bytes + state_resident
-        decoder = sampler if engine is None else engine
         weight_bytes = _chip_bytes(
             {
                 n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-                for n, a in _resharded(b.weights, decoder.param_shardings()).items()
+                for n, a in _resharded(b.weights, engine.param_shardings()).items()
             }
         )
-        if engine is None:
-            per_step = 1 / k if off == "ppo_off_policy" else 1.0  # batches started per RL step
-            prefill = report(
-                "prefill",
-                start,
-                batch_prompts * _prefill_flops(spec, tp - 1),
-                resident=beside,
-                calls=per_step,
-                cost=costs["prefill"],
-            )
-            # One decode iteration samples one token for every row of the batch and reads
-            # every weight and the whole cache: the token loop's cost is its body's, once
-            # per call.
-            slots, steps, decode = batch_prompts * G, tg * per_step, "decode"
-            kv_read = kv_bytes
-        else:
-            # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
-            # the engine's slots (full occupancy: the least it takes). A generate call runs
-            # `chunk` of those steps; its cost, like decode's, is one step's (the step loop's
-            # body once) plus what runs once per call.
-            slots, steps = engine.slots, P * G * tg / engine.slots
-            # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
-            # P / prefill_prompts calls per step. The stream admits groups as slots free up,
-            # a call per generate call with new groups: at most one per group. Each call is
-            # counted whole, every prompt prefilled (an upper bound: the run's engine skips
-            # the prefill blocks a refill leaves empty).
-            calls = P / engine.prefill_prompts
-            if off == "pipeline":
-                calls = min(P, max(calls, steps / engine.chunk))
-            prefill = report(
+        # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
+        # the engine's slots (full occupancy: the least it takes). A generate call runs
+        # `chunk` of those steps; its cost is one step's (the step loop's body once) plus
+        # what runs once per call.
+        slots, steps = engine.slots, P * G * tg / engine.slots
+        # A whole batch's prompts enter at once (on_policy, ppo_off_policy's k batches):
+        # P / prefill_prompts calls per step. The stream admits groups as slots free up,
+        # a call per generate call with new groups: at most one per group. Each call is
+        # counted whole, every prompt prefilled (an upper bound: the run's engine skips
+        # the prefill blocks a refill leaves empty).
+        calls = P / engine.prefill_prompts
+        if off == "pipeline":
+            calls = min(P, max(calls, steps / engine.chunk))
+        programs.append(
+            report(
                 "prefill_insert",
                 real["prefill_insert"].result(),
                 engine.prefill_prompts * _prefill_flops(spec, tp - 1),
@@ -282,20 +248,19 @@ def plan_run(
                 calls=calls,
                 cost=costs["prefill_insert"],
             )
-            decode = "generate"
-            kv_read = kv_bytes * _mean_pages_read(engine, tp, tg) / engine.row_pages
-        programs.append(prefill)
+        )
+        kv_read = kv_bytes * _mean_pages_read(engine, tp, tg) / engine.row_pages
         programs.append(
             report(
-                decode,
-                real[decode].result(),
+                "generate",
+                real["generate"].result(),
                 slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
                 resident=beside,
                 calls=steps,
                 bytes_analytic=weight_bytes + kv_read,
                 bytes_floor=weight_bytes + kv_bytes * _mean_filled(tp, tg) / cache_positions,
-                cost=costs[decode],
-                steps_per_call=1 if engine is None else engine.chunk,
+                cost=costs["generate"],
+                steps_per_call=engine.chunk,
             )
         )
         return programs
@@ -312,7 +277,7 @@ def plan_run(
         count_flops = all(p["fits"] for p in reports(nan_costs))
     t0 = time.perf_counter()
     if count_flops:
-        kw = dict(M=M, batch_prompts=batch_prompts, tp=tp, tg=tg)
+        kw = dict(M=M, tp=tp, tg=tg)
         costs = _layer_costs(cfg, spec, mesh, rules, **kw)
     else:  # XLA's own counts of the scanned programs would miss all but one iteration
         costs = nan_costs
@@ -344,18 +309,11 @@ def plan_run(
             "batch_prompts": batch_prompts,
             "batches_in_flight": in_flight_batches,
         },
-        "sampler": "sampler" if engine is None else "engine",
-        **(
-            {}
-            if engine is None
-            else {
-                "engine": {
-                    "slots": engine.slots,
-                    "chunk": engine.chunk,
-                    "prefill_prompts": engine.prefill_prompts,
-                }
-            }
-        ),
+        "engine": {
+            "slots": engine.slots,
+            "chunk": engine.chunk,
+            "prefill_prompts": engine.prefill_prompts,
+        },
         "kv_cache_gb": kv_bytes / 1e9,
         "sampler_state_gb": state_bytes / 1e9,
         "optimizer_gb": opt_bytes / 1e9,
@@ -385,38 +343,33 @@ def plan_run(
     return plan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Built:
     """A run's programs for one model spec, on abstract arrays (nothing compiled)."""
 
     params: dict  # the trainer's state (float32 masters, LoRA adapters)
-    weights: dict  # what the sampler runs: the state's view (model.param_dtype, merged)
-    state_resident: bool  # the state stays beside the view while the sampler runs
+    weights: dict  # what the engine runs: the state's view (model.param_dtype, merged)
+    state_resident: bool  # the state stays beside the view while the engine runs
     opt: Any
-    sampler: Sampler
-    start_fn: Any
-    start_args: tuple
-    start_kw: dict
     update: Any
     update_args: tuple
     logprob: Any
     logprob_args: tuple | None
     kl: bool
     needs_old: bool
-    engine: Engine | None  # the trainer's engine, where it samples on one
+    engine: Engine  # the trainer's engine
     engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
 
 
-def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Built:
+def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
     """The trainer's update program (`make_update`: `minibatches` minibatch updates
-    scanned in one program), the log-prob pass where the recipe needs one, the
-    sampler's prefill and decode, and the engine's programs where the trainer samples
-    on it (as `rl_jax.train.parts` makes it: its slots, chunk and prefill), for `spec`
-    on `mesh`."""
+    scanned in one program), the log-prob pass where the recipe needs one, and the
+    engine's programs (as `rl_jax.train.parts` makes it: its slots, chunk and prefill),
+    for `spec` on `mesh`."""
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     shardings = param_shardings(spec, mesh, rules)
     # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params); the
-    # sampler runs its view, laid out as the weights.
+    # engine runs its view, laid out as the weights.
     plan = ParamPlan.from_config(cfg, spec)
     params = plan.abstract_state(spec, shardings, mesh)
     weights = {
@@ -435,39 +388,25 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
     kl = loss.kl_coef > 0
     needs_old = policy_steps(cfg) > 1 or loss.tis or (kl and loss.kl_in_reward)
     critic = loss.advantage == "gae"
-    sampler = Sampler(
+    sampling = engine_sampling(cfg)
+    engine = Engine(
         spec,
-        cfg.sampling,
+        sampling,
         mesh=mesh,
         eos_id=0,
         interrupt_ids=[0],  # its length changes no shape: one token stands in for the text
         rules=cfg.mesh.rules,
+        prompt_len=tp,
+        fixed_shapes=True,
+        **{
+            **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
+            # Every prompt prefilled in one block: a call counted whole, the bound the
+            # calls are counted against (the run's engine prefills in blocks and skips
+            # those a refill leaves empty, which a count of the compiled program cannot
+            # know).
+            "prefill_block": None,
+        },
     )
-    start_fn, start_args, start_kw = sampler.start_program(
-        weights, prompts=batch_prompts, prompt_len=tp, max_new_tokens=tg
-    )
-    engine, engine_programs = None, {}
-    if cfg.sampling.engine:
-        sampling = engine_sampling(cfg)
-        engine = Engine(
-            spec,
-            sampling,
-            mesh=mesh,
-            eos_id=0,
-            interrupt_ids=[0],
-            rules=cfg.mesh.rules,
-            prompt_len=tp,
-            fixed_shapes=True,
-            **{
-                **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
-                # Every prompt prefilled in one block: a call counted whole, the bound
-                # the calls below are counted against (the run's engine prefills in
-                # blocks and skips those a refill leaves empty, which a count of the
-                # compiled program cannot know).
-                "prefill_block": None,
-            },
-        )
-        engine_programs = engine.programs(weights)
     update = make_update(
         spec,
         rules,
@@ -492,33 +431,19 @@ def _build(cfg, spec, mesh, rules, *, minibatches, batch_prompts, tp, tg) -> _Bu
         stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
         logprob_args = (params, stacked)
     return _Built(
-        params,
-        weights,
-        not plan.identity,
-        opt,
-        sampler,
-        start_fn,
-        start_args,
-        start_kw,
-        update,
-        (params, opt, mbs),
-        logprob,
-        logprob_args,
-        kl,
-        needs_old,
-        engine,
-        engine_programs,
+        params=params,
+        weights=weights,
+        state_resident=not plan.identity,
+        opt=opt,
+        update=update,
+        update_args=(params, opt, mbs),
+        logprob=logprob,
+        logprob_args=logprob_args,
+        kl=kl,
+        needs_old=needs_old,
+        engine=engine,
+        engine_programs=engine.programs(weights),
     )
-
-
-def _state(b: _Built, mesh, compiled_start):
-    """The sampler state `start` returns, with the shardings XLA gives it."""
-    fn = functools.partial(b.start_fn, **b.start_kw)
-    return _compiled_outputs(fn, mesh, *b.start_args, compiled=compiled_start)
-
-
-def _scalar(mesh) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
 @contextlib.contextmanager
@@ -563,20 +488,18 @@ COUNTING_OPTIONS = {
     }
 }
 
-PROGRAMS = ("train_step", "logprob", "prefill", "decode", "prefill_insert", "generate")
+PROGRAMS = ("train_step", "logprob", "prefill_insert", "generate")
 
 
-def _layer_costs(
-    cfg, spec, mesh, rules, *, M, batch_prompts, tp, tg, programs=PROGRAMS
-) -> dict[str, tuple]:
+def _layer_costs(cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS) -> dict[str, tuple]:
     """Per program of `programs`, (FLOPs, bytes accessed) per chip of the
     `spec.num_layers`-layer program with every iteration of its loops counted: the
     1- and 2-layer counts of `_depth_costs` extrapolated linearly in depth,
     c(L) = c(1) + (L - 1) (c(2) - c(1)); the update's M minibatch updates cost M times
-    one. Decode's token loop stays a loop: its count is one token's step plus what runs
-    once per call."""
+    one. The engine's step loop stays a loop: its count is one step plus what runs once
+    per call."""
     L = spec.num_layers
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs)
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, programs)
     scale = {"train_step": M}
     total = {n: c1[n] + (L - 1) * _increment(c2[n], c1[n]) for n in c1}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
@@ -592,7 +515,7 @@ def _increment(more, fewer) -> np.ndarray:
     return np.array([d[0], max(d[1], 0.0)])
 
 
-def _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs=PROGRAMS):
+def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS):
     """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
     one minibatch, every iteration of its scans and loops counted.
 
@@ -600,14 +523,14 @@ def _depth_costs(cfg, spec, mesh, rules, batch_prompts, tp, tg, programs=PROGRAM
     peeled, one iteration; a loop key's body costs the difference with the 1-layer
     program that runs that key's loops twice (one more compile per key), and counts
     (trip count - 1) more times, per layer for loops inside a layer."""
-    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), batch_prompts, tp, tg, programs)
-    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), batch_prompts, tp, tg, programs)
+    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs)
+    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs)
     # Every counting program is submitted before any is waited for (`compile_jobs`).
     keys = sorted({k for t in trips.values() for k, n in t.items() if n > 1})
     twice = {}
     for key in keys:
         names = tuple(p for p in one if key in trips[p])
-        args = (cfg, spec, mesh, rules, 1, (key,), batch_prompts, tp, tg, names)
+        args = (cfg, spec, mesh, rules, 1, (key,), tp, tg, names)
         twice[key], _ = _peeled_costs(*args)
     one, c2 = _results(one), _results(two)
     c1 = dict(one)
@@ -623,7 +546,7 @@ def _results(futures: dict) -> dict:
     return {n: np.asarray(f.result()) for n, f in futures.items()}
 
 
-def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, programs):
+def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
     """({program: future of (FLOPs, bytes)}, {program: {loop key: trip count}}) of
     `programs` built with `layers` layers and one minibatch, scans unrolled, loops peeled
     (the keys in `twice` run two iterations). The trip counts are known once the programs
@@ -638,7 +561,7 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, 
         trips[name] = count.trips
 
     with _unrolled_scans():
-        b = _build(cfg, s, mesh, rules, minibatches=1, batch_prompts=batch_prompts, tp=tp, tg=tg)
+        b = _build(cfg, s, mesh, rules, minibatches=1, tp=tp, tg=tg)
         if "train_step" in programs:
             compile_("train_step", b.update, *b.update_args)
         if "logprob" in programs and b.logprob is not None:
@@ -646,20 +569,6 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, batch_prompts, tp, tg, 
         for name, (fn, args, kw) in b.engine_programs.items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
-        if b.engine is None and {"prefill", "decode"} & set(programs):
-            # Decode's state is laid out as the compiled prefill returns it.
-            with loops.counting(twice) as count:
-                start = _submit(b.start_fn, *b.start_args, options=options, **b.start_kw)
-                start = start.result()
-            costs["prefill"], trips["prefill"] = _Done(_cost(start)), count.trips
-            if "decode" in programs:
-                if isinstance(start, OutOfMemory):
-                    costs["decode"], trips["decode"] = costs["prefill"], {}
-                else:
-                    args = (b.weights, _state(b, mesh, start[0]), _scalar(mesh), _scalar(mesh))
-                    compile_("decode", b.sampler.decode_program, *args)
-            if "prefill" not in programs:
-                del costs["prefill"], trips["prefill"]
     return costs, trips
 
 
@@ -825,21 +734,6 @@ def _required_bytes(message: str) -> float:
     if not m:
         return float("nan")
     return float(m.group(1)) * 1024 ** (" KMGT".index(m.group(2)))
-
-
-def _compiled_outputs(fn, mesh, *args, compiled=None):
-    """Abstract outputs of `fn(*args)` with the shardings XLA gives them on the target;
-    outputs that depend on no input (a step count) are replicated over the mesh, as the
-    trainer places them."""
-    compiled = compiled or _compile(fn, *args)[0]
-    shapes = jax.eval_shape(fn, *args)
-    rep = NamedSharding(mesh, PartitionSpec())
-
-    def place(s, sh):
-        on_mesh = isinstance(sh, NamedSharding) and sh.mesh == mesh
-        return _abstract(s, sh if on_mesh else rep)
-
-    return jax.tree.map(place, shapes, compiled.output_shardings)
 
 
 def _batch(

@@ -86,9 +86,9 @@ def _trains(cfg: RunConfig, cand: dict[str, Any]) -> bool:
 def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
     """The engine's slot counts to try for a candidate: 0 (a slot for every row the
     schedule keeps in flight) and that many rows split 2, 4 or 8 ways where the split
-    is a whole number of slots on every batch shard; [0] where there is no choice (the
-    batch Sampler, or sampling.engine_slots set by the recipe)."""
-    if not cfg.sampling.engine or cfg.sampling.engine_slots:
+    is a whole number of slots on every batch shard; [0] where there is no choice
+    (sampling.engine_slots set by the recipe)."""
+    if cfg.sampling.engine_slots:
         return [0]
     rows = sampler_rows(resolved(apply(cfg, cand)))
     shards = cand["mesh"]["data"] * cand["mesh"]["fsdp"]

@@ -1,10 +1,6 @@
-"""What the batch sampler and the continuous-batching engine share: the stop and
-interruption rules, the decode ops and layouts of the mesh, and one decode step
-(model, draw, row update) inside a compiled loop.
-
-`Sampler` (a fixed batch decoded in step) and `Engine` (slots refilled as rows end)
-differ only in where each row's cache slot is (one column for all rows, or each
-row's own) and in where their draws come from; the token step is this module's.
+"""The engine's decoder: the stop and interruption rules, the decode ops and layouts
+of the mesh, and one decode step (model, draw, row update) inside a compiled loop;
+prompts packed into rows.
 """
 
 from __future__ import annotations
@@ -44,8 +40,40 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def pack_prompts(
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    rows: int,
+    bucket: int,
+    max_len: int,
+    pad_id: int,
+    min_len: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts into [rows, Tp] (Tp the longest prompt, at least `min_len`, rounded
+    up to a multiple of `bucket`); also their lengths [rows].
+
+    Rows past len(prompt_ids) hold a one-token dummy prompt (padding rows).
+    """
+    lens = [len(p) for p in prompt_ids]
+    for i, n in enumerate(lens):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if max_len and n > max_len:  # 0: no limit of its own (auto, checked at start)
+            raise ConfigError(
+                f"prompt {i} has {n} tokens, more than sampling.max_prompt_len={max_len}; "
+                "raise sampling.max_prompt_len or shorten the prompt"
+            )
+    tp = round_up(max(*lens, min_len), bucket)
+    tokens = np.full((rows, tp), pad_id, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, tp - len(p) :] = np.asarray(p, np.int32)
+        lengths[i] = len(p)
+    return tokens, lengths
+
+
 class Decoder:
-    """The shared part of `Sampler` and `Engine` (not used alone).
+    """The decoding half of `Engine` (its slots and host loop are the engine's).
 
     model: the `ModelSpec` (or a `Transformer`, whose spec is used).
     eos_id: stop token(s) used when `cfg.stop_token_ids` is empty.
@@ -91,7 +119,7 @@ class Decoder:
             if not self.interrupt_ids:
                 raise ConfigError(
                     "sampling.length_control='interrupt' needs interrupt_ids: pass the "
-                    "tokenized sampling.interrupt_text to Sampler(..., interrupt_ids=...)"
+                    "tokenized sampling.interrupt_text to Engine(..., interrupt_ids=...)"
                 )
             need = cfg.interrupt_hi + len(self.interrupt_ids) + cfg.answer_budget
             if need > cfg.max_new_tokens:

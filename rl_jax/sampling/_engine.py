@@ -11,12 +11,12 @@ or the verbs the host loop is made of (JetStream's prefill, insert, generate):
     state, out = engine.generate(params, state, version=v)  # `chunk` steps of every slot
     ended = engine.finished(out)                            # slots whose rows ended
 
-A sampler batch (`Sampler`) decodes until its longest row ends, so a row that ends
-early leaves its slot idle (compute used ~ mean length / max length of the batch).
-Here a slot whose row ended takes the next row of the queue between chunks: with
+A batch decoded in step runs until its longest row ends, so a row that ends early
+leaves its slot idle (compute used ~ mean length / max length of the batch). Here a
+slot whose row ended takes the next row of the queue between chunks: with
 long-tailed lengths the slots stay busy (benchmarks/sampler.py --lengths longtail).
 
-Two compiled programs, as the Sampler has: `prefill_insert` prefills up to
+Two compiled programs: `prefill_insert` prefills up to
 `prefill_prompts` new prompts into a pool of prefixes (each prompt once, for all of
 its rows, in blocks of `prefill_block` prompts; blocks without a new prompt, and the
 whole prefill when a refill needs no new prompt, are skipped) and copies pool entries into
@@ -81,13 +81,25 @@ from rl_jax.models.decode import decode_weights
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import KVCache, Transformer, dtype_of
 from rl_jax.runtime import xla_options
-from rl_jax.sampling._decoder import Decoder, Params, round_up, state_rollouts, to_host
+from rl_jax.sampling._decoder import (
+    Decoder,
+    Params,
+    pack_prompts,
+    round_up,
+    state_rollouts,
+    to_host,
+)
 from rl_jax.sampling._dist import interrupt_lengths, row_keys, row_step_uniforms
 from rl_jax.sampling._rollouts import FinishReason, Rollouts
-from rl_jax.sampling._sampler import pack_prompts
 from rl_jax.sampling._slots import COLUMNS, SlotBook
 from rl_jax.sampling._state import THINK, SamplerState
-from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
+from rl_jax.sharding.rules import (
+    Rules,
+    batch_sharding,
+    fit_spec,
+    logical_to_spec,
+    num_batch_shards,
+)
 
 _NO_INTERRUPT = np.iinfo(np.int32).max
 KV_QUANT = (None, "int8")  # the engine's KV cache: the compute dtype, or int8 with scales
@@ -293,6 +305,36 @@ class Engine(Decoder):
             donate_argnames=("state",),
             compiler_options=opts,
             **pin,
+        )
+
+    @classmethod
+    def for_batch(
+        cls,
+        model: ModelSpec | Transformer,
+        cfg: SamplingConfig,
+        *,
+        prompts: int,
+        prompt_len: int,
+        n: int | None = None,
+        mesh=None,
+        **kw,
+    ) -> Engine:
+        """An engine for one batch of `prompts` prompts of up to `prompt_len` tokens: a
+        slot for each of their n rows a prompt (default `cfg.n`; in whole batch shards),
+        every prompt in one prefill, decoded to the end in one `generate` call
+        (`cfg.decode_chunk` if set). `kw`: the other `Engine` arguments (eos_id, pad_id,
+        interrupt_ids, rules, page_size, ...)."""
+        shards = 1 if mesh is None else num_batch_shards(mesh)
+        return cls(
+            model,
+            cfg,
+            slots=round_up(max(1, prompts * (n or cfg.n)), shards),
+            chunk=cfg.decode_chunk or cfg.max_new_tokens,
+            prompt_len=prompt_len,
+            prefill_prompts=max(1, prompts),
+            fixed_shapes=True,
+            mesh=mesh,
+            **kw,
         )
 
     def _set_pages(self, page_size: int | None, kv_pages: int | None) -> None:

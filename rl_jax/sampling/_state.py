@@ -56,8 +56,7 @@ class SamplerState:
     group_ids: jax.Array  # [B] int32 prompt index
     row_ids: jax.Array  # [B] int32
     real: jax.Array  # [B] bool, False for rows padding B to the device count
-    # [B, R] int32 the engine's page tables (its cache is paged: `rl_jax.kernels.xla.Pages`);
-    # None for the Sampler's cache, a slot per row and position.
+    # [B, R] int32 the engine's page tables (its cache is paged: `rl_jax.kernels.xla.Pages`).
     pages: jax.Array | None = None
 
     @property

@@ -41,22 +41,24 @@ _RL_ONLY_DATA = (
 
 def _greedy_eval(trainer, problems):
     from rl_jax.rewards import score_batch
-    from rl_jax.sampling import Sampler
+    from rl_jax.sampling import Engine
 
     tok = trainer.tokenizer
-    sampler = Sampler(
+    prompts = [tok.encode(p.prompt) for p in problems]
+    answers = [p.answer for p in problems]
+    engine = Engine.for_batch(
         trainer.spec,
         SamplingConfig(n=1, temperature=0.0, max_new_tokens=trainer.cfg.sampling.max_new_tokens),
+        prompts=len(prompts),
+        prompt_len=max(map(len, prompts)),
         mesh=trainer.mesh,
         eos_id=tok.eos_id,
         pad_id=tok.pad_id,
         rules=trainer.cfg.mesh.rules,
     )
-    prompts = [tok.encode(p.prompt) for p in problems]
-    answers = [p.answer for p in problems]
 
     def evaluate(params) -> float:
-        ro = sampler.generate(params, prompts, n=1)
+        ro, _ = engine.run(params, prompts, n=1)
         texts = [tok.decode(ro.completion(b)) for b in range(ro.num_rows)]
         return float(score_batch(trainer.correct_fn, texts, answers).mean())
 

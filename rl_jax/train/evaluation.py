@@ -34,11 +34,11 @@ def eval_prompts_per_batch(num_prompts: int, k: int, batch_rows: int) -> int:
 
 
 def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
-    """The validation sampler of run config `cfg`: its sampling settings with eval.k
-    samples per prompt at eval.temperature, decoded in one piece. The engine
-    (sampling.engine) with a slot for every row of a batch (eval.batch_rows, whole
-    prompts, else eval.num_prompts x eval.k; or sampling.engine_slots), its prompts up
-    to `prompt_len` tokens (0: sampling.max_prompt_len); else the batch Sampler."""
+    """The validation engine of run config `cfg`: its sampling settings with eval.k
+    samples per prompt at eval.temperature, decoded in one piece, with a slot for every
+    row of a batch (eval.batch_rows, whole prompts, else eval.num_prompts x eval.k; or
+    sampling.engine_slots), its prompts up to `prompt_len` tokens (0:
+    sampling.max_prompt_len)."""
     ev = cfg.eval
     sampling = dataclasses.replace(cfg.sampling, n=ev.k, temperature=ev.temperature, decode_chunk=0)
     rows = eval_prompts_per_batch(ev.num_prompts, ev.k, ev.batch_rows) * ev.k
@@ -46,22 +46,13 @@ def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
 
 
 def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0):
-    """A sampler of `sampling` for batches of up to `rows` rows: the engine when
-    sampling.engine (slots: sampling.engine_slots, else `rows`; one chunk decodes to
-    the end unless sampling.decode_chunk; `fixed_shapes`, so a run compiles one
-    prefill_insert and one generate program), else the batch Sampler."""
-    from rl_jax.sampling import Engine, Sampler
+    """The engine of `sampling` for batches of up to `rows` rows (slots:
+    sampling.engine_slots, else `rows`; one chunk decodes to the end unless
+    sampling.decode_chunk; `fixed_shapes`, so a run compiles one prefill_insert and one
+    generate program)."""
+    from rl_jax.sampling import Engine
     from rl_jax.sharding import num_batch_shards
 
-    common = dict(
-        mesh=mesh,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
-        rules=cfg.mesh.rules,
-    )
-    if not sampling.engine:
-        return Sampler(spec, sampling, **common)
     shards = 1 if mesh is None else num_batch_shards(mesh)
     return Engine(
         spec,
@@ -69,7 +60,11 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
         prompt_len=prompt_len or sampling.max_prompt_len,
         fixed_shapes=True,
         **engine_shape(sampling, rows=rows, shards=shards),
-        **common,
+        mesh=mesh,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        interrupt_ids=tokenizer.encode(cfg.sampling.interrupt_text),
+        rules=cfg.mesh.rules,
     )
 
 
@@ -94,43 +89,12 @@ def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
     }
 
 
-def generate_rows(sampler, params, prompt_ids, *, n: int, key, version: int, row_ids=None):
+def generate_rows(engine, params, prompt_ids, *, n: int, key, version: int, row_ids=None):
     """n rollouts of every prompt, to the end, in row order (row p * n + s of prompt p),
-    through the engine's host loop or the Sampler's batch."""
-    from rl_jax.sampling import Engine
-
-    if isinstance(sampler, Engine):
-        ro, _ = sampler.run(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
-        return ro
-    return sampler.generate(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
-
-
-def generate_in_batches(sampler, params, prompt_ids, *, n: int, key, version: int, prompts: int):
-    """generate_rows of every prompt, `prompts` prompts at a time: the same rows.
-
-    The engine refills its slots by itself (its slot count bounds its memory). The
-    Sampler runs one batch after another: the batches are about equal (at most two
-    shapes to compile), each row keeps its id (p * n + s, its draws) and every batch
-    pads its prompts to the longest of all, as one batch would."""
-    from rl_jax.sampling import Engine, concat_groups
-
-    P = len(prompt_ids)
-    if isinstance(sampler, Engine) or prompts >= P:
-        return generate_rows(sampler, params, prompt_ids, n=n, key=key, version=version)
-    longest = max(len(p) for p in prompt_ids)
-    groups = []
-    for idx in np.array_split(np.arange(P), -(-P // prompts)):
-        ro = sampler.generate(
-            params,
-            [prompt_ids[p] for p in idx],
-            n=n,
-            key=key,
-            version=version,
-            row_ids=(idx[:, None] * n + np.arange(n)).reshape(-1),
-            prompt_len=longest,
-        )
-        groups += [(ro, g) for g in range(len(idx))]
-    return concat_groups(groups, n)
+    through the engine's host loop (its slot count bounds its memory: it refills them
+    by itself)."""
+    ro, _ = engine.run(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
+    return ro
 
 
 def correctness_fn(rewards_cfg, task, reward_fn=None):
@@ -199,7 +163,7 @@ def pass_metrics(
 
 
 def evaluate_policy(
-    sampler,
+    engine,
     params,
     problems: Sequence,
     *,
@@ -208,16 +172,13 @@ def evaluate_policy(
     k: int,
     key: jax.Array,
     version: int = 0,
-    batch_rows: int = 0,
 ) -> tuple[dict[str, float], object]:
-    """Sample k completions per validation problem, `batch_rows` rows at a time (whole
-    prompts; 0: all at once, the same results), score them with the 0/1 verifier
-    `correct_fn`, and return (`pass_metrics`, the rollouts)."""
+    """Sample k completions per validation problem on `engine` (`make_eval_sampler`: a
+    slot for every row of eval.batch_rows rows; its slots bound its memory, not the
+    results), score them with the 0/1 verifier `correct_fn`, and return
+    (`pass_metrics`, the rollouts)."""
     prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-    prompts = eval_prompts_per_batch(len(problems), k, batch_rows)
-    ro = generate_in_batches(
-        sampler, params, prompt_ids, n=k, key=key, version=version, prompts=prompts
-    )
+    ro = generate_rows(engine, params, prompt_ids, n=k, key=key, version=version)
     texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
     answers = [problems[g].answer for g in ro.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)

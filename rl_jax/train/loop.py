@@ -121,7 +121,7 @@ class RLTrainer:
     tokenizer = property(lambda self: self.parts.tokenizer)
     task = property(lambda self: self.parts.task)
     correct_fn = property(lambda self: self.parts.correct_fn)
-    sampler = property(lambda self: self.parts.sampler)
+    engine = property(lambda self: self.parts.engine)
     mesh = property(lambda self: self.parts.mesh)
     sample_mesh = property(lambda self: self.parts.sample_mesh)
     split = property(lambda self: self.parts.split)
@@ -327,13 +327,8 @@ class RLTrainer:
         p = self.parts
         fns = {"train_step": p.update_fn, "logprob": p.logprob_fn}
         counts = {k: int(f._cache_size()) for k, f in fns.items()}
-        for prefix, sampler in (
-            ("sampler", p.sampler),
-            ("engine", p.engine),
-            ("eval", p.eval_sampler),
-        ):
-            if sampler is not None:  # the Sampler's start/decode, the engine's verbs
-                counts.update({f"{prefix}_{k}": n for k, n in sampler.compile_counts().items()})
+        for prefix, engine in (("engine", p.engine), ("eval", p.eval_sampler)):
+            counts.update({f"{prefix}_{k}": n for k, n in engine.compile_counts().items()})
         return counts
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from rl_jax.config import RunConfig, SamplingConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
 from rl_jax.rewards import from_config as reward_from_config
-from rl_jax.sampling import Engine, Sampler
+from rl_jax.sampling import Engine
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
 from rl_jax.train.accounting import decode_chunk, policy_steps, sampler_rows
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
@@ -49,9 +49,8 @@ class Parts:
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
-    sampler: Sampler | None  # every batch when sampling.engine is off, else None
-    engine: Engine | None  # sampling.engine: every batch (pipeline's as a stream), else None
-    eval_sampler: Engine | Sampler
+    engine: Engine  # every batch (pipeline's as a stream)
+    eval_sampler: Engine
     # The compiled programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
     logprob_fn: Any
@@ -191,18 +190,19 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
 
 
 def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
-    """Parts' engine (sampling.engine: every batch; by default a slot for every row the
-    schedule has in flight at once: B_p x n, x k for ppo_off_policy's k batches, x W
-    for pipeline's W), or else the batch Sampler (on_policy and ppo_off_policy only),
+    """Parts' engine (every batch; by default a slot for every row the schedule has in
+    flight at once: B_p x n, x k for ppo_off_policy's k batches, x W for pipeline's W)
     and eval_sampler."""
-    rows = sampler_rows(cfg)
-    sampler = make_sampler(
-        spec, engine_sampling(cfg), cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len
-    )
-    on_engine = isinstance(sampler, Engine)
     return {
-        "sampler": None if on_engine else sampler,
-        "engine": sampler if on_engine else None,
+        "engine": make_sampler(
+            spec,
+            engine_sampling(cfg),
+            cfg,
+            tokenizer,
+            mesh=mesh,
+            rows=sampler_rows(cfg),
+            prompt_len=prompt_len,
+        ),
         "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
     }
 

@@ -45,9 +45,9 @@ def prompt_ids(parts: Parts, problems) -> list[list[int]]:
 
 def generate(parts: Parts, params, version: int, step: int, problems) -> Rollouts:
     """All rows of `problems` sampled to the end with one policy (synchronous modes),
-    through the engine (sampling.engine) or the batch Sampler."""
+    on the run's engine."""
     return generate_rows(
-        parts.engine or parts.sampler,
+        parts.engine,
         params,
         prompt_ids(parts, problems),
         n=parts.G,
@@ -343,7 +343,6 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
         k=k,
         key=eval_key(parts.cfg.train.seed),
         version=state.version,
-        batch_rows=parts.cfg.eval.batch_rows,
     )
     state = state.count(
         eval_flops=forward_flops(parts.spec, ro.prompt_mask.sum(axis=1)[::k], ro.lengths, k),

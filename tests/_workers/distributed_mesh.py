@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from rl_jax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
 from rl_jax.models import load_model, model_params  # noqa: E402
-from rl_jax.sampling import Sampler  # noqa: E402
+from rl_jax.sampling import Engine  # noqa: E402
 from rl_jax.sharding import make_mesh, maybe_initialize_distributed  # noqa: E402
 
 
@@ -34,10 +34,12 @@ def sample_over_processes() -> str:
     runs = {}
     for kernel in (True, False):
         if not kernel:
-            Sampler.platform_attention = Sampler.platform_matmul = False
-        sampler = Sampler(model.spec, cfg, mesh=mesh, pad_id=0, rules="dp")
-        used = sampler.decode_ops.platform_ops == ("attention", "matmul")
-        runs[kernel] = (used, sampler.generate(params, prompts, key=key))
+            Engine.platform_attention = Engine.platform_matmul = False
+        engine = Engine.for_batch(
+            model.spec, cfg, prompts=len(prompts), prompt_len=16, mesh=mesh, pad_id=0, rules="dp"
+        )
+        used = engine.decode_ops.platform_ops == ("attention", "matmul")
+        runs[kernel] = (used, engine.run(params, prompts, key=key)[0])
     (used, a), (_, b) = runs[True], runs[False]
     same = bool((a.completion_tokens == b.completion_tokens).all())
     diff = float(np.abs(a.logprobs - b.logprobs).max())
