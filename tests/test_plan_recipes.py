@@ -6,11 +6,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_plan import _libtpu
+from test_plan import _libtpu, _plan_cli
 
 from rl_jax.knobs import ConfigError
 
@@ -39,16 +38,6 @@ TINY_QWEN3_MATH = [
     "mesh.data=2",
     "mesh.fsdp=2",
 ]
-
-
-def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rl_jax.cli", "plan", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-    )
 
 
 def _last_json(r: subprocess.CompletedProcess) -> dict:

@@ -25,9 +25,9 @@ from typing import Any
 
 from rl_jax.knobs import ConfigError
 
-# Knobs of the whole mixture (batches and curriculum), never a task's.
-MIXTURE_ONLY = (
-    "mixture",
+# Data knobs of RL's batches and curriculum: how problems are drawn and filtered, not
+# what a problem is.
+BATCH_KNOBS = (
     "prompts_per_batch",
     "zero_variance_filter",
     "no_positive_resampling",
@@ -35,6 +35,8 @@ MIXTURE_ONLY = (
     "dynamic_sampling",
     "max_resample_rounds",
 )
+# Knobs of the whole mixture (batches and curriculum), never a task's.
+MIXTURE_ONLY = ("mixture", *BATCH_KNOBS)
 # Knobs a task takes from the run's data.* values unless it sets them.
 INHERITED = ("seed", "train_size", "val_size", "chat_template", "system_prompt")
 # What a task may set besides data.* knobs.

@@ -7,7 +7,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from rl_jax.config._mixture import INHERITED, MIXTURE_ONLY, canonical_mixture, parse_mixture
+from rl_jax.config._mixture import BATCH_KNOBS as BATCH_KNOBS  # the trainer's warm-up
+from rl_jax.config._mixture import (
+    INHERITED,
+    MIXTURE_ONLY,
+    canonical_mixture,
+    parse_mixture,
+)
 from rl_jax.knobs import (
     ConfigError,
     DependentKnobError,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from rl_jax.config import SamplingConfig, run_id, to_dict
+from rl_jax.config.data import BATCH_KNOBS
 from rl_jax.runs.atomic import atomic_write_bytes
 from rl_jax.runs.plots import draw_curve
 from rl_jax.runs.storage import join
@@ -29,14 +30,7 @@ CACHE = Path(".cache") / "demo"
 # (the rate climbs steeply once the answer format is learned).
 SFT_EVAL_EVERY = 10
 # Data knobs that only steer RL batches, not the warm-up: changing them reuses the cache.
-_RL_ONLY_DATA = (
-    "prompts_per_batch",
-    "zero_variance_filter",
-    "no_positive_resampling",
-    "npr_threshold",
-    "dynamic_sampling",
-    "max_resample_rounds",
-)
+_RL_ONLY_DATA = BATCH_KNOBS
 
 
 def _greedy_eval(trainer, problems):
