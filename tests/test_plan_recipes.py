@@ -225,3 +225,16 @@ def test_shipped_tpu_recipes_compiled_fit_their_slice(name):
     assert r.returncode == 0, r.stderr[-3000:]
     plan = _last_json(r)
     assert plan["fits"], [(p["name"], p["hbm_total_gb"]) for p in plan["programs"]]
+
+
+@pytest.mark.parametrize("search", [[], ["--search"]], ids=["plan", "search"])
+def test_a_recipe_that_leaves_the_prompt_length_to_the_data_is_refused_first(capsys, search):
+    """The CPU recipes read their longest prompt from the data; a plan reads no data, so
+    it asks for sampling.max_prompt_len in one line before compiling anything (the
+    search once compiled its first candidate, then failed inside the engine)."""
+    from rl_jax.cli import main
+
+    assert main(["plan", "scalerl", "--topology", "v5e:2x2", *search]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sampling.max_prompt_len" in err, err
+    assert "compiling" not in err

@@ -100,12 +100,23 @@ class Target(NamedTuple):
     tg: int  # generated columns: sampling.max_new_tokens in whole length buckets
 
 
+def check_prompt_len(cfg: RunConfig) -> None:
+    """A plan compiles the engine's programs at the longest prompt: the recipe states it
+    (a run reads it from its data; a plan reads no data)."""
+    if cfg.sampling.max_prompt_len <= 0:
+        raise ConfigError(
+            "sampling.max_prompt_len=0 leaves the longest prompt to the data, which a plan "
+            "does not read: set it (e.g. sampling.max_prompt_len=1024)"
+        )
+
+
 def plan_target(cfg: RunConfig, topology: str) -> Target:
     """`cfg` resolved, on a mesh of `topology`'s devices (its mesh.* shape, not a count
     of this host's devices), with its model spec, train rules and bucketed lengths. The
     batch's sizes are checked against the mesh as the trainer checks them, before libtpu
     loads: a ConfigError, not a compile that cannot shard the minibatch."""
     cfg = resolved(planned_model(cfg)[0])
+    check_prompt_len(cfg)
     data, fsdp, _ = resolve_axis_sizes(cfg.mesh, num_chips(parse_topology(topology)[1]))
     check_sizes(cfg, data * fsdp)
     devices = topology_devices(topology)

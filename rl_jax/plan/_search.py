@@ -44,7 +44,12 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.plan._assumed import planned_model, shapes
 from rl_jax.plan._estimate import estimate
-from rl_jax.plan._programs import HEADROOM, SCALERL_BUDGET_ROLLOUTS, plan_run
+from rl_jax.plan._programs import (
+    HEADROOM,
+    SCALERL_BUDGET_ROLLOUTS,
+    check_prompt_len,
+    plan_run,
+)
 from rl_jax.plan.chips import MAX_TENSOR, num_chips, parse_topology
 from rl_jax.train.accounting import num_waves, sampler_rows
 from rl_jax.train.parts import check_sizes
@@ -167,6 +172,8 @@ def search(
     chips = num_chips(dims)
     base, source = planned_model(cfg)
     cfg = resolved(base)
+    if not estimate_only:
+        check_prompt_len(cfg)
     spec = resolve_spec(cfg.model)
     cands = candidates(cfg, chips, spec.num_heads)
     for c in cands:
