@@ -39,10 +39,14 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 def fresh_machine(tmp_path: Path, name: str, env: dict) -> dict:
     """The environment of a machine with nothing of the run on it: its own HOME and caches
-    (the compilation cache is shared: it holds programs, no run state)."""
+    (the compilation cache and the built CPU kernels are shared: they hold programs, no
+    run state; building the kernels anew costs each machine ~20 s)."""
+    from rl_jax.kernels.cpu import kernel_cache_dir
+
     home = tmp_path / name
     home.mkdir()
-    return {**env, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    kernels = {"RL_JAX_KERNEL_CACHE": str(kernel_cache_dir())}
+    return {**env, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), **kernels}
 
 
 @pytest.fixture(scope="module")
