@@ -41,6 +41,7 @@ ENUMS = {
     "model.param_dtype": model_cfg.DTYPES,
     "model.compute_dtype": model_cfg.DTYPES,
     "model.tie_embeddings": model_cfg.TIE_CHOICES,
+    "model.norm_topk_prob": model_cfg.NORM_TOPK_CHOICES,
     "model.remat": model_cfg.REMAT_CHOICES,
     "model.attention": model_cfg.ATTENTION_CHOICES,
     "sampling.length_control": sampling_cfg.LENGTH_CONTROL,

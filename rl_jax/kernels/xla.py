@@ -73,6 +73,17 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.reshape(*lead, *w.shape[1:])
 
 
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x [M, D] in consecutive groups, group g (group_sizes[g] rows) times w[g]:
+    [M, N] in x's dtype, for w [G, D, N] (a mixture of experts' matmul over rows sorted
+    by expert). `jax.lax.ragged_dot`: libtpu and XLA:GPU run it as one grouped matmul;
+    XLA:CPU lowers it as a masked product over every group ([G, M, D] temporaries).
+    Rows past sum(group_sizes) come out zero."""
+    return jax.lax.ragged_dot(
+        x, w.astype(x.dtype), group_sizes.astype(jnp.int32), precision=precision(x, w)
+    )
+
+
 def together(fn, *args):
     """`fn(*args)`, every output computed before any is read (the reference: a plain
     call; where elementwise work fuses into reductions, as on accelerators, XLA's
@@ -336,6 +347,10 @@ class Decode:
         """(layers, head) in the layout the ops below read, once per decode call
         outside the token loop. Here: as given."""
         return layers, head_vd
+
+    def grouped_matmul(self, x, w, group_sizes) -> jax.Array:
+        """A mixture of experts' matmul over rows sorted by expert (`grouped_matmul`)."""
+        return grouped_matmul(x, w, group_sizes)
 
     def embed(self, table_vd: jax.Array, tokens_b: jax.Array, dtype) -> jax.Array:
         """The rows of `tokens_b` [B], [B, D] in `dtype`."""

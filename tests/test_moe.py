@@ -1,0 +1,239 @@
+"""Mixture-of-experts decoders (Qwen3-MoE): the sparse MLP against a per-token reference,
+its dispatch (no dense [tokens, experts, ...] arrays), the engine's decode step against
+the trainer's forward, specs, presets and FLOPs, router losses and metrics."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.config import ModelConfig, SamplingConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models import (
+    Transformer,
+    init_params,
+    positions_from_valid,
+    resolve_spec,
+    token_logprobs,
+)
+from rl_jax.models.moe import RouterStats, aux_losses, moe_mlp, route
+from rl_jax.sampling import Engine, Sampler
+
+SPEC = resolve_spec(
+    ModelConfig(
+        preset="tiny-moe",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        moe_intermediate_size=48,
+    )
+)
+PROMPTS = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13, 14, 15, 16]]
+
+
+def _params(seed, spec=SPEC, scale=3.0):
+    """Random weights scaled up, so logits and router choices are far from ties."""
+    p = init_params(spec, jax.random.key(seed))
+    norms = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+    return {k: v if k in norms else v * scale for k, v in p.items()}
+
+
+def _reference_moe(h, router, wg, wu, wd, *, top_k, norm_topk_prob):
+    """Token by token, as transformers' Qwen3MoeSparseMoeBlock reads: softmax over all
+    experts, top k, renormalized or not, SwiGLU of each chosen expert, weighted sum."""
+    h, router = np.asarray(h, np.float64), np.asarray(router, np.float64)
+    wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
+    out = np.zeros_like(h)
+    for n, x in enumerate(h):
+        z = x @ router
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:top_k]
+        w = p[top] / (p[top].sum() if norm_topk_prob else 1.0)
+        for e, we in zip(top, w, strict=True):
+            g, u = x @ wg[e], x @ wu[e]
+            out[n] += we * ((g / (1 + np.exp(-g))) * u) @ wd[e]
+    return out
+
+
+@pytest.mark.parametrize("E,k,norm", [(4, 1, False), (8, 2, True), (8, 3, False)])
+def test_sparse_mlp_equals_the_per_token_reference(E, k, norm):
+    keys = jax.random.split(jax.random.key(E * 10 + k), 5)
+    N, D, F = 13, 16, 24
+    h = jax.random.normal(keys[0], (N, D))
+    router = jax.random.normal(keys[1], (D, E))
+    wg, wu = (jax.random.normal(kk, (E, D, F)) * 0.3 for kk in keys[2:4])
+    wd = jax.random.normal(keys[4], (E, F, D)) * 0.3
+    out, stats = jax.jit(
+        functools.partial(moe_mlp, top_k=k, norm_topk_prob=norm),
+    )(h, router, wg, wu, wd)
+    want = _reference_moe(h, router, wg, wu, wd, top_k=k, norm_topk_prob=norm)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    # Statistics: every token counted once, k assignments each.
+    assert float(stats.tokens) == N and float(stats.load.sum()) == N * k
+    np.testing.assert_allclose(float(stats.prob.sum()), N, rtol=1e-5)
+
+
+def test_dispatch_builds_nothing_of_tokens_by_experts_by_width():
+    """The training forward's dispatch is a sort and gathers: on TPU, where ragged_dot is
+    one grouped matmul, no array of the program has [N, E, ...] or [E, N, ...] shape
+    (XLA:CPU's own lowering of ragged_dot masks per group, so the program is checked
+    before lowering, as jaxpr)."""
+    N, D, E, F, k = 64, 16, 8, 24, 2
+    args = (
+        jnp.zeros((N, D)),
+        jnp.zeros((D, E)),
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, F, D)),
+    )
+
+    def loss(*a):
+        out, _ = moe_mlp(*a, top_k=k, norm_topk_prob=True)
+        return jnp.sum(out)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    shapes = set()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert (N * k, F) in shapes  # the grouped matmuls' rows: one per assignment
+    assert not [s for s in shapes if len(s) >= 3 and N in s and E in s], shapes
+
+
+def test_router_renormalizes_only_when_asked():
+    x = jax.random.normal(jax.random.key(0), (5, 8))
+    r = jax.random.normal(jax.random.key(1), (8, 6))
+    _, e1, w1 = route(x, r, top_k=2, norm_topk_prob=False)
+    _, e2, w2 = route(x, r, top_k=2, norm_topk_prob=True)
+    np.testing.assert_array_equal(e1, e2)
+    assert (np.asarray(w1.sum(-1)) < 1).all()
+    np.testing.assert_allclose(w2.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_aux_losses_by_hand():
+    """Two layers, E = 2, k = 1: uniform routing gives load balance 1; one expert taking
+    every token with probability 0.9 gives E x (1 x 0.9) = 1.8."""
+    stats = RouterStats(
+        tokens=jnp.array([4.0, 4.0]),
+        load=jnp.array([[2.0, 2.0], [4.0, 0.0]]),
+        prob=jnp.array([[2.0, 2.0], [3.6, 0.4]]),
+        z=jnp.array([8.0, 16.0]),
+        entropy=jnp.array([4.0, 2.0]),
+    )
+    out = aux_losses(stats, num_experts=2, top_k=1)
+    np.testing.assert_allclose(out["load_balance"], (1.0 + 1.8) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["z"], (2.0 + 4.0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["load"], [6 / 8, 2 / 8], rtol=1e-6)
+    np.testing.assert_allclose(out["entropy"], (1.0 + 0.5) / 2, rtol=1e-6)
+
+
+# ---- specs, presets, FLOPs ---------------------------------------------------------------
+
+
+def test_published_presets_count_their_parameters():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Qwen3-235B-A22B: 235B, 22B (the
+    model cards' numbers)."""
+    a3b = resolve_spec(ModelConfig(preset="qwen3-30b-a3b"))
+    a22b = resolve_spec(ModelConfig(preset="qwen3-235b-a22b"))
+    assert a3b.num_params() / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert a22b.num_params() / 1e9 == pytest.approx(235.1, abs=0.3)
+    active = (a3b.flops_per_token(0) / 2 + a3b.vocab_size * a3b.hidden_size) / 1e9
+    assert 3.3 <= active < 3.4  # "3.3B activated", the embedding counted
+    # A dense spec's accounting is untouched by the new fields.
+    dense = resolve_spec(ModelConfig(preset="qwen3-8b"))
+    assert not dense.is_moe and dense.num_params() / 1e9 == pytest.approx(8.19, abs=0.01)
+
+
+def test_expert_knobs_override_a_dense_preset_and_bad_ones_are_refused():
+    spec = resolve_spec(
+        ModelConfig(preset="tiny", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    )
+    assert spec.is_moe and spec.architecture == "qwen2" and not spec.norm_topk_prob
+    plain = resolve_spec(ModelConfig(preset="tiny-moe", norm_topk_prob="false"))
+    assert plain.norm_topk_prob is False
+    with pytest.raises(ConfigError, match="model.moe_intermediate_size=0"):
+        resolve_spec(ModelConfig(preset="tiny", num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=5 must be in \[1"):
+        resolve_spec(ModelConfig(preset="tiny-moe", num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match="model.norm_topk_prob"):
+        ModelConfig(norm_topk_prob="maybe")
+
+
+# ---- the forward, the engine -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params(0)
+
+
+def _sequences(out):
+    tg = out.completion_tokens.shape[1]
+    tokens = np.concatenate([out.prompt_tokens, out.completion_tokens], axis=1)
+    valid = np.concatenate([out.prompt_mask, np.arange(tg)[None, :] < out.lengths[:, None]], axis=1)
+    return jnp.asarray(tokens), jnp.asarray(valid), positions_from_valid(jnp.asarray(valid))
+
+
+@jax.jit
+def _trainer_logprobs(params, tokens, valid, positions):
+    model = Transformer(SPEC, params)
+    return token_logprobs(model, tokens, positions, kv_valid_bt=valid)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_decodes_the_sparse_mlp_as_the_trainer_scores_it(params, temperature):
+    """The engine's decode step (a paged cache, three slots for six rows) and the
+    trainer's full forward give each sampled token the same log-prob."""
+    cfg = SamplingConfig(
+        temperature=temperature, max_new_tokens=10, length_bucket=8, max_prompt_len=16
+    )
+    engine = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0)
+    out, _ = engine.run(params, PROMPTS, n=2, seed=3)
+    ref = Sampler(SPEC, cfg, pad_id=0).generate(params, PROMPTS, n=2, seed=3)
+    np.testing.assert_array_equal(out.completion_tokens, ref.completion_tokens)
+    logp = np.asarray(_trainer_logprobs(params, *_sequences(out)))
+    tp = out.prompt_tokens.shape[1]
+    m = out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], logp[:, tp - 1 : -1][m], atol=1e-4)
+
+
+def test_shared_prefix_router_stats_count_valid_tokens_only(params):
+    """The trainer's forward (each prompt once per group) reports the router over the
+    valid tokens: pads change no statistic."""
+    model = Transformer(SPEC, params)
+    P, G, tp, tc = 2, 2, 5, 4
+    rng = np.random.default_rng(0)
+    pt = jnp.asarray(rng.integers(1, 64, (P, tp)))
+    ct = jnp.asarray(rng.integers(1, 64, (P * G, tc)))
+    pv = jnp.ones((P, tp), bool).at[0, :2].set(False)
+    cv = jnp.ones((P * G, tc), bool).at[:, 3:].set(False)
+
+    @jax.jit
+    def stats(pt, ct):
+        return model.shared_prefix(
+            pt,
+            positions_from_valid(pv),
+            pv,
+            ct,
+            tp + jnp.zeros((P * G, tc), jnp.int32) + jnp.arange(tc),
+            cv,
+            group_size=G,
+            with_router=True,
+        )[2]
+
+    s = stats(pt, ct)
+    assert s.load.shape == (SPEC.num_layers, SPEC.num_experts)
+    np.testing.assert_array_equal(s.tokens, [int(pv.sum() + cv.sum())] * SPEC.num_layers)
+    # Changing pad tokens changes nothing the statistics count.
+    s2 = stats(pt.at[0, :2].set(7), ct.at[:, 3:].set(9))
+    for a, b in zip(s, s2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
