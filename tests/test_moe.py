@@ -237,3 +237,135 @@ def test_shared_prefix_router_stats_count_valid_tokens_only(params):
     s2 = stats(pt.at[0, :2].set(7), ct.at[:, 3:].set(9))
     for a, b in zip(s, s2, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ---- HF checkpoints: parity with transformers' Qwen3MoeForCausalLM -------------------------
+
+
+def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False):
+    """A random Qwen3-MoE as transformers builds and saves it (weights scaled up, so the
+    router's choices and the norms matter)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(experts * 10 + top_k)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    d = tmp_path_factory.mktemp(f"qwen3moe_{experts}_{top_k}_{norm}")
+    model.save_pretrained(d)
+    return d, model
+
+
+HF_TOKENS = np.random.default_rng(0).integers(0, 48, (2, 17))
+
+
+def _hf_logprobs(model, toks=HF_TOKENS):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor(toks)).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1]
+    return lp.gather(-1, torch.tensor(toks[:, 1:, None]))[..., 0].numpy()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "experts,top_k,norm", [(4, 1, False), (4, 2, True), (8, 2, False), (8, 1, True)]
+)
+def test_qwen3_moe_loads_and_exports_with_transformers_logits(
+    experts, top_k, norm, tmp_path_factory
+):
+    import torch
+    import transformers
+
+    from rl_jax.models.hf import export_hf, load_hf
+
+    d, hf_model = _hf_moe(tmp_path_factory, experts=experts, top_k=top_k, norm=norm)
+    want = _hf_logprobs(hf_model)
+    ours = load_hf(d)
+    spec = ours.spec
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.norm_topk_prob) == (
+        experts,
+        top_k,
+        norm,
+    )
+    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    out = export_hf(ours, tmp_path_factory.mktemp("export"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+
+
+def test_qwen3_moe_configs_with_dense_layers_are_refused():
+    from rl_jax.models.hf import CheckpointError, spec_fields_from_hf_config
+
+    base = dict(
+        model_type="qwen3_moe",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    )
+    fields = spec_fields_from_hf_config(base | {"norm_topk_prob": True})
+    assert (fields["num_experts"], fields["norm_topk_prob"]) == (4, True)
+    # transformers 5's spelling of the expert count
+    five = dict(base, num_local_experts=8)
+    del five["num_experts"]
+    assert spec_fields_from_hf_config(five)["num_experts"] == 8
+    for bad in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}):
+        with pytest.raises(CheckpointError, match=r"layers \[.*\] dense"):
+            spec_fields_from_hf_config(base | bad)
+
+
+def test_a_mixture_of_experts_on_a_family_without_one_does_not_export(tmp_path):
+    from rl_jax.models import build_model
+    from rl_jax.models.hf import CheckpointError, export_hf
+
+    spec = resolve_spec(
+        ModelConfig(
+            preset="tiny",
+            num_layers=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=8,
+        )
+    )
+    with pytest.raises(CheckpointError, match="exports as Qwen3-MoE"):
+        export_hf(build_model(spec), tmp_path / "out")
+
+
+@pytest.mark.parity
+@pytest.mark.devices(8)
+def test_sharded_load_reads_each_experts_slice(tmp_path_factory):
+    from rl_jax.config import MeshConfig
+    from rl_jax.models import host_params
+    from rl_jax.models.load import load_model
+    from rl_jax.sharding import make_mesh
+
+    d, _ = _hf_moe(tmp_path_factory, experts=4, top_k=2, norm=True)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    sharded = load_model(d, mesh=mesh)
+    plain = host_params(load_model(d))
+    for name, arr in host_params(sharded).items():
+        np.testing.assert_array_equal(arr, plain[name], err_msg=name)
