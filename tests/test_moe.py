@@ -369,3 +369,86 @@ def test_sharded_load_reads_each_experts_slice(tmp_path_factory):
     plain = host_params(load_model(d))
     for name, arr in host_params(sharded).items():
         np.testing.assert_array_equal(arr, plain[name], err_msg=name)
+
+
+# ---- training: `rl-jax train` on a tiny MoE, router losses and metrics ---------------------
+
+MOE_RUN = [
+    "model.preset=tiny-moe",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.moe_intermediate_size=64",
+    "loss.router_aux_coef=0.01",
+    "loss.router_z_coef=0.001",
+    "sampling.engine=true",
+    "mesh.num_devices=1",
+    "train.steps=3",
+    "eval.every=3",
+    "eval.at_start=false",
+]
+
+
+def test_rl_jax_train_runs_a_tiny_moe_on_the_engine_with_router_terms(tmp_path, capsys):
+    """`rl-jax train` on the CPU demo task's arithmetic prompts with a tiny MoE (the
+    trainer tests' verifier, so a random policy's groups disagree): three on-policy
+    steps sampled on the engine, whose log-probs the trainer reproduces (ratios 1), the
+    router's loss terms in the loss, its metrics in every row."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    import train_even_first
+
+    from rl_jax.cli import main
+
+    args = [*train_even_first.TINY_RUN, *MOE_RUN, f"out_dir={tmp_path}", "name=moe"]
+    assert main(["train", "scalerl", *args]) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]  # the step rows (not the evaluation's)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        loads = [r[f"train/router_load/{j}"] for j in range(4)]
+        assert sum(loads) == pytest.approx(1.0, abs=1e-5) and min(loads) > 0
+        assert r["train/router_load_max"] == pytest.approx(4 * max(loads), rel=1e-5)
+        assert 0 < r["train/router_entropy"] <= np.log(4) + 1e-6
+        assert r["train/router_aux_loss"] >= 1.0 - 1e-5  # E sum f P >= 1 (Cauchy-Schwarz)
+        # loss = policy loss + the router's terms at their coefficients
+        terms = 0.01 * r["train/router_aux_loss"] + 0.001 * r["train/router_z_loss"]
+        assert r["train/loss"] == pytest.approx(r["train/pg_loss"] + terms, abs=1e-5)
+        # on-policy: the engine's decode and the trainer's forward route alike
+        assert r["train/ratio_max"] - r["train/ratio_min"] < 1e-4
+    curve = (tmp_path / "moe" / "curve.jsonl").read_text().splitlines()
+    assert json.loads(curve[-1])["step"] == 3
+
+
+def test_router_losses_on_a_dense_model_are_refused_before_training(capsys, monkeypatch):
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("reached the trainer"))
+    rc = main(["train", "grpo", "loss.router_aux_coef=0.01"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "loss.router_aux_coef=0.01" in err and "mixture-of-experts" in err
+
+
+def test_load_balancing_loss_pulls_the_router_toward_balance():
+    """The load-balancing term's gradient flows through the router's probabilities: a
+    step against it makes routing more even (Switch Transformer's design)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    N, D, E, F = 64, 16, 4, 8
+    h = jax.random.normal(keys[0], (N, D))
+    router = jax.random.normal(keys[1], (D, E)).at[:, 0].add(1.0)  # expert 0 favoured
+    shapes = [(E, D, F), (E, D, F), (E, F, D)]
+    w = [jax.random.normal(kk, s) * 0.1 for kk, s in zip(keys[2:], shapes, strict=True)]
+
+    def balance(r):
+        _, stats = moe_mlp(h, r, *w, top_k=1, norm_topk_prob=False)
+        stats = jax.tree.map(lambda a: a[None], stats)  # one layer
+        return aux_losses(stats, num_experts=E, top_k=1)["load_balance"]
+
+    g = jax.grad(balance)(router)
+    assert float(jnp.abs(g).max()) > 0
+    before, after = balance(router), balance(router - 2.0 * g)
+    assert float(after) < float(before)

@@ -445,6 +445,8 @@ _LATER_KNOB_DEFAULTS = {
     "model.num_experts_per_tok": 0,
     "model.moe_intermediate_size": 0,
     "model.norm_topk_prob": "auto",
+    "loss.router_aux_coef": 0.0,
+    "loss.router_z_coef": 0.0,
     # The code verifier's options (they change nothing for other verifiers).
     "rewards.code_partial": False,
     "rewards.code_memory_mb": 512,
