@@ -452,3 +452,26 @@ def test_load_balancing_loss_pulls_the_router_toward_balance():
     assert float(jnp.abs(g).max()) > 0
     before, after = balance(router), balance(router - 2.0 * g)
     assert float(after) < float(before)
+
+
+def test_rl_jax_model_directory_round_trip(params, tmp_path):
+    from rl_jax.models import host_params
+    from rl_jax.models.load import load_model
+    from rl_jax.models.native import save_model
+
+    save_model(Transformer(SPEC, params), tmp_path / "m")
+    back = load_model(str(tmp_path / "m"))
+    assert back.spec.replace(scan_layers=SPEC.scan_layers) == SPEC
+    for name, a in host_params(back).items():
+        np.testing.assert_array_equal(a, np.asarray(params[name]), err_msg=name)
+
+
+def test_lora_on_the_experts_is_refused_by_name(capsys, monkeypatch):
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("reached the trainer"))
+    rc = main(["train", "scalerl", "model.preset=tiny-moe", "lora.enabled=true"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "lora.targets names 'gate'" in err and "mixture of experts" in err
