@@ -20,9 +20,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from rl_jax.kernels.xla import grouped_matmul as xla_grouped_matmul
 from rl_jax.kernels.xla import matmul
+from rl_jax.sharding.rules import Rules, fit_spec, logical_to_spec
 
 
 class RouterStats(NamedTuple):
@@ -133,4 +136,45 @@ def aux_losses(stats: RouterStats, *, num_experts: int, top_k: int) -> dict[str,
         z=jnp.mean(stats.z / n),
         load=jnp.sum(stats.load, axis=0) / total,
         entropy=jnp.mean(stats.entropy / n),
+    )
+
+
+def sharded_moe_mlp(
+    mesh: Mesh,
+    rules: Rules,
+    h: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    valid: jax.Array | None,
+    **kw,
+) -> tuple[jax.Array, RouterStats]:
+    """`moe_mlp` of h [N, T, D] on a mesh: each batch shard routes, sorts and multiplies
+    its own tokens (its rows of N, over the axes `batch` maps to), each expert's MLP width
+    split over the axes `mlp` maps to (Megatron-style: a partial down projection summed
+    over them); the experts' weights are gathered whole along every other axis, as FSDP
+    gathers a dense MLP's.
+
+    (XLA's SPMD partitioner does not split a grouped matmul's ragged rows: left to it,
+    every chip would multiply every token of the batch through its experts.)"""
+    N, T, _ = h.shape
+    Fe = weights[1].shape[-1]
+    b = fit_spec(logical_to_spec(("batch",), rules), (N,), mesh)[0]
+    m = fit_spec(logical_to_spec(("mlp",), rules), (Fe,), mesh)[0]
+    b_axes = () if b is None else (b,) if isinstance(b, str) else tuple(b)
+    m_axes = () if m is None else (m,) if isinstance(m, str) else tuple(m)
+    if set(b_axes) & set(m_axes):
+        m_axes, m = (), None
+    valid = jnp.ones((N, T), bool) if valid is None else valid
+
+    def local(h, router, wg, wu, wd, valid):
+        out, stats = moe_mlp(h, router, wg, wu, wd, valid=valid, **kw)
+        if m_axes:
+            out = jax.lax.psum(out, m_axes)
+        if b_axes:
+            stats = jax.tree.map(lambda s: jax.lax.psum(s, b_axes), stats)
+        return out, stats
+
+    row = P(b, None, None)
+    in_specs = (row, P(), P(None, None, m), P(None, None, m), P(None, m, None), P(b, None))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(row, P()))(
+        h, *weights, valid
     )

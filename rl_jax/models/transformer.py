@@ -48,7 +48,7 @@ from rl_jax.models.layers import (
     rope_table,
     swiglu,
 )
-from rl_jax.models.moe import RouterStats, moe_mlp
+from rl_jax.models.moe import RouterStats, moe_mlp, sharded_moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
@@ -481,7 +481,28 @@ class Transformer(nnx.Module):
         return self.constrain(x, ("batch", "seq", "embed"))
 
     def _layer_context(self) -> dict:
-        return dict(spec=self.spec, constrain=self.constrain, kernels=self.kernels)
+        return dict(
+            spec=self.spec,
+            constrain=self.constrain,
+            kernels=self.kernels,
+            sparse_mlp=self._sparse_mlp,
+        )
+
+    def _sparse_mlp(
+        self, h: jax.Array, p: dict[str, jax.Array], valid: jax.Array | None
+    ) -> tuple[jax.Array, RouterStats]:
+        """A layer's mixture of experts on h [N, T, D] (normed), per batch shard on a mesh
+        (`sharded_moe_mlp`)."""
+        spec = self.spec
+        weights = tuple(p[n] for n in ("router", "expert_gate", "expert_up", "expert_down"))
+        kw = dict(
+            top_k=spec.num_experts_per_tok,
+            norm_topk_prob=spec.norm_topk_prob,
+            grouped_matmul=self.kernels.grouped_matmul,
+        )
+        if self.mesh is None or self.mesh.size == 1:
+            return moe_mlp(h, *weights, valid=valid, **kw)
+        return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, **kw)
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -574,6 +595,7 @@ def _block_qkv(
     spec: ModelSpec,
     constrain: Callable,
     kernels: Kernels,
+    sparse_mlp: Callable | None = None,  # the second half's (_block_out)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a pre-norm block up to attention, for x [N, T, D]:
     queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE (cos, sin) applied.
@@ -606,6 +628,7 @@ def _block_out(
     spec: ModelSpec,
     constrain: Callable,
     kernels: Kernels,
+    sparse_mlp: Callable | None = None,
     valid: jax.Array | None = None,
 ) -> tuple[jax.Array, RouterStats | None]:
     """The second half of a pre-norm block: x + o(a), then + the MLP of norm(.): SwiGLU,
@@ -620,17 +643,7 @@ def _block_out(
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
     if spec.is_moe:
-        m, stats = moe_mlp(
-            h,
-            p["router"],
-            p["expert_gate"],
-            p["expert_up"],
-            p["expert_down"],
-            top_k=spec.num_experts_per_tok,
-            norm_topk_prob=spec.norm_topk_prob,
-            valid=valid,
-            grouped_matmul=kernels.grouped_matmul,
-        )
+        m, stats = sparse_mlp(h, p, valid)
         return constrain(x + m, ("batch", "seq", "embed")), stats
     m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
     return constrain(x + m, ("batch", "seq", "embed")), None
