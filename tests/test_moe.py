@@ -557,3 +557,22 @@ def _layout(spec):
     from rl_jax.models.transformer import param_layout
 
     return param_layout(spec)
+
+
+def test_plan_estimate_counts_the_experts_a_token_goes_through():
+    """`rl-jax plan`'s memory estimate: a token's MLP activations are its k experts'
+    (k x moe_intermediate_size), whatever the family's dense width says."""
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import CHIPS
+    from rl_jax.plan._estimate import estimate
+
+    cfg = load_recipe("scalerl", ["model.preset=tiny-moe"])
+    mesh = {"data": 1, "fsdp": 2, "tensor": 2}
+    moe = resolve_spec(cfg.model)
+
+    def activations(spec):
+        return estimate(spec, cfg, mesh, CHIPS["v5e"])["parts"]["activations"]
+
+    acts = activations(moe)
+    assert activations(moe.replace(intermediate_size=8)) == acts
+    assert activations(moe.replace(num_experts_per_tok=3)) > acts

@@ -128,6 +128,13 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def active_mlp_width(self) -> int:
+        """The MLP width a token goes through: F, or k experts' k x Fe."""
+        if self.is_moe:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
+
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 
