@@ -576,3 +576,13 @@ def test_plan_estimate_counts_the_experts_a_token_goes_through():
     acts = activations(moe)
     assert activations(moe.replace(intermediate_size=8)) == acts
     assert activations(moe.replace(num_experts_per_tok=3)) > acts
+
+
+def test_convert_writes_over_its_own_previous_moe_export(params, tmp_path):
+    """`rl-jax convert` replaces a previous HF export of its own (a Qwen3-MoE one too)
+    without --force."""
+    from rl_jax.cli.convert import check_output_dir
+    from rl_jax.models.hf import export_hf
+
+    out = export_hf(Transformer(SPEC, params), tmp_path / "out")
+    check_output_dir(out, "hf", force=False)  # no ConfigError
