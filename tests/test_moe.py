@@ -634,3 +634,21 @@ def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cac
     flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
     # dx and dw, 2 M D N each (the weight gradient's loop body counts once here)
     assert flops < 1.3 * 4 * M * D * N, flops / (4 * M * D * N)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("axes", [(8, 1), (4, 2)], ids=["data8", "data4_tensor2"])
+def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes):
+    """The engine's prefill (the model's forward, its sparse MLP per batch shard) and
+    decode on a mesh: one device's rollouts."""
+    from rl_jax.config import MeshConfig
+    from rl_jax.sharding import make_mesh
+
+    data, tensor = axes
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=8, length_bucket=8, max_prompt_len=16)
+    mesh = make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor, rules="fsdp_tp"))
+    one, _ = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0).run(params, PROMPTS, n=3, seed=9)
+    many = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0, mesh=mesh)
+    got, _ = many.run(many.reshard(params), PROMPTS, n=3, seed=9)
+    np.testing.assert_array_equal(got.completion_tokens, one.completion_tokens)
+    np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
