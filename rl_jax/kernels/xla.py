@@ -133,24 +133,26 @@ def grouped_weight_grad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> 
     Each group's rows are laid out from a block boundary (blocks of `tm` rows, every
     block one group's, zero rows between groups); a loop over chunks of blocks
     multiplies each block's x_b^T dy_b and adds it into its group's [D, N]. FLOPs: the
-    rows plus at most G blocks of padding (tm is chosen so that is <= a quarter of M)."""
+    rows plus at most G blocks of padding (tm is chosen so that is <= a quarter of M).
+    Gathers and dynamic slices only: libtpu's SparseCore code generator overflowed its
+    stack on this loop's scatters (compiling Qwen3-30B-A3B's train step for a v5p)."""
     M, D = x.shape
     G, N = group_sizes.shape[0], dy.shape[1]
     tm = int(min(512, max(8, 2 ** int(np.floor(np.log2(max(M / (4 * G), 1)))))))
     c = WEIGHT_GRAD_CHUNK
     nb = -(-(-(-M // tm) + G) // c) * c  # the rows' blocks and a partial one per group
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
+    starts = jnp.cumsum(sizes) - sizes
     padded = -(-sizes // tm) * tm
-    pstarts = jnp.cumsum(padded) - padded
-    row = jnp.arange(M)
-    group_of_row = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G - 1)
-    dest = pstarts[group_of_row] + row - (ends - sizes)[group_of_row]
-    dest = jnp.where(row < ends[-1], dest, nb * tm)  # rows past the groups: dropped
-    xb = jnp.zeros((nb * tm, D), x.dtype).at[dest].set(x, mode="drop")
-    db = jnp.zeros((nb * tm, N), dy.dtype).at[dest].set(dy, mode="drop")
-    block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * tm, side="right")
-    block_group = jnp.minimum(block_group, G - 1)  # the empty blocks at the end: zeros
+    pends = jnp.cumsum(padded)
+    # Each padded row's source row (M: a zero row past x's).
+    slot = jnp.arange(nb * tm)
+    group = jnp.minimum(jnp.searchsorted(pends, slot, side="right"), G - 1)
+    offset = slot - (pends - padded)[group]
+    src = jnp.where(offset < sizes[group], starts[group] + offset, M)
+    xb = jnp.take(jnp.pad(x, ((0, 1), (0, 0))), src, axis=0)
+    db = jnp.take(jnp.pad(dy, ((0, 1), (0, 0))), src, axis=0)
+    block_group = group[::tm]  # the empty blocks at the end: zero rows
     prec = precision(x, dy)
 
     def chunk(dw, a):
@@ -158,7 +160,10 @@ def grouped_weight_grad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> 
         prod = jnp.einsum(
             "bmd,bmn->bdn", xc, dc, precision=prec, preferred_element_type=jnp.float32
         )
-        return dw.at[gc].add(prod), None
+        for i in range(c):
+            cur = jax.lax.dynamic_index_in_dim(dw, gc[i], 0, keepdims=False)
+            dw = jax.lax.dynamic_update_index_in_dim(dw, cur + prod[i], gc[i], 0)
+        return dw, None
 
     chunks = (
         xb.reshape(nb // c, c, tm, D),
