@@ -41,6 +41,7 @@ ENUMS = {
     "model.param_dtype": model_cfg.DTYPES,
     "model.compute_dtype": model_cfg.DTYPES,
     "model.tie_embeddings": model_cfg.TIE_CHOICES,
+    "model.norm_topk_prob": model_cfg.NORM_TOPK_CHOICES,
     "model.remat": model_cfg.REMAT_CHOICES,
     "model.attention": model_cfg.ATTENTION_CHOICES,
     "sampling.length_control": sampling_cfg.LENGTH_CONTROL,
@@ -95,7 +96,6 @@ OWN_REASONS = {
     ("data.source", "file"): r"data.source='file' needs data.path",
     ("data.source", "hf"): r"data.source='hf' needs data.path",
     # PipelineRL runs only as a stream on the engine.
-    ("sampling.engine", False): r"train.off_policy='pipeline' runs as a stream on the engine",
     ("train.off_policy", "pipeline"): r"train.off_policy='pipeline' runs as a stream",
     # The CPU recipes' 10-token budget has no room for the default injected text.
     ("sampling.length_control", "interrupt"): r"max_new_tokens=\d+ leaves no room for an",

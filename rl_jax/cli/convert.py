@@ -112,13 +112,13 @@ def _is_export(out: Path, target: str) -> bool:
 
     if target == "rl_jax":
         return is_native_dir(out)
-    from rl_jax.models.hf import HF_CLASS, read_hf_config
+    from rl_jax.models.hf import ARCH_BY_CLASS, read_hf_config
 
     try:
         classes = read_hf_config(out).get("architectures") or []
     except ConfigError:
         return False
-    return any(c in HF_CLASS.values() for c in classes)
+    return any(c in ARCH_BY_CLASS for c in classes)
 
 
 def check_output_dir(out: Path, target: str, *, force: bool) -> None:

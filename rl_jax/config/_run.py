@@ -430,6 +430,13 @@ _LATER_KNOB_DEFAULTS = {
     # Blockwise attention computes dense attention's numbers up to float32 rounding.
     "model.attention": "auto",
     "model.attention_block": 512,
+    # Mixture-of-experts knobs: their defaults keep the preset's (dense) MLP.
+    "model.num_experts": 0,
+    "model.num_experts_per_tok": 0,
+    "model.moe_intermediate_size": 0,
+    "model.norm_topk_prob": "auto",
+    "loss.router_aux_coef": 0.0,
+    "loss.router_z_coef": 0.0,
     # The code verifier's options (they change nothing for other verifiers).
     "rewards.code_partial": False,
     "rewards.code_memory_mb": 512,

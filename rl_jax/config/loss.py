@@ -166,6 +166,16 @@ class LossConfig:
     entropy_coef: float = knob(0.0, help="entropy bonus coefficient (0 = off)")
     value_coef: float = knob(0.5, help="PPO critic loss coefficient")
     value_clip: float = knob(0.2, help="PPO clipped value loss range (0 = unclipped)")
+    router_aux_coef: float = knob(
+        0.0,
+        help="mixture of experts: coefficient of the router's load-balancing loss (Switch "
+        "Transformer's E x sum_e f_e P_e per layer, 1 when balanced; 0 = off): docs/moe.md",
+    )
+    router_z_coef: float = knob(
+        0.0,
+        help="mixture of experts: coefficient of the router's z-loss (ST-MoE's mean squared "
+        "log-sum-exp of the router logits; 0 = off)",
+    )
     gamma: float = knob(1.0, help="GAE discount")
     lam: float = knob(1.0, help="GAE lambda")
 
@@ -193,6 +203,8 @@ class LossConfig:
             "value_coef",
             "value_clip",
             "adv_eps",
+            "router_aux_coef",
+            "router_z_coef",
         ):
             if getattr(self, k) is not None:
                 check_range("loss", k, getattr(self, k), lo=0.0)

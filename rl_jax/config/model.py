@@ -15,6 +15,7 @@ from rl_jax.knobs import ConfigError, check_choice, check_numbers, check_range, 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 TIE_CHOICES = ("auto", "true", "false")
+NORM_TOPK_CHOICES = ("auto", "true", "false")
 ATTENTION_CHOICES = ("auto", "dense", "blockwise")
 REMAT_CHOICES = ("none", "full", "save_dots")
 # Booleans of configs written before remat had policies.
@@ -52,6 +53,22 @@ class ModelConfig:
     rms_norm_eps: float = knob(0.0, help="RMSNorm epsilon (0 = from preset/checkpoint)")
     tie_embeddings: str = knob(
         "auto", help=f"share input embedding and LM head, one of {TIE_CHOICES}"
+    )
+    num_experts: int = knob(
+        0,
+        help="experts E of every layer's sparse MLP (mixture of experts; 0 = from "
+        "preset/checkpoint, where 0 is a dense MLP): docs/moe.md",
+    )
+    num_experts_per_tok: int = knob(
+        0, help="experts k each token is routed to (top-k; 0 = from preset/checkpoint)"
+    )
+    moe_intermediate_size: int = knob(
+        0, help="each expert's MLP width (0 = from preset/checkpoint)"
+    )
+    norm_topk_prob: str = knob(
+        "auto",
+        help=f"renormalize the k chosen experts' router probabilities to sum to 1 (Qwen3-MoE), "
+        f"one of {NORM_TOPK_CHOICES} (auto = from preset/checkpoint)",
     )
     param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
     compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
@@ -91,6 +108,8 @@ class ModelConfig:
         # 'False': accept any capitalization.
         object.__setattr__(self, "tie_embeddings", str(self.tie_embeddings).lower())
         check_choice("model", "tie_embeddings", self.tie_embeddings, TIE_CHOICES)
+        object.__setattr__(self, "norm_topk_prob", str(self.norm_topk_prob).lower())
+        check_choice("model", "norm_topk_prob", self.norm_topk_prob, NORM_TOPK_CHOICES)
         object.__setattr__(self, "remat", remat_policy(self.remat))
         check_choice("model", "remat", self.remat, REMAT_CHOICES)
         check_choice("model", "attention", self.attention, ATTENTION_CHOICES)
@@ -104,6 +123,9 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
             "max_position",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
         ):
             # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
             check_range("model", name, getattr(self, name), lo=0, hi=2**31 - 1)

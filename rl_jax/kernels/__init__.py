@@ -19,6 +19,10 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 * `dense(x, w)`: x [..., D] times w [D, ...], a projection.
 * `einsum_f32(spec, a, b)`: a two-operand contraction accumulated in float32 (the
   LM head, attention's products).
+* `grouped_matmul(x, w, group_sizes)`: rows of x [M, D] in consecutive groups, group g
+  times w[g] ([G, D, N]); a mixture of experts' matmul over rows sorted by expert
+  (`rl_jax.models.moe`). The reference is `jax.lax.ragged_dot` (one grouped matmul in
+  libtpu and XLA:GPU; XLA:CPU masks every group's product).
 * `together(fn, *args)`: `fn(*args)` with every output computed before any is read
   (the LM head's log-probs and entropy: its logits then die with the forward).
 * `decode(platform, *, compute_dtype, head_dim, local, threads, attention=True,
@@ -80,6 +84,7 @@ OPS = (
     "flash_attention",
     "decode",
     "together",
+    "grouped_matmul",
 )
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
@@ -102,6 +107,7 @@ class Kernels:
     flash_attention: Callable
     decode: Callable
     together: Callable
+    grouped_matmul: Callable
 
     @property
     def seq_tile(self) -> int:
@@ -147,6 +153,7 @@ register(
     flash_attention=xla.flash_attention,
     decode=xla.decode_ops,
     together=xla.together,
+    grouped_matmul=xla.grouped_matmul,
 )
 register(
     "cpu",

@@ -596,13 +596,12 @@ class Decode(xla.Decode):
         def one_layer(w):
             dt = w["qkv"].dtype
             attn_w, mlp_w = w["attn_norm"].astype(dt)[:, None], w["mlp_norm"].astype(dt)[:, None]
-            gate, up = jnp.split(w["gate_up"], 2, axis=1)
-            return w | {
-                "qkv": pack_panels(attn_w * w["qkv"]),
-                "o": pack_panels(w["o"]),
-                "down": pack_panels(w["down"]),
-                "gate_up": pack_swiglu_panels(mlp_w * gate, mlp_w * up),
-            }
+            packed = {"qkv": pack_panels(attn_w * w["qkv"]), "o": pack_panels(w["o"])}
+            if "gate_up" in w:  # a mixture of experts' MLP keeps XLA's layout and ops
+                gate, up = jnp.split(w["gate_up"], 2, axis=1)
+                packed["down"] = pack_panels(w["down"])
+                packed["gate_up"] = pack_swiglu_panels(mlp_w * gate, mlp_w * up)
+            return w | packed
 
         norm_w = final_norm.astype(jnp.float32)[:, None]
         head = pack_panels(norm_w * head_vd.T.astype(jnp.float32))

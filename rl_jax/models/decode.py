@@ -14,7 +14,9 @@ scans over the layers (`lax.scan`): its program does not grow with depth.
     logits_bv, cache = decode_step(spec, w, cache, tokens_b, ..., ops=ops)  # per token
 
 * Weights are stacked [L, ...] with q/k/v and gate/up concatenated into one matmul
-  each, in the compute dtype; `ops.prepare` lays them out for its kernels.
+  each, in the compute dtype; `ops.prepare` lays them out for its kernels. A mixture
+  of experts' MLP is the model's `moe_mlp` on the step's B tokens (dropless, as in
+  training), its experts' weights as they are, its grouped matmuls `ops.grouped_matmul`.
 * The cache and the hot ops are the platform's (`rl_jax.kernels`): `xla.Decode`, the
   reference (whole cache, or long caches in blocks on CPU), or a platform's own
   (`cpu.Decode`: C++ kernels, keys in tiles, packed weights).
@@ -26,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.kernels.xla import Decode, DecodeCache, Pages
-from rl_jax.models.layers import rope_angles, rope_table
+from rl_jax.models.layers import rms_norm, rope_angles, rope_table
+from rl_jax.models.moe import moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
 
@@ -49,9 +52,14 @@ def decode_weights(
                 axis=1,
             ).astype(cdt),
             "o": p["o"].reshape(H * hd, D).astype(cdt),
-            "gate_up": jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt),
-            "down": p["down"].astype(cdt),
         }
+        if spec.is_moe:  # the router stays float32 (rl_jax.models.moe.route)
+            w["router"] = p["router"]
+            for name in ("expert_gate", "expert_up", "expert_down"):
+                w[name] = p[name].astype(cdt)
+        else:
+            w["gate_up"] = jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt)
+            w["down"] = p["down"].astype(cdt)
         if spec.qkv_bias:
             w["qkv_bias"] = jnp.concatenate(
                 [p["q_bias"].reshape(-1), p["k_bias"].reshape(-1), p["v_bias"].reshape(-1)]
@@ -138,12 +146,36 @@ def decode_step(
             )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
-        act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
-        x = constrain(ops.residual_dense(x, act, stack["down"], i), ("batch", "embed"))
-        return (x, cache), None
+        if spec.is_moe:
+            x = x + _moe(spec, stack, x, i, ops=ops)
+        else:
+            act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
+            x = ops.residual_dense(x, act, stack["down"], i)
+        return (constrain(x, ("batch", "embed")), cache), None
 
     (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(spec.num_layers))
     logits = ops.logits(
         x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
     )
     return logits, cache
+
+
+def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode) -> jax.Array:
+    """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp`, its
+    grouped matmuls the platform's (`ops.grouped_matmul`)."""
+
+    def at(name):
+        return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
+
+    h = rms_norm(x_bd, at("mlp_norm"), spec.rms_norm_eps)
+    out, _ = moe_mlp(
+        h,
+        at("router"),
+        at("expert_gate"),
+        at("expert_up"),
+        at("expert_down"),
+        top_k=spec.num_experts_per_tok,
+        norm_topk_prob=spec.norm_topk_prob,
+        grouped_matmul=ops.grouped_matmul,
+    )
+    return out

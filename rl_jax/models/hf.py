@@ -1,4 +1,4 @@
-"""HF-format checkpoints (Llama / Qwen2 / Qwen3): config.json, safetensors, export.
+"""HF-format checkpoints (Llama / Qwen2 / Qwen3 / Qwen3-MoE): config.json, safetensors, export.
 
 Loading fills each device's shard straight from memory-mapped host tensors
 (`jax.make_array_from_callback`), so no device ever holds a full copy of a
@@ -44,9 +44,11 @@ class CheckpointError(ConfigError):
     """A checkpoint does not match what the model needs (names the tensor/shape/field)."""
 
 
-ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-ARCH_BY_CLASS = {v: k for k, v in HF_CLASS.items()}
+# Qwen3 with a sparse MLP: Qwen3-MoE (its attention is Qwen3's).
+MOE_MODEL_TYPE, MOE_CLASS = "qwen3_moe", "Qwen3MoeForCausalLM"
+ARCH_BY_CLASS = {v: k for k, v in HF_CLASS.items()} | {MOE_CLASS: "qwen3"}
 # A model directory's tokenizer: the fast tokenizer and its settings, the chat template
 # where transformers 5 writes it, the slow tokenizers' vocabularies. Copied as they are by
 # an export, so every field transformers reads travels.
@@ -169,7 +171,37 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
     )
     if cfg.get("head_dim"):
         fields["head_dim"] = _int(cfg, "head_dim", where)
+    if model_type == MOE_MODEL_TYPE or MOE_CLASS in classes:
+        fields.update(_moe_fields(cfg, fields["num_layers"], where))
     return fields
+
+
+def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
+    """A Qwen3-MoE config's expert fields. transformers 5 writes `num_experts` as
+    `num_local_experts`. Every layer must be sparse: layer i is when
+    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (every published
+    Qwen3-MoE); a mix of dense and sparse layers would not stack into one scan."""
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    E = _int(cfg, key, where, 0)
+    if not E:
+        return {}
+    step = _int(cfg, "decoder_sparse_step", where, 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise CheckpointError(f"{where}: mlp_only_layers={only!r} must be a list of layer indices")
+    dense = [i for i in range(num_layers) if step < 1 or (i + 1) % step or i in only]
+    if dense:
+        raise CheckpointError(
+            f"{where}: decoder_sparse_step={step} mlp_only_layers={only} make layers "
+            f"{dense[:8]} dense; rl_jax loads a mixture of experts whose every layer is "
+            "sparse (decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    return dict(
+        num_experts=E,
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok", where),
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size", where),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def spec_fields_from_hf_dir(path: str | Path) -> dict:
@@ -230,6 +262,23 @@ def hf_config_from_spec(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         cfg["mlp_bias"] = False
     if spec.qk_norm != (spec.architecture == "qwen3"):
         raise CheckpointError(f"{spec.architecture}: qk_norm={spec.qk_norm} has no HF spelling")
+    if spec.is_moe:
+        if spec.architecture != "qwen3":
+            raise CheckpointError(
+                f"a mixture of experts exports as Qwen3-MoE (model.architecture=qwen3); "
+                f"model.architecture={spec.architecture} with experts has no HF spelling"
+            )
+        cfg.update(
+            architectures=[MOE_CLASS],
+            model_type=MOE_MODEL_TYPE,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+        )
     return cfg
 
 
@@ -244,6 +293,15 @@ class _Conv:
     to_ours: Callable[[np.ndarray], np.ndarray]  # HF tensor -> our (per-layer) layout, a view
     to_hf: Callable[[np.ndarray], np.ndarray]  # our (per-layer) array -> HF layout
     hf_shape: tuple[int, ...]
+    # One HF tensor per expert ({j} in hf_name); ours stacks them [L, E, ...].
+    experts: int = 0
+
+    def names(self, spec: ModelSpec) -> list[str]:
+        """Every HF tensor name of this parameter, in our stacking order (layers, experts)."""
+        if "{i}" not in self.hf_name:
+            return [self.hf_name]
+        js = range(self.experts) if self.experts else [None]
+        return [self.hf_name.format(i=i, j=j) for i in range(spec.num_layers) for j in js]
 
 
 def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
@@ -293,6 +351,13 @@ def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
         "up": _Conv(p + "mlp.up_proj.weight", T, T, (F, D)),
         "down": _Conv(p + "mlp.down_proj.weight", T, T, (D, F)),
     }
+    if spec.is_moe:  # Qwen3-MoE: per-expert tensors (what transformers saves and loads)
+        E, Fe = spec.num_experts, spec.moe_intermediate_size
+        x = p + "mlp.experts.{j}."
+        table["router"] = _Conv(p + "mlp.gate.weight", T, T, (E, D))
+        table["expert_gate"] = _Conv(x + "gate_proj.weight", T, T, (Fe, D), experts=E)
+        table["expert_up"] = _Conv(x + "up_proj.weight", T, T, (Fe, D), experts=E)
+        table["expert_down"] = _Conv(x + "down_proj.weight", T, T, (D, Fe), experts=E)
     return {n: table[n] for n in param_layout(spec) if n in table}
 
 
@@ -335,12 +400,7 @@ def check_hf_shapes(spec: ModelSpec, shapes: Mapping[str, Any], *, where: str) -
     """Every tensor the spec needs is there with its shape: one message per defect, before
     any device is touched."""
     for name, c in hf_layout(spec).items():
-        names = (
-            [c.hf_name.format(i=i) for i in range(spec.num_layers)]
-            if name in LAYER_PARAMS
-            else [c.hf_name]
-        )
-        for n in names:
+        for n in c.names(spec):
             if n not in shapes:
                 raise CheckpointError(f"{where}: missing tensor {n!r} (needed for {name})")
             if tuple(shapes[n]) != c.hf_shape:
@@ -363,7 +423,7 @@ def params_from_tensors(
     lay = param_layout(spec)
     conv = hf_layout(spec)
     check_hf_shapes(spec, {n: t.shape for n, t in tensors.items()}, where=where)
-    used = {c.hf_name.format(i=i) for c in conv.values() for i in range(spec.num_layers)}
+    used = {n for c in conv.values() for n in c.names(spec)}
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if spec.tie_embeddings:
         unused = [n for n in unused if n != "lm_head.weight"]  # tied: HF ignores it too
@@ -377,8 +437,21 @@ def params_from_tensors(
             out[name] = jax.device_put(np.zeros(info.shape, dtype), shardings[name])
             continue
         c = conv[name]
-        if name in LAYER_PARAMS:
-            views = [c.to_ours(tensors[c.hf_name.format(i=i)]) for i in range(spec.num_layers)]
+        if c.experts:  # [L, E, ...] from one tensor per layer and expert
+            views = [c.to_ours(tensors[n]) for n in c.names(spec)]
+            E = c.experts
+
+            def read(index, views=views, E=E):
+                rows, experts = range(spec.num_layers)[index[0]], range(E)[index[1]]
+                return np.stack(
+                    [
+                        np.stack([np.asarray(views[i * E + j][index[2:]], dtype) for j in experts])
+                        for i in rows
+                    ]
+                )
+
+        elif name in LAYER_PARAMS:
+            views = [c.to_ours(tensors[n]) for n in c.names(spec)]
 
             def read(index, views=views):
                 rows = range(spec.num_layers)[index[0]]
@@ -422,7 +495,10 @@ def hf_tensors_from_params(spec: ModelSpec, params: Mapping[str, np.ndarray]):
         if name == "lm_head" and spec.tie_embeddings:
             continue
         a = params[name]
-        if name in LAYER_PARAMS:
+        if c.experts:
+            for n, w in zip(c.names(spec), a.reshape(-1, *a.shape[2:]), strict=True):
+                yield n, np.ascontiguousarray(c.to_hf(w))
+        elif name in LAYER_PARAMS:
             for i in range(spec.num_layers):
                 yield c.hf_name.format(i=i), np.ascontiguousarray(c.to_hf(a[i]))
         else:

@@ -50,6 +50,15 @@ class ModelSpec:
     qkv_bias: bool = False  # Qwen2 (always), Llama/Qwen3 with attention_bias
     o_bias: bool = False  # Llama/Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3
+    # Mixture of experts (0 experts: a dense MLP of width F). Every layer's MLP is sparse:
+    # E SwiGLU experts of width moe_intermediate_size, each token through the top k of a
+    # softmax router (the published Qwen3-MoE layout: decoder_sparse_step 1, no
+    # mlp_only_layers). `intermediate_size` is then the family's dense width, kept for
+    # export only.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k
+    moe_intermediate_size: int = 0  # Fe
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalized to sum to 1
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     fp32_lm_head: bool = False
@@ -96,6 +105,35 @@ class ModelSpec:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
         if self.logprob_chunk < -1:
             raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= -1 (auto)")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+        if E < 0:
+            raise ConfigError(f"model.num_experts={E} must be >= 0 (0 = a dense MLP)")
+        if not E:
+            return
+        if not 1 <= k <= E:
+            raise ConfigError(
+                f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
+                "(a mixture-of-experts model routes each token to k experts)"
+            )
+        if Fe <= 0:
+            raise ConfigError(
+                f"model.moe_intermediate_size={Fe} must be > 0 with model.num_experts={E} "
+                "(each expert's MLP width)"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def active_mlp_width(self) -> int:
+        """The MLP width a token goes through: F, or k experts' k x Fe."""
+        if self.is_moe:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -111,13 +149,20 @@ class ModelSpec:
             self.num_kv_heads,
             self.head_dim,
         )
-        return D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+        attention = D * H * hd + 2 * D * K * hd + H * hd * D
+        if self.is_moe:  # the router, and the k experts a token goes through
+            E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+            return attention + D * E + k * 3 * D * Fe
+        return attention + 3 * D * F
 
     def num_params(self) -> int:
-        """All parameters, embeddings and norms included."""
+        """All parameters, embeddings and norms included (every expert's)."""
         D, V, L, hd = self.hidden_size, self.vocab_size, self.num_layers, self.head_dim
         H, K = self.num_heads, self.num_kv_heads
         per_layer = self.layer_matmul_params() + 2 * D
+        if self.is_moe:  # all E experts are parameters; a token multiplies through k
+            E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+            per_layer += (E - k) * 3 * D * Fe
         if self.qkv_bias:
             per_layer += (H + 2 * K) * hd
         if self.o_bias:
@@ -134,8 +179,9 @@ class ModelSpec:
     def flops_per_token(self, context_len: float) -> float:
         """Forward FLOPs of one token that attends to `context_len` keys (itself included).
 
-        2 FLOPs per multiply-add through every weight matrix (the embedding
-        lookup is free, the LM head is not) plus 4 * H * hd per attended key and
+        2 FLOPs per multiply-add through every weight matrix it multiplies through (the
+        embedding lookup is free, the LM head is not; of a mixture of experts, the router
+        and the k experts it is routed to: active parameters) plus 4 * H * hd per attended key and
         layer (scores q.k and the weighted sum of v). Norms, RoPE and softmax are
         left out, as in the usual 6N-style accounting.
         """
@@ -284,6 +330,51 @@ PRESETS: dict[str, dict[str, Any]] = {
             ("32b", 5120, 25600, 64, 64, False),
         )
     },
+    # Qwen3-MoE (Qwen3MoeForCausalLM): every layer sparse, 128 experts, top 8, the chosen
+    # probabilities renormalized; `intermediate_size` is the family's dense width (unused).
+    **{
+        f"qwen3-{size}": dict(
+            architecture="qwen3",
+            vocab_size=151936,
+            hidden_size=D,
+            intermediate_size=F,
+            num_layers=L,
+            num_heads=H,
+            num_kv_heads=4,
+            head_dim=128,
+            rope_theta=1000000.0,
+            max_position=40960,
+            rms_norm_eps=1e-6,
+            tie_embeddings=False,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=Fe,
+            norm_topk_prob=True,
+        )
+        for size, D, F, Fe, L, H in (
+            ("30b-a3b", 2048, 6144, 768, 48, 32),
+            ("235b-a22b", 4096, 12288, 1536, 94, 64),
+        )
+    },
+    # The CPU demo model with a sparse MLP: 4 experts of width F / 2, each token through 2
+    # (as many MLP FLOPs per token as tiny's), Qwen3-MoE's layout so it exports.
+    "tiny-moe": dict(
+        architecture="qwen3",
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        max_position=512,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        norm_topk_prob=True,
+    ),
     "llama3.2-3b": dict(
         architecture="llama",
         vocab_size=128256,
@@ -363,6 +454,9 @@ _OVERRIDABLE = (
     "rope_theta",
     "max_position",
     "rms_norm_eps",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
 )
 _REQUIRED = (
     "architecture",
@@ -403,6 +497,8 @@ def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> M
         fields["head_dim"] = D // H
     if cfg.tie_embeddings != "auto":
         fields["tie_embeddings"] = cfg.tie_embeddings == "true"
+    if cfg.norm_topk_prob != "auto":
+        fields["norm_topk_prob"] = cfg.norm_topk_prob == "true"
     attention_bias = fields.pop("attention_bias", False)
     flags = arch_flags(fields["architecture"], attention_bias)
     for k, v in flags.items():

@@ -48,6 +48,7 @@ from rl_jax.models.layers import (
     rope_table,
     swiglu,
 )
+from rl_jax.models.moe import RouterStats, moe_mlp, sharded_moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
@@ -79,6 +80,10 @@ LAYER_PARAMS = (
     "gate",
     "up",
     "down",
+    "router",
+    "expert_gate",
+    "expert_up",
+    "expert_down",
 )
 
 
@@ -94,11 +99,21 @@ def param_layout(spec: ModelSpec) -> dict[str, ParamInfo]:
         "v": ParamInfo((L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "o": ParamInfo((L, H, hd, D), ("layers", "heads", "head_dim", "embed"), "normal"),
         "mlp_norm": ParamInfo((L, D), ("layers", None), "ones"),
-        "gate": ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "up": ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "down": ParamInfo((L, F, D), ("layers", "mlp", "embed"), "normal"),
         "final_norm": ParamInfo((D,), (None,), "ones"),
     }
+    if spec.is_moe:  # every layer's MLP sparse (rl_jax.models.moe)
+        E, Fe = spec.num_experts, spec.moe_intermediate_size
+        expert_in = ("layers", "expert", "embed", "mlp")
+        lay["router"] = ParamInfo((L, D, E), ("layers", "embed", None), "normal")
+        lay["expert_gate"] = ParamInfo((L, E, D, Fe), expert_in, "normal")
+        lay["expert_up"] = ParamInfo((L, E, D, Fe), expert_in, "normal")
+        lay["expert_down"] = ParamInfo(
+            (L, E, Fe, D), ("layers", "expert", "mlp", "embed"), "normal"
+        )
+    else:
+        lay["gate"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
+        lay["up"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
+        lay["down"] = ParamInfo((L, F, D), ("layers", "mlp", "embed"), "normal")
     if spec.qkv_bias:
         lay["q_bias"] = ParamInfo((L, H, hd), ("layers", "heads", "head_dim"), "zeros")
         lay["k_bias"] = ParamInfo((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -332,7 +347,7 @@ class Transformer(nnx.Module):
 
             def body(x, p):
                 q, k, v = _block_qkv(p, x, rope, **ctx)
-                return _block_out(p, x, attend(q, k, v), **ctx), None
+                return _block_out(p, x, attend(q, k, v), **ctx)[0], None
 
             x, _ = jax.lax.scan(_maybe_remat(spec, body), x, self.layer_params())
             return x, None
@@ -358,7 +373,7 @@ class Transformer(nnx.Module):
             a = self.kernels.attention_cached(
                 q, k_all, v_all, mask, scale=spec.head_dim**-0.5, filled=filled
             )
-            return (_block_out(p, x, a, **ctx), ck, cv), None
+            return (_block_out(p, x, a, **ctx)[0], ck, cv), None
 
         xs = (self.layer_params(), jnp.arange(spec.num_layers))
         (x, ck, cv), _ = jax.lax.scan(_maybe_remat(spec, body_cached), (x, *cache), xs)
@@ -374,7 +389,8 @@ class Transformer(nnx.Module):
         valid_bt: jax.Array,
         *,
         group_size: int,
-    ) -> tuple[jax.Array, jax.Array]:
+        with_router: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """The forward over P prompts [P, Tp] and their B = P x G continuations [B, Tc]
         (rows [g * G, (g + 1) * G) continue prompt g): each prompt runs through the
         layers once, and its keys and values are shared by its group's rows.
@@ -382,7 +398,9 @@ class Transformer(nnx.Module):
         Returns the residual streams (prompts [P, Tp, D], continuations [B, Tc, D]),
         equal to one forward over each whole row [prompt | continuation] up to float32
         rounding. Continuation query j sits at slot Tp + j of the keys
-        [prompt | continuation]; positions are the rows' own (RoPE)."""
+        [prompt | continuation]; positions are the rows' own (RoPE).
+        with_router (a mixture of experts): a third result, the router's RouterStats
+        of each layer ([L, ...]) over the valid prompt and continuation tokens."""
         spec, G = self.spec, group_size
         tp, tc = prompt_tokens_pt.shape[1], tokens_bt.shape[1]
         xp, xc = self.embed_tokens(prompt_tokens_pt), self.embed_tokens(tokens_bt)
@@ -403,9 +421,15 @@ class Transformer(nnx.Module):
             k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
             v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
             ac = attend_c(qc, k_all, v_all)
-            return (_block_out(p, xp, ap, **ctx), _block_out(p, xc, ac, **ctx)), None
+            xp, sp = _block_out(p, xp, ap, valid=prompt_valid_pt, **ctx)
+            xc, sc = _block_out(p, xc, ac, valid=valid_bt, **ctx)
+            return (xp, xc), (None if sp is None else sp + sc)
 
-        (xp, xc), _ = jax.lax.scan(_maybe_remat(spec, body), (xp, xc), self.layer_params())
+        (xp, xc), stats = jax.lax.scan(_maybe_remat(spec, body), (xp, xc), self.layer_params())
+        if with_router:
+            if stats is None:
+                raise ValueError("with_router: this model has no router (a dense MLP)")
+            return xp, xc, stats
         return xp, xc
 
     def _attention(
@@ -457,7 +481,28 @@ class Transformer(nnx.Module):
         return self.constrain(x, ("batch", "seq", "embed"))
 
     def _layer_context(self) -> dict:
-        return dict(spec=self.spec, constrain=self.constrain, kernels=self.kernels)
+        return dict(
+            spec=self.spec,
+            constrain=self.constrain,
+            kernels=self.kernels,
+            sparse_mlp=self._sparse_mlp,
+        )
+
+    def _sparse_mlp(
+        self, h: jax.Array, p: dict[str, jax.Array], valid: jax.Array | None
+    ) -> tuple[jax.Array, RouterStats]:
+        """A layer's mixture of experts on h [N, T, D] (normed), per batch shard on a mesh
+        (`sharded_moe_mlp`)."""
+        spec = self.spec
+        weights = tuple(p[n] for n in ("router", "expert_gate", "expert_up", "expert_down"))
+        kw = dict(
+            top_k=spec.num_experts_per_tok,
+            norm_topk_prob=spec.norm_topk_prob,
+            grouped_matmul=self.kernels.grouped_matmul,
+        )
+        if self.mesh is None or self.mesh.size == 1:
+            return moe_mlp(h, *weights, valid=valid, **kw)
+        return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, **kw)
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -550,6 +595,7 @@ def _block_qkv(
     spec: ModelSpec,
     constrain: Callable,
     kernels: Kernels,
+    sparse_mlp: Callable | None = None,  # the second half's (_block_out)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a pre-norm block up to attention, for x [N, T, D]:
     queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE (cos, sin) applied.
@@ -582,9 +628,13 @@ def _block_out(
     spec: ModelSpec,
     constrain: Callable,
     kernels: Kernels,
-) -> jax.Array:
-    """The second half of a pre-norm block: x + o(a), then + swiglu(norm(.)).
-    a: attention output [N, T, H, hd]."""
+    sparse_mlp: Callable | None = None,
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, RouterStats | None]:
+    """The second half of a pre-norm block: x + o(a), then + the MLP of norm(.): SwiGLU,
+    or the sparse mixture of experts (`rl_jax.models.moe`) with its router's statistics
+    over the `valid` tokens [N, T] (None for a dense MLP). a: attention output
+    [N, T, H, hd]."""
     N, T = a.shape[:2]
     dt = x.dtype
     o = kernels.dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
@@ -592,8 +642,11 @@ def _block_out(
         o = o + p["o_bias"].astype(o.dtype)
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
+    if spec.is_moe:
+        m, stats = sparse_mlp(h, p, valid)
+        return constrain(x + m, ("batch", "seq", "embed")), stats
     m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
-    return constrain(x + m, ("batch", "seq", "embed"))
+    return constrain(x + m, ("batch", "seq", "embed")), None
 
 
 def init_sharded_params(

@@ -62,7 +62,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
     tg = -(-sc.max_new_tokens // sc.length_bucket) * sc.length_bucket
     T = tp + tg
-    D, F, V, L = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.num_layers
+    # A mixture of experts' token goes through k experts' widths (k x Fe).
+    D, F, V, L = spec.hidden_size, spec.active_mlp_width, spec.vocab_size, spec.num_layers
     H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     pdt, cdt = _itemsize(spec.param_dtype), _itemsize(spec.compute_dtype)
 
@@ -85,6 +86,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     block = min(T, spec.attention_block)
     keys = block * block / T if uses_blockwise(spec, T) else T
     per_token_layer += 4 * _split(H, tensor) * keys
+    if spec.is_moe:  # its k dispatched copies in and out, and the router's fp32 logits
+        per_token_layer += cdt * 2 * spec.num_experts_per_tok * D + 4 * 2 * spec.num_experts
     # Kept for the backward, per token and layer: everything (none), the layer's input
     # (full), or its input and its weight matmuls' outputs (save_dots). Live besides,
     # in the backward of a layer: its activations' gradients, and with remat the

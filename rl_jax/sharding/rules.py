@@ -9,6 +9,7 @@ Logical axes used across rl_jax:
   heads     query heads (H)                kv_heads  key/value heads (K)
   head_dim  per-head width                 vocab     vocabulary (V)
   layers    stacked layers (L, scan)       cache_seq KV-cache time
+  expert    a mixture of experts' E
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ BATCH_AXES = ("data", "fsdp")
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 # Training: batch over data+fsdp; parameters' `embed` dim sharded over fsdp
-# (ZeRO-3 style), heads/mlp/vocab over tensor.
+# (ZeRO-3 style), heads/mlp/vocab over tensor. A mixture of experts' weights are
+# sharded over fsdp by expert (before `embed`, which then keeps whole rows): a layer
+# gathers them as it gathers a dense MLP's.
 TRAIN_RULES: dict[str, Rules] = {
     "dp": (("batch", BATCH_AXES),),
-    "fsdp": (("batch", BATCH_AXES), ("embed", "fsdp")),
+    "fsdp": (("batch", BATCH_AXES), ("expert", "fsdp"), ("embed", "fsdp")),
     "fsdp_tp": (
         ("batch", BATCH_AXES),
+        ("expert", "fsdp"),
         ("embed", "fsdp"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),

@@ -64,6 +64,8 @@ def check_lora(spec: ModelSpec, targets: tuple[str, ...], rank: int) -> None:
     for t in targets:
         if t not in lay:
             why = " (the head is tied to the embedding)" if t == "lm_head" else ""
+            if spec.is_moe and t in ("gate", "up", "down"):
+                why = " (its MLP is a mixture of experts, which takes no adapters yet)"
             have = [n for n in LORA_TARGETS if n in lay]
             raise ConfigError(
                 f"lora.targets names {t!r}, which this model has no weight for{why}; it has {have}"

@@ -29,6 +29,7 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     task_reward = check_data_files(cfg.data)  # it needs no model
     check_model_files(cfg.model)
     check_lora_targets(cfg)
+    check_router_losses(cfg)
     check_reward(cfg.rewards, task_reward=task_reward)
     check_eval_size(cfg)
     task = None
@@ -256,6 +257,21 @@ def check_lora_targets(cfg: RunConfig) -> None:
     from rl_jax.train.params import check_lora
 
     check_lora(resolve_spec(cfg.model), cfg.lora.target_names, cfg.lora.rank)
+
+
+def check_router_losses(cfg: RunConfig) -> None:
+    """The router's loss terms need a router: a mixture-of-experts model."""
+    coefs = {k: getattr(cfg.loss, k) for k in ("router_aux_coef", "router_z_coef")}
+    on = [k for k, v in coefs.items() if v]
+    if not on:
+        return
+    from rl_jax.models.load import resolve_spec
+
+    if not resolve_spec(cfg.model).is_moe:
+        raise ConfigError(
+            f"loss.{on[0]}={coefs[on[0]]} needs a mixture-of-experts model (model.num_experts "
+            "> 0); this model's MLP is dense"
+        )
 
 
 def check_data_files(data: DataConfig) -> str:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rl_jax.config import LossConfig
 from rl_jax.losses import LossInputs, loss_from_config
 from rl_jax.models import ModelSpec, Transformer, logprobs_from_hidden
+from rl_jax.models.moe import RouterStats, aux_losses
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import batch_sharding
@@ -139,8 +140,11 @@ def completion_forward(
     *,
     values: bool = False,
     group_size: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(log p, entropy, values or None) of each completion token, [B, Tg].
+    router: bool = False,
+) -> tuple[jax.Array, ...]:
+    """(log p, entropy, values or None) of each completion token, [B, Tg]; with `router`
+    (a mixture of experts) a fourth result, the router's statistics of each layer over
+    the batch's valid tokens (`rl_jax.models.moe.RouterStats`, [L, ...]).
 
     Column j is the state before completion token j is generated: the last
     prompt token predicts token 0, completion token j - 1 predicts token j. The
@@ -162,14 +166,18 @@ def completion_forward(
     B = batch.num_rows
     G = batch.group_size if group_size is None else group_size
     G = G if G > 1 and B % G == 0 else 1
-    h = _completion_hidden(model, batch, tp, tg, G)
+    h, stats = _completion_hidden(model, batch, tp, tg, G, router=router)
     targets = batch.tokens[:, tp : tp + tg]
     logp, ent = logprobs_from_hidden(model, h, targets, temperature=temperature)
-    return logp, ent, (model.values(h) if values else None)
+    out = (logp, ent, (model.values(h) if values else None))
+    return (*out, stats) if router else out
 
 
-def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, G: int):
-    """Residual stream [B, Tg, D] at the columns that predict the completion tokens."""
+def _completion_hidden(
+    model: Transformer, batch: TrainBatch, tp: int, tg: int, G: int, *, router: bool = False
+):
+    """Residual stream [B, Tg, D] at the columns that predict the completion tokens, and
+    the router's statistics (`router`; else None)."""
     # Prompt stream: one row per group, [P, Tp]; completion stream: [B, Tc], Tc = Tg - 1
     # (at least 1: zero-length arrays do not reshape). Both are rounded up to the
     # platform's sequence tile (`Kernels.seq_tile`): the prompts with invalid columns
@@ -183,9 +191,9 @@ def _completion_hidden(model: Transformer, batch: TrainBatch, tp: int, tg: int, 
     completion = [a[:, tp : tp + tc] for a in arrays]
     if tc > tg:
         completion = [jnp.pad(a, ((0, 0), (0, tc - tg))) for a in completion]
-    xp, xc = model.shared_prefix(*prompt, *completion, group_size=G)
+    xp, xc, *stats = model.shared_prefix(*prompt, *completion, group_size=G, with_router=router)
     last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
-    return jnp.concatenate([last, xc[:, : tg - 1]], axis=1)
+    return jnp.concatenate([last, xc[:, : tg - 1]], axis=1), (stats[0] if router else None)
 
 
 def completion_logprobs(spec, rules, mesh, params, batch, temperature):
@@ -219,8 +227,8 @@ def _loss_fn(
     critic = loss_cfg.advantage == "gae"
 
     def loss_fn(params: Params, batch: TrainBatch):
-        logp, ent, values = completion_forward(
-            spec, rules, mesh, params, batch, temperature, values=critic
+        logp, ent, values, *router = completion_forward(
+            spec, rules, mesh, params, batch, temperature, values=critic, router=spec.is_moe
         )
         inputs = LossInputs(
             logp=logp,
@@ -235,9 +243,36 @@ def _loss_fn(
             old_values=batch.old_values,
             returns=batch.returns,
         )
-        return loss_from_config(loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens)
+        loss, metrics = loss_from_config(
+            loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens
+        )
+        if router:
+            loss, metrics = _with_router_terms(spec, loss_cfg, loss, metrics, router[0])
+        return loss, metrics
 
     return loss_fn
+
+
+def _with_router_terms(
+    spec: ModelSpec, loss_cfg: LossConfig, loss: jax.Array, metrics: dict, stats: RouterStats
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A mixture of experts' loss with the router's terms (`loss.router_aux_coef`,
+    `loss.router_z_coef`; zero by default, as in the families' RL recipes), and its
+    router metrics: both terms, the router's entropy, each expert's share of the
+    assignments (`router_load/j`) and the largest share times E (1 = balanced)."""
+    E = spec.num_experts
+    r = aux_losses(stats, num_experts=E, top_k=spec.num_experts_per_tok)
+    if loss_cfg.router_aux_coef:
+        loss = loss + loss_cfg.router_aux_coef * r["load_balance"]
+    if loss_cfg.router_z_coef:
+        loss = loss + loss_cfg.router_z_coef * r["z"]
+    metrics = dict(metrics, loss=loss)  # the total the gradient is of
+    metrics["router_aux_loss"] = r["load_balance"]
+    metrics["router_z_loss"] = r["z"]
+    metrics["router_entropy"] = r["entropy"]
+    metrics["router_load_max"] = E * jnp.max(r["load"])
+    metrics.update({f"router_load/{j}": r["load"][j] for j in range(E)})
+    return loss, metrics
 
 
 def _step_fn(

@@ -1,0 +1,180 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE): a softmax router picks each token's top
+k of E SwiGLU experts; their outputs are summed, weighted by the router's probabilities.
+
+Dispatch is dropless: the N x k (token, expert) assignments are sorted by expert and
+every expert multiplies exactly its rows in one grouped matmul
+(`Kernels.grouped_matmul`, `jax.lax.ragged_dot`); no token is dropped and no capacity
+is reserved, in training and in sampling alike, so the trainer and the sampler route the
+same tokens to the same experts (up to the rounding of the router's logits). Nothing of
+size [N, E, D] is built: the dispatch is a gather of N x k rows, the combine a gather
+back and a weighted sum over k.
+
+Dimension letters: N tokens, D width, E experts, k experts per token, Fe an expert's
+MLP width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from rl_jax.kernels.xla import grouped_matmul as xla_grouped_matmul
+from rl_jax.kernels.xla import matmul
+from rl_jax.sharding.rules import Rules, fit_spec, logical_to_spec
+
+
+class RouterStats(NamedTuple):
+    """Sums over one forward's valid tokens of one layer (or [L] / [L, E] stacked by the
+    scan over layers); sums, so that streams (prompts and completions) add up.
+
+    tokens: valid tokens routed. load: [E] assignments per expert (sums to k x tokens).
+    prob: [E] router probabilities per expert. z: squared log-sum-exp of the router's
+    logits. entropy: the router distribution's entropy (nats)."""
+
+    tokens: jax.Array
+    load: jax.Array
+    prob: jax.Array
+    z: jax.Array
+    entropy: jax.Array
+
+    def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
+        return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def route(
+    x_nd: jax.Array, router_de: jax.Array, *, top_k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits [N, E] float32, chosen experts [N, k] int32, their weights [N, k] float32).
+
+    The router runs in float32 whatever the compute dtype (a bf16 router flips near-tied
+    choices between two forwards that round differently: the trainer's and the
+    sampler's). Weights are the chosen softmax probabilities, renormalized to sum to 1
+    with `norm_topk_prob` (transformers' Qwen3MoeTopKRouter)."""
+    logits = matmul(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, experts.astype(jnp.int32), weights
+
+
+def router_stats(logits_ne: jax.Array, experts_nk: jax.Array, valid_n: jax.Array | None):
+    """RouterStats of one layer's tokens (pads, valid_n False, left out)."""
+    N, E = logits_ne.shape
+    w = jnp.ones((N,), jnp.float32) if valid_n is None else valid_n.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits_ne, axis=-1)
+    probs = jnp.exp(logp)
+    lse = jax.nn.logsumexp(logits_ne, axis=-1)
+    load = (
+        jnp.zeros((E,), jnp.float32)
+        .at[experts_nk.reshape(-1)]
+        .add(jnp.repeat(w, experts_nk.shape[1]))
+    )
+    return RouterStats(
+        tokens=jnp.sum(w),
+        load=load,
+        prob=jnp.sum(probs * w[:, None], axis=0),
+        z=jnp.sum(w * lse * lse),
+        entropy=jnp.sum(w * -jnp.sum(probs * logp, axis=-1)),
+    )
+
+
+def moe_mlp(
+    h: jax.Array,
+    router_de: jax.Array,
+    gate_efd: jax.Array,
+    up_efd: jax.Array,
+    down_efd: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    valid: jax.Array | None = None,
+    grouped_matmul: Callable = xla_grouped_matmul,
+) -> tuple[jax.Array, RouterStats]:
+    """The sparse MLP of h [..., D] (already normed) in h's dtype, and its RouterStats.
+
+    router_de [D, E]; gate/up [E, D, Fe], down [E, Fe, D]. valid [...] (h's leading
+    shape): the tokens the stats count (every token is computed)."""
+    lead, D = h.shape[:-1], h.shape[-1]
+    x = h.reshape(-1, D)
+    N, E = x.shape[0], router_de.shape[-1]
+    logits, experts, weights = route(x, router_de, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    flat = experts.reshape(-1)  # [N k], assignment a = token a // k
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    xs = jnp.take(x, order // top_k, axis=0)  # [N k, D]
+    dt = x.dtype
+    g = grouped_matmul(xs, gate_efd.astype(dt), sizes)
+    u = grouped_matmul(xs, up_efd.astype(dt), sizes)
+    ys = grouped_matmul(jax.nn.silu(g) * u, down_efd.astype(dt), sizes)  # [N k, D]
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(N * top_k, dtype=order.dtype))
+    y = jnp.take(ys, back, axis=0).reshape(N, top_k, D)
+    out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
+    valid_n = None if valid is None else valid.reshape(-1)
+    return out.reshape(*lead, D), router_stats(logits, experts, valid_n)
+
+
+def aux_losses(stats: RouterStats, *, num_experts: int, top_k: int) -> dict[str, jax.Array]:
+    """Router losses and metrics of RouterStats stacked over layers ([L], [L, E]).
+
+    load_balance: Switch Transformer's E x sum_e f_e P_e per layer (f_e the fraction of
+    assignments to expert e, P_e its mean router probability), averaged over layers: 1
+    when routing is uniform, up to E when one expert takes everything. z: ST-MoE's mean
+    squared log-sum-exp of the router logits. load: [E] fraction of assignments per
+    expert over all layers; entropy: the router's mean entropy (nats)."""
+    n = jnp.maximum(stats.tokens, 1.0)  # [L]
+    f = stats.load / (n[:, None] * top_k)  # [L, E], rows sum to 1
+    p = stats.prob / n[:, None]
+    total = jnp.maximum(jnp.sum(stats.load), 1.0)
+    return dict(
+        load_balance=jnp.mean(num_experts * jnp.sum(f * p, axis=-1)),
+        z=jnp.mean(stats.z / n),
+        load=jnp.sum(stats.load, axis=0) / total,
+        entropy=jnp.mean(stats.entropy / n),
+    )
+
+
+def sharded_moe_mlp(
+    mesh: Mesh,
+    rules: Rules,
+    h: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    valid: jax.Array | None,
+    **kw,
+) -> tuple[jax.Array, RouterStats]:
+    """`moe_mlp` of h [N, T, D] on a mesh: each batch shard routes, sorts and multiplies
+    its own tokens (its rows of N, over the axes `batch` maps to), each expert's MLP width
+    split over the axes `mlp` maps to (Megatron-style: a partial down projection summed
+    over them); the experts' weights are gathered whole along every other axis, as FSDP
+    gathers a dense MLP's.
+
+    (XLA's SPMD partitioner does not split a grouped matmul's ragged rows: left to it,
+    every chip would multiply every token of the batch through its experts.)"""
+    N, T, _ = h.shape
+    Fe = weights[1].shape[-1]
+    b = fit_spec(logical_to_spec(("batch",), rules), (N,), mesh)[0]
+    m = fit_spec(logical_to_spec(("mlp",), rules), (Fe,), mesh)[0]
+    b_axes = () if b is None else (b,) if isinstance(b, str) else tuple(b)
+    m_axes = () if m is None else (m,) if isinstance(m, str) else tuple(m)
+    if set(b_axes) & set(m_axes):
+        m_axes, m = (), None
+    valid = jnp.ones((N, T), bool) if valid is None else valid
+
+    def local(h, router, wg, wu, wd, valid):
+        out, stats = moe_mlp(h, router, wg, wu, wd, valid=valid, **kw)
+        if m_axes:
+            out = jax.lax.psum(out, m_axes)
+        if b_axes:
+            stats = jax.tree.map(lambda s: jax.lax.psum(s, b_axes), stats)
+        return out, stats
+
+    row = P(b, None, None)
+    in_specs = (row, P(), P(None, None, m), P(None, None, m), P(None, m, None), P(b, None))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(row, P()))(
+        h, *weights, valid
+    )

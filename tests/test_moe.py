@@ -1,0 +1,655 @@
+"""Mixture-of-experts decoders (Qwen3-MoE): the sparse MLP against a per-token reference,
+its dispatch (no dense [tokens, experts, ...] arrays), the engine's decode step against
+the trainer's forward, specs, presets and FLOPs, router losses and metrics."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.config import ModelConfig, SamplingConfig
+from rl_jax.knobs import ConfigError
+from rl_jax.models import (
+    Transformer,
+    init_params,
+    positions_from_valid,
+    resolve_spec,
+    token_logprobs,
+)
+from rl_jax.models.moe import RouterStats, aux_losses, moe_mlp, route
+from rl_jax.sampling import Engine
+
+SPEC = resolve_spec(
+    ModelConfig(
+        preset="tiny-moe",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        moe_intermediate_size=48,
+    )
+)
+PROMPTS = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13, 14, 15, 16]]
+
+
+def _params(seed, spec=SPEC, scale=3.0):
+    """Random weights scaled up, so logits and router choices are far from ties."""
+    p = init_params(spec, jax.random.key(seed))
+    norms = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+    return {k: v if k in norms else v * scale for k, v in p.items()}
+
+
+def _reference_moe(h, router, wg, wu, wd, *, top_k, norm_topk_prob):
+    """Token by token, as transformers' Qwen3MoeSparseMoeBlock reads: softmax over all
+    experts, top k, renormalized or not, SwiGLU of each chosen expert, weighted sum."""
+    h, router = np.asarray(h, np.float64), np.asarray(router, np.float64)
+    wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
+    out = np.zeros_like(h)
+    for n, x in enumerate(h):
+        z = x @ router
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:top_k]
+        w = p[top] / (p[top].sum() if norm_topk_prob else 1.0)
+        for e, we in zip(top, w, strict=True):
+            g, u = x @ wg[e], x @ wu[e]
+            out[n] += we * ((g / (1 + np.exp(-g))) * u) @ wd[e]
+    return out
+
+
+@pytest.mark.parametrize("E,k,norm", [(4, 1, False), (8, 2, True), (8, 3, False)])
+def test_sparse_mlp_equals_the_per_token_reference(E, k, norm):
+    keys = jax.random.split(jax.random.key(E * 10 + k), 5)
+    N, D, F = 13, 16, 24
+    h = jax.random.normal(keys[0], (N, D))
+    router = jax.random.normal(keys[1], (D, E))
+    wg, wu = (jax.random.normal(kk, (E, D, F)) * 0.3 for kk in keys[2:4])
+    wd = jax.random.normal(keys[4], (E, F, D)) * 0.3
+    out, stats = jax.jit(
+        functools.partial(moe_mlp, top_k=k, norm_topk_prob=norm),
+    )(h, router, wg, wu, wd)
+    want = _reference_moe(h, router, wg, wu, wd, top_k=k, norm_topk_prob=norm)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    # Statistics: every token counted once, k assignments each.
+    assert float(stats.tokens) == N and float(stats.load.sum()) == N * k
+    np.testing.assert_allclose(float(stats.prob.sum()), N, rtol=1e-5)
+
+
+def test_dispatch_builds_nothing_of_tokens_by_experts_by_width():
+    """The training forward's dispatch is a sort and gathers: on TPU, where ragged_dot is
+    one grouped matmul, no array of the program has [N, E, ...] or [E, N, ...] shape
+    (XLA:CPU's own lowering of ragged_dot masks per group, so the program is checked
+    before lowering, as jaxpr)."""
+    N, D, E, F, k = 64, 16, 8, 24, 2
+    args = (
+        jnp.zeros((N, D)),
+        jnp.zeros((D, E)),
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, D, F)),
+        jnp.zeros((E, F, D)),
+    )
+
+    def loss(*a):
+        out, _ = moe_mlp(*a, top_k=k, norm_topk_prob=True)
+        return jnp.sum(out)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    shapes = set()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert (N * k, F) in shapes  # the grouped matmuls' rows: one per assignment
+    assert not [s for s in shapes if len(s) >= 3 and N in s and E in s], shapes
+
+
+def test_router_renormalizes_only_when_asked():
+    x = jax.random.normal(jax.random.key(0), (5, 8))
+    r = jax.random.normal(jax.random.key(1), (8, 6))
+    _, e1, w1 = route(x, r, top_k=2, norm_topk_prob=False)
+    _, e2, w2 = route(x, r, top_k=2, norm_topk_prob=True)
+    np.testing.assert_array_equal(e1, e2)
+    assert (np.asarray(w1.sum(-1)) < 1).all()
+    np.testing.assert_allclose(w2.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_aux_losses_by_hand():
+    """Two layers, E = 2, k = 1: uniform routing gives load balance 1; one expert taking
+    every token with probability 0.9 gives E x (1 x 0.9) = 1.8."""
+    stats = RouterStats(
+        tokens=jnp.array([4.0, 4.0]),
+        load=jnp.array([[2.0, 2.0], [4.0, 0.0]]),
+        prob=jnp.array([[2.0, 2.0], [3.6, 0.4]]),
+        z=jnp.array([8.0, 16.0]),
+        entropy=jnp.array([4.0, 2.0]),
+    )
+    out = aux_losses(stats, num_experts=2, top_k=1)
+    np.testing.assert_allclose(out["load_balance"], (1.0 + 1.8) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["z"], (2.0 + 4.0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["load"], [6 / 8, 2 / 8], rtol=1e-6)
+    np.testing.assert_allclose(out["entropy"], (1.0 + 0.5) / 2, rtol=1e-6)
+
+
+# ---- specs, presets, FLOPs ---------------------------------------------------------------
+
+
+def test_published_presets_count_their_parameters():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Qwen3-235B-A22B: 235B, 22B (the
+    model cards' numbers)."""
+    a3b = resolve_spec(ModelConfig(preset="qwen3-30b-a3b"))
+    a22b = resolve_spec(ModelConfig(preset="qwen3-235b-a22b"))
+    assert a3b.num_params() / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert a22b.num_params() / 1e9 == pytest.approx(235.1, abs=0.3)
+    active = (a3b.flops_per_token(0) / 2 + a3b.vocab_size * a3b.hidden_size) / 1e9
+    assert 3.3 <= active < 3.4  # "3.3B activated", the embedding counted
+    # A dense spec's accounting is untouched by the new fields.
+    dense = resolve_spec(ModelConfig(preset="qwen3-8b"))
+    assert not dense.is_moe and dense.num_params() / 1e9 == pytest.approx(8.19, abs=0.01)
+
+
+def test_expert_knobs_override_a_dense_preset_and_bad_ones_are_refused():
+    spec = resolve_spec(
+        ModelConfig(preset="tiny", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    )
+    assert spec.is_moe and spec.architecture == "qwen2" and not spec.norm_topk_prob
+    plain = resolve_spec(ModelConfig(preset="tiny-moe", norm_topk_prob="false"))
+    assert plain.norm_topk_prob is False
+    with pytest.raises(ConfigError, match="model.moe_intermediate_size=0"):
+        resolve_spec(ModelConfig(preset="tiny", num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=5 must be in \[1"):
+        resolve_spec(ModelConfig(preset="tiny-moe", num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match="model.norm_topk_prob"):
+        ModelConfig(norm_topk_prob="maybe")
+
+
+# ---- the forward, the engine -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params(0)
+
+
+def _sequences(out):
+    tg = out.completion_tokens.shape[1]
+    tokens = np.concatenate([out.prompt_tokens, out.completion_tokens], axis=1)
+    valid = np.concatenate([out.prompt_mask, np.arange(tg)[None, :] < out.lengths[:, None]], axis=1)
+    return jnp.asarray(tokens), jnp.asarray(valid), positions_from_valid(jnp.asarray(valid))
+
+
+@jax.jit
+def _trainer_logprobs(params, tokens, valid, positions):
+    model = Transformer(SPEC, params)
+    return token_logprobs(model, tokens, positions, kv_valid_bt=valid)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_decodes_the_sparse_mlp_as_the_trainer_scores_it(params, temperature):
+    """The engine's decode step (a paged cache, three slots for six rows) and the
+    trainer's full forward give each sampled token the same log-prob."""
+    cfg = SamplingConfig(
+        temperature=temperature, max_new_tokens=10, length_bucket=8, max_prompt_len=16
+    )
+    engine = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0)
+    out, _ = engine.run(params, PROMPTS, n=2, seed=3)
+    # A slot for every row, decoded in one call: the same tokens.
+    whole = Engine.for_batch(SPEC, cfg, prompts=len(PROMPTS), n=2, prompt_len=16, pad_id=0)
+    ref, _ = whole.run(params, PROMPTS, n=2, seed=3)
+    np.testing.assert_array_equal(out.completion_tokens, ref.completion_tokens)
+    logp = np.asarray(_trainer_logprobs(params, *_sequences(out)))
+    tp = out.prompt_tokens.shape[1]
+    m = out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], logp[:, tp - 1 : -1][m], atol=1e-4)
+
+
+def test_shared_prefix_router_stats_count_valid_tokens_only(params):
+    """The trainer's forward (each prompt once per group) reports the router over the
+    valid tokens: pads change no statistic."""
+    model = Transformer(SPEC, params)
+    P, G, tp, tc = 2, 2, 5, 4
+    rng = np.random.default_rng(0)
+    pt = jnp.asarray(rng.integers(1, 64, (P, tp)))
+    ct = jnp.asarray(rng.integers(1, 64, (P * G, tc)))
+    pv = jnp.ones((P, tp), bool).at[0, :2].set(False)
+    cv = jnp.ones((P * G, tc), bool).at[:, 3:].set(False)
+
+    @jax.jit
+    def stats(pt, ct):
+        return model.shared_prefix(
+            pt,
+            positions_from_valid(pv),
+            pv,
+            ct,
+            tp + jnp.zeros((P * G, tc), jnp.int32) + jnp.arange(tc),
+            cv,
+            group_size=G,
+            with_router=True,
+        )[2]
+
+    s = stats(pt, ct)
+    assert s.load.shape == (SPEC.num_layers, SPEC.num_experts)
+    np.testing.assert_array_equal(s.tokens, [int(pv.sum() + cv.sum())] * SPEC.num_layers)
+    # Changing pad tokens changes nothing the statistics count.
+    s2 = stats(pt.at[0, :2].set(7), ct.at[:, 3:].set(9))
+    for a, b in zip(s, s2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ---- HF checkpoints: parity with transformers' Qwen3MoeForCausalLM -------------------------
+
+
+def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False):
+    """A random Qwen3-MoE as transformers builds and saves it (weights scaled up, so the
+    router's choices and the norms matter)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(experts * 10 + top_k)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    d = tmp_path_factory.mktemp(f"qwen3moe_{experts}_{top_k}_{norm}")
+    model.save_pretrained(d)
+    return d, model
+
+
+HF_TOKENS = np.random.default_rng(0).integers(0, 48, (2, 17))
+
+
+def _hf_logprobs(model, toks=HF_TOKENS):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor(toks)).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1]
+    return lp.gather(-1, torch.tensor(toks[:, 1:, None]))[..., 0].numpy()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "experts,top_k,norm", [(4, 1, False), (4, 2, True), (8, 2, False), (8, 1, True)]
+)
+def test_qwen3_moe_loads_and_exports_with_transformers_logits(
+    experts, top_k, norm, tmp_path_factory
+):
+    import torch
+    import transformers
+
+    from rl_jax.models.hf import export_hf, load_hf
+
+    d, hf_model = _hf_moe(tmp_path_factory, experts=experts, top_k=top_k, norm=norm)
+    want = _hf_logprobs(hf_model)
+    ours = load_hf(d)
+    spec = ours.spec
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.norm_topk_prob) == (
+        experts,
+        top_k,
+        norm,
+    )
+    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    out = export_hf(ours, tmp_path_factory.mktemp("export"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+
+
+def test_qwen3_moe_configs_with_dense_layers_are_refused():
+    from rl_jax.models.hf import CheckpointError, spec_fields_from_hf_config
+
+    base = dict(
+        model_type="qwen3_moe",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    )
+    fields = spec_fields_from_hf_config(base | {"norm_topk_prob": True})
+    assert (fields["num_experts"], fields["norm_topk_prob"]) == (4, True)
+    # transformers 5's spelling of the expert count
+    five = dict(base, num_local_experts=8)
+    del five["num_experts"]
+    assert spec_fields_from_hf_config(five)["num_experts"] == 8
+    for bad in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}):
+        with pytest.raises(CheckpointError, match=r"layers \[.*\] dense"):
+            spec_fields_from_hf_config(base | bad)
+
+
+def test_a_mixture_of_experts_on_a_family_without_one_does_not_export(tmp_path):
+    from rl_jax.models import build_model
+    from rl_jax.models.hf import CheckpointError, export_hf
+
+    spec = resolve_spec(
+        ModelConfig(
+            preset="tiny",
+            num_layers=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=8,
+        )
+    )
+    with pytest.raises(CheckpointError, match="exports as Qwen3-MoE"):
+        export_hf(build_model(spec), tmp_path / "out")
+
+
+@pytest.mark.parity
+@pytest.mark.devices(8)
+def test_sharded_load_reads_each_experts_slice(tmp_path_factory):
+    from rl_jax.config import MeshConfig
+    from rl_jax.models import host_params
+    from rl_jax.models.load import load_model
+    from rl_jax.sharding import make_mesh
+
+    d, _ = _hf_moe(tmp_path_factory, experts=4, top_k=2, norm=True)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    sharded = load_model(d, mesh=mesh)
+    plain = host_params(load_model(d))
+    for name, arr in host_params(sharded).items():
+        np.testing.assert_array_equal(arr, plain[name], err_msg=name)
+
+
+# ---- training: `rl-jax train` on a tiny MoE, router losses and metrics ---------------------
+
+MOE_RUN = [
+    "model.preset=tiny-moe",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.moe_intermediate_size=64",
+    "loss.router_aux_coef=0.01",
+    "loss.router_z_coef=0.001",
+    "mesh.num_devices=1",
+    "train.steps=3",
+    "eval.every=3",
+    "eval.at_start=false",
+]
+
+
+def test_rl_jax_train_runs_a_tiny_moe_on_the_engine_with_router_terms(tmp_path, capsys):
+    """`rl-jax train` on the CPU demo task's arithmetic prompts with a tiny MoE (the
+    trainer tests' verifier, so a random policy's groups disagree): three on-policy
+    steps sampled on the engine, whose log-probs the trainer reproduces (ratios 1), the
+    router's loss terms in the loss, its metrics in every row."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    import train_even_first
+
+    from rl_jax.cli import main
+
+    args = [*train_even_first.TINY_RUN, *MOE_RUN, f"out_dir={tmp_path}", "name=moe"]
+    assert main(["train", "scalerl", *args]) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]  # the step rows (not the evaluation's)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        loads = [r[f"train/router_load/{j}"] for j in range(4)]
+        assert sum(loads) == pytest.approx(1.0, abs=1e-5) and min(loads) > 0
+        assert r["train/router_load_max"] == pytest.approx(4 * max(loads), rel=1e-5)
+        assert 0 < r["train/router_entropy"] <= np.log(4) + 1e-6
+        assert r["train/router_aux_loss"] >= 1.0 - 1e-5  # E sum f P >= 1 (Cauchy-Schwarz)
+        # loss = policy loss + the router's terms at their coefficients
+        terms = 0.01 * r["train/router_aux_loss"] + 0.001 * r["train/router_z_loss"]
+        assert r["train/loss"] == pytest.approx(r["train/pg_loss"] + terms, abs=1e-5)
+        # on-policy: the engine's decode and the trainer's forward route alike
+        assert r["train/ratio_max"] - r["train/ratio_min"] < 1e-4
+    curve = (tmp_path / "moe" / "curve.jsonl").read_text().splitlines()
+    assert json.loads(curve[-1])["step"] == 3
+
+
+def test_router_losses_on_a_dense_model_are_refused_before_training(capsys, monkeypatch):
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("reached the trainer"))
+    rc = main(["train", "grpo", "loss.router_aux_coef=0.01"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "loss.router_aux_coef=0.01" in err and "mixture-of-experts" in err
+
+
+def test_load_balancing_loss_pulls_the_router_toward_balance():
+    """The load-balancing term's gradient flows through the router's probabilities: a
+    step against it makes routing more even (Switch Transformer's design)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    N, D, E, F = 64, 16, 4, 8
+    h = jax.random.normal(keys[0], (N, D))
+    router = jax.random.normal(keys[1], (D, E)).at[:, 0].add(1.0)  # expert 0 favoured
+    shapes = [(E, D, F), (E, D, F), (E, F, D)]
+    w = [jax.random.normal(kk, s) * 0.1 for kk, s in zip(keys[2:], shapes, strict=True)]
+
+    def balance(r):
+        _, stats = moe_mlp(h, r, *w, top_k=1, norm_topk_prob=False)
+        stats = jax.tree.map(lambda a: a[None], stats)  # one layer
+        return aux_losses(stats, num_experts=E, top_k=1)["load_balance"]
+
+    g = jax.grad(balance)(router)
+    assert float(jnp.abs(g).max()) > 0
+    before, after = balance(router), balance(router - 2.0 * g)
+    assert float(after) < float(before)
+
+
+def test_rl_jax_model_directory_round_trip(params, tmp_path):
+    from rl_jax.models import host_params
+    from rl_jax.models.load import load_model
+    from rl_jax.models.native import save_model
+
+    save_model(Transformer(SPEC, params), tmp_path / "m")
+    back = load_model(str(tmp_path / "m"))
+    assert back.spec.replace(scan_layers=SPEC.scan_layers) == SPEC
+    for name, a in host_params(back).items():
+        np.testing.assert_array_equal(a, np.asarray(params[name]), err_msg=name)
+
+
+def test_lora_on_the_experts_is_refused_by_name(capsys, monkeypatch):
+    import rl_jax.train.loop as loop
+    from rl_jax.cli import main
+
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("reached the trainer"))
+    rc = main(["train", "scalerl", "model.preset=tiny-moe", "lora.enabled=true"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "lora.targets names 'gate'" in err and "mixture of experts" in err
+
+
+@pytest.mark.devices(8)
+def test_sharded_forward_and_gradients_equal_one_devices(params):
+    """On a data 2 x fsdp 2 x tensor 2 mesh each batch shard dispatches its own tokens and
+    each tensor shard holds half of every expert's width: the log-probs, the router's
+    statistics and the gradients are one device's."""
+    from rl_jax.config import MeshConfig
+    from rl_jax.models import param_shardings
+    from rl_jax.sharding import get_rules, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rules = get_rules("fsdp_tp")
+    P_, G, tp, tc = 4, 2, 6, 5
+    rng = np.random.default_rng(1)
+    args = (
+        jnp.asarray(rng.integers(1, 64, (P_, tp))),
+        jnp.broadcast_to(jnp.arange(tp), (P_, tp)),
+        jnp.ones((P_, tp), bool),
+        jnp.asarray(rng.integers(1, 64, (P_ * G, tc))),
+        jnp.broadcast_to(tp + jnp.arange(tc), (P_ * G, tc)),
+        jnp.ones((P_ * G, tc), bool).at[:, 4:].set(False),
+    )
+
+    def loss(p, mesh):
+        model = Transformer(SPEC.replace(scan_layers=True), p, mesh=mesh, rules=rules)
+        _, xc, stats = model.shared_prefix(*args, group_size=G, with_router=True)
+        lp = model.logits(xc).astype(jnp.float32)
+        return jnp.mean(jax.nn.log_softmax(lp)[..., 0]) + 0.1 * stats.z.sum(), stats
+
+    one = jax.jit(jax.value_and_grad(lambda p: loss(p, None), has_aux=True))(params)
+    placed = jax.device_put(params, param_shardings(SPEC, mesh, rules))
+    assert placed["expert_gate"].sharding.spec[1:4] == ("fsdp", None, "tensor")
+    many = jax.jit(jax.value_and_grad(lambda p: loss(p, mesh), has_aux=True))(placed)
+    (l1, s1), g1 = one
+    (l8, s8), g8 = many
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for a, b in zip(s8, s1, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    for name in g1:
+        np.testing.assert_allclose(g8[name], g1[name], atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+def test_a_tpu_program_multiplies_each_token_through_its_experts_once(no_compilation_cache):
+    """Compiled for 4 TPU chips (libtpu, from this host) with rows over data x fsdp, the
+    forward's FLOPs per chip are a quarter of the model's: each chip dispatches its own
+    rows. (Left to XLA's SPMD partitioner, a grouped matmul's ragged rows are not split:
+    every chip multiplied all 4 shards' tokens through the experts, 2.9x the model's.)"""
+    from rl_jax.config import MeshConfig
+    from rl_jax.models import param_shardings
+    from rl_jax.sharding import get_rules, make_mesh
+
+    try:
+        from rl_jax.plan import topology_devices
+
+        devices = topology_devices("v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    spec = SPEC.replace(num_layers=1, scan_layers=True)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=1), devices)
+    rules = get_rules("fsdp_tp")
+    B, T = 8, 64
+    p_sh = param_shardings(spec, mesh, rules)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+    def forward(p, tokens):
+        model = Transformer(spec, p, mesh=mesh, rules=rules)
+        return model.logits(model(tokens)[0])
+
+    params = {n: jax.ShapeDtypeStruct(i.shape, jnp.float32) for n, i in _layout(spec).items()}
+    tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    compiled = jax.jit(forward, in_shardings=(p_sh, rows)).lower(params, tokens).compile()
+    cost = compiled.cost_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    model_flops = spec.sequence_flops(T) * B / 4  # causal attention included
+    assert 0.9 < flops / model_flops < 1.3, flops / model_flops
+
+
+def _layout(spec):
+    from rl_jax.models.transformer import param_layout
+
+    return param_layout(spec)
+
+
+def test_plan_estimate_counts_the_experts_a_token_goes_through():
+    """`rl-jax plan`'s memory estimate: a token's MLP activations are its k experts'
+    (k x moe_intermediate_size), whatever the family's dense width says."""
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import CHIPS
+    from rl_jax.plan._estimate import estimate
+
+    cfg = load_recipe("scalerl", ["model.preset=tiny-moe"])
+    mesh = {"data": 1, "fsdp": 2, "tensor": 2}
+    moe = resolve_spec(cfg.model)
+
+    def activations(spec):
+        return estimate(spec, cfg, mesh, CHIPS["v5e"])["parts"]["activations"]
+
+    acts = activations(moe)
+    assert activations(moe.replace(intermediate_size=8)) == acts
+    assert activations(moe.replace(num_experts_per_tok=3)) > acts
+
+
+def test_convert_writes_over_its_own_previous_moe_export(params, tmp_path):
+    """`rl-jax convert` replaces a previous HF export of its own (a Qwen3-MoE one too)
+    without --force."""
+    from rl_jax.cli.convert import check_output_dir
+    from rl_jax.models.hf import export_hf
+
+    out = export_hf(Transformer(SPEC, params), tmp_path / "out")
+    check_output_dir(out, "hf", force=False)  # no ConfigError
+
+
+@pytest.mark.parametrize("M,G,short", [(13, 3, 0), (100, 8, 2), (7, 16, 1)])
+def test_grouped_matmul_gradients_equal_ragged_dots(M, G, short):
+    """`kernels.grouped_matmul`'s own backward (blocked weight gradient) against JAX's
+    autodiff of ragged_dot, groups of random sizes, some empty, rows past the groups."""
+    from rl_jax.kernels.xla import grouped_matmul
+
+    rng = np.random.default_rng(M)
+    D, N = 5, 4
+    x = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(G, D, N)), jnp.float32)
+    sizes = rng.multinomial(M, np.ones(G) / G)
+    sizes[-1] = max(sizes[-1] - short, 0)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def grads(f):
+        return jax.grad(lambda x, w: jnp.sum(f(x, w, gs) * dy), argnums=(0, 1))(x, w)
+
+    for got, want in zip(grads(grouped_matmul), grads(jax.lax.ragged_dot), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cache):
+    """libtpu counts (and XLA:CPU computes) ragged_dot's own weight gradient over every
+    group: 64x the backward's FLOPs at 128 experts. grouped_matmul's is its rows'."""
+    from rl_jax.kernels.xla import grouped_matmul
+
+    try:
+        from rl_jax.plan import topology_devices
+
+        devices = topology_devices("v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    M, D, N, G = 4096, 256, 128, 128
+    f = jax.jit(
+        jax.grad(lambda x, w, g: grouped_matmul(x, w, g).astype(jnp.float32).sum(), (0, 1)),
+        in_shardings=(one, one, one),
+    )
+    shapes = [(M, D), (G, D, N), (G,)]
+    dtypes = [jnp.bfloat16, jnp.bfloat16, jnp.int32]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    cost = f.lower(*args).compile().cost_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    # dx and dw, 2 M D N each (the weight gradient's loop body counts once here)
+    assert flops < 1.3 * 4 * M * D * N, flops / (4 * M * D * N)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("axes", [(8, 1), (4, 2)], ids=["data8", "data4_tensor2"])
+def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes):
+    """The engine's prefill (the model's forward, its sparse MLP per batch shard) and
+    decode on a mesh: one device's rollouts."""
+    from rl_jax.config import MeshConfig
+    from rl_jax.sharding import make_mesh
+
+    data, tensor = axes
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=8, length_bucket=8, max_prompt_len=16)
+    mesh = make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor, rules="fsdp_tp"))
+    one, _ = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0).run(params, PROMPTS, n=3, seed=9)
+    many = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0, mesh=mesh)
+    got, _ = many.run(many.reshard(params), PROMPTS, n=3, seed=9)
+    np.testing.assert_array_equal(got.completion_tokens, one.completion_tokens)
+    np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
