@@ -22,12 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
 import train_even_first  # noqa: E402
 
-# scalerl_8b is scalerl at the paper's sizes (the same algorithm: scalerl's case covers it;
-# tests/test_plan_recipes.py plans it).
+# scalerl_8b is scalerl at the paper's sizes and code_mix_tpu qwen3_math's algorithm on a
+# mixture (their cases cover them; tests/test_plan_recipes.py plans both).
+SAME_ALGORITHM = {"scalerl_8b": "scalerl", "code_mix_tpu": "qwen3_math"}
 RECIPES = sorted(
     p.stem
     for p in (ROOT / "experiments").glob("*.py")
-    if not p.stem.startswith("_") and "def recipe(" in p.read_text() and p.stem != "scalerl_8b"
+    if not p.stem.startswith("_")
+    and "def recipe(" in p.read_text()
+    and p.stem not in SAME_ALGORITHM
 )
 KL_COEF = 0.1
 # The tiny sizes, without the off-policy mode: each recipe keeps its own.
@@ -54,6 +57,16 @@ def _no_files(cfg) -> list[str]:
     mesh = ["mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]
     train = [f"train.updates_per_batch={steps}", "train.grad_accum=1", "train.pipeline_waves=0"]
     return [*NO_FILES, *mesh, *train, "sampling.engine_slots=0"]
+
+
+def test_recipes_left_out_share_their_stand_ins_algorithm():
+    for name, stand_in in SAME_ALGORITHM.items():
+        a, b = load_recipe(name), load_recipe(stand_in)
+        assert a.loss.resolved() == b.loss.resolved(), name
+        assert (a.train.off_policy, a.train.off_policy_k) == (
+            b.train.off_policy,
+            b.train.off_policy_k,
+        )
 
 
 def test_every_recipe_is_covered():
