@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_sampler import _sequences
 
 from rl_jax.config import ModelConfig, SamplingConfig
 from rl_jax.knobs import ConfigError
@@ -174,13 +175,6 @@ def test_expert_knobs_override_a_dense_preset_and_bad_ones_are_refused():
 @pytest.fixture(scope="module")
 def params():
     return _params(0)
-
-
-def _sequences(out):
-    tg = out.completion_tokens.shape[1]
-    tokens = np.concatenate([out.prompt_tokens, out.completion_tokens], axis=1)
-    valid = np.concatenate([out.prompt_mask, np.arange(tg)[None, :] < out.lengths[:, None]], axis=1)
-    return jnp.asarray(tokens), jnp.asarray(valid), positions_from_valid(jnp.asarray(valid))
 
 
 @jax.jit
