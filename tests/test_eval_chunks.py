@@ -11,7 +11,7 @@ from test_sampler import SPEC, _params
 from rl_jax.config import EvalConfig, RunConfig, SamplingConfig, run_id
 from rl_jax.knobs import ConfigError
 from rl_jax.sampling import Engine
-from rl_jax.train.evaluation import eval_prompts_per_batch, generate_rows
+from rl_jax.train.evaluation import eval_prompts_per_batch
 
 # Four prompts over two length buckets (8 and 16 tokens): the first two alone would be
 # packed to 8 tokens, all of them together to 16.
@@ -35,7 +35,7 @@ def test_batches_sample_the_rows_of_one_batch():
 
     def rows(slots):
         engine = Engine(SPEC, CFG, slots=slots, chunk=6, pad_id=1, fixed_shapes=True)
-        return generate_rows(engine, params, PROMPTS, n=2, key=key, version=1)
+        return engine.run(params, PROMPTS, n=2, key=key, version=1)[0]
 
     ref, out = rows(8), rows(4)
     for f in dataclasses.fields(ref):

@@ -89,14 +89,6 @@ def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
     }
 
 
-def generate_rows(engine, params, prompt_ids, *, n: int, key, version: int, row_ids=None):
-    """n rollouts of every prompt, to the end, in row order (row p * n + s of prompt p),
-    through the engine's host loop (its slot count bounds its memory: it refills them
-    by itself)."""
-    ro, _ = engine.run(params, prompt_ids, n=n, key=key, version=version, row_ids=row_ids)
-    return ro
-
-
 def correctness_fn(rewards_cfg, task, reward_fn=None):
     """The 0/1 verifier of the run's reward (`reward_fn`, built from the config if not
     given): what pass@k counts as correct."""
@@ -178,7 +170,7 @@ def evaluate_policy(
     results), score them with the 0/1 verifier `correct_fn`, and return
     (`pass_metrics`, the rollouts)."""
     prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-    ro = generate_rows(engine, params, prompt_ids, n=k, key=key, version=version)
+    ro, _ = engine.run(params, prompt_ids, n=k, key=key, version=version)
     texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
     answers = [problems[g].answer for g in ro.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)

@@ -22,7 +22,7 @@ from rl_jax.losses import advantages_from_config, gae_from_config, zero_variance
 from rl_jax.rewards import score_batch, shape_rewards
 from rl_jax.sampling import Rollouts, concat_groups
 from rl_jax.train.accounting import forward_flops, step_flops
-from rl_jax.train.evaluation import eval_key, evaluate_policy, generate_rows
+from rl_jax.train.evaluation import eval_key, evaluate_policy
 from rl_jax.train.parts import Parts
 from rl_jax.train.state import TrainerState
 from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
@@ -46,8 +46,7 @@ def prompt_ids(parts: Parts, problems) -> list[list[int]]:
 def generate(parts: Parts, params, version: int, step: int, problems) -> Rollouts:
     """All rows of `problems` sampled to the end with one policy (synchronous modes),
     on the run's engine."""
-    return generate_rows(
-        parts.engine,
+    ro, _ = parts.engine.run(
         params,
         prompt_ids(parts, problems),
         n=parts.G,
@@ -55,6 +54,7 @@ def generate(parts: Parts, params, version: int, step: int, problems) -> Rollout
         version=version,
         row_ids=row_ids(parts, step, len(problems)),
     )
+    return ro
 
 
 def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> TrainerState:
