@@ -29,7 +29,7 @@ both, as per-row limits, which end a row as a stop token would). The waves
 generate --prompts prompts at a time (PipelineRL's wave: each until its longest row
 ends); the engine has --slots slots (default the wave's rows), refilled after --chunk
 steps or as soon as --refill-min slots are free. Its defaults are the workload
-docs/performance.md reports: 64 waves (4096 rows), a 256-token cap, one timed run
+docs/results/performance.md reports: 64 waves (4096 rows), a 256-token cap, one timed run
 of each (`--new-tokens 256 --waves 64 --repeats 1`); a much smaller one times mostly
 the drain at its end (the last, longest rows finishing while slots empty), not the
 engine. Keys: occupancy / occupancy_wave
@@ -128,7 +128,7 @@ def _parse(argv):
         "without any interference from our runtime's threads",
     )
     a = p.parse_args(argv)
-    # The long-tail workload's defaults are the one docs/performance.md measures: 4096 rows
+    # The long-tail workload's defaults are the one docs/results/performance.md measures: 4096 rows
     # whose lengths run to 256 tokens. With fewer rows the engine's run is mostly its drain
     # (the last, longest rows finishing in emptying slots), which no scheduler avoids.
     longtail = a.lengths == "longtail"

@@ -11,8 +11,9 @@ and reference programs gives RL groups with both right and wrong samples:
     rl-jax fit runs/code_mix_cpu --metric val/code/pass@1    # or every task's: --per-task
 
 GRPO-style group advantages with CISPO's truncated importance weights, prompt-mean
-aggregation, zero-variance filtering, on-policy. docs/code.md has the measured curves
-and fits; code_mix_tpu is the TPU-sized recipe (math and code files from a bucket).
+aggregation, zero-variance filtering, on-policy. experiments/results/code_mix_cpu/ has the
+measured curves and fits; code_mix_tpu is the TPU-sized recipe (math and code files from a
+bucket).
 """
 
 from _cpu import CHECKPOINT

@@ -18,8 +18,8 @@ and accumulated gradients (27.5 GB, 6.9 GB a chip); full remat; each batch's 4 o
 steps taken from 16 micro-batches of 2 prompts' 32 rows (8 rows x 2,560 tokens per chip
 each); PipelineRL-4 with 4 steps a batch keeps one batch in flight, a slot for each of its
 512 rows (a bfloat16 KV cache of 37.6 GB a chip, beside the update). Compiled, its largest
-program needs 54.6 GB a chip of the 91.8 GB that fit (docs/tpu_plans.md, "How to
-use plan").
+program needs 54.6 GB a chip of the 91.8 GB that fit (docs/results/tpu_plans.md,
+"The shipped TPU recipes").
 """
 
 from rl_jax.config import (

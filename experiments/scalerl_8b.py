@@ -10,7 +10,7 @@ with float32 masters. Math problems in the MATH layout, as `qwen3_math` (the pap
 Polaris-53K in that layout); paths are relative to the launch directory
 (tpu_setup/README.md "Inputs"), or gs:// URLs.
 
-How it fits a v5p-128 (64 chips, docs/tpu_plans.md "Qwen3-8B with the ScaleRL recipe"):
+How it fits a v5p-128 (64 chips, docs/results/tpu_plans.md "Qwen3-8B with the ScaleRL recipe"):
 a 1x8x8 mesh (FSDP 8 x tensor 8), full remat, each batch's one optimizer step taken as
 48 micro-batches of one prompt's 16 rows (train.updates_per_batch=48
 train.grad_accum=48: 2 rows x 15,360 tokens per chip each), PipelineRL's 9 batches in

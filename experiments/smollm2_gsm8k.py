@@ -8,7 +8,7 @@ instruction to reply with the number alone, completions are scored by the GSM8K 
 logged to <run>/samples.jsonl every 5 steps (`rl-jax samples RUN`).
 
 Group-mean advantages over 8 samples per prompt, sample-mean aggregation, PPO clip 0.2,
-on-policy, no KL term (no reference model to hold). docs/real_model.md has the measured
+on-policy, no KL term (no reference model to hold). docs/results/real_model.md has the measured
 curve; on a TPU use the full GSM8K file (data.path=...) and larger batches.
 """
 

@@ -37,7 +37,8 @@ CPU_LLVM_OPT_LEVEL = 1
 # XLA:CPU's instruction scheduler: the memory-minimizing one orders a program's
 # instructions so fewer temporaries are live at once (the default orders them for
 # concurrency). The order changes no arithmetic, so results stay bit-identical; on the
-# SmolLM2 recipe it took a step's peak RSS from 3,133 to 2,940 MiB (docs/performance.md).
+# SmolLM2 recipe it took a step's peak RSS from 3,133 to 2,940 MiB
+# (docs/results/performance.md).
 CPU_SCHEDULER = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 
 # glibc's mmap threshold (mallopt M_MMAP_THRESHOLD): host buffers of at least this many
@@ -218,7 +219,7 @@ def cpu_without_accelerators() -> bool:
     initialises the 660 MiB library even on a host without a TPU: it fails (the
     "could not determine TPU accelerator type" lines) and JAX runs on the CPU, the same
     devices as here, having spent 94 MiB of resident memory on it for the rest of the
-    process (89 MiB of the library's pages; docs/performance.md). JAX skips CUDA the
+    process (89 MiB of the library's pages; docs/results/performance.md). JAX skips CUDA the
     same way when no NVIDIA device file exists. A host with any accelerator visible, or
     JAX_FORCE_TPU_INIT set, keeps JAX's own choice.
     """

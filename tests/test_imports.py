@@ -1,5 +1,6 @@
-"""The import structure of rl_jax (docs/architecture.md): no circles, and each floor
-imports only the floors below it.
+"""The import structure of rl_jax (docs/architecture.md): no circles, each package
+imports only its own floor and the floors below it, and the doc's floors and import
+tables are the code's.
 
 Every `import` in every module counts, function-local ones included: a local import
 that only hides a circle from Python is still a circle. Imports under
@@ -15,20 +16,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "rl_jax"
 
-# Floors, lowest first. A module may import its own folder and any lower floor. The
-# lower floors (config ... scaling) are the library's subsystems; none knows another
-# floor's purpose above it. Top-level modules sit on the floor of the folder named
-# alike (knobs, runtime: the bottom).
-LOWER = ("config", "knobs", "runtime", "sharding", "kernels", "losses", "rewards", "models")
-LOWER += ("data", "runs", "scaling")
-UPPER = ("sampling", "train", "plan", "grid", "cli")
-# What each upper floor may not import.
-FORBIDDEN = {
-    **{f: set(UPPER) for f in LOWER},
-    "sampling": {"train", "grid", "cli"},
-    "train": {"plan", "grid", "cli"},
-    "grid": {"cli"},
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+# Floor of each package, the tables of docs/architecture.md "Allowed import directions".
+# A package imports its own floor (without circles) and the floors below it. Top-level
+# modules (knobs, runtime) count as packages of their own name.
+FLOORS = {
+    5: ("cli",),
+    4: ("grid", "plan"),
+    3: ("train",),
+    2: ("sampling",),
+    1: ("data", "kernels", "losses", "models", "runs", "scaling", "sharding"),
+    0: ("config", "knobs", "rewards", "runtime"),
 }
+FLOOR_OF = {pkg: level for level, pkgs in FLOORS.items() for pkg in pkgs}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -172,17 +173,94 @@ def test_no_import_cycles(graph):
     assert not cycles, "\n".join(lines)
 
 
-def test_layering(graph):
-    bad = [
-        f"{src} imports {dst} ({where}): {floor(src)} may not import {floor(dst)}"
+def package_imports(graph: dict[str, dict[str, str]]) -> dict[str, set[str]]:
+    """package -> the other packages its modules import (the root package left out)."""
+    out: dict[str, set[str]] = {}
+    for src, edges in graph.items():
+        if floor(src):
+            out.setdefault(floor(src), set()).update(
+                floor(dst) for dst in edges if floor(dst) not in ("", floor(src))
+            )
+    return out
+
+
+def doc_table(text: str, heading: str) -> list[list[str]]:
+    """The cells of the markdown table under the header row `heading` (backticks and
+    spaces stripped), one list per row."""
+    lines = text.splitlines()
+    assert heading in lines, f"docs/architecture.md has no table headed {heading!r}"
+    start = lines.index(heading) + 2  # past the header and the |---| line
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("`", "") for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def upward_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One line per import that points to a higher floor than its module's."""
+    return [
+        f"{src} imports {dst} ({where}): {floor(src)} (floor {FLOOR_OF[floor(src)]}) may not"
+        f" import {floor(dst)} (floor {FLOOR_OF[floor(dst)]})"
         for src, edges in sorted(graph.items())
         for dst, where in edges.items()
-        if floor(dst) in FORBIDDEN.get(floor(src), ())
+        if floor(src) in FLOOR_OF
+        and floor(dst) in FLOOR_OF
+        and FLOOR_OF[floor(dst)] > FLOOR_OF[floor(src)]
     ]
+
+
+def test_layering(graph):
+    bad = upward_imports(graph)
     assert not bad, "\n".join(bad)
+
+
+def test_upward_imports_are_found_and_sideways_ones_allowed():
+    graph = {
+        "rl_jax.config.a": {"rl_jax.models.m": "config/a.py:1", "rl_jax.knobs": "config/a.py:2"},
+        "rl_jax.models.m": {"rl_jax.kernels.k": "models/m.py:1"},
+        "rl_jax.train.t": {"rl_jax.plan.p": "train/t.py:3", "rl_jax.sampling.s": "train/t.py:4"},
+    }
+    assert upward_imports(graph) == [
+        "rl_jax.config.a imports rl_jax.models.m (config/a.py:1): config (floor 0) may not"
+        " import models (floor 1)",
+        "rl_jax.train.t imports rl_jax.plan.p (train/t.py:3): train (floor 3) may not"
+        " import plan (floor 4)",
+    ]
 
 
 def test_every_floor_is_placed(graph):
     floors = {floor(m) for m in graph} - {""}
-    unplaced = floors - set(LOWER) - set(UPPER)
-    assert not unplaced, f"place {sorted(unplaced)} in LOWER or UPPER of this test"
+    unplaced = floors - set(FLOOR_OF)
+    assert not unplaced, f"place {sorted(unplaced)} in FLOORS of this test"
+    assert not set(FLOOR_OF) - floors, f"FLOORS names no package: {set(FLOOR_OF) - floors}"
+
+
+def test_the_doc_floors_are_the_tests():
+    rows = doc_table(DOC.read_text(), "| floor | packages |")
+    doc = {int(level): tuple(p.strip() for p in pkgs.split(",")) for level, pkgs in rows}
+    assert doc == FLOORS, f"docs/architecture.md's floors table differs from FLOORS: {doc}"
+
+
+def test_the_doc_import_table_is_the_code(graph):
+    rows = doc_table(DOC.read_text(), "| package | imports |")
+    doc = {
+        pkg: set() if "nothing" in imps else {i.strip() for i in imps.split(",")}
+        for pkg, imps in rows
+    }
+    code = package_imports(graph)
+    if doc != code:
+        order = sorted(code, key=lambda p: (-FLOOR_OF.get(p, -1), p))
+        table = "\n".join(
+            f"| `{p}` | {', '.join(f'`{i}`' for i in sorted(code[p])) or '(nothing in rl_jax)'} |"
+            for p in order
+        )
+        raise AssertionError(
+            "docs/architecture.md's import table is not the code's; as the code has it:\n" + table
+        )
+
+
+def test_the_doc_table_reader_reads_a_table():
+    text = "x\n| package | imports |\n|---|---|\n| `a` | `b`, `c` |\n| `d` | (nothing) |\n\nmore"
+    assert doc_table(text, "| package | imports |") == [["a", "b, c"], ["d", "(nothing)"]]

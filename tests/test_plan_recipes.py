@@ -189,7 +189,7 @@ def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
     """The closed-form estimate (no compile, a second) of every shipped TPU recipe fits
     its slice with the headroom. A stand-in for the compiled plan, not the truth: for
     these recipes it says 59.6 and 45.2 GB where the compiled programs need at most 54.6
-    and 52.8 (docs/tpu_plans.md, "How to use plan"); the compiled check is the
+    and 52.8 (docs/results/tpu_plans.md, "The shipped TPU recipes"); the compiled check is the
     opt-in test below. The recipes as they were (qwen3_math in float32 with 4 updates of
     32 rows per chip) it put at 155.5 GB, the compiled train step at 127.4."""
     from rl_jax.config import load_recipe, resolved
@@ -218,7 +218,7 @@ def test_shipped_tpu_recipes_fit_their_slice_by_the_estimate(name):
 def test_shipped_tpu_recipes_compiled_fit_their_slice(name):
     """What the estimate above stands in for: the recipe's programs compiled for its
     slice (`--memory-only`) fit with the headroom. 3.5 and 4.5 CPU-minutes on the 2-core box
-    (docs/tpu_plans.md), too long for the suite."""
+    (docs/results/tpu_plans.md), too long for the suite."""
     _libtpu()
     topology = tpu_recipes()[name]
     r = _plan_cli(name, "--topology", topology, "--memory-only", "--json", "--jobs", "2")

@@ -5,7 +5,7 @@
 
 Sized for SmolLM2-135M-Instruct on a CPU: one addition or subtraction of numbers up to
 --max-number (3: sums up to 6), so the model solves some at the recipe's 16 new tokens
-(docs/real_model.md has the measured pass rates: 12.6% over this file's 1,000 problems;
+(docs/results/real_model.md has the measured pass rates: 12.6% over this file's 1,000 problems;
 7.0% with numbers up to 10) and RL has signal from the first batch.
 Deterministic in --seed:
 

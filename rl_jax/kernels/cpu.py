@@ -21,7 +21,7 @@ inside the compiled decode loop (the model's decode step, `rl_jax.models.decode`
   once per decode call), and gate and up side by side (`pack_swiglu_panels`),
   whose SwiGLU activation it computes from its sums (`matmul_swiglu`).
 
-What each buys on a real model: docs/performance.md, "CPU kernels".
+What each buys on a real model: docs/results/performance.md, "CPU kernels".
 
 The shared library is compiled with the host's C++ compiler (`CXX`, default
 `c++`) for the host CPU (`-march=native`) and kept in `kernel_cache_dir()`, keyed

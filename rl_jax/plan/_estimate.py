@@ -91,7 +91,8 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     # Kept for the backward, per token and layer: everything (none), the layer's input
     # (full), or its input and its weight matmuls' outputs (save_dots). Live besides,
     # in the backward of a layer: its activations' gradients, and with remat the
-    # activations it recomputes (the compiled 8B step of docs/tpu_plans.md peaks there).
+    # activations it recomputes (the compiled 8B step of docs/results/tpu_plans.md peaks
+    # there).
     if spec.remat == "full":
         acts = rows_mb * T * (2 * per_token_layer + cdt * D * L)
     elif spec.remat == "save_dots":

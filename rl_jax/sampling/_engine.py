@@ -208,7 +208,8 @@ class Engine(Decoder):
     longest row's.
     kv_quant: "int8" keeps keys and values in int8, a float32 scale per position and
     kv head (`xla.PagedKV`; XLA's paged reference reads it, on every platform); None
-    (default) keeps them in the compute dtype. Its log-prob drift: docs/performance.md.
+    (default) keeps them in the compute dtype. Its log-prob drift:
+    docs/results/performance.md.
     """
 
     def __init__(
