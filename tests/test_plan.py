@@ -72,8 +72,9 @@ def _plan_cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     _libtpu()
     # Two compiles at a time: the numbers are the same (benchmarks/plan_jobs.py).
-    args = ("scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--jobs", "2")
-    r = _plan_cli(*args, "--out", str(tmp_path))
+    r = _plan_cli(
+        "scalerl", *TINY, "--topology", "v5e:2x2", "--json", "--jobs", "2", "--out", str(tmp_path)
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads(r.stdout.strip().splitlines()[-1])
     assert plan == json.loads((tmp_path / "plan.json").read_text())
@@ -141,16 +142,7 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     assert st["rollouts_per_hour_with_collectives"] < st["rollouts_per_hour"]
     bud = plan["budget"]
     assert bud["rollouts"] == 7400 * 48 * 16
-
-    # --memory-only compiles the same programs, without the ones that count FLOPs.
-    r = _plan_cli(*args, "--memory-only")
-    assert r.returncode == 0, r.stderr[-3000:]
-    mem = json.loads(r.stdout.strip().splitlines()[-1])
-    assert not mem["flops_counted"] and plan["flops_counted"]
-    for p, q in zip(plan["programs"], mem["programs"], strict=True):
-        assert (q["name"], q["hbm_gb"], q["fits"]) == (p["name"], p["hbm_gb"], p["fits"])
-        assert q["flops"] is None and q["roofline_s"] is None and q["mfu_estimate"] is None
-    assert mem["step"]["rollouts_per_hour"] is None and mem["budget"]["hours"] is None
+    # (--memory-only: test_search_compiles_the_best_candidate_of_a_tiny_run.)
     assert bud["hours"] == pytest.approx(bud["rollouts"] / st["rollouts_per_hour"])
     assert bud["chip_hours"] == pytest.approx(4 * bud["hours"])
 
@@ -178,7 +170,7 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     from rl_jax.plan import _programs as pp
     from rl_jax.train.accounting import TRAIN_PASSES, forward_flops
 
-    # The 2- and 4-layer plans both compile the same 1- and 2-layer programs: compile
+    # The 2- and 3-layer plans both compile the same 1- and 2-layer programs: compile
     # each distinct program once (keyed by its lowered module).
     compiled, compile_fn = {}, pp._compile_lowered
 
@@ -194,16 +186,16 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     cfg = load_recipe("scalerl", knobs)
     cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
     kw = dict(tp=tp, tg=tg)
-    spec4 = dataclasses.replace(spec2, num_layers=4)
+    spec3 = dataclasses.replace(spec2, num_layers=3)
     # generate's step loop is counted peeled (test_plan_compiles_the_engines_programs_...).
     counted = ("train_step", "logprob", "prefill_insert")
     c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, programs=counted, **kw)
     with pp.compile_jobs(2):  # the counting programs compiled on two threads
-        c4 = pp._layer_costs(cfg, spec4, mesh, rules, M=2, programs=counted, **kw)
-    b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
+        c3 = pp._layer_costs(cfg, spec3, mesh, rules, M=2, programs=counted, **kw)
+    b = pp._build(cfg, spec3, mesh, rules, minibatches=2, **kw)
     scanned = pp._cost(pp._compile(b.update, *b.update_args))
     with pp._unrolled_scans(), loops.unrolled():
-        b = pp._build(cfg, spec4, mesh, rules, minibatches=2, **kw)
+        b = pp._build(cfg, spec3, mesh, rules, minibatches=2, **kw)
         fn, args, static = b.engine_programs["prefill_insert"]
         truth = {
             "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
@@ -211,17 +203,17 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
             "prefill_insert": pp._cost(pp._compile(fn, *args, **static)),
         }
     for name, (flops, moved) in truth.items():
-        assert c4[name][0] == pytest.approx(flops, rel=0.02), name
+        assert c3[name][0] == pytest.approx(flops, rel=0.02), name
         # Bytes depend on fusion, which differs between a loop's body run M x L times
         # and the unrolled program (it fuses across layers and updates).
-        assert c4[name][1] == pytest.approx(moved, rel=0.25), name
-    # The scanned program's own count misses 3 of 4 layers and 1 of 2 minibatches.
+        assert c3[name][1] == pytest.approx(moved, rel=0.25), name
+    # The scanned program's own count misses 2 of 3 layers and 1 of 2 minibatches.
     assert scanned[0] < 0.6 * truth["train_step"][0]
-    # Two more layers: the model's FLOPs of two more layers, forward and backward (per
+    # One more layer: the model's FLOPs of one more layer, forward and backward (per
     # chip: 4 chips), for both minibatches; XLA also counts the tiny layers' norms,
     # rotary and activations, and attention's masked half (dense over the causal mask).
-    fwd = forward_flops(spec4, [tp] * 4, [tg] * 8, 2) - forward_flops(spec2, [tp] * 4, [tg] * 8, 2)
-    layers = c4["train_step"][0] - c2["train_step"][0]
+    fwd = forward_flops(spec3, [tp] * 4, [tg] * 8, 2) - forward_flops(spec2, [tp] * 4, [tg] * 8, 2)
+    layers = c3["train_step"][0] - c2["train_step"][0]
     assert layers == pytest.approx(TRAIN_PASSES * fwd / 4, rel=0.25)
 
 
@@ -410,12 +402,18 @@ def test_search_compiles_the_best_candidate_of_a_tiny_run():
     argv = shlex.split(best["command"])
     assert argv[:3] == ["rl-jax", "plan", "scalerl"] and argv[-2:] == ["--topology", "v5e:2x2"]
     assert argv[3:-2] == [o for o in TINY if not o.startswith("mesh.")] + best["overrides"]
+    # --memory-only compiles the same programs, without the ones that count FLOPs.
     again = _plan_cli(*argv[2:], "--memory-only", "--json")
     assert again.returncode == 0, again.stderr[-3000:]
     again = json.loads(again.stdout.strip().splitlines()[-1])
     assert again["mesh"] == plan["mesh"] and again["engine"] == plan["engine"]
+    assert not again["flops_counted"] and plan["flops_counted"]
     for p, q in zip(plan["programs"], again["programs"], strict=True):
-        assert (q["name"], q["hbm_gb"]) == (p["name"], p["hbm_gb"])
+        assert (q["name"], q["hbm_gb"], q["fits"]) == (p["name"], p["hbm_gb"], p["fits"])
+        assert q["flops"] is None and q["roofline_s"] is None and q["mfu_estimate"] is None
+        assert p["flops"] > 0 and p["roofline_s"] > 0
+    assert again["step"]["rollouts_per_hour"] is None and again["budget"]["hours"] is None
+    assert plan["budget"]["hours"] > 0
 
 
 def test_search_estimate_only_ranks_the_estimates_that_fit_and_compiles_nothing():
