@@ -58,6 +58,23 @@ def apply_rope(x_bthk: jax.Array, cos_btk: jax.Array, sin_btk: jax.Array) -> jax
     return out.astype(x_bthk.dtype)
 
 
+def norm_rope_qk(
+    q: jax.Array,
+    k: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    qk_norm: tuple[jax.Array, jax.Array] | None,
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """A layer's queries and keys [B, T, heads, hd] from their projections to attention:
+    RMS-normalized by qk_norm's (q's, k's) [hd] weights if given (Qwen3), then rotated
+    by rope (cos, sin [B, T, hd / 2]). The model's forward and the decode step's ops
+    both take this step here."""
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
+    cos, sin = rope
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """`a @ b` at `precision(a, b)`."""
     return jnp.matmul(a, b, precision=precision(a, b))
@@ -428,18 +445,16 @@ class Decode:
     def split_heads(qkv, rope, num_heads, cache: PagedKV, layer, qk_norm, eps):
         """One layer's step from the projection's rows qkv [B, (H + 2K) hd] (query heads,
         key heads, value heads): q [B, K, R, hd], k [B, 1, K, hd] and v [B, K, 1, hd],
-        q and k RMS-normalized by qk_norm's [L, hd] weights (Qwen3) if given and rotated
-        by rope (cos, sin [B, 1, hd / 2])."""
+        q and k through `norm_rope_qk` with `layer`'s qk_norm weights (of [L, hd]) and
+        rope (cos, sin [B, 1, hd / 2])."""
         B = qkv.shape[0]
         H, K, hd = num_heads, cache.values.shape[0], cache.values.shape[-1]
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
         k = qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd)
         v = qkv[:, (H + K) * hd :].reshape(B, K, 1, hd)
-        if qk_norm is not None:
-            q = rms_norm(q, _at(qk_norm[0], layer), eps)
-            k = rms_norm(k, _at(qk_norm[1], layer), eps)
-        cos, sin = rope
-        return apply_rope(q, cos, sin).reshape(B, K, H // K, hd), apply_rope(k, cos, sin), v
+        norms = None if qk_norm is None else tuple(_at(w, layer) for w in qk_norm)
+        q, k = norm_rope_qk(q, k, rope, norms, eps)
+        return q.reshape(B, K, H // K, hd), k, v
 
     def paged_shapes(
         self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
