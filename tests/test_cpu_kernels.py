@@ -1,6 +1,6 @@
 """The CPU decode kernels (rl_jax/kernels/_cpu_attention.cc, _cpu_matmul.cc) against
-XLA's attention on the same cache and float64 matmuls, and their build's failure
-modes."""
+float64 attention over the same paged cache and float64 matmuls, and their build's
+failure modes."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,6 @@ import pytest
 
 from rl_jax.kernels import cpu as _cpu_kernels
 from rl_jax.kernels.cpu import KEY_TILE
-from rl_jax.kernels.xla import MASK_VALUE, einsum_f32
 
 needs_kernel = pytest.mark.skipif(
     jax.devices()[0].platform != "cpu" or not _cpu_kernels.available(),
@@ -17,84 +16,110 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _reference(q, keys_t, values, kv_start, slot):
-    """The sampler's XLA attention: keys [B, K, hd, S]."""
-    hd, S = keys_t.shape[2], keys_t.shape[3]
-    s = einsum_f32("bkrh,bkhs->bkrs", q, keys_t)
-    k_slot = jnp.arange(S)
-    visible = (k_slot[None, :] >= kv_start[:, None]) & (k_slot[None, :] <= slot)
-    s = jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE)
-    return einsum_f32("bkrs,bksh->bkrh", jax.nn.softmax(s, axis=-1), values)
+def _tiles(keys):
+    """Paged keys [K, L, N, P, hd] -> the kernel's tiles [K, L, N, P / 16, hd, 16]."""
+    K, L, N, P, hd = keys.shape
+    return keys.reshape(K, L, N, P // KEY_TILE, KEY_TILE, hd).swapaxes(-1, -2)
 
 
-def _tiles(keys_t):
-    """[B, K, hd, S] -> [B, K, S / 16, hd, 16]."""
-    B, K, hd, S = keys_t.shape
-    return keys_t.reshape(B, K, hd, S // KEY_TILE, KEY_TILE).transpose(0, 1, 3, 2, 4)
+def _paged_case(rng, B, K, hd, P, W, layers=2):
+    """A paged cache of `layers` layers, B rows of W pages each (pages handed out in a
+    random order, two pages no row owns), float32 keys and values [K, L, N, P, hd]; each
+    row's position (row 0 at its table's last, the last row at 0) and its table (N, no
+    page, past the page of its position)."""
+    N = B * W + 2
+    keys, values = (rng.standard_normal((K, layers, N, P, hd)).astype(np.float32) for _ in "kv")
+    table = rng.permutation(N)[: B * W].reshape(B, W).astype(np.int32)
+    pos = rng.integers(0, W * P, (B,)).astype(np.int32)
+    pos[0], pos[-1] = W * P - 1, 0 if B > 1 else pos[-1]
+    table[np.arange(W)[None, :] > (pos // P)[:, None]] = N
+    return keys, values, table, pos
+
+
+def _paged_reference(q, k_new, v_new, keys, values, table, pos, live, layer, scale):
+    """In float64: each live row's k and v written at its position of `layer`, then
+    softmax(scale * q k^T) v over its positions 0 .. pos (zeros for the other rows)."""
+    B, K, R, hd = q.shape
+    P = values.shape[3]
+    keys, values = keys.copy(), values.copy()
+    out = np.zeros((B, K, R, hd))
+    for b in np.flatnonzero(live):
+        page, off = table[b, pos[b] // P], pos[b] % P
+        keys[:, layer, page, off], values[:, layer, page, off] = k_new[b], v_new[b]
+    for b in np.flatnonzero(live):
+        at = np.arange(pos[b] + 1)
+        kb = keys[:, layer, table[b, at // P], at % P].astype(np.float64)  # [K, n, hd]
+        vb = values[:, layer, table[b, at // P], at % P].astype(np.float64)
+        s = np.einsum("krh,knh->krn", q[b].astype(np.float64), kb) * scale
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[b] = np.einsum("krn,knh->krh", w / w.sum(-1, keepdims=True), vb)
+    return out, keys, values
 
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "B,K,R,hd,S,slot",
+    "B,K,R,hd,P,W",
     [
-        (6, 2, 2, 64, 80, 40),  # the bench model's heads
-        (4, 3, 3, 32, 32, 19),  # three query heads per KV head
-        (3, 1, 7, 128, 304, 150),  # seven, 128-wide heads, a long cache
-        (2, 2, 1, 64, 16, 0),  # one slot
-        (3, 2, 5, 48, 48, 47),  # head width not a multiple of 32; the last slot
-        (2, 1, 9, 80, 64, 33),  # more query heads than one pass takes (4)
-        (5, 2, 2, 16, 48, 31),  # a tile boundary
+        (6, 2, 2, 64, 16, 5),  # the bench model's heads
+        (4, 3, 3, 32, 16, 2),  # three query heads per KV head
+        (3, 1, 7, 128, 32, 10),  # seven, 128-wide heads, a long row
+        (2, 2, 1, 64, 16, 1),  # one page; a row at position 0
+        (3, 2, 5, 48, 48, 1),  # head width not a multiple of 32; pages of three tiles
+        (2, 1, 9, 80, 32, 2),  # more query heads than one pass takes (4)
+        (5, 2, 2, 16, 16, 3),  # page boundaries
     ],
 )
 @pytest.mark.parametrize("parallel", [True, False])
-def test_kernel_equals_xla_attention(B, K, R, hd, S, slot, parallel):
-    """Rows with different first visible slots (left padding), every query-head
-    grouping: the new key and value land at `slot` (nothing else changes), and the
-    attention is within float32 rounding of XLA's masked softmax attention. Slots
-    past `slot` hold garbage (NaN), which must not be read."""
-    rng = np.random.default_rng(B * 1000 + S)
-    q = jnp.asarray(rng.standard_normal((B, K, R, hd)), jnp.float32)
-    keys_t = rng.standard_normal((B, K, hd, S)).astype(np.float32)
-    values = rng.standard_normal((B, K, S, hd)).astype(np.float32)
-    kv_start = jnp.asarray(rng.integers(0, slot + 1, (B,)), jnp.int32)
-    # jnp.array copies: jnp.asarray may share the numpy buffer, written below while
-    # the (asynchronous) reference could still be reading it.
-    want = np.asarray(_reference(q, jnp.array(keys_t), jnp.array(values), kv_start, slot))
-    k_new, v_new = keys_t[..., slot].copy(), values[:, :, slot].copy()
-    keys_t[..., slot:] = np.nan
-    values[:, :, slot:] = np.nan
+def test_paged_kernel_equals_float64_attention(B, K, R, hd, P, W, parallel):
+    """Rows at different positions over pages in any order, every query-head grouping,
+    layer 1 of a stack of 2: the new key and value land at each live row's position
+    (nothing else changes: not the other layer, not a row that ended, not a page no
+    row owns), and the attention is within float32 rounding of float64's softmax
+    attention; a row that ended gets zeros. Positions past a row's own hold garbage
+    (NaN), which must not be read."""
+    rng = np.random.default_rng(B * 1000 + W * P)
+    keys, values, table, pos = _paged_case(rng, B, K, hd, P, W)
+    q = rng.standard_normal((B, K, R, hd)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, K, hd)).astype(np.float32) for _ in "kv")
+    live = np.arange(B) != 1 if B > 2 else np.ones(B, bool)
+    for b in range(B):
+        at = np.arange(pos[b], W * P)
+        pages = table[b, at // P]
+        ok = pages < keys.shape[2]
+        keys[:, 1, pages[ok], at[ok] % P] = np.nan
+        values[:, 1, pages[ok], at[ok] % P] = np.nan
+    scale = hd**-0.5
+    want, want_keys, want_values = _paged_reference(
+        q, k_new, v_new, keys, values, table, pos, live, 1, scale
+    )
     call = jax.jit(
-        lambda q, k, v, keys, values, s0: _cpu_kernels.decode_attention(
-            q, k, v, keys, values, s0, slot, hd**-0.5, parallel=parallel
+        lambda q, k, v, keys, values: _cpu_kernels.paged_attention(
+            (q, k, v), keys, values, table, pos, live, 1, scale, parallel=parallel
         )
     )
-    got, keys, values_out = call(
-        q, k_new, v_new, _tiles(jnp.array(keys_t)), jnp.array(values), kv_start
-    )
+    got, got_keys, got_values = call(q, k_new, v_new, _tiles(jnp.array(keys)), jnp.array(values))
     assert got.shape == (B, K, R, hd) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
-    keys_t[..., slot] = k_new
-    values[:, :, slot] = v_new
-    np.testing.assert_array_equal(np.asarray(keys), np.asarray(_tiles(jnp.array(keys_t))))
-    np.testing.assert_array_equal(np.asarray(values_out), values)
+    np.testing.assert_array_equal(np.asarray(got_keys), np.asarray(_tiles(jnp.array(want_keys))))
+    np.testing.assert_array_equal(np.asarray(got_values), want_values)
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,K,R,hd,S,slot", [(6, 2, 2, 64, 80, 40), (3, 1, 7, 32, 48, 47)])
-def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, S, slot):
-    """decode_attention_qkv on the projection's rows [B, (H + 2K) hd] equals XLA's
-    split and rotation (apply_rope) followed by decode_attention: the same cache
-    writes, attention within float32 rounding, as [B, H hd]."""
+@pytest.mark.parametrize("B,K,R,hd,P,W", [(6, 2, 2, 64, 16, 5), (3, 1, 7, 32, 48, 1)])
+def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, P, W):
+    """paged_attention on the projection's rows [B, (H + 2K) hd] with RoPE's angles
+    equals XLA's split and rotation (apply_rope) followed by paged_attention on q, k,
+    v: the same cache writes, attention within float32 rounding, as [B, H hd]."""
     from rl_jax.models.layers import apply_rope
 
-    rng = np.random.default_rng(S + slot)
+    rng = np.random.default_rng(P + W)
     H = K * R
+    keys, values, table, pos = _paged_case(rng, B, K, hd, P, W)
+    live = np.ones(B, bool)
     qkv = jnp.asarray(rng.standard_normal((B, (H + 2 * K) * hd)), jnp.float32)
     ang = rng.uniform(0, 6.3, (B, hd // 2))
     cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
-    keys = jnp.asarray(rng.standard_normal((B, K, S // KEY_TILE, hd, KEY_TILE)), jnp.float32)
-    values = jnp.asarray(rng.standard_normal((B, K, S, hd)), jnp.float32)
-    kv_start = jnp.asarray(rng.integers(0, slot + 1, (B,)), jnp.int32)
+    cache = (lambda: _tiles(jnp.array(keys)), lambda: jnp.array(values))
 
     def split(qkv, keys, values):
         q = apply_rope(qkv[:, : H * hd].reshape(B, 1, H, hd), cos[:, None], sin[:, None])
@@ -102,18 +127,18 @@ def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, S, slot):
             qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd), cos[:, None], sin[:, None]
         )
         v = qkv[:, (H + K) * hd :].reshape(B, K, hd)
-        att, keys, values = _cpu_kernels.decode_attention(
-            q.reshape(B, K, R, hd), k.reshape(B, K, hd), v, keys, values, kv_start, slot, hd**-0.5
+        inputs = (q.reshape(B, K, R, hd), k.reshape(B, K, hd), v)
+        att, keys, values = _cpu_kernels.paged_attention(
+            inputs, keys, values, table, pos, live, 0, hd**-0.5
         )
         return att.reshape(B, H * hd), keys, values
 
     def fused(qkv, keys, values):
-        return _cpu_kernels.decode_attention_qkv(
-            qkv, cos, sin, keys, values, kv_start, slot, hd**-0.5
-        )
+        inputs = (qkv, cos, sin)
+        return _cpu_kernels.paged_attention(inputs, keys, values, table, pos, live, 0, hd**-0.5)
 
-    want = jax.jit(split)(qkv, jnp.array(keys), jnp.array(values))
-    got = jax.jit(fused)(qkv, jnp.array(keys), jnp.array(values))
+    want = jax.jit(split)(qkv, *(c() for c in cache))
+    got = jax.jit(fused)(qkv, *(c() for c in cache))
     assert got[0].shape == (B, H * hd)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-6)
     for g, w in zip(got[1:], want[1:], strict=True):
@@ -121,33 +146,12 @@ def test_fused_qkv_kernel_equals_split_rotate_attend(B, K, R, hd, S, slot):
 
 
 @needs_kernel
-def test_stacked_layers_are_read_and_written_in_place():
-    """With a cache and weights stacked over layers and a layer index (the decode
-    step's scan over layers), the kernels use that layer's part alone: the same
-    results as on the layer's own arrays, the other layers' cache untouched."""
+def test_stacked_matmul_reads_its_layer_in_place():
+    """With weights stacked over layers and a layer index (the decode step's scan over
+    layers), the matmul kernel uses that layer's panels alone; a layer past the stack
+    is an error."""
     rng = np.random.default_rng(5)
-    L, B, K, R, hd, S, slot, layer = 3, 2, 2, 2, 32, 32, 9, 1
-    q = jnp.asarray(rng.standard_normal((B, K, R, hd)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((B, K, hd)), jnp.float32) for _ in range(2))
-    keys = jnp.asarray(rng.standard_normal((L, B, K, S // KEY_TILE, hd, KEY_TILE)), jnp.float32)
-    values = jnp.asarray(rng.standard_normal((L, B, K, S, hd)), jnp.float32)
-    kv_start = jnp.zeros((B,), jnp.int32)
-    one = jax.jit(
-        lambda kk, vv: _cpu_kernels.decode_attention(q, k, v, kk, vv, kv_start, slot, 0.2)
-    )
-    stacked = jax.jit(
-        lambda kk, vv, i: _cpu_kernels.decode_attention(
-            q, k, v, kk, vv, kv_start, slot, 0.2, layer=i
-        )
-    )
-    want = one(jnp.array(keys[layer]), jnp.array(values[layer]))
-    got = stacked(jnp.array(keys), jnp.array(values), jnp.int32(layer))
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    for g, w, before in zip(got[1:], want[1:], (keys, values), strict=True):
-        np.testing.assert_array_equal(np.asarray(g[layer]), np.asarray(w))
-        others = [i for i in range(L) if i != layer]
-        np.testing.assert_array_equal(np.asarray(g)[others], np.asarray(before)[others])
-
+    L = 3
     w = rng.standard_normal((L, 40, 24)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((5, 40)), jnp.float32)
     panels = jax.vmap(_cpu_kernels.pack_panels)(jnp.asarray(w))
@@ -161,10 +165,14 @@ def test_stacked_layers_are_read_and_written_in_place():
 def test_kernel_rejects_wrong_shapes():
     q = jnp.zeros((2, 2, 2, 64), jnp.float32)
     kv = jnp.zeros((2, 2, 64), jnp.float32)
-    keys = jnp.zeros((2, 2, 5, 64, 16), jnp.float32)
-    values = jnp.zeros((2, 2, 72, 64), jnp.float32)  # 72 slots, keys hold 80
-    with pytest.raises(Exception, match=r"keys \[L,B,K,S/16,hd,16\]"):
-        _cpu_kernels.decode_attention(q, kv, kv, keys, values, jnp.zeros((2,), jnp.int32), 3, 0.125)
+    keys = jnp.zeros((2, 1, 3, 5, 64, 16), jnp.float32)
+    values = jnp.zeros((2, 1, 3, 72, 64), jnp.float32)  # pages of 72 positions, keys hold 80
+    table, pos = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(Exception, match=r"keys \[K,L,N,P/16,hd,16\]"):
+        _cpu_kernels.paged_attention((q, kv, kv), keys, values, table, pos, pos + 1, 0, 0.125)
+    with pytest.raises(Exception, match="layer 1 is outside the cache's 1"):
+        values = jnp.zeros((2, 1, 3, 80, 64), jnp.float32)
+        _cpu_kernels.paged_attention((q, kv, kv), keys, values, table, pos, pos + 1, 1, 0.125)
 
 
 @needs_kernel

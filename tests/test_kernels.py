@@ -39,30 +39,29 @@ def test_platform_comes_from_the_mesh_devices():
 
 
 def test_decode_ops_are_the_platforms_where_its_kernels_apply():
-    """The decode step's ops: XLA's where no platform kernels apply (one piece of cache
-    on accelerators, blocks past 128 slots on CPU), on TPU with the cache token-major;
-    on CPU the C++ kernels in float32 where each device decodes alone, attention with
-    head widths in whole key tiles."""
+    """The decode step's ops: XLA's where no platform kernels apply (long page tables
+    read in blocks on CPU), on TPU the Pallas paged attention's (pages of whole
+    bfloat16 tiles); on CPU the C++ kernels in float32 where each device decodes
+    alone, attention with head widths in whole key tiles (its pages' keys in tiles)."""
     from rl_jax.kernels import tpu as tpu_kernels
 
     cond = dict(compute_dtype="float32", head_dim=64, local=True, threads=True)
+    geometry = dict(kv_heads=2, layers=3, pages=5, page=32, head_dim=64, dtype="float32")
     tpu = kernels.for_platform("tpu").decode_ops(**cond)
     assert type(tpu) is tpu_kernels.Decode and tpu.platform_ops == ()
-    assert tpu.cache_blocks(1032) == (1032, 1032)
-    model = tuple(jnp.zeros((2, 3, 4, 1032, 64)) for _ in range(2))  # [L, B, K, S, hd]
-    keys, values = tpu.from_model_cache(model, 1032)
-    assert keys.shape == values.shape == (2, 3, 1032, 4, 64)
-    assert tpu.cache_slots((keys, values)) == 1032 and tpu.kv_geometry((keys, values)) == (4, 64)
+    assert (tpu.page_size, tpu.page_multiple) == (64, 16)
     assert type(kernels.for_platform("gpu").decode_ops(**cond)) is xla.Decode
     on_cpu = kernels.for_platform("cpu")
     for off in ({"compute_dtype": "bfloat16"}, {"local": False}):
         plain = on_cpu.decode_ops(**{**cond, **off})
-        assert plain.platform_ops == () and plain.cache_blocks(1032) == (1152, 144)
+        assert plain.platform_ops == () and plain.platform == "cpu" and plain.page_multiple == 1
+        assert plain.paged_shapes(**geometry).keys.shape == (2, 3, 5, 32, 64)
         assert plain.einsum is cpu.einsum_f32
     if not cpu.available():
         return
     both = on_cpu.decode_ops(**cond)
-    assert both.platform_ops == ("attention", "matmul") and both.cache_blocks(1032) == (1040, 1040)
+    assert both.platform_ops == ("attention", "matmul") and both.page_multiple == cpu.KEY_TILE
+    assert both.paged_shapes(**geometry).keys.shape == (2, 3, 5, 2, 64, cpu.KEY_TILE)
     assert on_cpu.decode_ops(**{**cond, "head_dim": 24}).platform_ops == ("matmul",)
     assert on_cpu.decode_ops(**cond, attention=False).platform_ops == ("matmul",)
     assert on_cpu.decode_ops(**cond, matmul=False).platform_ops == ("attention",)

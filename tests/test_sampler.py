@@ -26,16 +26,15 @@ from rl_jax.models import (
 from rl_jax.sampling import Engine, FinishReason, logprob_temperature
 from rl_jax.sharding import get_rules, make_mesh
 
-SPEC = resolve_spec(
-    ModelConfig(
-        preset="tiny",
-        num_layers=2,
-        hidden_size=64,
-        intermediate_size=96,
-        num_heads=4,
-        num_kv_heads=2,
-    )
+SPEC_CONFIG = ModelConfig(
+    preset="tiny",
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    num_kv_heads=2,
 )
+SPEC = resolve_spec(SPEC_CONFIG)
 PROMPTS = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13, 14, 15, 16]]
 
 
@@ -323,6 +322,34 @@ def test_every_decode_path_decodes_as_the_model(path, mild_params, monkeypatch):
     # The swap mattered: A alone continues otherwise.
     only_a = sample(params_a, prompts, greedy, n=1, engine=paged)
     assert (only_a.completion_tokens[:, k:] != out.completion_tokens[:, k:]).any()
+
+
+@pytest.mark.parametrize("path", ["kernels", "xla"])
+def test_q_k_norms_decode_as_the_model(path, monkeypatch):
+    """A model with q/k norms (Qwen3): the decode step normalizes and rotates queries and
+    keys as the model's forward does (`norm_rope_qk`), with the CPU kernels (which then
+    take q, k and v rotated) and with XLA's reference: greedy tokens are the full
+    forward's argmax, their log-probs its log-softmax within 1e-5."""
+    _decode_path(monkeypatch, path)
+    spec = resolve_spec(dataclasses.replace(SPEC_CONFIG, architecture="qwen3"))
+    assert spec.qk_norm and not spec.qkv_bias
+    params = init_params(spec, jax.random.key(2))
+    norms = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+    params = {k: v if k in norms else v * 3.0 for k, v in params.items()}
+    out = sample(params, PROMPTS, GREEDY, spec=spec)
+    assert (out.lengths == GREEDY.max_new_tokens).all()
+    tokens, valid, positions = _sequences(out)
+
+    @jax.jit
+    def logits(params):
+        model = Transformer(spec, params)
+        return model.logits(model(tokens, positions, kv_valid_bs=valid)[0])
+
+    tp, m = out.prompt_tokens.shape[1], out.completion_mask
+    want = np.asarray(jax.nn.log_softmax(logits(params)[:, tp - 1 : -1]))
+    np.testing.assert_array_equal(want.argmax(-1)[m], out.completion_tokens[m])
+    want = np.take_along_axis(want, out.completion_tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out.logprobs[m], want[m], atol=1e-5)
 
 
 def test_stop_tokens_end_rows_early(params_a):

@@ -27,13 +27,13 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
   (the LM head's log-probs and entropy: its logits then die with the forward).
 * `decode(platform, *, compute_dtype, head_dim, local, threads, attention=True,
   matmul=True)`: the ops of the one-token decode step (`rl_jax.models.decode`) as
-  an object, `xla.Decode` or a subclass: the weights' and the KV cache's layouts
-  (`prepare`, `cache_blocks`, `from_model_cache`, `cache_axes`) and the ops that
-  read them (`embed`, `normed_dense`, `swiglu`, `residual_dense`, `logits`,
-  `attention`). The conditions say what the decode runs under: compute dtype,
-  head width, whether each device decodes its rows alone (`local`) and whether one
-  device decodes (`threads`); `attention` / `matmul` False keep XLA's for that
-  part. `Kernels.decode_ops(**conditions)` calls it with the platform.
+  an object, `xla.Decode` or a subclass: the weights' and the engine's paged KV
+  cache's layouts (`prepare`, `paged_shapes`, `paged_axes`, `page_size`) and the ops
+  that read them (`embed`, `normed_dense`, `swiglu`, `residual_dense`, `logits`,
+  `paged_attention`, `write_prompt`). The conditions say what the decode runs
+  under: compute dtype, head width, whether each device decodes its rows alone
+  (`local`) and whether one device decodes (`threads`); `attention` / `matmul`
+  False keep XLA's for that part. `Kernels.decode_ops(**conditions)` calls it with the platform.
 
 Implementations:
 
@@ -45,10 +45,9 @@ Implementations:
   kernels (XLA FFI; `cpu.Decode`, where `cpu.available()`).
 * `tpu` (`tpu.py`): `flash_attention` as the Pallas TPU splash attention, run per
   device under `shard_map` (`layout`); the tests compare it with `xla` in Pallas's
-  interpreter on CPU. `decode`: `tpu.Decode`, XLA's ops on a token-major KV cache
-  (the layout libtpu keeps inside the decode loop). Its other ops are `xla`'s. A
-  further Pallas kernel (ragged paged attention for `attention_cached`) registers
-  here the same way; a decode step in Pallas subclasses `tpu.Decode`.
+  interpreter on CPU. `decode`: `tpu.Decode`, XLA's ops with the paged cache read
+  by the Pallas paged attention kernel. Its other ops are `xla`'s. A further Pallas
+  kernel (ragged paged attention for `attention_cached`) registers here the same way.
 * `gpu`: not registered yet; it gets `xla`.
 
 Sequence lengths: on TPU an array [B, T, D] is stored in tiles of 8 rows of 32-bit words

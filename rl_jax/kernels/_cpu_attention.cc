@@ -1,33 +1,36 @@
-// One decode step of grouped-query attention over a KV cache, on CPU (XLA FFI).
+// One decode step of grouped-query attention over a paged KV cache, on CPU (XLA FFI).
 //
 // Why a hand-written kernel: XLA:CPU runs the decode score and value matmuls
 // as batched [R, hd] x [hd, S] products (R = query heads per KV head, often 1
 // or 2), which stream the cache at a fraction of memory bandwidth, and it reads
-// every slot of the cache, filled or not. This kernel reads only the slots a
-// row can see (kv_start[b] .. slot), once, front to back:
+// every page of a row's table, filled or not. This kernel reads only the
+// positions a row can see (0 .. its own), once, front to back, page by page:
 //
-//   q        [B, K, R, hd]          float32  queries (RoPE applied)
-//   k, v     [B, K, hd]             float32  this step's key and value
-//   keys     [L, B, K, S/16, hd, 16] float32 tiles of 16 slots, each one
-//                                            contiguous [hd, 16] block, per layer
-//   values   [L, B, K, S, hd]       float32
-//   kv_start [B]                    int32    first visible slot of each row
-//   slot     [] or [B]              int32    this step's slot, the last visible
-//                                            (one for every row, or each row's own:
-//                                            a continuous-batching engine's rows sit
-//                                            at different steps)
-//   layer    []                     int32    the layer whose cache this step uses
+//   q        [B, K, R, hd]           float32  queries (RoPE applied)
+//   k, v     [B, K, hd]              float32  this step's key and value
+//   keys     [K, L, N, P/16, hd, 16] float32  N pages of P positions per kv head and
+//                                             layer, a page's keys in tiles of 16
+//                                             positions, each one contiguous [hd, 16]
+//   values   [K, L, N, P, hd]        float32
+//   table    [B, W]                  int32    row b's position p at page table[b, p / P]
+//   pos      [B]                     int32    this step's position of each row: its key
+//                                             and value are written there, and it sees
+//                                             positions 0 .. pos
+//   live     [B]                     int32    rows that write (0: the row ended, its
+//                                             pages may be another's: it writes
+//                                             nothing, and its attention is zeros)
+//   layer    []                      int32    the layer whose pages this step uses
 // results:
-//   out      [B, K, R, hd]          float32  softmax(scale * q k^T) v
-//   keys, values                             the cache with k, v written at
-//                                            `slot` of `layer`: aliased to the
-//                                            inputs (the decode step's scan over
-//                                            layers carries the whole stack)
+//   out      [B, K, R, hd]           float32  softmax(scale * q k^T) v
+//   keys, values                              the cache with k, v written at `pos` of
+//                                             `layer`: aliased to the inputs (the
+//                                             decode step's scan over layers carries
+//                                             the whole stack)
 //
 // Writing the new key here rather than in XLA: a key is one float in each of hd
 // cache lines of its tile, which the score loop reads right after anyway.
 //
-// DecodeAttentionQKV does the same from the q/k/v projection's rows
+// PagedAttentionQKV does the same from the q/k/v projection's rows
 // [B, (H + 2K) hd], splitting the heads and applying RoPE itself.
 //
 // Same math as the model's attention (float32 scores, max-subtracted softmax,
@@ -48,24 +51,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-struct Problem {
-  const float* q;
-  const float* k_new;
-  const float* v_new;
-  float* keys;
-  float* values;
-  const int32_t* kv_start;
-  const int32_t* slot;  // [B], or [1] for every row (slot_stride 0)
-  int64_t slot_stride;
-  float scale;
-  float* out;
-  int64_t B, K, R, hd, S;
-  // The fused form (DecodeAttentionQKV): q is the projection's row [B, (H + 2K) hd]
-  // (k_new, v_new unused), rotated here with cos, sin [B, hd / 2]; null otherwise.
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-};
 
 // dst = x rotated by the angles (cos, sin), pairs (i, i + hd/2): RoPE's "rotate
 // half" layout, as rl_jax.models.layers.apply_rope.
@@ -125,32 +110,9 @@ void Scores(const float* q, const float* tiles, int64_t hd, int64_t lo, int64_t 
   }
 }
 
-// out[r, :] = sum_j p[r, j] values[lo + j, :], C * kLanes head dimensions per pass
-// (hd a multiple of that): RR x C accumulators while the slots stream.
-template <int RR, int C>
-void WeightedValues(const float* p, const float* v, int64_t hd, int64_t lo, int64_t n,
-                    float* out) {
-  for (int64_t d0 = 0; d0 < hd; d0 += C * kLanes) {
-    Vec acc[RR][C] = {};
-    for (int64_t j = 0; j < n; ++j) {
-      const float* vr = v + (lo + j) * hd + d0;
-      Vec vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = LoadVec(vr + c * kLanes);
-      for (int r = 0; r < RR; ++r) {
-        const float pj = p[r * n + j];
-        for (int c = 0; c < C; ++c) acc[r][c] += pj * vv[c];
-      }
-    }
-    for (int r = 0; r < RR; ++r) {
-      for (int c = 0; c < C; ++c) {
-        std::memcpy(out + r * hd + d0 + c * kLanes, &acc[r][c], sizeof(Vec));
-      }
-    }
-  }
-}
-
-// WeightedValues over value rows anywhere (a paged cache's): row j at vrows[j]. The same
-// sums in the same order, so the same floats as over a contiguous cache.
+// out[r, :] = sum_j p[r, j] vrows[j][:], C * kLanes head dimensions per pass (hd a
+// multiple of that): RR x C accumulators while the rows stream (a row's value rows lie
+// on its pages, anywhere in the cache).
 template <int RR, int C>
 void WeightedRows(const float* p, const float* const* vrows, int64_t hd, int64_t n, float* out) {
   for (int64_t d0 = 0; d0 < hd; d0 += C * kLanes) {
@@ -211,241 +173,17 @@ void Softmax(float* s, int64_t rows, int64_t n) {
   }
 }
 
-// RR query rows of one (row, KV head) pair, vector path; s holds RR * n floats.
-template <int RR>
-void AttendRows(const float* q, const float* tiles, const float* v, int64_t hd, int64_t lo,
-                int64_t n, float scale, float* s, float* out) {
-  Scores<RR>(q, tiles, hd, lo, n, scale, s, n);
-  Softmax(s, RR, n);
-  // Up to 8 accumulators: 4 value vectors per pass for 1-2 query rows, 2 for 3-4.
-  if (RR <= 2 && hd % (4 * kLanes) == 0) {
-    WeightedValues<RR, 4>(s, v, hd, lo, n, out);
-  } else if (hd % (2 * kLanes) == 0) {
-    WeightedValues<RR, 2>(s, v, hd, lo, n, out);
-  } else {
-    WeightedValues<RR, 1>(s, v, hd, lo, n, out);
-  }
-}
-
-// Write this step's key and value of one (row, KV head) pair, then attend with its
-// R queries.
-void Attend(const Problem& p, int64_t item, std::vector<float>& scores,
-            std::vector<float>& rotated) {
-  const int64_t b = item / p.K;
-  const int64_t R = p.R, hd = p.hd, S = p.S;
-  const float *q, *k_new, *v_new;
-  if (!p.cos) {
-    q = p.q + item * R * hd;
-    k_new = p.k_new + item * hd;
-    v_new = p.v_new + item * hd;
-  } else {  // fused: this pair's heads from the projection's row, q and k rotated
-    const int64_t k = item % p.K, H = p.K * R;
-    const float* row = p.q + b * (H + 2 * p.K) * hd;
-    const float* cos = p.cos + b * hd / 2;
-    const float* sin = p.sin + b * hd / 2;
-    rotated.resize((R + 1) * hd);
-    for (int64_t r = 0; r < R; ++r) Rope(row + (k * R + r) * hd, cos, sin, hd, &rotated[r * hd]);
-    Rope(row + (H + k) * hd, cos, sin, hd, &rotated[R * hd]);
-    q = rotated.data();
-    k_new = q + R * hd;
-    v_new = row + (H + p.K + k) * hd;
-  }
-  float* tiles = p.keys + item * hd * S;
-  float* v = p.values + item * S * hd;
-  float* out = p.out + item * R * hd;
-  const int64_t slot = p.slot[b * p.slot_stride];
-  if (slot >= 0 && slot < S) {
-    float* tile = tiles + (slot / kLanes) * hd * kLanes + slot % kLanes;
-    for (int64_t d = 0; d < hd; ++d) tile[d * kLanes] = k_new[d];
-    std::memcpy(v + slot * hd, v_new, hd * sizeof(float));
-  }
-  const int64_t lo = std::max<int64_t>(p.kv_start[b], 0);
-  const int64_t hi = std::min<int64_t>(slot, S - 1);
-  if (hi < lo) {
-    std::fill(out, out + R * hd, 0.0f);
-    return;
-  }
-  const int64_t n = hi - lo + 1;
-  if (static_cast<int64_t>(scores.size()) < 4 * n) scores.resize(4 * n);
-  float* s = scores.data();
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const float* qr = q + r0 * hd;
-    float* o = out + r0 * hd;
-    switch (std::min<int64_t>(4, R - r0)) {
-      case 1: AttendRows<1>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
-      case 2: AttendRows<2>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
-      case 3: AttendRows<3>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
-      default: AttendRows<4>(qr, tiles, v, hd, lo, n, p.scale, s, o); break;
-    }
-  }
-}
-
 // One pool task per this many cache floats read, at most one per thread: for a
 // short cache, scheduling a task costs more than it saves.
 constexpr int64_t kMinFloatsPerHelper = 1 << 16;
-
-// Every (row, KV head) pair, split over the pool.
-void Run(ffi::ThreadPool& pool, const Problem& problem, bool parallel) {
-  // Floats read per item, about: keys and values of the filled slots (the furthest row's).
-  int64_t last = problem.slot[0];
-  for (int64_t b = 1; b < problem.B && problem.slot_stride; ++b) {
-    last = std::max<int64_t>(last, problem.slot[b]);
-  }
-  const int64_t reads = (std::min<int64_t>(last, problem.S - 1) + 1) * problem.hd * 2;
-  const int64_t items = problem.B * problem.K;
-  const int64_t helpers = parallel ? items * reads / kMinFloatsPerHelper : 0;
-  rl_jax::ParallelFor(pool, items, helpers, [problem](int64_t item) {
-    thread_local std::vector<float> scores, rotated;
-    Attend(problem, item, scores, rotated);
-  });
-}
-
-// Whether the stacked cache (keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd], hd a
-// multiple of 16, updated in place: the results aliased to them), kv_start [B], slot [] or [B]
-// and layer [] (0 <= layer < L: the layer this call reads and writes) fit B rows of K
-// KV heads of width hd; else the error that says so. Sets *offset to the layer's first
-// float in keys and in values (both hold B K S hd floats per layer).
-ffi::Error CheckCache(ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::F32>& values,
-                      ffi::ResultBuffer<ffi::F32>& keys_out,
-                      ffi::ResultBuffer<ffi::F32>& values_out, ffi::Buffer<ffi::S32>& kv_start,
-                      ffi::Buffer<ffi::S32>& slot, ffi::Buffer<ffi::S32>& layer, int64_t B,
-                      int64_t K, int64_t hd, int64_t* offset) {
-  auto kd = keys.dimensions();
-  auto vd = values.dimensions();
-  if (kd.size() != 6 || vd.size() != 5 || kd[0] != vd[0] || kd[1] != B || kd[2] != K ||
-      kd[3] * kLanes != vd[3] || kd[4] != hd || kd[5] != kLanes || vd[1] != B || vd[2] != K ||
-      vd[4] != hd || hd % kLanes != 0 || kv_start.element_count() != static_cast<size_t>(B) ||
-      (slot.element_count() != 1 && slot.element_count() != static_cast<size_t>(B)) ||
-      layer.element_count() != 1) {
-    return ffi::Error::InvalidArgument(
-        "decode attention: expected keys [L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a "
-        "multiple of 16), kv_start [B], slot [] or [B], layer []");
-  }
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= kd[0]) {
-    return ffi::Error::InvalidArgument("decode attention: layer " + std::to_string(l) +
-                                       " is outside the cache's " + std::to_string(kd[0]));
-  }
-  if (keys_out->typed_data() != keys.typed_data() ||
-      values_out->typed_data() != values.typed_data()) {
-    return ffi::Error::Internal("decode attention: the cache results are not aliased");
-  }
-  *offset = l * B * K * vd[3] * hd;
-  return ffi::Error::Success();
-}
-
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                           ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
-                           ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
-                           ffi::Buffer<ffi::S32> layer, float scale, bool parallel,
-                           ffi::ResultBuffer<ffi::F32> out,
-                           ffi::ResultBuffer<ffi::F32> keys_out,
-                           ffi::ResultBuffer<ffi::F32> values_out) {
-  auto qd = q.dimensions();
-  if (qd.size() != 4 || k_new.element_count() != static_cast<size_t>(qd[0] * qd[1] * qd[3]) ||
-      v_new.element_count() != k_new.element_count()) {
-    return ffi::Error::InvalidArgument(
-        "decode attention: expected q [B,K,R,hd], k and v [B,K,hd], keys "
-        "[L,B,K,S/16,hd,16], values [L,B,K,S,hd] (hd a multiple of 16), kv_start [B], "
-        "slot [] or [B], layer []");
-  }
-  const int64_t B = qd[0], K = qd[1], R = qd[2], hd = qd[3];
-  int64_t offset = 0;
-  if (auto e =
-          CheckCache(keys, values, keys_out, values_out, kv_start, slot, layer, B, K, hd, &offset);
-      e.failure()) {
-    return e;
-  }
-  const int64_t S = values.dimensions()[3];
-  const Problem problem{q.typed_data(),
-                        k_new.typed_data(),
-                        v_new.typed_data(),
-                        keys_out->typed_data() + offset,
-                        values_out->typed_data() + offset,
-                        kv_start.typed_data(),
-                        slot.typed_data(),
-                        slot.element_count() == 1 ? 0 : 1,
-                        scale,
-                        out->typed_data(),
-                        B, K, R, hd, S};
-  Run(pool, problem, parallel);
-  return ffi::Error::Success();
-}
-
-// DecodeAttention on the q/k/v projection's rows: qkv [B, (H + 2K) hd] (H = K R query
-// heads, then K key heads, then K value heads, as the decode step's fused
-// projection), q and k rotated here (RoPE) with cos, sin [B, hd / 2]; out
-// [B, H hd], the same floats as [B, K, R, hd]. Saves the decode step's slices,
-// rotations and copies of q, k and v in XLA.
-ffi::Error DecodeAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
-                              ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
-                              ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
-                              ffi::Buffer<ffi::S32> kv_start, ffi::Buffer<ffi::S32> slot,
-                              ffi::Buffer<ffi::S32> layer, float scale, bool parallel,
-                              ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> keys_out,
-                              ffi::ResultBuffer<ffi::F32> values_out) {
-  auto xd = qkv.dimensions();
-  auto kd = keys.dimensions();
-  // K and hd from the keys (CheckCache holds them to the rest); H from qkv's width.
-  const int64_t K = kd.size() == 6 ? kd[2] : 0, hd = kd.size() == 6 ? kd[4] : 0;
-  const int64_t B = xd.size() == 2 ? xd[0] : 0;
-  int64_t offset = 0;
-  if (auto e =
-          CheckCache(keys, values, keys_out, values_out, kv_start, slot, layer, B, K, hd, &offset);
-      e.failure()) {
-    return e;
-  }
-  const int64_t H = xd.size() == 2 && hd ? xd[1] / hd - 2 * K : 0;
-  if (H <= 0 || H % K != 0 || xd[1] != (H + 2 * K) * hd ||
-      cos.element_count() != static_cast<size_t>(B * hd / 2) ||
-      sin.element_count() != static_cast<size_t>(B * hd / 2) ||
-      out->element_count() != static_cast<size_t>(B * H * hd)) {
-    return ffi::Error::InvalidArgument(
-        "decode attention (qkv): expected qkv [B,(H+2K)hd] (H a multiple of K), cos and "
-        "sin [B,hd/2], result [B,H hd]");
-  }
-  const int64_t S = values.dimensions()[3];
-  Problem problem{qkv.typed_data(),
-                  nullptr,
-                  nullptr,
-                  keys_out->typed_data() + offset,
-                  values_out->typed_data() + offset,
-                  kv_start.typed_data(),
-                  slot.typed_data(),
-                  slot.element_count() == 1 ? 0 : 1,
-                  scale,
-                  out->typed_data(),
-                  B, K, H / K, hd, S};
-  problem.cos = cos.typed_data();
-  problem.sin = sin.typed_data();
-  Run(pool, problem, parallel);
-  return ffi::Error::Success();
-}
-
-// ---- the paged cache (the continuous-batching engine's) ----------------------------
-//
-//   keys     [K, L, N, P/16, hd, 16] float32  N pages of P positions per kv head and
-//                                             layer, a page's keys in tiles of 16
-//   values   [K, L, N, P, hd]        float32
-//   table    [B, R]                  int32    row b's position p at page table[b, p / P]
-//   pos      [B]                     int32    this step's position of each row: its key
-//                                             and value are written there, and it sees
-//                                             positions 0 .. pos
-//   live     [B]                     int32    rows that write (0: the row ended, its
-//                                             pages may be another's: it writes
-//                                             nothing, and its attention is zeros)
-//
-// A row's scores are laid out by position as DecodeAttention lays them out by slot
-// from kv_start, and its values are summed in the same order, so a row's attention is
-// the same floats as over a contiguous cache holding its positions.
 
 struct PagedProblem {
   const float* q;
   const float* k_new;
   const float* v_new;
-  const float* cos = nullptr;  // the fused form, as Problem's
+  // The fused form (PagedAttentionQKV): q is the projection's row [B, (H + 2K) hd]
+  // (k_new, v_new unused), rotated here with cos, sin [B, hd / 2]; null otherwise.
+  const float* cos = nullptr;
   const float* sin = nullptr;
   float* keys;    // this layer's [K] blocks of N pages, stride layer_stride per kv head
   float* values;
@@ -636,7 +374,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
-// PagedAttention on the q/k/v projection's rows, as DecodeAttentionQKV.
+// PagedAttention on the q/k/v projection's rows: qkv [B, (H + 2K) hd] (H = K R query
+// heads, then K key heads, then K value heads, as the decode step's fused
+// projection), q and k rotated here (RoPE) with cos, sin [B, hd / 2]; out
+// [B, H hd], the same floats as [B, K, R, hd]. Saves the decode step's slices,
+// rotations and copies of q, k and v in XLA.
 ffi::Error PagedAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                              ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                              ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
@@ -675,42 +417,6 @@ ffi::Error PagedAttentionQKV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("parallel")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // keys (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // values (aliased)
-);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxDecodeAttentionQKV, DecodeAttentionQKV,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // values
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("parallel")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // keys (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // values (aliased)
-);
 
 #define RL_JAX_PAGED_BINDING                                                \
   ffi::Ffi::Bind()                                                          \

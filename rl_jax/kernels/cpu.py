@@ -10,11 +10,12 @@ The C++ decode kernels, built once per machine and called through XLA's FFI from
 inside the compiled decode loop (the model's decode step, `rl_jax.models.decode`, through
 `Decode` at the end of this file):
 
-* Decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading the
-  KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode
+* Paged decode attention (`_cpu_attention.cc`). Decoding on CPU is bound by reading
+  the KV cache, and XLA:CPU reads it slowly there: the score matmul q @ k of one decode
   step is a batch of [R, hd] x [hd, S] products (R query heads per KV head, 1 or 2
-  in many models), which it streams at ~8 GB/s, and it reads all S slots whether
-  filled or not. The kernel reads each row's visible slots once.
+  in many models), which it streams at ~8 GB/s, and it reads every page of a row's
+  table whether filled or not. The kernel reads each row's filled positions once,
+  page by page.
 * Small-M matmul (`_cpu_matmul.cc`): the step's projections and LM head, a few
   dozen rows times each weight matrix, which XLA:CPU runs at under half its
   large-matmul rate; the kernel reads weights packed in panels (`pack_panels`,
@@ -58,8 +59,6 @@ SOURCES = (_HERE / "_cpu_attention.cc", _HERE / "_cpu_matmul.cc")
 HEADERS = (_HERE / "_cpu_common.h",)
 # FFI target name -> handler symbol in the library.
 TARGETS = {
-    "rl_jax_decode_attention": "RlJaxDecodeAttention",
-    "rl_jax_decode_attention_qkv": "RlJaxDecodeAttentionQKV",
     "rl_jax_paged_attention": "RlJaxPagedAttention",
     "rl_jax_paged_attention_qkv": "RlJaxPagedAttentionQKV",
     "rl_jax_matmul": "RlJaxMatmul",
@@ -288,7 +287,7 @@ def matmul(
 
     Call only after `available()` returned True, and on arrays local to one device
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
-    use XLA's intra-op threads (as for `decode_attention`).
+    use XLA's intra-op threads (as for `paged_attention`).
     """
     panels, layer = _stack(panels, layer)
     call = jax.ffi.ffi_call("rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
@@ -320,101 +319,6 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     return call(table.astype(jnp.float32), ids.astype(jnp.int32))
 
 
-def decode_attention_qkv(
-    qkv: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    kv_start: jax.Array,
-    slot,
-    scale: float,
-    parallel: bool = True,
-    layer=None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`decode_attention` from the q/k/v projection's rows, qkv [B, (H + 2K) hd] (query
-    heads, then key heads, then value heads), with RoPE applied in the kernel
-    (cos, sin [B, hd / 2], the rows' angles): no slices, rotations or copies of q,
-    k and v in XLA. Returns (attention [B, H hd], keys, values). Same conditions as
-    `decode_attention`.
-    """
-    B, K, hd = qkv.shape[0], keys.shape[-4], keys.shape[-2]
-    H = qkv.shape[1] // hd - 2 * K
-    return _attention_call(
-        "rl_jax_decode_attention_qkv",
-        (B, H * hd),
-        (qkv, cos, sin),
-        (keys, values, kv_start, slot, layer, scale, parallel),
-    )
-
-
-def _attention_call(target, out_shape, inputs, cache_args):
-    """An attention kernel's call: three float32 inputs, then the cache (keys and
-    values, updated in place: the results alias them), kv_start, slot, layer, and the
-    scale and parallel attributes. Returns (attention, keys, values).
-
-    A cache of one layer (keys [B, K, S / 16, hd, 16]) goes in as a stack of one."""
-    keys, values, kv_start, slot, layer, scale, parallel = cache_args
-    one = keys.ndim == 5
-    if one:
-        keys, values, layer = keys[None], values[None], 0
-    elif layer is None:
-        raise ValueError(f"a cache stacked over layers {keys.shape} needs a layer")
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(
-        target,
-        (
-            jax.ShapeDtypeStruct(out_shape, f32),
-            jax.ShapeDtypeStruct(keys.shape, f32),
-            jax.ShapeDtypeStruct(values.shape, f32),
-        ),
-        input_output_aliases={3: 1, 4: 2},
-    )
-    out, keys, values = call(
-        *(x.astype(f32) for x in inputs),
-        keys,
-        values,
-        kv_start.astype(jnp.int32),
-        jnp.asarray(slot, jnp.int32),
-        jnp.asarray(layer, jnp.int32),
-        scale=np.float32(scale),
-        parallel=bool(parallel),
-    )
-    return (out, keys[0], values[0]) if one else (out, keys, values)
-
-
-def decode_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    kv_start: jax.Array,
-    slot,
-    scale: float,
-    parallel: bool = True,
-    layer=None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Write this step's k, v ([B, K, hd]) at `slot`, then attend: softmax(scale * q k^T) v
-    over slots kv_start[b] .. slot of each row. Returns (attention [B, K, R, hd],
-    keys, values); all float32, q [B, K, R, hd], keys in tiles [B, K, S / 16, hd, 16],
-    values [B, K, S, hd]. The cache is updated in place (the results alias keys and
-    values; XLA copies them first only where the inputs are still needed).
-
-    Call only after `available()` returned True, and on arrays local to one device
-    (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
-    use XLA's intra-op threads (one device on the host); with one device per core
-    each device's call keeps to its own thread (bench model, 64 rows: 16% faster
-    generation on one device with the threads, per core no faster with them).
-    """
-    return _attention_call(
-        "rl_jax_decode_attention",
-        q.shape,
-        (q, k, v),
-        (keys, values, kv_start, slot, layer, scale, parallel),
-    )
-
-
 def paged_attention(
     inputs: tuple[jax.Array, jax.Array, jax.Array],
     keys: jax.Array,
@@ -426,14 +330,22 @@ def paged_attention(
     scale: float,
     parallel: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`decode_attention` over a paged cache (`xla.PagedKV`; keys in tiles, [K, L, N,
-    P / 16, hd, 16], values [K, L, N, P, hd]): row b's key and value written at its
-    position pos[b] of its pages (table [B, R]) where live[b], and its attention over
-    positions 0 .. pos[b] (zeros where not live). `inputs`: (q [B, K, R, hd], k, v
-    [B, K, hd]), or the projection's rows with RoPE's angles (qkv [B, (H + 2K) hd], cos,
-    sin [B, hd / 2]), as `decode_attention_qkv` takes them. Returns (attention
-    [B, K, R, hd] or [B, H hd], keys, values), the cache updated in place. Same
-    conditions as `decode_attention`."""
+    """One layer's decode attention over a paged cache (`xla.PagedKV`; keys in tiles,
+    [K, L, N, P / 16, hd, 16], values [K, L, N, P, hd], float32): row b's key and value
+    written at its position pos[b] of its pages (table [B, R]) of `layer` where
+    live[b], then softmax(scale * q k^T) v over its positions 0 .. pos[b] (zeros where
+    not live). `inputs`: (q [B, K, R, hd], k, v [B, K, hd]), RoPE applied, or the
+    projection's rows [B, (H + 2K) hd] (query heads, key heads, value heads) with
+    RoPE's angles cos, sin [B, hd / 2], split and rotated in the kernel. Returns
+    (attention [B, K, R, hd] or [B, H hd], keys, values), float32; the cache is updated
+    in place (the results alias keys and values; XLA copies them first only where the
+    inputs are still needed).
+
+    Call only after `available()` returned True, and on arrays local to one device
+    (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
+    use XLA's intra-op threads (one device on the host); with one device per core
+    each device's call keeps to its own thread (bench model, 64 rows: 16% faster
+    generation on one device with the threads, per core no faster with them)."""
     fused = inputs[0].ndim == 2
     B = table.shape[0]
     if fused:
@@ -469,19 +381,18 @@ def paged_attention(
 # Slots per key tile of the attention kernel's layout: its vector width (kLanes in
 # _cpu_attention.cc).
 KEY_TILE = 16
-TILED_KEYS_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim", None)
 
 
 class Decode(xla.Decode):
     """The decode step's ops in the C++ kernels, each part where it applies (the rest
-    `xla.Decode`'s, long caches in blocks).
+    `xla.Decode`'s, long tables in blocks).
 
-    `attention`: keys in tiles of KEY_TILE slots, [L, B, K, S / KEY_TILE, hd, KEY_TILE],
-    one contiguous block per tile, values [L, B, K, S, hd]; one kernel call per layer
-    writes the step's key and value and computes the attention in the layer's part of
-    the stack, in place: it reads each row's filled slots once, front to back, so no
-    blocks are needed at any length. Without a q/k norm the call also splits the
-    projection's rows and applies RoPE (`decode_attention_qkv`).
+    `attention`: the paged cache's keys in tiles of KEY_TILE positions, [K, L, N,
+    P / KEY_TILE, hd, KEY_TILE], one contiguous block per tile, values [K, L, N, P, hd];
+    one kernel call per layer writes the step's key and value and computes the
+    attention in the layer's pages, in place: it reads each row's filled positions
+    once, front to back, so no blocks are needed at any length. Without a q/k norm the
+    call also splits the projection's rows and applies RoPE (`paged_attention`).
 
     `matmul`: the weights packed once per decode call (`prepare`): q/k/v, o and down
     projections and the transposed LM head into panels of columns (`pack_panels`),
@@ -566,29 +477,6 @@ class Decode(xla.Decode):
         )
         return att, xla.PagedKV(keys, values)
 
-    def cache_blocks(self, slots: int) -> tuple[int, int]:
-        if self.tiled:  # reads only filled slots at any length: no blocks
-            tiles = -(-slots // KEY_TILE) * KEY_TILE
-            return tiles, tiles
-        return super().cache_blocks(slots)
-
-    def from_model_cache(self, cache, block: int) -> xla.DecodeCache:
-        if not self.tiled:
-            return super().from_model_cache(cache, block)
-        k, v = cache
-        L, B, K, S, hd = k.shape
-        if S % KEY_TILE:
-            raise ValueError(f"a cache of {S} slots does not split into tiles of {KEY_TILE}")
-        # [L, B, K, S, hd] -> [L, B, K, S / KEY_TILE, hd, KEY_TILE]
-        return k.reshape(L, B, K, S // KEY_TILE, KEY_TILE, hd).swapaxes(4, 5), v
-
-    def cache_axes(self, cache: xla.DecodeCache) -> tuple[tuple, tuple]:
-        if isinstance(cache, xla.PagedKV):
-            return self.paged_axes(cache)
-        if cache[0].ndim == 6 and cache[1].ndim == 5:  # keys in tiles
-            return TILED_KEYS_LOGICAL_AXES, xla.VALUES_LOGICAL_AXES
-        return super().cache_axes(cache)
-
     def prepare(self, layers: dict, final_norm: jax.Array, head_vd: jax.Array):
         if not self.packed:
             return super().prepare(layers, final_norm, head_vd)
@@ -633,67 +521,6 @@ class Decode(xla.Decode):
             return matmul(x, head, cols, self.threads, norm_eps=eps)
         return super().logits(x, norm, head, eps=eps, dtype=dtype, cols=cols)
 
-    def attention(
-        self,
-        qkv,
-        rope,
-        cache,
-        kv_start_b,
-        slot,
-        *,
-        layer,
-        num_heads,
-        qk_norm=None,
-        eps=0.0,
-        constrain=lambda x, logical: x,
-    ):
-        if not self.tiled:
-            return super().attention(
-                qkv,
-                rope,
-                cache,
-                kv_start_b,
-                slot,
-                layer=layer,
-                num_heads=num_heads,
-                qk_norm=qk_norm,
-                eps=eps,
-                constrain=constrain,
-            )
-        ck, cv = cache
-        hd = cv.shape[-1]
-        cos, sin = rope
-        if qk_norm is None:  # split, rotate, write, attend: all in the kernel
-            att, ck, cv = decode_attention_qkv(
-                qkv,
-                cos[:, 0],
-                sin[:, 0],
-                ck,
-                cv,
-                kv_start_b,
-                slot,
-                hd**-0.5,
-                self.threads,
-                layer=layer,
-            )
-        else:
-            q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
-            B, K = q.shape[:2]
-            att, ck, cv = decode_attention(
-                q,
-                k.reshape(B, K, hd),
-                v.reshape(B, K, hd),
-                ck,
-                cv,
-                kv_start_b,
-                slot,
-                hd**-0.5,
-                parallel=self.threads,
-                layer=layer,
-            )
-        keys_axes, values_axes = self.cache_axes((ck, cv))
-        return att, (constrain(ck, keys_axes), constrain(cv, values_axes))
-
 
 def decode_ops(
     platform: str,
@@ -710,7 +537,7 @@ def decode_ops(
     devices; the calls have no sharding rule) and where they can be built
     (`available()`; RL_JAX_CPU_KERNELS=0 turns them off); the attention kernel with
     head dimensions in whole vectors of KEY_TILE floats. `attention` / `matmul` False
-    keep XLA's for that part (comparisons). Elsewhere: XLA's ops, long caches in blocks."""
+    keep XLA's for that part (comparisons). Elsewhere: XLA's ops, long tables in blocks."""
     applies = jnp.dtype(compute_dtype) == jnp.float32 and local and available()
     tiled = attention and applies and head_dim % KEY_TILE == 0
     packed = matmul and applies

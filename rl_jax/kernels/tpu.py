@@ -152,27 +152,15 @@ def flash_attention(
 
 # ---- the one-token decode step -----------------------------------------------------------
 
-# The decode cache token-major: keys and values both [L, B, S, K, hd].
-TOKEN_MAJOR_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
-
 
 class Decode(xla.Decode):
-    """`xla.Decode` with the KV cache token-major, keys and values [L, B, S, K, hd]: the
-    K x hd values a step writes for a row are contiguous. Inside the decode loop libtpu
-    lays the cache out that way whatever its shape; from xla's layout (keys
-    [L, B, K, hd, S], values [L, B, K, S, hd]) it copies the whole cache in and out of
-    every `generate` call and holds a second cache as temporaries meanwhile: qwen3-0.6b,
-    32 slots of 2,304 tokens on v5e:2x2, 2.34 GB of temporaries per chip beside a
-    2.11 GB cache, against 1.19 GB token-major (the sampler's gathered weights). Whole
-    caches only (TPU is not among `xla.DECODE_BLOCK_PLATFORMS`).
-
-    The engine's paged cache (`xla.PagedKV`, keys and values [K, L, N, P, hd], the
-    layout the kernel reads) is read by the Pallas paged attention kernel (`paged_
-    attention`), per device under `jax.shard_map` on a mesh: a row reads its filled
-    pages only. The kernel reads bfloat16 and blocks its softmax statistics as its
-    queries, so it needs a head width of whole 128-lane tiles; another cache dtype (int8
-    too) or head width keeps XLA's reference (`kernel_reads`), as do the plan's counting
-    programs (the kernel has no cost XLA can see).
+    """`xla.Decode` with the engine's paged cache (`xla.PagedKV`, keys and values
+    [K, L, N, P, hd], the layout the kernel reads) read by the Pallas paged attention
+    kernel (`paged_attention`), per device under `jax.shard_map` on a mesh: a row reads
+    its filled pages only. The kernel reads bfloat16 and blocks its softmax statistics
+    as its queries, so it needs a head width of whole 128-lane tiles; another cache
+    dtype (int8 too) or head width keeps XLA's reference (`kernel_reads`), as do the
+    plan's counting programs (the kernel has no cost XLA can see).
     `interpret`: the kernel in Pallas's interpreter (any backend: the CPU tests)."""
 
     page_size = 64
@@ -204,40 +192,6 @@ class Decode(xla.Decode):
         return paged_attention(
             q, cache.keys, cache.values, table, lengths, layer, interpret=self.interpret
         )
-
-    def from_model_cache(self, cache, block: int) -> xla.DecodeCache:
-        k, v = cache  # [L, B, K, S, hd]
-        if block != k.shape[3]:
-            raise ValueError(f"the TPU decode cache is whole: blocks of {block} slots asked")
-        return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
-
-    def cache_axes(self, cache: xla.DecodeCache) -> tuple[tuple, tuple]:
-        if isinstance(cache, xla.PagedKV):
-            return self.paged_axes(cache)
-        return TOKEN_MAJOR_LOGICAL_AXES, TOKEN_MAJOR_LOGICAL_AXES
-
-    @staticmethod
-    def cache_slots(cache: xla.DecodeCache) -> int:
-        return cache[1].shape[2]
-
-    @staticmethod
-    def kv_geometry(cache: xla.DecodeCache) -> tuple[int, int]:
-        if isinstance(cache, xla.PagedKV):
-            return xla.Decode.kv_geometry(cache)
-        return cache[1].shape[3], cache[1].shape[4]
-
-    WHOLE_EINSUMS = ("bkrh,bskh->bkrs", "bkrs,bskh->bkrh")  # keys and values [B, S, K, hd]
-
-    def write(self, cache, k_bkh, v_bkh, layer, slot) -> xla.DecodeCache:
-        ck, cv = cache
-        k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
-        if jnp.ndim(slot):  # each row at its own slot [B]; slots past the cache dropped
-            rows = jnp.arange(k.shape[0])
-            ck = ck.at[layer, rows, slot].set(k, mode="drop")
-            return ck, cv.at[layer, rows, slot].set(v, mode="drop")
-        at = (layer, 0, slot, 0, 0)
-        ck = jax.lax.dynamic_update_slice(ck, k[None, :, None], at)
-        return ck, jax.lax.dynamic_update_slice(cv, v[None, :, None], at)
 
 
 def paged_block(width: int, page: int) -> int:

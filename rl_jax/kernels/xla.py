@@ -3,7 +3,8 @@ platform. It is the default everywhere and the reference every other implementat
 is tested against.
 
 The ops of the one-token decode step (`rl_jax.models.decode`) are `Decode`'s methods,
-with the weights and the KV cache in the layouts they read (the end of this file).
+with the weights and the engine's paged KV cache in the layouts they read (the end of
+this file).
 
 Dimension letters: B batch, T query time, S key time, H query heads, K kv heads,
 R = H / K query heads per kv head, hd head width, N rows of a matmul, L layers,
@@ -55,6 +56,23 @@ def apply_rope(x_bthk: jax.Array, cos_btk: jax.Array, sin_btk: jax.Array) -> jax
     c, s = cos_btk[:, :, None, :], sin_btk[:, :, None, :]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     return out.astype(x_bthk.dtype)
+
+
+def norm_rope_qk(
+    q: jax.Array,
+    k: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    qk_norm: tuple[jax.Array, jax.Array] | None,
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """A layer's queries and keys [B, T, heads, hd] from their projections to attention:
+    RMS-normalized by qk_norm's (q's, k's) [hd] weights if given (Qwen3), then rotated
+    by rope (cos, sin [B, T, hd / 2]). The model's forward and the decode step's ops
+    both take this step here."""
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
+    cos, sin = rope
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -316,19 +334,9 @@ def attention_cached(
 
 # ---- the one-token decode step ---------------------------------------------------------
 
-# (keys, values) stacked over layers: keys [L, B, K, hd, S] (transposed, so the score
-# matmul q @ k reads them in place) and values [L, B, K, S, hd] ("whole"); or split
-# into N blocks of slots, keys [L, B, N, K, hd, S / N] and values [L, B, N, K, S / N, hd]
-# ("blocked"); or a platform's own layout (`rl_jax.kernels.cpu`: keys in tiles).
-DecodeCache = tuple[jax.Array, jax.Array]
-KEYS_LOGICAL_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
-VALUES_LOGICAL_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-BLOCKED_KEYS_LOGICAL_AXES = ("layers", "batch", None, "kv_heads", "head_dim", "cache_seq")
-BLOCKED_VALUES_LOGICAL_AXES = ("layers", "batch", None, "kv_heads", "cache_seq", "head_dim")
-
-# Caches of more slots than this are split into blocks (decode_cache_blocks)
-# and a step reads only the blocks written so far. Up to here one pass over the
-# whole cache beats the block loop.
+# Page tables of more positions than this are read in blocks of pages
+# (decode_cache_blocks), up to the furthest row's block. Up to here one pass over the
+# whole table beats the block loop.
 DECODE_BLOCK_MIN_SLOTS = 128
 # About this many blocks per cache: the loop costs a few small kernels per block
 # and a step over-reads half a block on average. Blocks of 16 to 512 slots.
@@ -336,25 +344,25 @@ DECODE_BLOCKS = 8
 DECODE_BLOCK_MAX_SLOTS = 512
 
 
-# Where the decode step reads a long cache in blocks. On CPU a step is bound by
+# Where XLA's paged reference reads a long table in blocks. On CPU a step is bound by
 # reading the cache, and a loop iteration costs a few small kernels. On an
 # accelerator every block of every layer adds kernel launches, against a whole
-# cache read at HBM bandwidth; not measured there yet, so it keeps one pass.
+# table read at HBM bandwidth; not measured there yet, so it keeps one pass.
 DECODE_BLOCK_PLATFORMS = ("cpu",)
 
 
 def decode_cache_blocks(slots: int, platform: str = "cpu") -> tuple[int, int]:
-    """(slots to allocate, slots per block) for a decode cache that must hold `slots`.
+    """(slots to allocate, slots per block) for `slots` positions of a row's cache, of
+    which XLA's paged reference reads the blocks (`Decode.read_pages`).
 
     Up to DECODE_BLOCK_MIN_SLOTS, or on a platform not in DECODE_BLOCK_PLATFORMS:
     (slots, slots), one piece. Above: blocks of
     ~slots / DECODE_BLOCKS (a multiple of 16, at most DECODE_BLOCK_MAX_SLOTS),
-    and the cache rounded up to whole blocks (the extra slots are never written
-    or seen). Bench model, 64 rows, one CPU device, ms per decode step, whole
-    cache against blocks: 10.1-10.3 against 7.1-7.4 at 264 slots (blocks of 48),
-    25-27.5 against 15.9 at 1032 (blocks of 144); 6.5 at 72 (one piece). A
-    function of the slot count alone, so a row's numbers do not depend on how
-    many rows share its batch.
+    and the slots rounded up to whole blocks. Bench model, 64 rows, one CPU
+    device, ms per decode step over a contiguous cache read whole against in
+    blocks: 10.1-10.3 against 7.1-7.4 at 264 slots (blocks of 48), 25-27.5 against
+    15.9 at 1032 (blocks of 144); 6.5 at 72 (one piece). A function of the slot
+    count alone, so a row's numbers do not depend on how many rows share its batch.
     """
     if slots <= DECODE_BLOCK_MIN_SLOTS or platform not in DECODE_BLOCK_PLATFORMS:
         return slots, slots
@@ -375,12 +383,10 @@ class Decode:
 
     Weights are the model's decode layout, stacked [L, ...] (q/k/v, and gate/up, each
     concatenated into one matrix), indexed inside the scan over layers. The cache is
-    "whole", or "blocked" on platforms of DECODE_BLOCK_PLATFORMS past
-    DECODE_BLOCK_MIN_SLOTS slots: a step then reads only the blocks written so far,
-    with an online softmax over them (flash-decoding). Decoding is bound by reading
-    the cache; reading all of it at every step costs twice the attention of reading
-    what is filled, and more when a batch ends before its cache fills. A block of one
-    row is contiguous, so taking one out inside the loop is a cheap copy.
+    the engine's paged one (`PagedKV`): a step writes each live row's key and value
+    into its page and reads the row's table, every page at once, or on platforms of
+    DECODE_BLOCK_PLATFORMS past DECODE_BLOCK_MIN_SLOTS positions in blocks of pages up
+    to the furthest row's, with an online softmax over them (flash-decoding).
 
     A platform's implementation (`rl_jax.kernels.cpu.Decode`) overrides the methods
     it runs in its own kernels and names them in `platform_ops`.
@@ -395,45 +401,6 @@ class Decode:
     def __init__(self, platform: str, *, einsum=einsum_f32):
         self.platform = platform
         self.einsum = einsum
-
-    # ---- the cache ------------------------------------------------------------------
-
-    def cache_blocks(self, slots: int) -> tuple[int, int]:
-        """(slots to allocate, slots per block) of a cache that must hold `slots`."""
-        return decode_cache_blocks(slots, self.platform)
-
-    def from_model_cache(self, cache, block: int) -> DecodeCache:
-        """The model's cache (k, v [L, B, K, S, hd], S from `cache_blocks`) in this
-        layout: whole, or in blocks of `block` slots when that is fewer than S."""
-        k, v = cache
-        L, B, K, S, hd = k.shape
-        if block == S:
-            return jnp.swapaxes(k, 3, 4), v
-        if S % block:
-            raise ValueError(f"a cache of {S} slots does not split into blocks of {block}")
-        # [L, B, K, S, hd] -> [L, B, N, K, hd, blk] and [L, B, N, K, blk, hd]
-        k = k.reshape(L, B, K, S // block, block, hd)
-        v = v.reshape(L, B, K, S // block, block, hd)
-        return k.transpose(0, 1, 3, 2, 5, 4), v.transpose(0, 1, 3, 2, 4, 5)
-
-    def cache_axes(self, cache: DecodeCache) -> tuple[tuple, tuple]:
-        """Logical axes of (keys, values)."""
-        if isinstance(cache, PagedKV):
-            return self.paged_axes(cache)
-        if cache[1].ndim == 6:
-            return BLOCKED_KEYS_LOGICAL_AXES, BLOCKED_VALUES_LOGICAL_AXES
-        return KEYS_LOGICAL_AXES, VALUES_LOGICAL_AXES
-
-    def paged_axes(self, cache: PagedKV) -> PagedKV:
-        """Logical axes of a paged cache's keys, values (and scales)."""
-        scales = None if cache.scales is None else PAGED_LOGICAL_AXES[:4] + (None,)
-        return PagedKV(PAGED_LOGICAL_AXES, PAGED_LOGICAL_AXES, scales)
-
-    @staticmethod
-    def cache_slots(cache: DecodeCache) -> int:
-        """Slots of a cache (all its blocks)."""
-        values = cache[1]
-        return values.shape[2] * values.shape[4] if values.ndim == 6 else values.shape[3]
 
     # ---- weights and projections ----------------------------------------------------
 
@@ -472,123 +439,22 @@ class Decode:
         out = normed_logits(x[:, None, :], norm, head, eps=eps, dtype=dtype, einsum=self.einsum)
         return out[:, 0]
 
-    # ---- attention ------------------------------------------------------------------
-
-    def attention(
-        self,
-        qkv: jax.Array,
-        rope: tuple[jax.Array, jax.Array],
-        cache: DecodeCache,
-        kv_start_b: jax.Array,
-        slot: jax.Array,
-        *,
-        layer,
-        num_heads: int,
-        qk_norm: tuple[jax.Array, jax.Array] | None = None,
-        eps: float = 0.0,
-        constrain=lambda x, logical: x,
-    ) -> tuple[jax.Array, DecodeCache]:
-        """One layer's attention of one new token per row: split the projection's rows
-        qkv [B, (H + 2K) hd] (query heads, key heads, value heads), RMS-normalize q and
-        k by qk_norm's [L, hd] weights (Qwen3) if given, rotate them by rope (cos, sin
-        [B, 1, hd / 2]), write k and v into `layer`'s slot `slot` ([] for every row, or
-        [B] each row's own), and attend over slots kv_start_b[b] .. slot of row b.
-        Returns (attention [B, K, R, hd] or [B, H hd], float32; the cache).
-        `constrain(x, logical axes)` pins the written cache's layout."""
-        q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
-        B, K, R, hd = q.shape
-        ck, cv = self.write(cache, k.reshape(B, K, hd), v.reshape(B, K, hd), layer, slot)
-        keys_axes, values_axes = self.cache_axes((ck, cv))
-        ck, cv = constrain(ck, keys_axes), constrain(cv, values_axes)
-        dtype = qkv.dtype
-        if cv.ndim == 6:
-            att = self._filled_blocks(q, ck, cv, layer, kv_start_b, slot, dtype)
-        else:
-            k_slot = jnp.arange(self.cache_slots((ck, cv)))
-            last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
-            visible_bs = (k_slot[None, :] >= kv_start_b[:, None]) & (k_slot[None, :] <= last_b1)
-            ck_i, cv_i = _at(ck, layer).astype(dtype), _at(cv, layer).astype(dtype)
-            scores_spec, values_spec = self.WHOLE_EINSUMS
-            scores = self.einsum(scores_spec, q, ck_i)
-            scores = jnp.where(visible_bs[:, None, None, :], scores * hd**-0.5, MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-            att = self.einsum(values_spec, probs, cv_i)
-        return att, (ck, cv)
-
-    # q [B, K, R, hd] against one layer's keys of a whole cache, then the probabilities
-    # [B, K, R, S] against its values: keys [B, K, hd, S], values [B, K, S, hd] here.
-    WHOLE_EINSUMS = ("bkrh,bkhs->bkrs", "bkrs,bksh->bkrh")
-
-    def write(self, cache: DecodeCache, k_bkh, v_bkh, layer, slot) -> DecodeCache:
-        """The cache with `layer`'s key and value [B, K, hd] of each row written at slot
-        `slot` ([] for every row, or [B] each row's own; slots past the cache dropped)."""
-        ck, cv = cache
-        if jnp.ndim(slot):  # each row at its own slot [B]
-            return _write_rows(ck, cv, k_bkh, v_bkh, layer, slot)
-        B, K, hd = k_bkh.shape
-        k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
-        if cv.ndim == 6:  # blocked
-            blk = cv.shape[4]
-            j = (layer, 0, slot // blk, 0)
-            k, v = k.reshape(1, B, 1, K, hd, 1), v.reshape(1, B, 1, K, 1, hd)
-            ck = jax.lax.dynamic_update_slice(ck, k, (*j, 0, slot % blk))
-            return ck, jax.lax.dynamic_update_slice(cv, v, (*j, slot % blk, 0))
-        ck = jax.lax.dynamic_update_slice(ck, k.reshape(1, B, K, hd, 1), (layer, 0, 0, 0, slot))
-        v = v.reshape(1, B, K, 1, hd)
-        return ck, jax.lax.dynamic_update_slice(cv, v, (layer, 0, 0, slot, 0))
+    # ---- the paged cache (`PagedKV`, the engine's) ------------------------------------
 
     @staticmethod
-    def kv_geometry(cache: DecodeCache) -> tuple[int, int]:
-        """(kv heads, head width) of a cache in this layout (or a paged one)."""
-        if isinstance(cache, PagedKV):
-            return cache.values.shape[0], cache.values.shape[-1]
-        return cache[1].shape[-3], cache[1].shape[-1]
-
-    @classmethod
-    def split_heads(cls, qkv, rope, num_heads, cache, layer, qk_norm, eps):
-        """q [B, K, R, hd], k [B, 1, K, hd] and v [B, K, 1, hd] from the projection's
-        rows, q and k normalized (qk_norm) and rotated."""
+    def split_heads(qkv, rope, num_heads, cache: PagedKV, layer, qk_norm, eps):
+        """One layer's step from the projection's rows qkv [B, (H + 2K) hd] (query heads,
+        key heads, value heads): q [B, K, R, hd], k [B, 1, K, hd] and v [B, K, 1, hd],
+        q and k through `norm_rope_qk` with `layer`'s qk_norm weights (of [L, hd]) and
+        rope (cos, sin [B, 1, hd / 2])."""
         B = qkv.shape[0]
-        H, (K, hd) = num_heads, cls.kv_geometry(cache)
+        H, K, hd = num_heads, cache.values.shape[0], cache.values.shape[-1]
         q = qkv[:, : H * hd].reshape(B, 1, H, hd)
         k = qkv[:, H * hd : (H + K) * hd].reshape(B, 1, K, hd)
         v = qkv[:, (H + K) * hd :].reshape(B, K, 1, hd)
-        if qk_norm is not None:
-            q = rms_norm(q, _at(qk_norm[0], layer), eps)
-            k = rms_norm(k, _at(qk_norm[1], layer), eps)
-        cos, sin = rope
-        return apply_rope(q, cos, sin).reshape(B, K, H // K, hd), apply_rope(k, cos, sin), v
-
-    def _filled_blocks(self, q, ck, cv, layer, kv_start_b, slot, dtype) -> jax.Array:
-        """q [B, K, R, hd] over `layer`'s slots of the blocked cache up to `slot`: an
-        online softmax over blocks 0 .. slot // blk, the blocks written so far.
-        [B, K, R, hd] float32. Fully padded blocks of a row (left padding) drop out:
-        its own slot, in the last block, is always visible."""
-        B, K, R, hd = q.shape
-        blk = cv.shape[4]
-        in_block = jnp.arange(blk)
-
-        def take(cache, j):  # [L, B, N, ...] -> [B, ...] of layer `layer`, block j
-            start = (layer, 0, j) + (0,) * (cache.ndim - 3)
-            size = (1, B, 1, *cache.shape[3:])
-            return jax.lax.dynamic_slice(cache, start, size).reshape(B, *cache.shape[3:])
-
-        last_b1 = jnp.reshape(slot, (-1, 1))  # [B or 1, 1]
-
-        def block_fn(j):
-            kb, vb = take(ck, j).astype(dtype), take(cv, j).astype(dtype)
-            s_b = j * blk + in_block
-            visible = (s_b[None, :] >= kv_start_b[:, None]) & (s_b[None, :] <= last_b1)
-            s = self.einsum("bkrh,bkhs->bkrs", q, kb)
-            return jnp.where(visible[:, None, None, :], s * hd**-0.5, MASK_VALUE), vb
-
-        # Rows at their own slots: up to the furthest row's block. A block wholly past a
-        # row's slot leaves its sums exactly as they were (weights exp(MASK_VALUE - m) = 0).
-        return online_softmax(
-            jnp.max(slot) // blk + 1, block_fn, "bkrs,bksh->bkrh", (B, K, R, hd), einsum=self.einsum
-        )
-
-    # ---- the paged cache (`PagedKV`, the engine's) ------------------------------------
+        norms = None if qk_norm is None else tuple(_at(w, layer) for w in qk_norm)
+        q, k = norm_rope_qk(q, k, rope, norms, eps)
+        return q.reshape(B, K, H // K, hd), k, v
 
     def paged_shapes(
         self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
@@ -605,6 +471,11 @@ class Decode:
         """Keys [..., P, hd] of whole pages in the layout of `cache`'s keys."""
         return keys
 
+    def paged_axes(self, cache: PagedKV) -> PagedKV:
+        """Logical axes of a paged cache's keys, values (and scales)."""
+        scales = None if cache.scales is None else PAGED_LOGICAL_AXES[:4] + (None,)
+        return PagedKV(PAGED_LOGICAL_AXES, PAGED_LOGICAL_AXES, scales)
+
     def paged_attention(
         self,
         qkv: jax.Array,
@@ -618,10 +489,10 @@ class Decode:
         qk_norm: tuple[jax.Array, jax.Array] | None = None,
         eps: float = 0.0,
     ) -> tuple[jax.Array, PagedKV]:
-        """`attention` over a paged cache: row b's key and value written at its position
-        pos_b[b] (where pages.live[b]), then its query over its positions 0 .. pos_b[b],
-        the pages of its table that hold them. Returns (attention [B, K, R, hd] or
-        [B, H hd], float32; the cache)."""
+        """One layer's attention of one new token per row (`split_heads`): row b's key and
+        value written at its position pos_b[b] (where pages.live[b]), then its query over
+        its positions 0 .. pos_b[b], the pages of its table that hold them. Returns
+        (attention [B, K, R, hd] or [B, H hd], float32; the cache)."""
         q, k, v = self.split_heads(qkv, rope, num_heads, cache, layer, qk_norm, eps)
         B, K, R, hd = q.shape
         dtype = qkv.dtype
@@ -679,8 +550,8 @@ class Decode:
         """q [B, K, R, hd] over positions 0 .. pos[b] of each row's pages of `layer`:
         [B, K, R, hd] float32 (rows not `live` [B]: anything finite, a kernel may skip
         them). Long tables on platforms of DECODE_BLOCK_PLATFORMS are read in blocks of
-        pages, up to the furthest row's (an online softmax), as the blocked whole cache
-        is; else every page of the table at once. int8 pages are scaled back to `dtype`
+        pages, up to the furthest row's (an online softmax); else every page of the
+        table at once. int8 pages are scaled back to `dtype`
         as they are read."""
         B, K, R, hd = q.shape
         N, P = cache.values.shape[2], cache.values.shape[3]
@@ -846,21 +717,6 @@ def _paged_specs(layout: PagedLayout):
         lambda ndim: P(layout.rows, *(None,) * (ndim - 1)),
         lambda ndim: P(layout.heads, None, layout.rows, *(None,) * (ndim - 3)),
     )
-
-
-def _write_rows(ck, cv, k_bkh, v_bkh, layer, slot_b) -> DecodeCache:
-    """Row b's key and value [B, K, hd] written at its own slot slot_b[b] of `layer`, in
-    the whole or blocked layout (a scatter; slots past the cache are dropped)."""
-    rows = jnp.arange(k_bkh.shape[0])
-    k, v = k_bkh.astype(ck.dtype), v_bkh.astype(cv.dtype)
-    if cv.ndim == 6:  # [L, B, N, K, hd, blk], [L, B, N, K, blk, hd]
-        blk = cv.shape[4]
-        j, i = slot_b // blk, slot_b % blk
-        ck = ck.at[layer, rows, j, :, :, i].set(k, mode="drop")
-        return ck, cv.at[layer, rows, j, :, i, :].set(v, mode="drop")
-    # [L, B, K, hd, S], [L, B, K, S, hd]
-    ck = ck.at[layer, rows, :, :, slot_b].set(k, mode="drop")
-    return ck, cv.at[layer, rows, :, slot_b, :].set(v, mode="drop")
 
 
 def decode_ops(platform: str, **conditions) -> Decode:

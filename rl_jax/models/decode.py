@@ -1,5 +1,5 @@
-"""The one forward's decode entry point: one token per row through every layer, over a
-KV cache, laid out for a `while_loop` (the sampler's).
+"""The one forward's decode entry point: one token per row through every layer, over the
+engine's paged KV cache, laid out for a `while_loop` (`rl_jax.sampling.Engine`'s).
 
 The math is the model's (`rl_jax.models.layers`: the same RMSNorm, RoPE,
 grouped-query attention with float32 scores, SwiGLU, LM head); what differs is the
@@ -7,19 +7,19 @@ layout, chosen so a decode step does few copies. Like every forward, the step
 scans over the layers (`lax.scan`): its program does not grow with depth.
 
     ops = kernels.for_mesh(mesh).decode_ops(compute_dtype=..., head_dim=..., ...)
-    S, block = ops.cache_blocks(prompt_len + new_tokens)
-    _, cache = model(prompt..., cache=model.init_cache(B, S), cache_index=0)  # prefill
-    cache = ops.from_model_cache(cache, block)
-    w = decode_weights(spec, params, S, ops=ops)      # once per call, outside the loop
-    logits_bv, cache = decode_step(spec, w, cache, tokens_b, ..., ops=ops)  # per token
+    cache = ...  # zeros of ops.paged_shapes(...); prompts' keys and values written
+                 # into their rows' pages by ops.write_prompt (the engine's prefill)
+    w = decode_weights(spec, params, positions, ops=ops)  # once per call, outside the loop
+    logits_bv, cache = decode_step(spec, w, cache, tokens_b, positions_b, pages, ops=ops)
 
 * Weights are stacked [L, ...] with q/k/v and gate/up concatenated into one matmul
   each, in the compute dtype; `ops.prepare` lays them out for its kernels. A mixture
   of experts' MLP is the model's `moe_mlp` on the step's B tokens (dropless, as in
   training), its experts' weights as they are, its grouped matmuls `ops.grouped_matmul`.
-* The cache and the hot ops are the platform's (`rl_jax.kernels`): `xla.Decode`, the
-  reference (whole cache, or long caches in blocks on CPU), or a platform's own
-  (`cpu.Decode`: C++ kernels, keys in tiles, packed weights).
+* The cache's layout and the hot ops are the platform's (`rl_jax.kernels`):
+  `xla.Decode`, the reference (a row's table read at once, or long ones in blocks of
+  pages on CPU), or a platform's own (`cpu.Decode`: C++ kernels, keys in tiles, packed
+  weights; `tpu.Decode`: the Pallas paged attention kernel).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax.kernels.xla import Decode, DecodeCache, Pages
+from rl_jax.kernels.xla import Decode, PagedKV, Pages
 from rl_jax.models.layers import rms_norm, rope_angles, rope_table
 from rl_jax.models.moe import moe_mlp
 from rl_jax.models.spec import ModelSpec
@@ -38,7 +38,7 @@ def decode_weights(
     spec: ModelSpec, params: dict[str, jax.Array], slots: int, *, ops: Decode
 ) -> dict:
     """Weights in the decode layout (compute dtype), stacked over layers [L, ...], laid
-    out by `ops.prepare`, and the rotary table of a `slots`-slot cache; run outside
+    out by `ops.prepare`, and the rotary table of positions 0 .. slots - 1; run outside
     the loop."""
     cdt = jnp.dtype(spec.compute_dtype)
     D, H, K, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -85,26 +85,21 @@ def decode_weights(
 def decode_step(
     spec: ModelSpec,
     w: dict,
-    cache: DecodeCache,
+    cache: PagedKV,
     tokens_b: jax.Array,
     positions_b: jax.Array,
-    slot: jax.Array,
-    kv_start_b: jax.Array,
+    pages: Pages,
     *,
     ops: Decode,
     constrain=lambda x, logical: x,
-    pages: Pages | None = None,
-) -> tuple[jax.Array, DecodeCache]:
-    """Feed one token per row at cache slot `slot`; float32 logits [B, V] and the cache.
+) -> tuple[jax.Array, PagedKV]:
+    """Feed one token per row [B]; float32 logits [B, V] and the cache.
 
-    `slot`: [] the same slot for every row (a batch decoded in step), or [B] each row's
-    own (a continuous-batching engine's slots). Row b attends to slots
-    kv_start_b[b] .. its slot (its prompt's first real token on).
-    pages: the cache is paged (`xla.PagedKV`, the engine's): row b's token goes to its
-    position positions_b[b] in the pages of its table, and it attends to its positions
-    0 .. positions_b[b] (slot and kv_start_b unused).
-    ops: the platform's decode ops (`Kernels.decode_ops`), which laid out `w`
-    (decode_weights) and `cache`.
+    Row b's token goes to its position positions_b[b] in the pages of its table
+    (`pages`; where pages.live[b]), and it attends to its positions 0 ..
+    positions_b[b]. ops: the platform's decode ops (`Kernels.decode_ops`), which laid
+    out `w` (decode_weights) and `cache`. `constrain(x, logical axes)` pins the
+    residual stream's layout.
     """
     cdt = jnp.dtype(spec.compute_dtype)
     eps = spec.rms_norm_eps
@@ -116,7 +111,7 @@ def decode_step(
     def at(name, i):  # layer i's bias
         return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
 
-    # [B, 1, hd / 2]; a row's position never exceeds its slot (< S, the table's rows).
+    # [B, 1, hd / 2]; a row's position is below the table's rows (`decode_weights`' slots).
     rope = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
     x = ops.embed(w["embed"], tokens_b, cdt)  # [B, D]
 
@@ -127,23 +122,9 @@ def decode_step(
         )
         if spec.qkv_bias:
             qkv = qkv + at("qkv_bias", i)
-        if pages is not None:
-            att, cache = ops.paged_attention(
-                qkv, rope, cache, pages, positions_b, layer=i, num_heads=H, qk_norm=qk_norm, eps=eps
-            )
-        else:
-            att, cache = ops.attention(
-                qkv,
-                rope,
-                cache,
-                kv_start_b,
-                slot,
-                layer=i,
-                num_heads=H,
-                qk_norm=qk_norm,
-                eps=eps,
-                constrain=constrain,
-            )
+        att, cache = ops.paged_attention(
+            qkv, rope, cache, pages, positions_b, layer=i, num_heads=H, qk_norm=qk_norm, eps=eps
+        )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
         if spec.is_moe:

@@ -1,7 +1,8 @@
 """Pure math of the decoder: arrays in, arrays out. The hot ops (attention, dense
-projections, float32 contractions) are kernels, `rl_jax.kernels`; RMSNorm and RoPE
-are the kernels' reference ones (`rl_jax.kernels.xla`, which the decode step's ops
-apply too), named here with the rest of the layer math.
+projections, float32 contractions) are kernels, `rl_jax.kernels`; RMSNorm, RoPE and
+the q/k norm and rotation of a layer (`norm_rope_qk`) are the kernels' reference ones
+(`rl_jax.kernels.xla`, which the decode step's ops apply too), named here with the
+rest of the layer math.
 
 Dimension letters: B batch, T query time, S key time (T without a cache, the
 cache length with one), D width, F MLP width, H query heads, K kv heads,
@@ -16,6 +17,7 @@ import numpy as np
 
 from rl_jax.kernels.xla import apply_rope as apply_rope
 from rl_jax.kernels.xla import matmul
+from rl_jax.kernels.xla import norm_rope_qk as norm_rope_qk
 from rl_jax.kernels.xla import rms_norm as rms_norm
 from rl_jax.models.spec import ModelSpec, RopeScaling
 

@@ -41,8 +41,8 @@ from rl_jax import kernels as kernel_ops
 from rl_jax.kernels import Kernels, loops
 from rl_jax.kernels.xla import AttentionLayout, AttentionMask, matmul, normed_logits
 from rl_jax.models.layers import (
-    apply_rope,
     attention_mask,
+    norm_rope_qk,
     rms_norm,
     rope_angles,
     rope_table,
@@ -610,12 +610,9 @@ def _block_qkv(
         q = q + p["q_bias"].astype(q.dtype)
         k = k + p["k_bias"].astype(k.dtype)
         v = v + p["v_bias"].astype(v.dtype)
-    if spec.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps)
-        k = rms_norm(k, p["k_norm"], eps)
-    cos, sin = rope
-    q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    q, k = norm_rope_qk(q, k, rope, (p["q_norm"], p["k_norm"]) if spec.qk_norm else None, eps)
+    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     return q, k.swapaxes(1, 2), v.swapaxes(1, 2)
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import kernels
 from rl_jax.config.sampling import SamplingConfig
-from rl_jax.kernels.xla import Decode, DecodeCache, PagedKV, PagedLayout, Pages
+from rl_jax.kernels.xla import Decode, PagedKV, PagedLayout, Pages
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_step
 from rl_jax.models.spec import ModelSpec
@@ -186,12 +186,9 @@ class Decoder:
         spec = fit_spec(logical_to_spec(logical, self.rules), x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def _cache_layout(self, cache: DecodeCache) -> DecodeCache:
-        axes = self.decode_ops.cache_axes(cache)
-        out = tuple(
-            None if x is None else self._constrain(x, a) for x, a in zip(cache, axes, strict=True)
-        )
-        return PagedKV(*out) if isinstance(cache, PagedKV) else out
+    def _cache_layout(self, cache: PagedKV) -> PagedKV:
+        pairs = zip(cache, self.decode_ops.paged_axes(cache), strict=True)
+        return PagedKV(*(None if x is None else self._constrain(x, a) for x, a in pairs))
 
     def _paged_layout(self) -> PagedLayout | None:
         """How a paged cache's attention runs per device on the mesh (None without one):
@@ -202,15 +199,15 @@ class Decoder:
         heads = fit_spec(logical_to_spec(("kv_heads",), self.rules), (K,), self.mesh)
         return PagedLayout(self.mesh, batch_sharding(self.mesh, 1).spec[0], tuple(heads)[0])
 
-    def _local_cache_specs(self, cache: DecodeCache):
-        """PartitionSpecs of a cache under a shard_map over the rows alone: its "batch"
-        axis (rows, or a paged cache's pages) over the batch axes."""
+    def _local_cache_specs(self, cache: PagedKV) -> PagedKV:
+        """PartitionSpecs of the paged cache under a shard_map over the rows alone: its
+        "batch" axis (the rows' pages) over the batch axes."""
         rows = self._row_spec(1)[0]
-        specs = tuple(
-            None if axes is None else PartitionSpec(*(rows if a == "batch" else None for a in axes))
-            for axes in self.decode_ops.cache_axes(cache)
-        )
-        return PagedKV(*specs) if isinstance(cache, PagedKV) else specs
+
+        def spec(axes):
+            return PartitionSpec(*(rows if a == "batch" else None for a in axes))
+
+        return PagedKV(*(None if a is None else spec(a) for a in self.decode_ops.paged_axes(cache)))
 
     def _row_spec(self, ndim: int) -> PartitionSpec:
         """Rows over the batch axes; scalars (ndim 0) replicated."""
@@ -255,26 +252,23 @@ class Decoder:
         return jax.lax.pmax(x, BATCH_AXES) if manual else x
 
     def _token_step(self, ops: Decode, weights, s: SamplerState, slot, u_b, version, *, manual):
-        """One decode step of every row: feed `s.last_token` at cache slot `slot` ([] or
-        [B]), draw from the logits with the uniforms u_b [B] (None for greedy), and
-        write the draw into the row state (`advance`)."""
+        """One decode step of every row: feed `s.last_token` at its column `slot` [B] (its
+        position slot - kv_start in its pages), draw from the logits with the uniforms
+        u_b [B] (None for greedy), and write the draw into the row state (`advance`)."""
         cfg = self.cfg
         rows = (lambda x: x) if manual else self._rows
         constrain = (lambda x, logical: x) if manual else self._constrain
-        pages = None
-        if s.pages is not None:  # a row that ended writes nothing
-            pages = Pages(s.pages, ~s.done, None if manual else self._paged_layout())
+        # A row that ended writes nothing.
+        pages = Pages(s.pages, ~s.done, None if manual else self._paged_layout())
         logits_bv, cache = decode_step(
             self.spec,
             weights,
             s.cache,
             s.last_token,
             slot - s.kv_start,
-            slot,
-            s.kv_start,
+            pages,
             ops=ops,
             constrain=constrain,
-            pages=pages,
         )
         tok, logp = sample_with_uniforms(
             logits_bv, u_b, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k

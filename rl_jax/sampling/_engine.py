@@ -44,8 +44,8 @@ shared pages (each row reads its prompt's pages every step either way).
 
 A row's tokens sit at the same columns whatever its slot: its prompt left-padded to
 `prompt_len` (the longest prompt's bucket), completion token t fed at slot
-prompt_len + t, i.e. at its position prompt length + t (`decode_step` with a slot per
-row). A row's draws come from its key and its own step (`row_step_uniforms`), and no
+prompt_len + t, i.e. at its position prompt length + t (`decode_step` at each row's
+own position). A row's draws come from its key and its own step (`row_step_uniforms`), and no
 op mixes rows, so its tokens and log-probs depend only on its key, its prompt and
 the weights of each chunk: not on its slot, its pages, its neighbours or the slot
 count (tests/test_engine.py). Weights are an argument of `generate`: rows in flight keep
@@ -421,7 +421,7 @@ class Engine(Decoder):
             return NamedSharding(mesh, fit_spec(logical_to_spec(axes, rules), x.shape, mesh))
 
         slots = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), shape.slots)
-        axes = self.decode_ops.cache_axes(shape.slots.cache)
+        axes = self.decode_ops.paged_axes(shape.slots.cache)
         cache = PagedKV(
             *(
                 None if x is None else logical(a, x)

@@ -31,11 +31,11 @@ class SamplerState:
     Cache slot layout: prompts are left-padded into slots [0, Tp); completion
     token t is fed to the model at slot Tp + t (the last prompt token is fed at
     slot Tp - 1 by the first decode step, which samples completion token 0).
-    A row attends to slots >= kv_start (its first real prompt token). In a paged
-    cache (`pages`), slot s of a row is its position s - kv_start in its pages.
+    A row attends to slots >= kv_start (its first real prompt token): slot s of a
+    row is its position s - kv_start in its pages (`pages`).
     """
 
-    cache: object  # model KV cache, batch axis over rows, Tp + Tg slots
+    cache: object  # the paged KV cache (`rl_jax.kernels.xla.PagedKV`)
     prompt_tokens: jax.Array  # [B, Tp] int32, left-padded
     kv_start: jax.Array  # [B] int32 = Tp - prompt length
     tokens: jax.Array  # [B, Tg] int32 completion, pad_id after the end
@@ -56,7 +56,8 @@ class SamplerState:
     group_ids: jax.Array  # [B] int32 prompt index
     row_ids: jax.Array  # [B] int32
     real: jax.Array  # [B] bool, False for rows padding B to the device count
-    # [B, R] int32 the engine's page tables (its cache is paged: `rl_jax.kernels.xla.Pages`).
+    # [B, R] int32 the engine's page tables (`rl_jax.kernels.xla.Pages`); None: no cache
+    # (tests of the row update alone).
     pages: jax.Array | None = None
 
     @property
