@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rl_jax.config import SamplingConfig, run_id, to_dict
 from rl_jax.config.data import BATCH_KNOBS
 from rl_jax.runs.atomic import atomic_write_bytes
 from rl_jax.runs.plots import draw_curve
+from rl_jax.runs.run_dir import find_run_dirs
 from rl_jax.runs.storage import join
 from rl_jax.train.loop import RLTrainer
 
@@ -119,7 +121,12 @@ def run_demo(cfg, *, warmup_target: float, quiet: bool):
     One directory per resolved config: rerunning the same demo reuses its finished run,
     changing a knob starts a new one instead of refusing the old directory.
     """
-    root = join(cfg.out_dir, f"{cfg.name}-{run_id(cfg)}")
+    rid = run_id(cfg)
+    name = f"{cfg.name}-{rid}"
+    earlier = find_run_dirs(cfg.out_dir, [(name, rid)]).get(name)
+    if earlier is not None:
+        print(f"{earlier} holds this run (named for its earlier run id)", file=sys.stderr)
+    root = join(cfg.out_dir, earlier or name)
     trainer = RLTrainer(cfg, run_root=root, quiet=quiet)
     if trainer.run.read_done() is None:
         if not trainer.try_resume():
