@@ -283,9 +283,11 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
     if run_id(same) != old_id:
         a, b = flatten(resolved(old)), flatten(resolved(same))
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and "." in k)
+        gone = "knobs of an earlier id version that today's code does not run as they ran"
         raise ConfigError(
             f"--continue: the run in {path} differs from this config in more than "
-            f"train.steps: {', '.join(diff) or 'its run id'}; continue it with its own knobs"
+            f"train.steps: {', '.join(diff) or ('its run id' if old_id else gone)}; "
+            "continue it with its own knobs"
         )
     r_old, r_new = resolved(old).train, resolved(cfg).train
     if r_new.schedule == "constant" and r_old.warmup_steps != r_new.warmup_steps:
