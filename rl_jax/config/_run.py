@@ -414,10 +414,9 @@ _NON_SEMANTIC = (
     "mesh.coordinator_address",
 )
 
-# The run-id scheme, hashed into every id and written at its head ("v2" and 12 hex digits).
-# Version 1 ids (12 hex digits alone) hashed every knob, so each knob added later needed
-# an entry in a table to leave them unchanged; version 2 hashes only the knobs that differ
-# from their defaults. A run directory of an earlier version is taken up by `rerun_id`.
+# The run-id scheme, hashed into every id and written at its head ("v2" and 12 hex digits):
+# ids of two versions are never equal. Version 1 ids are 12 hex digits alone; run
+# directories named or marked with an earlier version's id are taken up through `rerun_id`.
 ID_VERSION = 2
 _ID = re.compile(r"v([1-9][0-9]*)[0-9a-f]{12}")
 _V1_ID = re.compile(r"[0-9a-f]{12}")

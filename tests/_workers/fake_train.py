@@ -29,7 +29,7 @@ if os.environ.get("FAKE_FAIL_ALWAYS"):  # before the imports: failing fast keeps
     print("fake trainer: told to fail", file=sys.stderr)
     sys.exit(int(os.environ["FAKE_FAIL_ALWAYS"]))
 
-from rl_jax.config import flatten, load_recipe  # noqa: E402
+from rl_jax.config import flatten, load_recipe, run_id  # noqa: E402
 from rl_jax.runs import create_run_dir  # noqa: E402
 
 
@@ -50,8 +50,9 @@ def metric(cfg, rollouts: float) -> float:
     c_mid = 40.0 * math.sqrt(n) * (1 + 2.0 / bp)
     r0 = 0.1
     r = r0 + (a - r0) / (1 + (c_mid / rollouts) ** 1.5) if rollouts > 0 else r0
-    # The run's own noise, whatever its run id (a run taken up under a new id continues it).
-    key = f"{n}:{bp}:{cfg.loss.name}:{cfg.train.seed}:{rollouts}"
+    # The noise of the run's config (today's id of it), whatever id its directory carries:
+    # a run taken up from an earlier id version continues the same curve.
+    key = f"{run_id(cfg)}:{rollouts}"
     noise = int(hashlib.sha256(key.encode()).hexdigest()[:6], 16) / 16**6
     return round(min(1.0, r + 0.01 * (noise - 0.5)), 6)
 
