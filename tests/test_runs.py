@@ -216,3 +216,23 @@ def test_a_first_version_run_continues_with_more_steps(tmp_path, monkeypatch):
     assert not (tmp_path / "r" / "DONE").exists()
     with pytest.raises(ConfigError, match="differs from this config in more than train.steps"):
         extend_run(apply_overrides(longer, ["train.steps=12", "train.seed=3"]))
+
+
+def test_the_demo_finds_its_run_named_for_a_first_version_id(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    from legacy_ids import legacy_run_id, use_legacy_ids
+
+    from rl_jax.config import run_id
+    from rl_jax.train.demo import demo_root
+
+    cfg = apply_overrides(RunConfig(), [f"out_dir={tmp_path}", "name=demo"])
+    assert demo_root(cfg) == str(tmp_path / f"demo-{run_id(cfg)}")  # nothing there yet
+    old = f"demo-{legacy_run_id(cfg)}"
+    with monkeypatch.context() as m:
+        use_legacy_ids(m, modules=("rl_jax.runs.run_dir",))
+        create_run_dir(apply_overrides(cfg, [f"name={old}"])).close()
+    capsys.readouterr()
+    assert demo_root(cfg) == str(tmp_path / old)
+    assert f"{old} holds this run" in capsys.readouterr().err
+    other = apply_overrides(cfg, ["train.seed=1"])  # another config: a directory of its own
+    assert demo_root(other) == str(tmp_path / f"demo-{run_id(other)}")

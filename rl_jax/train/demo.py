@@ -118,15 +118,10 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
 def run_demo(cfg, *, warmup_target: float, quiet: bool):
     """Train `cfg` from the cached supervised warm-up; returns its run.
 
-    One directory per resolved config: rerunning the same demo reuses its finished run,
-    changing a knob starts a new one instead of refusing the old directory.
+    One directory per resolved config (`demo_root`): rerunning the same demo reuses its
+    finished run, changing a knob starts a new one instead of refusing the old directory.
     """
-    rid = run_id(cfg)
-    name = f"{cfg.name}-{rid}"
-    earlier = find_run_dirs(cfg.out_dir, [(name, rid)]).get(name)
-    if earlier is not None:
-        print(f"{earlier} holds this run (named for its earlier run id)", file=sys.stderr)
-    root = join(cfg.out_dir, earlier or name)
+    root = demo_root(cfg)
     trainer = RLTrainer(cfg, run_root=root, quiet=quiet)
     if trainer.run.read_done() is None:
         if not trainer.try_resume():
@@ -139,6 +134,17 @@ def run_demo(cfg, *, warmup_target: float, quiet: bool):
             )
         trainer.run_loop()
     return trainer.run
+
+
+def demo_root(cfg) -> str:
+    """<out_dir>/<name>-<run id>, or the directory named for the run's id of an earlier id
+    version that holds the run (`rl_jax.runs.run_dir.find_run_dirs`; said on stderr)."""
+    rid = run_id(cfg)
+    name = f"{cfg.name}-{rid}"
+    earlier = find_run_dirs(cfg.out_dir, [(name, rid)]).get(name)
+    if earlier is not None:
+        print(f"{earlier} holds this run (named for its earlier run id)", file=sys.stderr)
+    return join(cfg.out_dir, earlier or name)
 
 
 def write_report(run, *, x: str, metric: str) -> str:
