@@ -86,8 +86,10 @@ def test_run_id_stable_and_sensitive():
     assert run_id(dataclasses.replace(a, name="other", out_dir="/tmp/x")) == run_id(a)
     assert run_id(apply_overrides(a, ["train.seed=1"])) != run_id(a)
     assert run_id(apply_overrides(a, ["loss.eps_max=4.0"])) != run_id(a)
-    # any slot count: the same tokens, the same run
+    # any slot count: the same tokens, the same run; any LM-head chunking: the same numbers
     assert run_id(apply_overrides(a, ["sampling.engine_slots=8"])) == run_id(a)
+    assert run_id(apply_overrides(a, ["model.logprob_chunk=0"])) == run_id(a)
+    assert run_id(apply_overrides(a, ["model.logprob_chunk=16"])) == run_id(a)
 
 
 def test_a_knob_added_with_a_default_changes_no_run_id():

@@ -408,6 +408,9 @@ _NON_SEMANTIC = (
     # (tests/test_engine.py: the same rollouts whatever the slot count).
     "sampling.engine_slots",
     "eval.batch_rows",
+    # The LM head's logits a chunk of time steps at a time: memory, not the numbers
+    # (tests/test_model.py: the same log-probs and gradients to float32 rounding).
+    "model.logprob_chunk",
     # Differ between the processes of one multi-process run (or between launches of it):
     # every process must compute the id of the run directory they share.
     "mesh.process_id",
