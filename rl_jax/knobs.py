@@ -84,6 +84,12 @@ def check_range(
         raise ConfigError(f"{owner}.{name}={value!r} must be in {bracket}{lo_s}, {hi_s}{close}")
 
 
+def _is_float_knob(f: dataclasses.Field) -> bool:
+    # Annotations are strings where a module postpones them (`from __future__ import
+    # annotations`), types where it does not.
+    return f.type in (float, "float", "float | None") or f.type == float | None
+
+
 # Integers every knob must fit: they reach numpy/JAX as int64 (seeds, sizes, steps).
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
@@ -100,9 +106,16 @@ def check_finite(owner: str, name: str, value: Any) -> None:
 
 def check_numbers(owner: str, cfg: Any) -> None:
     """The generic pass every config runs first: each int/float field (and each number in a
-    list field) finite and int64-sized. Specific ranges are checked after it, per knob."""
+    list field) finite and int64-sized. Specific ranges are checked after it, per knob.
+
+    An int given to a float knob is stored as that float: `warmup_steps=50` in a recipe and
+    `train.warmup_steps=50` on a command line (which OmegaConf reads as 50.0) are one config,
+    written and hashed into the run id alike."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        if _is_float_knob(f) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            object.__setattr__(cfg, f.name, value)
         values = value if isinstance(value, list | tuple) else [value]
         for v in values:
             if isinstance(v, int | float):

@@ -176,6 +176,49 @@ def test_damaged_logs_are_repaired_after_the_checkpoint_and_refused_before_it(
     rd.close()
 
 
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_run_directory_named_for_a_first_version_id_is_found_and_taken_up(
+    where, tmp_path, request, monkeypatch, capsys
+):
+    """A run directory named for its run id (a grid's, the demo's) made before ids had
+    versions: found from the name today's id gives it, and taken up under today's id."""
+    import dataclasses
+
+    from legacy_ids import legacy_run_id, use_legacy_ids
+
+    from rl_jax.config import run_id
+    from rl_jax.runs.run_dir import find_run_dirs
+
+    base = str(tmp_path) if where == "local" else request.getfixturevalue("gcs").base + "/runs"
+    cfg = RunConfig(out_dir=base)
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))
+    with monkeypatch.context() as m:
+        use_legacy_ids(m, modules=("rl_jax.runs.run_dir",))
+        for c in (cfg, other):  # the run, and a run of another config beside it
+            rd = create_run_dir(dataclasses.replace(c, name=f"demo-{legacy_run_id(c)}"))
+            rd.rewind(-1)
+            rd.append_curve({"run_id": rd.run_id, "step": 0})
+            rd.mark_done({"run_id": rd.run_id, "steps": 0})
+            rd.close()
+    old_id, new_id = legacy_run_id(cfg), run_id(cfg)
+    store = open_store(base)
+    # Siblings not named for an earlier id, or whose config does not parse: passed over.
+    store.write("demo-notanid/config.json", b"{")
+    store.write(f"demo-{legacy_run_id(other)}x/config.json", b"{")
+    name, name_other = f"demo-{new_id}", f"demo-{run_id(other)}"
+    found = find_run_dirs(base, [(name, new_id), (name_other, run_id(other))])
+    assert found == {name: f"demo-{old_id}", name_other: f"demo-{legacy_run_id(other)}"}
+    assert find_run_dirs(base, [(f"other-{new_id}", new_id)]) == {}
+    capsys.readouterr()
+    rd = create_run_dir(dataclasses.replace(cfg, name=found[name]))
+    assert f"under its run id {old_id} of an earlier id version" in capsys.readouterr().err
+    assert rd.run_id == new_id and rd.continued_from() == [old_id]
+    assert [r["run_id"] for r in rd.curve()] == [new_id] and rd.read_done()["run_id"] == new_id
+    rd.close()
+    # Taken up, it is found by its config's id without loading the config again.
+    assert find_run_dirs(base, [(name, new_id)]) == {name: f"demo-{old_id}"}
+
+
 def test_an_out_dir_on_storage_without_a_lock_is_refused_before_any_work(tmp_path):
     r = subprocess.run(
         [*TRAIN, *RUN, "out_dir=s3://bkt/runs"], capture_output=True, text=True, timeout=300

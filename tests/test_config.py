@@ -6,15 +6,21 @@ import sys
 import pytest
 
 from rl_jax.config import (
+    ID_VERSION,
     ConfigError,
     LossConfig,
     OverrideError,
     RunConfig,
+    TrainConfig,
     apply_overrides,
     flatten,
     from_dict,
+    id_version,
+    knob,
     load_recipe,
+    rerun_id,
     run_id,
+    sub,
     to_dict,
 )
 
@@ -80,25 +86,76 @@ def test_run_id_stable_and_sensitive():
     assert run_id(dataclasses.replace(a, name="other", out_dir="/tmp/x")) == run_id(a)
     assert run_id(apply_overrides(a, ["train.seed=1"])) != run_id(a)
     assert run_id(apply_overrides(a, ["loss.eps_max=4.0"])) != run_id(a)
-    assert len(run_id(a)) == 12
-    # any slot count: the same tokens, the same run
+    # any slot count: the same tokens, the same run; any LM-head chunking: the same numbers
     assert run_id(apply_overrides(a, ["sampling.engine_slots=8"])) == run_id(a)
+    assert run_id(apply_overrides(a, ["model.logprob_chunk=0"])) == run_id(a)
+    assert run_id(apply_overrides(a, ["model.logprob_chunk=16"])) == run_id(a)
 
 
-def test_knobs_added_later_keep_old_run_ids_at_their_default():
-    from rl_jax.config import flatten
-    from rl_jax.config._run import _LATER_KNOB_DEFAULTS
+def test_a_knob_added_with_a_default_changes_no_run_id():
+    """A config dataclass given one more knob (a subclass here, as a commit would add a
+    field): every config keeps its id while the knob is at its default; set, it counts."""
 
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TrainPlus(TrainConfig):
+        added: float = knob(0.5, help="a knob added later")
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class RunPlus(RunConfig):
+        train: TrainPlus = sub(TrainPlus, "RL loop and optimizer")
+
+    def plus(cfg: RunConfig, **train) -> RunPlus:
+        sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
+        return RunPlus(**{**sections, "train": TrainPlus(**{**vars(cfg.train), **train})})
+
+    configs = [RunConfig(), load_recipe("grpo"), load_recipe("minimax")]
+    configs += [apply_overrides(load_recipe("scalerl"), o) for o in ([], ["lora.enabled=true"])]
+    for cfg in configs:
+        assert flatten(plus(cfg))["train.added"] == 0.5
+        assert run_id(plus(cfg)) == run_id(cfg)
+        assert run_id(plus(cfg, added=0.25)) != run_id(cfg)
+    assert len({run_id(c) for c in configs}) == len(configs)
+
+
+def test_run_ids_carry_their_version_and_equal_spellings_hash_alike():
     a = load_recipe("scalerl")
-    flat = flatten(a)
-    for key, default in _LATER_KNOB_DEFAULTS.items():
-        assert flat[key] == default, key
-    # At its default a later knob is not hashed (scalerl's id was cb561e1f1c82 both
-    # before and after mesh.sampler_devices existed); set, it is.
-    assert run_id(a) == run_id(apply_overrides(a, ["mesh.sampler_devices=0"]))
-    assert run_id(apply_overrides(a, ["mesh.sampler_devices=4"])) != run_id(a)
-    assert run_id(a) == run_id(apply_overrides(a, ["mesh.cpu_devices=0"]))
-    assert run_id(apply_overrides(a, ["mesh.cpu_devices=-1"])) != run_id(a)
+    assert id_version(run_id(a)) == ID_VERSION and run_id(a).startswith(f"v{ID_VERSION}")
+    assert id_version("2c638758e0a3") == 1 and id_version("v3" + "0" * 12) == 3
+    assert id_version("run") is id_version("v2xyz") is id_version(None) is None
+    # Set in a recipe (an int, a bool) or on a command line (50.0, 'full'): one config.
+    by_recipe = dataclasses.replace(
+        a,
+        train=dataclasses.replace(a.train, warmup_steps=50),
+        data=dataclasses.replace(a.data, val_size=128),
+        model=dataclasses.replace(a.model, remat=True),
+    )
+    by_flag = apply_overrides(a, ["train.warmup_steps=50.0", "data.val_size=128.0"])
+    by_flag = apply_overrides(by_flag, ["model.remat=full"])
+    assert by_recipe.train.warmup_steps == 50.0 and isinstance(by_recipe.train.warmup_steps, float)
+    assert to_dict(by_recipe) == to_dict(by_flag) and run_id(by_recipe) == run_id(by_flag)
+
+
+def test_rerun_id_takes_up_only_runs_that_run_as_they_ran():
+    cfg = load_recipe("scalerl", ["train.off_policy=pipeline"])
+    stored = to_dict(cfg)
+    assert rerun_id(stored) == run_id(cfg)
+    # A config.json from before a knob existed loads with its default; where that default
+    # resolves to the value it has in the default config, the run ran as it does today.
+    older = {**stored, "data": {k: v for k, v in stored["data"].items() if k != "mixture"}}
+    assert rerun_id(older) == run_id(cfg)
+    # LoRA without lora.lr_scale trained at train.lr, not at the 10x it resolves to now.
+    lora = to_dict(apply_overrides(cfg, ["lora.enabled=true"]))
+    assert rerun_id(lora) == run_id(apply_overrides(cfg, ["lora.enabled=true"]))
+    lora["lora"] = {k: v for k, v in lora["lora"].items() if k != "lr_scale"}
+    assert rerun_id(lora) is None
+    # PipelineRL sampled in waves where sampling.stream was false; the stream is all now.
+    waves = {**stored, "sampling": {**stored["sampling"], "stream": False}}
+    assert rerun_id(waves) is None
+    assert rerun_id({**waves, "sampling": {**stored["sampling"], "stream": True}}) == run_id(cfg)
+    on_policy = to_dict(load_recipe("scalerl", ["train.off_policy=on_policy"]))
+    on_policy["sampling"] = {**on_policy["sampling"], "stream": False, "engine": False}
+    assert rerun_id(on_policy) == run_id(load_recipe("scalerl", ["train.off_policy=on_policy"]))
+    assert rerun_id({"train": {"steps": "x"}}) is None and rerun_id(None) is None
 
 
 def test_processes_of_one_run_share_its_id():

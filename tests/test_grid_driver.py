@@ -171,6 +171,64 @@ def test_failed_runs_retry_and_resume_from_checkpoint(tmp_path, monkeypatch, ref
     assert any(ln.endswith(" start 32") for ln in starts)  # resumed, not restarted
 
 
+def test_a_grid_run_under_first_version_ids_resumes_in_its_directories(
+    tmp_path, monkeypatch, capfd, reference
+):
+    """A grid made before run ids had versions (its run directories named for 12-hex-digit
+    ids, its state file keyed by them): the same command finds every run where it is, keeps
+    each run's record (a failed run stays failed), and resumes from the checkpoints."""
+    sys.path.insert(0, str(ROOT / "tests" / "_workers"))
+    from legacy_ids import use_legacy_ids
+
+    from rl_jax.config import id_version
+
+    spec = write_spec(tmp_path, max_attempts=1)
+    out = tmp_path / "out"
+    ledger = tmp_path / "ledger"
+    monkeypatch.setenv("FAKE_LEDGER", str(ledger))
+    with monkeypatch.context() as m:
+        use_legacy_ids(m, modules=("rl_jax.grid.expand",))
+        m.setenv("FAKE_LEGACY_IDS", "1")
+        m.setenv("FAKE_FAIL_ONCE_AT", "40")  # after the step-32 checkpoint of the M=64 run
+        assert run_grid(spec, out, "--jobs", "2", "--no-report") == 1
+    old = sorted(d.name for d in (out / "tiny" / "runs").iterdir())
+    assert len(old) == 4 and all(id_version(n.rsplit("-", 1)[1]) == 1 for n in old)
+    failed = [r.name for r in GridState.load(out / "tiny", "tiny").runs.values() if r.failures]
+    assert len(failed) == 1
+    capfd.readouterr()
+    # The failed run stays failed (its record is found under its new id): nothing starts.
+    before = ledger.read_text()
+    assert run_grid(spec, out, "--no-report") == 1 and ledger.read_text() == before
+    assert "4 run(s) found in directories named for their run ids of an earlier" in (
+        capfd.readouterr().err
+    )
+    assert run_grid(spec, out, "--dry-run", "--json") == 0
+    plan = json.loads(capfd.readouterr().out)
+    assert sorted(r["name"] for r in plan["runs"]) == old
+    assert all(id_version(r["run_id"]) == 2 for r in plan["runs"])
+    assert run_grid(spec, out, "--no-report", "--retry-failed") == 0
+    started = ledger.read_text()[len(before) :].splitlines()
+    assert len(started) == 2 and started[0].endswith(" start 32"), started
+    assert sorted(d.name for d in (out / "tiny" / "runs").iterdir()) == old
+    st = GridState.load(out / "tiny", "tiny")
+    assert {r.name for r in st.runs.values()} == set(old) and len(st.runs) == 4
+    assert all(r.status == "done" and id_version(k) == 2 for k, r in st.runs.items())
+
+    # The runs' rows are the uninterrupted grid's (but for where they are and their ids:
+    # the resumed run's rows carry its new id, the runs done before it their old ones).
+    def by_cell(got):
+        strip = ("name", "run_id")
+        return {
+            n.rsplit("-", 1)[0]: [{k: v for k, v in r.items() if k not in strip} for r in rows]
+            for n, rows in got.items()
+        }
+
+    got = curves(out)
+    assert by_cell(got) == by_cell(reference)
+    resumed = got[failed[0]]
+    assert {r["run_id"] for r in resumed} == {started[0].split()[0]}
+
+
 def test_runs_that_always_fail_stop_at_max_attempts(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL_ALWAYS", "4")
     spec = write_spec(tmp_path, max_attempts=2)

@@ -213,7 +213,7 @@ def test_switching_the_off_policy_mode_alone_trains_on_policy(capsys):
     end_only = ["checkpoint.every=0"]  # the recipe's interval when this id was handed out
     alone = load_recipe("scalerl", ["train.off_policy=on_policy", *end_only])
     both = load_recipe("scalerl", ["train.off_policy=on_policy", "train.off_policy_k=1", *end_only])
-    assert alone == both and run_id(alone) == run_id(both) == "9926e3c24371"
+    assert alone == both and run_id(alone) == run_id(both) == "v2cb7b78ec9ada"
     # ppo_off_policy takes k: the recipe's 8 stays.
     assert load_recipe("scalerl", ["train.off_policy=ppo_off_policy"]).train.off_policy_k == 8
 

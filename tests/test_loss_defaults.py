@@ -104,19 +104,17 @@ def test_scalerl_recipe_resolves_to_exactly_its_old_values():
     # The default LossConfig is ScaleRL's CISPO too.
     d = LossConfig().resolved()
     assert {k: getattr(d, k) for k in SCALERL_LOSS} == SCALERL_LOSS
-    # Its id was cb561e1f1c82 (before and after defaults were per loss) while PipelineRL
-    # sampled in waves on the batch Sampler; the stream on the engine draws other tokens,
-    # so it has the id sampling.stream=true gave it then.
-    # The recipes checkpoint every 100 steps now (a new id: PipelineRL drains at each
-    # checkpoint); with the end-only checkpoint they had, the ids are as they were.
+    # Pinned ids: a change in what the recipes resolve to, or in how ids are hashed, shows
+    # here (it would leave their run directories behind). With the end-only checkpoint the
+    # recipes had (the interval is in the id: PipelineRL drains at each checkpoint).
     end_only = ["checkpoint.every=0"]
-    assert run_id(load_recipe("scalerl", end_only)) == "2c638758e0a3"
+    assert run_id(load_recipe("scalerl", end_only)) == "v26ce9d608e9fa"
     # on_policy and ppo_off_policy sample as they did: their ids did not move.
     on_policy = load_recipe(
         "scalerl", ["train.off_policy=on_policy", "train.off_policy_k=1", *end_only]
     )
-    assert run_id(on_policy) == "9926e3c24371"
-    assert run_id(load_recipe("minimax", end_only)) == "3f7455a1dbe9"  # ppo_off_policy
+    assert run_id(on_policy) == "v2cb7b78ec9ada"
+    assert run_id(load_recipe("minimax", end_only)) == "v2274517511342"  # ppo_off_policy
 
 
 def test_run_id_hashes_the_resolved_config():

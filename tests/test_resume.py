@@ -121,3 +121,34 @@ def test_pipeline_drains_at_checkpoints_and_resumes_exactly(tmp_path):
     again = _run(tmp_path, "pipe", *extra)
     assert _rows(tmp_path / "pipe") == _rows(tmp_path / "ref")
     assert again.state.idle and again.ckpt.steps() == [2, 4]
+
+
+def test_a_run_made_under_first_version_ids_resumes_exactly(
+    tmp_path, monkeypatch, capsys, ppo_reference
+):
+    """A run directory made before run ids had versions (config.json, rows and checkpoints
+    under a 12-hex-digit id) is taken up by the same command and finishes with the rows of
+    a run that never stopped, its id the one today's command gives it."""
+    from legacy_ids import use_legacy_ids
+
+    from rl_jax.config import id_version, run_id
+    from rl_jax.runs import RunDirError
+
+    with monkeypatch.context() as m:
+        use_legacy_ids(m)
+        first = _run(tmp_path, "old", *PPO, crash_at=5)
+    config = tmp_path / "old" / "config.json"
+    old_id = json.loads(config.read_text())["run_id"]
+    assert id_version(old_id) == 1 and first.ckpt.steps() == [4]
+    assert {r["run_id"] for r in read_jsonl(tmp_path / "old" / "curve.jsonl")} == {old_id}
+    # Another config is refused as before, whatever the id version.
+    with pytest.raises(RunDirError, match=f"holds run {old_id} with another config"):
+        _trainer(tmp_path, "old", *PPO, "train.seed=1")
+    capsys.readouterr()
+    again = _run(tmp_path, "old", *PPO)  # resumes from step 4's checkpoint (old_id's)
+    assert f"under its run id {old_id} of an earlier id version" in capsys.readouterr().err
+    assert again.run_id == run_id(again.cfg) != old_id
+    assert _rows(tmp_path / "old") == ppo_reference
+    doc = json.loads(config.read_text())
+    assert doc["run_id"] == again.run_id and doc["continued_from"] == [old_id]
+    assert json.loads((tmp_path / "old" / "DONE").read_text())["run_id"] == again.run_id

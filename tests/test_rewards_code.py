@@ -239,10 +239,10 @@ def test_options_and_knobs():
 def test_code_knobs_keep_run_ids():
     from rl_jax.config import load_recipe, run_id
 
-    # Ids of shipped recipes from before the code verifier existed (with the end-only
-    # checkpoint the recipes had then).
-    assert run_id(load_recipe("scalerl", ["checkpoint.every=0"])) == "2c638758e0a3"
-    assert run_id(load_recipe("grpo", ["checkpoint.every=0"])) == "ae40c00f7fc1"
+    # The shipped recipes' pinned ids (tests/test_loss_defaults.py), the code verifier's
+    # knobs at their defaults.
+    assert run_id(load_recipe("scalerl", ["checkpoint.every=0"])) == "v26ce9d608e9fa"
+    assert run_id(load_recipe("grpo", ["checkpoint.every=0"])) == "v236c08291d17c"
     a = load_recipe("scalerl")
     assert run_id(apply_overrides(a, ["rewards.code_partial=true"])) != run_id(a)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_jax.config import LoggingConfig, RunConfig, apply_overrides
+from rl_jax.config import ConfigError, LoggingConfig, RunConfig, apply_overrides
 from rl_jax.runs import (
     MetricsLogger,
     RunDirError,
@@ -186,3 +186,53 @@ def test_tensorboard_does_not_load_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "torch"]
+
+
+def test_a_first_version_run_continues_with_more_steps(tmp_path, monkeypatch):
+    """--continue on a run directory made before run ids had versions: its rows become the
+    longer run's under today's id; with as many steps it is the same run (taken up)."""
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    from legacy_ids import legacy_run_id, use_legacy_ids
+
+    from rl_jax.config import run_id
+    from rl_jax.runs.run_dir import extend_run
+
+    cfg = apply_overrides(RunConfig(), [f"out_dir={tmp_path}", "name=r", "train.steps=4"])
+    with monkeypatch.context() as m:
+        use_legacy_ids(m, modules=("rl_jax.runs.run_dir",))
+        rd = create_run_dir(cfg)
+        rd.rewind(-1)
+        rd.append_curve({"run_id": rd.run_id, "step": 4})
+        rd.mark_done({"run_id": rd.run_id})
+        rd.close()
+    old_id = legacy_run_id(cfg)
+    assert extend_run(cfg) == 4  # the same run: nothing to continue
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["run_id"] == old_id
+    longer = apply_overrides(cfg, ["train.steps=8"])
+    assert extend_run(longer) == 4
+    doc = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert doc["run_id"] == run_id(longer) and doc["continued_from"] == [old_id]
+    assert [r["run_id"] for r in read_jsonl(tmp_path / "r" / "curve.jsonl")] == [run_id(longer)]
+    assert not (tmp_path / "r" / "DONE").exists()
+    with pytest.raises(ConfigError, match="differs from this config in more than train.steps"):
+        extend_run(apply_overrides(longer, ["train.steps=12", "train.seed=3"]))
+
+
+def test_the_demo_finds_its_run_named_for_a_first_version_id(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(Path(__file__).parent / "_workers"))
+    from legacy_ids import legacy_run_id, use_legacy_ids
+
+    from rl_jax.config import run_id
+    from rl_jax.train.demo import demo_root
+
+    cfg = apply_overrides(RunConfig(), [f"out_dir={tmp_path}", "name=demo"])
+    assert demo_root(cfg) == str(tmp_path / f"demo-{run_id(cfg)}")  # nothing there yet
+    old = f"demo-{legacy_run_id(cfg)}"
+    with monkeypatch.context() as m:
+        use_legacy_ids(m, modules=("rl_jax.runs.run_dir",))
+        create_run_dir(apply_overrides(cfg, [f"name={old}"])).close()
+    capsys.readouterr()
+    assert demo_root(cfg) == str(tmp_path / old)
+    assert f"{old} holds this run" in capsys.readouterr().err
+    other = apply_overrides(cfg, ["train.seed=1"])  # another config: a directory of its own
+    assert demo_root(other) == str(tmp_path / f"demo-{run_id(other)}")

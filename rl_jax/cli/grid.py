@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rl_jax.config import resolve_recipe_path
 from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
-from rl_jax.grid.driver import Driver, grid_dir, plan_rows, print_plan
+from rl_jax.grid.driver import Driver, find_runs, grid_dir, plan_rows, print_plan
 from rl_jax.grid.expand import expand
 from rl_jax.grid.spec import EarlyStop, GridSpec, known_specs, load_spec
 from rl_jax.knobs import ConfigError
@@ -189,6 +189,7 @@ def main(argv: list[str]) -> int:
     backend.check(plans)
     root = grid_dir(spec, a.out)
     runs = backend.runs_root(root)
+    plans = find_runs(plans, runs, lambda line: print(f"grid {spec.name}: {line}", file=sys.stderr))
     recipe = str(resolve_recipe_path(spec.recipe).resolve())
     if a.dry_run:
         if a.json:

@@ -1,6 +1,7 @@
 """Typed, frozen run configs; recipes; dotted `key=value` overrides."""
 
 from rl_jax.config._run import (
+    ID_VERSION,
     OverrideError,
     RunConfig,
     all_keys,
@@ -9,9 +10,11 @@ from rl_jax.config._run import (
     experiments_dir,
     flatten,
     from_dict,
+    id_version,
     knob_default,
     load_recipe,
     replace_knobs,
+    rerun_id,
     resolve_recipe_path,
     resolved,
     run_id,
@@ -30,6 +33,7 @@ from rl_jax.config.train import CheckpointConfig, EvalConfig, TrainConfig
 from rl_jax.knobs import ConfigError, check_choice, check_range, knob, sub
 
 __all__ = [
+    "ID_VERSION",
     "CheckpointConfig",
     "DataConfig",
     "EvalConfig",
@@ -52,10 +56,12 @@ __all__ = [
     "experiments_dir",
     "flatten",
     "from_dict",
+    "id_version",
     "knob",
     "knob_default",
     "load_recipe",
     "replace_knobs",
+    "rerun_id",
     "resolve_recipe_path",
     "resolved",
     "run_id",

@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from rl_jax.config.data import DataConfig
 from rl_jax.config.logging import LoggingConfig
-from rl_jax.config.lora import DEFAULT_TARGETS, LoraConfig
+from rl_jax.config.lora import LoraConfig
 from rl_jax.config.loss import LossConfig
 from rl_jax.config.mesh import MeshConfig
 from rl_jax.config.model import ModelConfig
@@ -323,8 +323,16 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
     return to_object(merged)
 
 
-# Knobs that were removed: a config.json written while they existed still loads.
-_RETIRED = (("logging", "every"), ("sampling", "stream"), ("sampling", "engine"))
+# Knobs that were removed: a config.json written while they existed still loads. Each
+# says whether today's code runs a config with its stored value as it ran (`rerun_id`).
+_RETIRED: dict[tuple[str, str], Callable[[Any, RunConfig], bool]] = {
+    ("logging", "every"): lambda value, cfg: True,
+    # PipelineRL sampled in waves without sampling.stream, under other policy versions than
+    # the stream every PipelineRL run samples in now.
+    ("sampling", "stream"): lambda value, cfg: value is True or cfg.train.off_policy != "pipeline",
+    # The batch Sampler drew the engine's tokens.
+    ("sampling", "engine"): lambda value, cfg: True,
+}
 # Removed knobs an override may still name: key -> (the value it is accepted with and
 # ignored, since it is now how every run behaves; the error for any other value).
 _RETIRED_OVERRIDES = {
@@ -400,68 +408,32 @@ _NON_SEMANTIC = (
     # (tests/test_engine.py: the same rollouts whatever the slot count).
     "sampling.engine_slots",
     "eval.batch_rows",
+    # The LM head's logits a chunk of time steps at a time: memory, not the numbers
+    # (tests/test_model.py: the same log-probs and gradients to float32 rounding).
+    "model.logprob_chunk",
+    # Differ between the processes of one multi-process run (or between launches of it):
+    # every process must compute the id of the run directory they share.
+    "mesh.process_id",
+    "mesh.coordinator_address",
 )
 
+# The run-id scheme, hashed into every id and written at its head ("v2" and 12 hex digits):
+# ids of two versions are never equal. Version 1 ids are 12 hex digits alone; run
+# directories named or marked with an earlier version's id are taken up through `rerun_id`.
+ID_VERSION = 2
+_ID = re.compile(r"v([1-9][0-9]*)[0-9a-f]{12}")
+_V1_ID = re.compile(r"[0-9a-f]{12}")
 
-# Knobs added after run ids were first handed out: left out of the hash while at
-# their default, so runs made before they existed keep their ids (and resume).
-_LATER_KNOB_DEFAULTS = {
-    "mesh.sampler_devices": 0,
-    "mesh.cpu_devices": 0,
-    "data.chat_template": True,
-    "data.system_prompt": "",
-    "data.answer_instruction": "auto",
-    "data.hf_split": "train",
-    "data.hf_val_split": "",
-    "data.question_field": "",
-    "data.answer_field": "",
-    "data.answer_extract": "auto",
-    "data.answer_regex": "",
-    # A float32 model computes the same numbers under every precision; a bfloat16 one
-    # keeps float32 masters by default, as bf16 weights lose most small updates.
-    "train.precision": "fp32_master",
-    "lora.enabled": False,
-    "lora.rank": 8,
-    "lora.alpha": 16.0,
-    "lora.targets": DEFAULT_TARGETS,
-    # Unset without adapters; with them it resolves to LORA_LR_SCALE (10), a new rate, so
-    # LoRA runs from before it existed (which trained at 1x) get new ids.
-    "lora.lr_scale": 0.0,
-    # Blockwise attention computes dense attention's numbers up to float32 rounding.
-    "model.attention": "auto",
-    "model.attention_block": 512,
-    # Mixture-of-experts knobs: their defaults keep the preset's (dense) MLP.
-    "model.num_experts": 0,
-    "model.num_experts_per_tok": 0,
-    "model.moe_intermediate_size": 0,
-    "model.norm_topk_prob": "auto",
-    "loss.router_aux_coef": 0.0,
-    "loss.router_z_coef": 0.0,
-    # The code verifier's options (they change nothing for other verifiers).
-    "rewards.code_partial": False,
-    "rewards.code_memory_mb": 512,
-    "data.mixture": "",
-}
-# Knobs that were ints and now also take a fraction (so are floats): a whole number is
-# hashed as the int it was, so `train.warmup_steps=50` keeps its run id.
-_COUNT_OR_FRACTION = ("data.val_size", "train.warmup_steps")
-# Knob values hashed as the value they replace, which computes the same numbers.
-# sampling.max_prompt_len's auto (0; was 64) only refuses longer prompts (prompts are
-# padded per batch), and auto is never below the data's longest prompt. model.remat
-# was a bool before it named policies.
-_HASHED_AS_OLD_VALUE = {
-    "sampling.max_prompt_len": {0: 64},
-    "model.remat": {"none": False, "full": True},
-    # Chunks of the LM head over time change memory, not the numbers (auto, -1; was 0).
-    "model.logprob_chunk": {-1: 0},
-    # LoRA at train.lr itself is how adapters trained before lora.lr_scale existed: those
-    # runs keep their ids (and resume) with lora.lr_scale=1.
-    "lora.lr_scale": {1.0: 0.0},
-}
-# Knobs that differ between the processes of one multi-process run (or between
-# launches of it): hashed at their defaults, so that every process computes the
-# same id for the run directory they share (and older ids stay as they were).
-_PROCESS_LOCAL_DEFAULTS = {"mesh.process_id": -1, "mesh.coordinator_address": ""}
+
+def id_version(rid: Any) -> int | None:
+    """The scheme version of a run id: 1 for 12 hex digits, n for `v<n>` and 12 hex digits,
+    None for anything else."""
+    if not isinstance(rid, str):
+        return None
+    if _V1_ID.fullmatch(rid):
+        return 1
+    m = _ID.fullmatch(rid)
+    return int(m.group(1)) if m else None
 
 
 def resolved(cfg: RunConfig) -> RunConfig:
@@ -515,34 +487,62 @@ def resolved(cfg: RunConfig) -> RunConfig:
 
 
 def run_id(cfg: RunConfig) -> str:
-    """Stable hash of the resolved config (seeds included), independent of paths and names.
+    """Stable hash of what the run computes (seeds included), independent of paths and names.
 
-    The hash is of `resolved(cfg)`: a knob left unset and the same knob set to the
-    value it resolves to give one id (and one run directory).
+    The hash is of the id version and of the semantic knobs of `resolved(cfg)` whose values
+    differ from that knob's default (the default config of the same dataclasses, resolved):
+    a knob left unset and the same knob set to the value it resolves to give one id (and
+    one run directory), and a knob added with a default changes no id.
     """
-    flat = {}
-    for k, v in flatten(resolved(cfg)).items():
-        if any(k.startswith(p) for p in _NON_SEMANTIC):
-            continue
-        v = _hashed_value(k, _PROCESS_LOCAL_DEFAULTS.get(k, v))
-        if not (k in _LATER_KNOB_DEFAULTS and v == _LATER_KNOB_DEFAULTS[k]):
-            flat[k] = v
-    if cfg.train.off_policy == "pipeline":
-        # PipelineRL (and split mode, which is PipelineRL) samples as a stream on the
-        # engine, which draws tokens under other policy versions than the waves that
-        # came before it: hashed as the removed sampling.stream=true, so a waves-era run
-        # is never resumed as a stream's, and a stream run from then keeps its id.
-        flat["sampling.stream"] = True
-    blob = json.dumps(flat, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    ref = _default_knobs(type(cfg), tuple(type(getattr(cfg, s)) for s in _SECTIONS))
+    changed = {k: v for k, v in _semantic(resolved(cfg)).items() if ref.get(k) != _canon(v)}
+    blob = json.dumps({"id_version": ID_VERSION, "knobs": changed}, **_JSON)
+    return f"v{ID_VERSION}{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
-def _hashed_value(key: str, v: Any) -> Any:
-    if key in _COUNT_OR_FRACTION and isinstance(v, float) and v.is_integer():
-        return int(v)
-    if key in _HASHED_AS_OLD_VALUE and v in _HASHED_AS_OLD_VALUE[key]:
-        return _HASHED_AS_OLD_VALUE[key][v]
-    return v
+_JSON: dict[str, Any] = {"sort_keys": True, "separators": (",", ":"), "default": str}
+
+
+def _canon(v: Any) -> str:
+    # Compared as JSON text: 1 and 1.0 and True are equal in Python, not as knob values.
+    return json.dumps(v, **_JSON)
+
+
+def _semantic(cfg: RunConfig) -> dict[str, Any]:
+    return {k: v for k, v in flatten(cfg).items() if not k.startswith(_NON_SEMANTIC)}
+
+
+@functools.cache
+def _default_knobs(cls: type, sections: tuple[type, ...]) -> dict[str, str]:
+    """The semantic knobs of the default config built of these dataclasses, resolved."""
+    default = cls(**{name: t() for name, t in zip(_SECTIONS, sections, strict=True)})
+    return {k: _canon(v) for k, v in _semantic(resolved(default)).items()}
+
+
+def rerun_id(config: Any) -> str | None:
+    """The run id today's code gives the run a config.json's `config` (`to_dict` output)
+    describes, where today's code runs it as it was run; else None.
+
+    Not where the config does not load, sets a removed knob to a behaviour that is gone,
+    or lacks a knob (it predates it) that does not resolve to the default's value for it:
+    the run ran without the knob, and only a knob at that value is known to change nothing.
+    For run directories written under an earlier id version (`id_version`)."""
+    if not isinstance(config, dict):
+        return None
+    try:
+        cfg = from_dict(config)
+    except ConfigError:
+        return None
+    for (section, name), kept in _RETIRED.items():
+        stored = config.get(section)
+        if isinstance(stored, dict) and name in stored and not kept(stored[name], cfg):
+            return None
+    given = flatten(config)
+    ref = _default_knobs(type(cfg), tuple(type(getattr(cfg, s)) for s in _SECTIONS))
+    for k, v in _semantic(resolved(cfg)).items():
+        if k not in given and ref.get(k) != _canon(v):
+            return None
+    return run_id(cfg)
 
 
 def resolve_recipe_path(recipe: str, *, experiments: Path | None = None) -> Path:

@@ -101,9 +101,8 @@ def loss_names() -> tuple[str, ...]:
     return tuple(LOSS_DEFAULTS)
 
 
-# What a knob a loss does not read resolves to: the one default every loss had
-# before defaults were per loss, so that configs leaving them unset keep their
-# run ids (the ScaleRL recipe's is cb561e1f1c82).
+# What a knob a loss does not read resolves to: one value whatever the loss, so that
+# a knob no loss of the run reads never tells two run ids apart.
 SHARED_DEFAULTS: dict[str, Any] = {
     "eps_low": 0.2,
     "eps_high": 0.28,

@@ -11,6 +11,7 @@ Invariants (they are what makes a killed driver safe to rerun):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from rl_jax.grid.backends import Backend, guard_argv
 from rl_jax.grid.expand import RunPlan
 from rl_jax.grid.spec import GridSpec
 from rl_jax.grid.state import GridState, driver_lock
+from rl_jax.runs.run_dir import find_run_dirs
 from rl_jax.runs.storage import is_remote, join, open_store
 
 PLAN_FILE = "plan.json"
@@ -48,6 +50,21 @@ def grid_dir(spec: GridSpec, out: str | Path) -> str:
 def run_dir(runs: str, plan: RunPlan) -> str:
     """The run directory of `plan` under the grid's runs root (Backend.runs_root)."""
     return join(runs, plan.name)
+
+
+def find_runs(plans: Sequence[RunPlan], runs: str, log: Callable[[str], None]) -> list[RunPlan]:
+    """`plans`, each named for the directory under `runs` that holds its run: its own name,
+    or that of a run directory the grid made under an earlier run-id version, which holds
+    the same run (`rl_jax.runs.run_dir.find_run_dirs`; the trainer takes it up). Said in
+    one line when there are any."""
+    found = find_run_dirs(runs, [(p.name, p.run_id) for p in plans])
+    if found:
+        new, old = next(iter(found.items()))
+        log(
+            f"{len(found)} run(s) found in directories named for their run ids of an earlier "
+            f"id version, e.g. {old} for {new}; they resume there"
+        )
+    return [dataclasses.replace(p, name=found[p.name]) if p.name in found else p for p in plans]
 
 
 def is_done(runs: str, plan: RunPlan) -> bool:
@@ -80,7 +97,7 @@ def _fmt(x: float) -> str:
 
 def print_plan(spec: GridSpec, plans: list[RunPlan], root: str, runs: str, out=sys.stdout) -> None:
     """The plan as a table with each run's compute and status (`rl-jax grid --dry-run`)."""
-    st = GridState.load(root, spec.name)
+    st = GridState.load(root, spec.name, plans)
     unit = spec.budget.unit if spec.budget else "rollouts"
     print(f"grid {spec.name}: {len(plans)} runs of recipe {spec.recipe!r} -> {root}", file=out)
     if spec.budget:
@@ -262,7 +279,7 @@ class Driver:
             lock.release()
 
     def _run(self) -> dict[str, int]:
-        st = GridState.load(self.root, self.spec.name)
+        st = GridState.load(self.root, self.spec.name, self.plans)
         open_store(self.root).write_json(
             PLAN_FILE, {"grid": self.spec.name, "runs": plan_rows(self.plans)}
         )

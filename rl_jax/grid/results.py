@@ -45,7 +45,7 @@ def gather(
     """Every curve row of the grid, labelled, in plan order; written to curves.jsonl.
     `runs`: where the runs' directories are (Backend.runs_root; default root/runs)."""
     runs = runs or join(root, "runs")
-    st = GridState.load(root, spec.name)
+    st = GridState.load(root, spec.name, plans)
     out = []
     for p in plans:
         rec = st.runs.get(p.run_id)
@@ -328,7 +328,7 @@ def write_report(
 def _write_report(spec, plans, root: str, runs: str | None, local: Path) -> Path:
     runs = runs or join(root, "runs")
     rows = gather(spec, plans, root, runs)
-    st = GridState.load(root, spec.name)
+    st = GridState.load(root, spec.name, plans)
     x, metric = spec.report.x, spec.report.metric
     per_run: dict[str, list[dict]] = defaultdict(list)
     for r in rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,9 @@ class GridState:
         return join(self.grid_dir, STATE_FILE)
 
     @classmethod
-    def load(cls, grid_dir: str, grid: str) -> GridState:
+    def load(cls, grid_dir: str, grid: str, plans: Sequence[Any] = ()) -> GridState:
+        """The state file's records; `plans` (RunPlans): a record kept under another id of a
+        plan's run directory (a grid run under an earlier run-id version) is that plan's."""
         runs: dict[str, RunRecord] = {}
         try:
             d = json.loads(open_store(grid_dir).read_bytes(STATE_FILE).decode("utf-8"))
@@ -58,6 +61,11 @@ class GridState:
             d = {}
         for rid, r in d.get("runs", {}).items():
             runs[rid] = RunRecord(**r)
+        by_name = {r.name: rid for rid, r in runs.items()}
+        for p in plans:
+            rid = by_name.get(p.name)
+            if p.run_id not in runs and rid is not None:
+                runs[p.run_id] = runs.pop(rid)
         return cls(str(grid_dir), grid, runs)
 
     def record(self, run_id: str, name: str) -> RunRecord:

@@ -23,7 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rl_jax.config import RunConfig, flatten, from_dict, resolved, run_id, to_dict
+from rl_jax.config import (
+    ID_VERSION,
+    RunConfig,
+    flatten,
+    from_dict,
+    id_version,
+    rerun_id,
+    resolved,
+    run_id,
+    to_dict,
+)
 from rl_jax.knobs import ConfigError
 from rl_jax.runs import locks
 from rl_jax.runs.atomic import jsonl_bytes, jsonl_rows, scan_jsonl
@@ -61,6 +71,7 @@ class RunDir:
         self.store = store
         self.run_id = run_id
         self.lock = lock
+        self.former: list[str] = []  # the run's id under an earlier id version (`adopt`)
         self._rows: dict[str, int] = {}  # rows in each log, once rewound
         self._flushed = time.monotonic()
         if store.remote and lock is not None:
@@ -120,8 +131,8 @@ class RunDir:
         except (FileNotFoundError, ValueError):
             return []
         if not isinstance(old, dict) or old.get("run_id") != self.run_id:
-            return []
-        return [str(r) for r in old.get(CONTINUED, [])]
+            return list(self.former)
+        return list(dict.fromkeys([*(str(r) for r in old.get(CONTINUED, [])), *self.former]))
 
     def check(self) -> None:
         """StorageError if the run's lock was lost (a bucket lease another host took)."""
@@ -261,19 +272,22 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--continue: {store.url(CONFIG)} is not a run config ({e})") from None
     new_id, had = run_id(cfg), old.train.steps
-    if old_doc.get("run_id") == new_id:
+    old_id = current_id(old_doc)
+    if old_id == new_id:
         return had  # continued already (or nothing changed): train on as usual
     if cfg.train.steps <= had:
         raise ConfigError(
             f"--continue: train.steps={cfg.train.steps} must be more than the run's {had}"
         )
     same = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=had))
-    if run_id(same) != run_id(old):
+    if run_id(same) != old_id:
         a, b = flatten(resolved(old)), flatten(resolved(same))
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and "." in k)
+        gone = "knobs of an earlier id version that today's code does not run as they ran"
         raise ConfigError(
             f"--continue: the run in {path} differs from this config in more than "
-            f"train.steps: {', '.join(diff) or 'its run id'}; continue it with its own knobs"
+            f"train.steps: {', '.join(diff) or ('its run id' if old_id else gone)}; "
+            "continue it with its own knobs"
         )
     r_old, r_new = resolved(old).train, resolved(cfg).train
     if r_new.schedule == "constant" and r_old.warmup_steps != r_new.warmup_steps:
@@ -312,6 +326,78 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
     finally:
         lock.release()
     return had
+
+
+def current_id(doc: Any) -> str | None:
+    """The run id, under today's id version, of the run a config.json (`doc`) describes: its
+    own, or for one written under an earlier version the id today's code gives its config
+    where it runs that config as it ran (`rl_jax.config.rerun_id`); None otherwise."""
+    if not isinstance(doc, dict):
+        return None
+    rid = doc.get("run_id")
+    if id_version(rid) == ID_VERSION:
+        return rid
+    return rerun_id(doc.get("config"))
+
+
+def adopt(rd: RunDir, doc: dict[str, Any], *, write: bool) -> None:
+    """Take up the run that `rd` holds under its id of an earlier id version (config.json
+    `doc`), whose id is `rd.run_id` today: its checkpoints are accepted as this run's,
+    and (`write`: the process that holds the lock) its rows, DONE file and config.json
+    carry the id from now on, as those of a run started today would. Said on stderr."""
+    old_id = str(doc.get("run_id"))
+    rd.former = [*rd.former, old_id]
+    if not write:
+        return
+    for name in LOGS:
+        try:
+            scan = scan_jsonl(rd.store.read_bytes(name))
+        except FileNotFoundError:
+            continue
+        rows = [{**r, "run_id": rd.run_id} if r.get("run_id") == old_id else r for r in scan.rows]
+        rd.store.write(name, jsonl_bytes(rows))
+    done = rd.read_done()
+    if done is not None and done.get("run_id") == old_id:
+        rd.store.write_json(DONE, {**done, "run_id": rd.run_id})
+    rd.store.write_json(
+        CONFIG, {**doc, "run_id": rd.run_id, CONTINUED: [*doc.get(CONTINUED, []), old_id]}
+    )
+    print(
+        f"note: {rd.root} holds this run under its run id {old_id} of an earlier id "
+        f"version; it is now {rd.run_id} (rows, DONE and config.json rewritten)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def find_run_dirs(parent: str | Path, runs: list[tuple[str, str]]) -> dict[str, str]:
+    """Run directory names under `parent` that end in their run id (`<prefix><id>`: a grid's
+    runs, the demo's), given as (name, id): {name: the directory that holds its run} for
+    those that do not exist where a sibling `<prefix><earlier id>` named for an id of an
+    earlier id version holds their run (`current_id` of its config.json is this id).
+
+    One listing of `parent`; only the config.json of such siblings is read."""
+    store = open_store(parent)
+    present = store.list()
+    found: dict[str, str] = {}
+    for name, rid in runs:
+        if name in present or not name.endswith(rid):
+            continue
+        prefix = name[: -len(rid)]
+        for other in present:
+            if not other.startswith(prefix):
+                continue
+            version = id_version(other[len(prefix) :])
+            if version is None or version >= ID_VERSION:
+                continue
+            try:
+                doc = json.loads(store.read_bytes(f"{other}/{CONFIG}").decode("utf-8"))
+            except (FileNotFoundError, ValueError):
+                continue
+            if current_id(doc) == rid:
+                found[name] = other
+                break
+    return found
 
 
 def _continued_row(row: dict[str, Any], old_id, new_id: str, knobs: dict) -> dict[str, Any]:
@@ -361,7 +447,7 @@ def create_run_dir(
         raise RunDirError(f"cannot lock the run directory {path}: {e}") from e
     rd = RunDir(store, rid, run_lock)
     try:
-        _check_owner(rd)
+        _check_owner(rd, write=lock)
         if write:
             rd.write_config(cfg)
     except BaseException:
@@ -380,12 +466,16 @@ def open_run_dir(path: str | Path) -> RunDir:
     return RunDir(store, rid)
 
 
-def _check_owner(rd: RunDir) -> None:
-    """Refuse a directory that holds another run (config.json, or else its rows)."""
+def _check_owner(rd: RunDir, *, write: bool) -> None:
+    """Refuse a directory that holds another run (config.json, or else its rows); take up
+    one that holds this run under an earlier id version (`adopt`)."""
     try:
         old = json.loads(rd.store.read_bytes(CONFIG).decode("utf-8"))
         found = {old.get("run_id")} if isinstance(old, dict) else {None}
         source = rd.config_path
+        if found != {rd.run_id} and current_id(old) == rd.run_id:
+            adopt(rd, old, write=write)
+            return
     except FileNotFoundError:
         return
     except StorageError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rl_jax.config import SamplingConfig, run_id, to_dict
 from rl_jax.config.data import BATCH_KNOBS
 from rl_jax.runs.atomic import atomic_write_bytes
 from rl_jax.runs.plots import draw_curve
+from rl_jax.runs.run_dir import find_run_dirs
 from rl_jax.runs.storage import join
 from rl_jax.train.loop import RLTrainer
 
@@ -116,10 +118,10 @@ def warm_start(trainer, *, target: float, quiet: bool) -> dict:
 def run_demo(cfg, *, warmup_target: float, quiet: bool):
     """Train `cfg` from the cached supervised warm-up; returns its run.
 
-    One directory per resolved config: rerunning the same demo reuses its finished run,
-    changing a knob starts a new one instead of refusing the old directory.
+    One directory per resolved config (`demo_root`): rerunning the same demo reuses its
+    finished run, changing a knob starts a new one instead of refusing the old directory.
     """
-    root = join(cfg.out_dir, f"{cfg.name}-{run_id(cfg)}")
+    root = demo_root(cfg)
     trainer = RLTrainer(cfg, run_root=root, quiet=quiet)
     if trainer.run.read_done() is None:
         if not trainer.try_resume():
@@ -132,6 +134,17 @@ def run_demo(cfg, *, warmup_target: float, quiet: bool):
             )
         trainer.run_loop()
     return trainer.run
+
+
+def demo_root(cfg) -> str:
+    """<out_dir>/<name>-<run id>, or the directory named for the run's id of an earlier id
+    version that holds the run (`rl_jax.runs.run_dir.find_run_dirs`; said on stderr)."""
+    rid = run_id(cfg)
+    name = f"{cfg.name}-{rid}"
+    earlier = find_run_dirs(cfg.out_dir, [(name, rid)]).get(name)
+    if earlier is not None:
+        print(f"{earlier} holds this run (named for its earlier run id)", file=sys.stderr)
+    return join(cfg.out_dir, earlier or name)
 
 
 def write_report(run, *, x: str, metric: str) -> str:

@@ -13,6 +13,7 @@ one. Test hooks (environment):
   FAKE_LEDGER=path     append "<run_id> start <step>" / "<run_id> done" lines
   FAKE_BAD_N=n         runs with sampling.n == n saturate far lower (early-stop tests)
   FAKE_HOLD=path       before finishing (DONE), wait until this file exists
+  FAKE_LEGACY_IDS=1    run under ids of the first id version (tests/_workers/legacy_ids.py)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def ledger(line: str) -> None:
         os.close(fd)
 
 
-def metric(cfg, rid: str, rollouts: float) -> float:
+def metric(cfg, rollouts: float) -> float:
     """A sigmoid in log rollouts; larger n saturates higher, larger B_p starts faster."""
     n, bp = cfg.sampling.n, cfg.data.prompts_per_batch
     a = 0.5 + 0.1 * math.log2(n) / 4 + (0.02 if cfg.loss.name == "cispo" else 0.0)
@@ -49,17 +50,24 @@ def metric(cfg, rid: str, rollouts: float) -> float:
     c_mid = 40.0 * math.sqrt(n) * (1 + 2.0 / bp)
     r0 = 0.1
     r = r0 + (a - r0) / (1 + (c_mid / rollouts) ** 1.5) if rollouts > 0 else r0
-    noise = int(hashlib.sha256(f"{rid}:{rollouts}".encode()).hexdigest()[:6], 16) / 16**6
+    # The noise of the run's config (today's id of it), whatever id its directory carries:
+    # a run taken up from an earlier id version continues the same curve.
+    key = f"{run_id(cfg)}:{rollouts}"
+    noise = int(hashlib.sha256(key.encode()).hexdigest()[:6], 16) / 16**6
     return round(min(1.0, r + 0.01 * (noise - 0.5)), 6)
 
 
 def main(argv: list[str]) -> int:
+    if os.environ.get("FAKE_LEGACY_IDS"):
+        from legacy_ids import use_legacy_ids
+
+        use_legacy_ids(modules=("rl_jax.runs.run_dir",))  # without JAX, as the fake runs
     cfg = load_recipe(argv[0], argv[1:])
     rd = create_run_dir(cfg)
     if rd.is_done():
         rd.close()
         return 0
-    rid = run_id(cfg)
+    rid = rd.run_id
     steps_done = sorted(
         int(n.split(".")[0]) for n in rd.store.list("checkpoints") if n.endswith(".json")
     )
@@ -95,10 +103,10 @@ def main(argv: list[str]) -> int:
                 "trainer_flops": rollouts * 3e6,
                 "flops": rollouts * 4e6,
                 "device_seconds": step * 0.01,
-                "val/pass@1": metric(cfg, rid, rollouts),
-                "val/best@k": min(1.0, metric(cfg, rid, rollouts) * 1.5),
-                "val/worst@k": metric(cfg, rid, rollouts) * 0.5,
-                "train/reward": metric(cfg, rid, rollouts),
+                "val/pass@1": metric(cfg, rollouts),
+                "val/best@k": min(1.0, metric(cfg, rollouts) * 1.5),
+                "val/worst@k": metric(cfg, rollouts) * 0.5,
+                "train/reward": metric(cfg, rollouts),
             }
             rd.append_curve(row)
             rd.append_metrics({"step": step, "train/reward": row["train/reward"]})
