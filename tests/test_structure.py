@@ -1,30 +1,140 @@
-"""The trainer stays readable: no class over 300 lines, no function over 60 (rl_jax/train).
+"""The code stays readable: no class over 300 lines, no function over 60, in all of rl_jax.
 
-A phase or schedule that outgrows a screen is split into named pieces instead."""
+A phase, schedule or report that outgrows a screen is split into named pieces instead.
+What stays over the limit is listed in EXCEPTIONS with its reason, and the list only
+shrinks: an entry that is no longer over the limit (or no longer exists) fails the test."""
 
 import ast
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[1] / "rl_jax" / "train"
+RL_JAX = Path(__file__).resolve().parents[1] / "rl_jax"
 MAX_CLASS, MAX_FUNCTION = 300, 60
+
+# "module path under rl_jax:qualified name" -> why it stays over the limit for now.
+EXCEPTIONS = {
+    "cli/eval.py:main": (
+        "eval's parse-resolve-run-report in one; owned by the eval work in progress"
+    ),
+    "grid/driver.py:Driver._run": (
+        "the grid driver's launch/poll/retry loop over its local state; splitting it is "
+        "#47 item 1/5 work on the grid backend"
+    ),
+    "grid/expand.py:expand": (
+        "grid expansion (axes, constraints, budgets, per-run configs) with its error "
+        "messages; being reworked with the grid spec"
+    ),
+    "kernels/tpu.py:flash_attention": (
+        "the Pallas flash-attention wrapper: block-size choice, layout transposes and the "
+        "segment-id mask in one pallas_call setup; split with the kernel registry work"
+    ),
+    "kernels/xla.py:Decode": (
+        "the decode ops bundle (paged and contiguous KV, every attention path) that the "
+        "engine and the decode model share; splitting it is #47 item 1/5 work"
+    ),
+    "models/decode.py:decode_step": (
+        "one decode step of every architecture's layer stack under one scan; #47 item 1/5 "
+        "(one forward for model and decode) replaces it"
+    ),
+    "models/hf.py:spec_fields_from_hf_config": (
+        "one flat field-by-field mapping of every architecture's HF config keys; a table, not logic"
+    ),
+    "models/hf.py:hf_config_from_spec": (
+        "the inverse field-by-field table of spec_fields_from_hf_config; kept beside it"
+    ),
+    "models/transformer.py:Transformer.__call__": (
+        "the model's forward (embed, scanned/unrolled layers, head, MoE aux) as one "
+        "readable screen-and-a-bit; #47 item 1/5 reshapes it"
+    ),
+    "plan/_programs.py:plan_run": (
+        "the planner's AOT build-compile-report pipeline with its shared closure state; "
+        "being split by the plan work in progress"
+    ),
+    "plan/_programs.py:_build": (
+        "builds the trainer's and engine's programs on abstract arrays; mirrors "
+        "train.parts and moves with it (#47 item 1/5)"
+    ),
+    "plan/_programs.py:_report": (
+        "one program's memory/cost report row; being split by the plan work in progress"
+    ),
+    "plan/_programs.py:plan_run.reports": (
+        "every program's report inside plan_run's closure; goes with plan_run's split"
+    ),
+    "runs/run_dir.py:extend_run": (
+        "--continue's checks (configs differ in train.steps only, schedule independent "
+        "of it) each with its own error message; being reworked with the run store"
+    ),
+    "sampling/_engine.py:Engine": (
+        "the continuous-batching engine's state machine (verbs, compiled programs, host "
+        "loop); splitting it is #47 item 1/5 work"
+    ),
+    "sampling/_engine.py:Engine.__init__": (
+        "the engine's geometry (slots, pages, buckets, shardings) validated in one place; "
+        "#47 item 1/5 work"
+    ),
+    "sampling/_engine.py:Engine._prefill_insert_impl": (
+        "the prefill+insert program body (nested pool/block scans) traced as one jit; "
+        "#47 item 1/5 work"
+    ),
+    "sampling/_engine.py:Engine.prefill_insert": (
+        "host side of prefill_insert (bucketing, block padding, page hand-out); #47 item 1/5 work"
+    ),
+    "sampling/_state.py:advance": (
+        "one decode step's state update (stop ids, limits, versions, log-probs) traced "
+        "in the sampler's loop body; #47 item 1/5 work"
+    ),
+    "cli/allocate.py:_price": "split below",
+    "cli/fit.py:build_parser": "split below",
+    "cli/grid.py:build_parser": "split below",
+    "cli/grid.py:main": "split below",
+    "cli/plan.py:main": "split below",
+    "cli/sample.py:main": "split below",
+    "data/_build.py:build_task": "split below",
+    "losses/_advantages.py:compute_advantages": "split below",
+    "losses/_api.py:policy_loss": "split below",
+    "plan/_estimate.py:estimate": "split below",
+    "plan/_search.py:search": "split below",
+    "rewards/_code_child.py:make_hook": "split below",
+    "rewards/_code_child.py:make_hook.hook": "split below",
+    "scaling/_sigmoid.py:_build_problem": "split below",
+    "scaling/_sigmoid.py:batch_lsq": "split below",
+    "scaling/_study.py:_effect": "split below",
+    "scaling/_study.py:analyse_study": "split below",
+}
 
 
 def oversized(source: str, *, max_class: int = MAX_CLASS, max_function: int = MAX_FUNCTION):
-    """[(name, lines, limit)] of the classes and functions of `source` over their limit
-    (decorators and docstrings count: they are on the screen too)."""
+    """[(qualified name, lines, limit)] of the classes and functions of `source` over their
+    limit (decorators and docstrings count: they are on the screen too). A method is named
+    `Class.method`, a nested function `outer.inner`."""
     out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef):
-            limit = max_class
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            limit = max_function
-        else:
-            continue
-        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-        lines = node.end_lineno - first + 1
-        if lines > limit:
-            out.append((node.name, lines, limit))
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                limit = max_class
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = max_function
+            else:
+                visit(child, prefix)
+                continue
+            name = f"{prefix}{child.name}"
+            first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+            lines = child.end_lineno - first + 1
+            if lines > limit:
+                out.append((name, lines, limit))
+            visit(child, f"{name}.")
+
+    visit(ast.parse(source), "")
     return out
+
+
+def over_the_limit(root: Path = RL_JAX) -> dict[str, tuple[int, int]]:
+    """{"module:qualified name": (lines, limit)} over every module under `root`."""
+    return {
+        f"{path.relative_to(root).as_posix()}:{name}": (lines, limit)
+        for path in sorted(root.rglob("*.py"))
+        for name, lines, limit in oversized(path.read_text())
+    }
 
 
 def test_the_checker_finds_long_functions_and_classes():
@@ -34,12 +144,25 @@ def test_the_checker_finds_long_functions_and_classes():
     fields = "    x: int = 0\n" * 299
     assert oversized(f"class C:\n{fields}") == []
     assert oversized(f"@dataclass\nclass C:\n{fields}") == [("C", 301, 300)]
+    nested = "\n".join(f"        y{i} = {i}" for i in range(60))
+    assert oversized(f"class C:\n    def m(self):\n{nested}\n") == [("C.m", 61, 60)]
+    assert oversized(f"def f():\n    def g():\n{nested}\n") == [("f", 62, 60), ("f.g", 61, 60)]
 
 
-def test_train_modules_stay_within_the_limits():
-    found = {
-        f"{path.name}:{name}": (lines, limit)
-        for path in sorted(TRAIN.glob("*.py"))
-        for name, lines, limit in oversized(path.read_text())
-    }
-    assert not found, f"over the limit (lines, limit): {found}"
+def test_rl_jax_stays_within_the_limits():
+    found = over_the_limit()
+    new = {key: size for key, size in found.items() if key not in EXCEPTIONS}
+    assert not new, (
+        f"over the limit (lines, limit): {new}; split them into named pieces "
+        "(or, with a reason, add them to EXCEPTIONS in tests/test_structure.py)"
+    )
+
+
+def test_every_exception_is_still_needed():
+    found = over_the_limit()
+    stale = sorted(key for key in EXCEPTIONS if key not in found)
+    assert not stale, f"no longer over the limit (or gone): remove from EXCEPTIONS: {stale}"
+
+
+def test_the_trainer_has_no_exceptions():
+    assert not [key for key in EXCEPTIONS if key.startswith("train/")]
