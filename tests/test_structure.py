@@ -95,10 +95,6 @@ EXCEPTIONS = {
     "plan/_search.py:search": "split below",
     "rewards/_code_child.py:make_hook": "split below",
     "rewards/_code_child.py:make_hook.hook": "split below",
-    "scaling/_sigmoid.py:_build_problem": "split below",
-    "scaling/_sigmoid.py:batch_lsq": "split below",
-    "scaling/_study.py:_effect": "split below",
-    "scaling/_study.py:analyse_study": "split below",
 }
 
 
