@@ -88,15 +88,12 @@ EXCEPTIONS = {
     "cli/grid.py:main": "split below",
     "cli/plan.py:main": "split below",
     "cli/sample.py:main": "split below",
-    "data/_build.py:build_task": "split below",
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"
     ),
     "plan/_estimate.py:estimate": "split below",
     "plan/_search.py:search": "split below",
-    "rewards/_code_child.py:make_hook": "split below",
-    "rewards/_code_child.py:make_hook.hook": "split below",
 }
 
 
