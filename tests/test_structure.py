@@ -92,8 +92,6 @@ EXCEPTIONS = {
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"
     ),
-    "plan/_estimate.py:estimate": "split below",
-    "plan/_search.py:search": "split below",
 }
 
 
