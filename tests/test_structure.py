@@ -82,12 +82,6 @@ EXCEPTIONS = {
         "one decode step's state update (stop ids, limits, versions, log-probs) traced "
         "in the sampler's loop body; #47 item 1/5 work"
     ),
-    "cli/allocate.py:_price": "split below",
-    "cli/fit.py:build_parser": "split below",
-    "cli/grid.py:build_parser": "split below",
-    "cli/grid.py:main": "split below",
-    "cli/plan.py:main": "split below",
-    "cli/sample.py:main": "split below",
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"
