@@ -286,6 +286,21 @@ def test_audit_hook_alone_refuses(pool, tmp_path):
     assert not marker.exists()
 
 
+def test_the_audit_hook_reads_no_globals(tmp_path):
+    """The hook and the functions it calls bind their policy and builtins as default
+    arguments: a program that rebinds the module's names changes nothing they read."""
+    import dis
+
+    from rl_jax.rewards import _code_child
+
+    hook, _ = _code_child.make_hook(str(tmp_path), ["/usr"], 3)
+    called = [hook, *(d for d in hook.__defaults__ if callable(d) and hasattr(d, "__code__"))]
+    assert _code_child._file_reason in called and len(called) == 2
+    for fn in called + [_code_child._normpath, _code_child._is_dir]:
+        loads = [i.argval for i in dis.get_instructions(fn) if i.opname == "LOAD_GLOBAL"]
+        assert not loads, (fn.__name__, loads)
+
+
 @pytest.mark.skipif(not _code_jail.layers()["seccomp"], reason="no seccomp here")
 def test_seccomp_alone_stops_processes_sockets_signals(pool):
     off = ("audit", "landlock", "netns")

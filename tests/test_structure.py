@@ -1,30 +1,119 @@
-"""The trainer stays readable: no class over 300 lines, no function over 60 (rl_jax/train).
+"""The code stays readable: no class over 300 lines, no function over 60, in all of rl_jax.
 
-A phase or schedule that outgrows a screen is split into named pieces instead."""
+A phase, schedule or report that outgrows a screen is split into named pieces instead.
+What stays over the limit is listed in EXCEPTIONS with its reason, and the list only
+shrinks: an entry that is no longer over the limit (or no longer exists) fails the test."""
 
 import ast
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[1] / "rl_jax" / "train"
+RL_JAX = Path(__file__).resolve().parents[1] / "rl_jax"
 MAX_CLASS, MAX_FUNCTION = 300, 60
+
+# "module path under rl_jax:qualified name" -> why it stays over the limit for now.
+_PARALLEL = "; out of this change's scope: its package is being edited on another branch"
+EXCEPTIONS = {
+    "cli/eval.py:main": "eval's parse, checkpoint lookup, run and report in one" + _PARALLEL,
+    "grid/driver.py:Driver._run": (
+        "the grid driver's launch/poll/retry/early-stop loop over one local state" + _PARALLEL
+    ),
+    "grid/expand.py:expand": (
+        "grid expansion (axes, constraints, budgets, per-run configs), an error message per "
+        "failure" + _PARALLEL
+    ),
+    "kernels/tpu.py:flash_attention": (
+        "the splash-attention wrapper: segment-id mask, padding, layout and the shard_map "
+        "over the mesh in one traced function" + _PARALLEL
+    ),
+    "kernels/xla.py:Decode": (
+        "the decode ops (paged KV, each attention path) the engine and the decode step "
+        "share" + _PARALLEL
+    ),
+    "models/decode.py:decode_step": "one decode step of the whole layer stack" + _PARALLEL,
+    "models/hf.py:spec_fields_from_hf_config": (
+        "a flat key-by-key mapping of HF config.json (4.x and 5.x spellings) to ModelSpec "
+        "fields: a table more than logic" + _PARALLEL
+    ),
+    "models/hf.py:hf_config_from_spec": (
+        "the inverse key-by-key table of spec_fields_from_hf_config" + _PARALLEL
+    ),
+    "models/transformer.py:Transformer.__call__": (
+        "the model's forward (embed, scanned or unrolled layers, head, MoE aux)" + _PARALLEL
+    ),
+    "plan/_programs.py:plan_run": (
+        "the planner's build-compile-report pipeline, its closures sharing the run's "
+        "abstract state" + _PARALLEL
+    ),
+    "plan/_programs.py:plan_run.reports": (
+        "every program's report, in plan_run's closure" + _PARALLEL
+    ),
+    "plan/_programs.py:_build": (
+        "the trainer's and engine's programs on abstract arrays, as train.parts builds them"
+        + _PARALLEL
+    ),
+    "plan/_programs.py:_report": "one program's memory and cost report" + _PARALLEL,
+    "runs/run_dir.py:extend_run": (
+        "--continue's checks (configs differ in train.steps only, a schedule independent of "
+        "it), each with its own message" + _PARALLEL
+    ),
+    "sampling/_engine.py:Engine": (
+        "the continuous-batching engine's state machine (verbs, compiled programs, host "
+        "loop); splitting it is #47 item 1/5 work" + _PARALLEL
+    ),
+    "sampling/_engine.py:Engine.__init__": (
+        "the engine's geometry (slots, pages, buckets, shardings) set and checked in one "
+        "place" + _PARALLEL
+    ),
+    "sampling/_engine.py:Engine._prefill_insert_impl": (
+        "the prefill+insert program body (its pool and block scans) traced as one program"
+        + _PARALLEL
+    ),
+    "sampling/_engine.py:Engine.prefill_insert": (
+        "the host side of prefill_insert (bucketing, block padding, page hand-out)" + _PARALLEL
+    ),
+    "sampling/_state.py:advance": (
+        "one decode step's state update (stop ids, limits, versions, log-probs)" + _PARALLEL
+    ),
+    "losses/_api.py:policy_loss": (
+        "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
+        "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"
+    ),
+}
 
 
 def oversized(source: str, *, max_class: int = MAX_CLASS, max_function: int = MAX_FUNCTION):
-    """[(name, lines, limit)] of the classes and functions of `source` over their limit
-    (decorators and docstrings count: they are on the screen too)."""
+    """[(qualified name, lines, limit)] of the classes and functions of `source` over their
+    limit (decorators and docstrings count: they are on the screen too). A method is named
+    `Class.method`, a nested function `outer.inner`."""
     out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef):
-            limit = max_class
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            limit = max_function
-        else:
-            continue
-        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-        lines = node.end_lineno - first + 1
-        if lines > limit:
-            out.append((node.name, lines, limit))
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                limit = max_class
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = max_function
+            else:
+                visit(child, prefix)
+                continue
+            name = f"{prefix}{child.name}"
+            first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+            lines = child.end_lineno - first + 1
+            if lines > limit:
+                out.append((name, lines, limit))
+            visit(child, f"{name}.")
+
+    visit(ast.parse(source), "")
     return out
+
+
+def over_the_limit(root: Path = RL_JAX) -> dict[str, tuple[int, int]]:
+    """{"module:qualified name": (lines, limit)} over every module under `root`."""
+    return {
+        f"{path.relative_to(root).as_posix()}:{name}": (lines, limit)
+        for path in sorted(root.rglob("*.py"))
+        for name, lines, limit in oversized(path.read_text())
+    }
 
 
 def test_the_checker_finds_long_functions_and_classes():
@@ -34,12 +123,26 @@ def test_the_checker_finds_long_functions_and_classes():
     fields = "    x: int = 0\n" * 299
     assert oversized(f"class C:\n{fields}") == []
     assert oversized(f"@dataclass\nclass C:\n{fields}") == [("C", 301, 300)]
+    nested = "\n".join(f"        y{i} = {i}" for i in range(60))
+    assert oversized(f"class C:\n    def m(self):\n{nested}\n") == [("C.m", 61, 60)]
+    assert oversized(f"def f():\n    def g():\n{nested}\n") == [("f", 62, 60), ("f.g", 61, 60)]
 
 
-def test_train_modules_stay_within_the_limits():
-    found = {
-        f"{path.name}:{name}": (lines, limit)
-        for path in sorted(TRAIN.glob("*.py"))
-        for name, lines, limit in oversized(path.read_text())
-    }
-    assert not found, f"over the limit (lines, limit): {found}"
+def test_rl_jax_stays_within_the_limits():
+    found = over_the_limit()
+    new = {key: size for key, size in found.items() if key not in EXCEPTIONS}
+    assert not new, (
+        f"over the limit (lines, limit): {new}; split them into named pieces "
+        "(or, with a reason, add them to EXCEPTIONS in tests/test_structure.py)"
+    )
+
+
+def test_every_exception_is_still_needed():
+    found = over_the_limit()
+    stale = sorted(key for key in EXCEPTIONS if key not in found)
+    assert not stale, f"no longer over the limit (or gone): remove from EXCEPTIONS: {stale}"
+    assert all(why.strip() and "\n" not in why for why in EXCEPTIONS.values())
+
+
+def test_the_trainer_has_no_exceptions():
+    assert not [key for key in EXCEPTIONS if key.startswith("train/")]

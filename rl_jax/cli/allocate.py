@@ -271,7 +271,6 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
     estimate), and the chosen one's mesh in the command."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning for a TPU needs none here
     from rl_jax.config import load_recipe
-    from rl_jax.plan import search
     from rl_jax.plan.chips import canonical_topology
 
     cmd = res["command"]
@@ -282,36 +281,8 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
         over, _ = _run_overrides(cand, plan, a)
         cfg = load_recipe(cmd["recipe"], over)
         rollouts = alloc.budget * _rollouts_per_unit(rows, cand.runs, alloc.x)
-        found = search(
-            cfg,
-            canonical_topology(a.topology),
-            top=1,
-            estimate_only=True,
-            budget_rollouts=rollouts if rollouts > 0 else 1.0,
-        )
-        ranked = found["ranked"]
-        if not math.isfinite(rollouts):
-            why = f"no rollouts column beside {alloc.x} to convert C into rollouts"
-            prices.append({"n": cand.n, "bp": cand.bp, "fits": None, "why": why})
-            continue
-        if not ranked:
-            prices.append({"n": cand.n, "bp": cand.bp, "fits": False})
-            continue
-        r = ranked[0]
-        hours = rollouts / r["rollouts_per_hour"]
-        chips = found["chips"]
-        prices.append(
-            {
-                "n": cand.n,
-                "bp": cand.bp,
-                "fits": True,
-                "rollouts_per_hour": r["rollouts_per_hour"],
-                "hours": hours,
-                "chip_hours": hours * chips,
-                "mesh_overrides": r["overrides"],
-                "rollouts": rollouts,
-            }
-        )
+        topology = canonical_topology(a.topology)
+        prices.append(_candidate_price(cand, cfg, topology, rollouts, alloc.x))
     res["topology"], res["prices"] = a.topology, prices
     if not cfg.sampling.max_prompt_len:
         # The estimate then counts no prompt tokens, and the compiled plan refuses the run.
@@ -319,14 +290,47 @@ def _price(res: dict, spec, plan: dict, a, rows: list[dict]) -> None:
             "the recipe leaves sampling.max_prompt_len to the data (0): priced without prompt"
             " tokens, and `rl-jax plan` needs it; add sampling.max_prompt_len=... to both"
         )
-    chosen = prices[0]
-    if chosen["fits"] and cmd["argv"]:
-        keys = {o.split("=", 1)[0] for o in chosen["mesh_overrides"]}
-        cmd["argv"] = [o for o in cmd["argv"] if o.split("=", 1)[0] not in keys]
-        cmd["argv"] += chosen["mesh_overrides"]
-        plan_over = cmd["argv"][cmd["argv"].index(cmd["recipe"]) + 1 :]
-        cmd["plan_argv"] = ["rl-jax", "plan", cmd["recipe"], *plan_over, "--topology", a.topology]
-        cmd["plan_argv"] += ["--budget-rollouts", f"{chosen['rollouts']:.6g}"]
+    if prices[0]["fits"] and cmd["argv"]:
+        _add_mesh(cmd, prices[0], a.topology)
+
+
+def _candidate_price(cand, cfg, topology: str, rollouts: float, x: str) -> dict:
+    """One candidate's row: its best estimated mesh's rollouts per hour and the (chip-)hours
+    its `rollouts` take, or why it has none (fits: None) or that nothing fits (False)."""
+    from rl_jax.plan import search
+
+    found = search(
+        cfg, topology, top=1, estimate_only=True, budget_rollouts=rollouts if rollouts > 0 else 1.0
+    )
+    ranked = found["ranked"]
+    if not math.isfinite(rollouts):
+        why = f"no rollouts column beside {x} to convert C into rollouts"
+        return {"n": cand.n, "bp": cand.bp, "fits": None, "why": why}
+    if not ranked:
+        return {"n": cand.n, "bp": cand.bp, "fits": False}
+    r = ranked[0]
+    hours = rollouts / r["rollouts_per_hour"]
+    return {
+        "n": cand.n,
+        "bp": cand.bp,
+        "fits": True,
+        "rollouts_per_hour": r["rollouts_per_hour"],
+        "hours": hours,
+        "chip_hours": hours * found["chips"],
+        "mesh_overrides": r["overrides"],
+        "rollouts": rollouts,
+    }
+
+
+def _add_mesh(cmd: dict, chosen: dict, topology: str) -> None:
+    """The chosen candidate's mesh overrides into the training command (in place of the
+    same keys), and the `rl-jax plan` command that compiles it."""
+    keys = {o.split("=", 1)[0] for o in chosen["mesh_overrides"]}
+    cmd["argv"] = [o for o in cmd["argv"] if o.split("=", 1)[0] not in keys]
+    cmd["argv"] += chosen["mesh_overrides"]
+    plan_over = cmd["argv"][cmd["argv"].index(cmd["recipe"]) + 1 :]
+    cmd["plan_argv"] = ["rl-jax", "plan", cmd["recipe"], *plan_over, "--topology", topology]
+    cmd["plan_argv"] += ["--budget-rollouts", f"{chosen['rollouts']:.6g}"]
 
 
 def _json(v):

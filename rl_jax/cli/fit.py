@@ -68,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="column naming a run's recipe; runs of one recipe are seeds (default: recipe; "
         "'none' fits runs only)",
     )
+    _add_sigmoid_options(p)
+    _add_analysis_options(p)
+    p.add_argument(
+        "--per-task",
+        default="auto",
+        choices=("auto", "off"),
+        help="auto (default): also fit each task of a mixture (val/<task>/<leaf> columns "
+        "beside --metric); off: --metric only",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _add_sigmoid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="grid", choices=sorted(SIGMOID_METHODS))
     p.add_argument("--r0", type=_r0, default="first", help="'first', 'fit' or a number")
     p.add_argument(
@@ -85,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("LO", "HI"),
         help="bounds of the metric; A <= HI (default: 0 1, pass rates)",
     )
+
+
+def _add_analysis_options(p: argparse.ArgumentParser) -> None:
+    """Intervals, the extrapolation check, the early decision and the iso-compute frontier."""
     p.add_argument("--bootstrap", default="residual", choices=BOOTSTRAP_KINDS)
     p.add_argument("--n-boot", type=int, default=200)
     p.add_argument("--level", type=float, default=0.95, help="interval level (default: 0.95)")
@@ -106,16 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bp-key", default="data.prompts_per_batch", help="column of B_p (problems per batch)"
     )
-    p.add_argument(
-        "--per-task",
-        default="auto",
-        choices=("auto", "off"),
-        help="auto (default): also fit each task of a mixture (val/<task>/<leaf> columns "
-        "beside --metric); off: --metric only",
-    )
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume-stopped", action="store_true", help="continue runs stopped early before"
     )
+    _add_early_stop_options(p)
+    p.add_argument("--no-report", action="store_true", help="skip report.md")
+    p.add_argument("--report-only", action="store_true", help="only rebuild report.md")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between polls of the runs")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run gets to exit")
+    _add_backend_options(p)
+    return p
+
+
+def _add_early_stop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-early-stop", action="store_true", help="ignore the spec's early_stop")
     p.add_argument(
         "--stop-early",
@@ -73,10 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         " --jobs at a time (0: all at once): compute saved, whether the frontier's pick moves;"
         " runs nothing",
     )
-    p.add_argument("--no-report", action="store_true", help="skip report.md")
-    p.add_argument("--report-only", action="store_true", help="only rebuild report.md")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between polls of the runs")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run gets to exit")
+
+
+def _add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ray backend")
     g.add_argument("--ray-address", default="", help="'' = local Ray; 'auto' or host:port")
     g.add_argument("--ray-cpus", type=int, default=None, help="CPUs of a local Ray instance")
@@ -96,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(gs://BUCKET/runs) so that a preempted, recreated slice resumes its runs",
     )
     t.add_argument("--tpu-teardown", action="store_true", help="delete the slices at the end")
-    return p
 
 
 def make_backend(a: argparse.Namespace, spec: GridSpec):
@@ -192,70 +200,14 @@ def main(argv: list[str]) -> int:
     plans = find_runs(plans, runs, lambda line: print(f"grid {spec.name}: {line}", file=sys.stderr))
     recipe = str(resolve_recipe_path(spec.recipe).resolve())
     if a.dry_run:
-        if a.json:
-            print(
-                json.dumps(
-                    {"grid": spec.name, "root": str(root), "runs": plan_rows(plans)},
-                    indent=2,
-                    default=str,
-                )
-            )
-        else:
-            print_plan(spec, plans, root, runs)
-        for p in plans:
-            lines = backend.dry_run_lines(p, recipe=recipe, grid_dir=root)
-            if lines:
-                print(f"\n# run {p.name}", *lines, sep="\n")
-        if isinstance(backend, TpuBackend) and a.tpu_teardown:
-            from rl_jax.grid.backends import run_script_dry
-
-            print("\n# teardown")
-            for t in backend.teardown_argv():
-                print(*run_script_dry(t), sep="\n")
-        return 0
+        return _dry_run(a, spec, plans, backend, root, runs, recipe)
     if not is_remote(root):
         Path(root).mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     if not a.report_only:
-        early = None
-        if spec.early_stop is not None and not a.no_early_stop:
-            from rl_jax.grid.results import early_stopper
-
-            early = early_stopper(spec, plans)
-        driver = Driver(
-            spec,
-            plans,
-            backend,
-            root=root,
-            recipe=recipe,
-            retry_failed=a.retry_failed,
-            resume_stopped=a.resume_stopped,
-            poll_s=a.poll,
-            grace_s=a.grace,
-            early_stop=early,
-            early_stop_every_s=spec.early_stop.every_s if spec.early_stop else 30.0,
-        )
-        try:
-            counts = driver.run()
-        except KeyboardInterrupt:
-            print(
-                f"rl-jax grid: interrupted; rerun the same command to resume ({root})",
-                file=sys.stderr,
-            )
-            return 130
-        except StorageError as e:
-            print(f"rl-jax grid: storage error: {e}", file=sys.stderr)
-            return STORAGE_EXIT
-        except RuntimeError as e:
-            print(f"rl-jax grid: {e}", file=sys.stderr)
-            return 1
-        finally:
-            backend.close()
-        if isinstance(backend, TpuBackend) and a.tpu_teardown:
-            import subprocess
-
-            for t in backend.teardown_argv():
-                subprocess.run(t, check=False)
+        counts, code = _drive(a, spec, plans, backend, root, recipe)
+        if code is not None:
+            return code
     if not a.no_report:
         from rl_jax.grid.results import write_report
 
@@ -264,3 +216,74 @@ def main(argv: list[str]) -> int:
     if counts.get("failed"):
         return 1
     return 0
+
+
+def _dry_run(a, spec: GridSpec, plans, backend, root, runs, recipe: str) -> int:
+    """--dry-run: the runs and their compute (or JSON), each run's backend commands, and the
+    teardown's; nothing is run."""
+    if a.json:
+        print(
+            json.dumps(
+                {"grid": spec.name, "root": str(root), "runs": plan_rows(plans)},
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        print_plan(spec, plans, root, runs)
+    for p in plans:
+        lines = backend.dry_run_lines(p, recipe=recipe, grid_dir=root)
+        if lines:
+            print(f"\n# run {p.name}", *lines, sep="\n")
+    if isinstance(backend, TpuBackend) and a.tpu_teardown:
+        from rl_jax.grid.backends import run_script_dry
+
+        print("\n# teardown")
+        for t in backend.teardown_argv():
+            print(*run_script_dry(t), sep="\n")
+    return 0
+
+
+def _drive(a, spec: GridSpec, plans, backend, root, recipe: str):
+    """(the driver's counts by state, None), or ({}, the exit status) where it stopped:
+    the grid run by its backend (with its early stop), then the slices torn down if asked."""
+    early = None
+    if spec.early_stop is not None and not a.no_early_stop:
+        from rl_jax.grid.results import early_stopper
+
+        early = early_stopper(spec, plans)
+    driver = Driver(
+        spec,
+        plans,
+        backend,
+        root=root,
+        recipe=recipe,
+        retry_failed=a.retry_failed,
+        resume_stopped=a.resume_stopped,
+        poll_s=a.poll,
+        grace_s=a.grace,
+        early_stop=early,
+        early_stop_every_s=spec.early_stop.every_s if spec.early_stop else 30.0,
+    )
+    try:
+        counts = driver.run()
+    except KeyboardInterrupt:
+        print(
+            f"rl-jax grid: interrupted; rerun the same command to resume ({root})",
+            file=sys.stderr,
+        )
+        return {}, 130
+    except StorageError as e:
+        print(f"rl-jax grid: storage error: {e}", file=sys.stderr)
+        return {}, STORAGE_EXIT
+    except RuntimeError as e:
+        print(f"rl-jax grid: {e}", file=sys.stderr)
+        return {}, 1
+    finally:
+        backend.close()
+    if isinstance(backend, TpuBackend) and a.tpu_teardown:
+        import subprocess
+
+        for t in backend.teardown_argv():
+            subprocess.run(t, check=False)
+    return counts, None

@@ -24,7 +24,7 @@ from rl_jax.knobs import ConfigError
 from rl_jax.plan.chips import canonical_topology, parse_topology
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rl-jax plan",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,10 +76,10 @@ def main(argv: list[str]) -> int:
         default=None,
         help="rollouts of the budget to convert into hours (default: ScaleRL's 8B run)",
     )
-    a = p.parse_intermixed_args(argv)
-    cfg = load_recipe(a.recipe, a.overrides)
-    parse_topology(a.topology)  # a bad name is refused before JAX starts
-    given_topology, a.topology = a.topology, canonical_topology(a.topology)
+    return p
+
+
+def _check_options(a: argparse.Namespace) -> None:
     if a.top < 1:
         raise ConfigError(f"--top={a.top}: compile at least one candidate (>= 1)")
     if a.memory_only and a.search:
@@ -93,6 +93,14 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--jobs={a.jobs}: compile at least one program at a time (>= 1)")
     if a.budget_rollouts is not None and not a.budget_rollouts > 0:
         raise ConfigError(f"--budget-rollouts={a.budget_rollouts}: must be > 0")
+
+
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_intermixed_args(argv)
+    cfg = load_recipe(a.recipe, a.overrides)
+    parse_topology(a.topology)  # a bad name is refused before JAX starts
+    given_topology, a.topology = a.topology, canonical_topology(a.topology)
+    _check_options(a)
     # Compiling for TPU needs no TPU, but JAX must not claim one as its default backend.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see plan.topology_devices

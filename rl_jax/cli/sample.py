@@ -156,54 +156,12 @@ def main(argv: list[str]) -> int:
         raw = [args.prompt]
     else:
         raw = read_prompts(args.prompts)
-    if run_ck is not None:
-        from rl_jax.train.policy_io import run_tokenizer
+    tok = _run_or_model_tokenizer(args, run_ck, model_cfg)
+    prompts = _prompt_ids(args, cfg, tok, raw)
 
-        tok = run_tokenizer(run_ck)
-    else:
-        from rl_jax.train.preflight import check_model_files
-
-        check_model_files(model_cfg, tokenizer=False)
-        tok = _tokenizer(args.model)
-    needs_text = any(isinstance(r, str) for r in raw) or scfg.length_control == "interrupt"
-    if needs_text and tok is None:
-        raise ConfigError(
-            f"--model {args.model} has no tokenizer files; pass --prompt-token-ids "
-            "(and no sampling.length_control=interrupt)"
-        )
-    if args.chat and tok is not None and not getattr(tok, "chat_template", None):
-        raise ConfigError(f"--chat: the tokenizer of {args.model} has no chat template")
-    from rl_jax.data import prompt_renderer
-
-    verifier = "" if cfg.rewards.name == "auto" else cfg.rewards.name
-    render = prompt_renderer(
-        dataclasses.replace(cfg.data, chat_template=cfg.data.chat_template or args.chat),
-        tok,
-        verifier=verifier,
-    )
-    prompts = []
-    for r in raw:
-        prompts.append(r if isinstance(r, list) else tok.encode(render(r)))
-        if not prompts[-1]:
-            raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
-
-    from rl_jax.models.load import load_model
     from rl_jax.sampling import Engine
 
-    if run_ck is not None:
-        from rl_jax.train.policy_io import load_run_model
-
-        model, run_ck = load_run_model(run_ck, purpose="sample")
-        print(
-            f"sampling run {run_ck.name} step {run_ck.step} with its settings: "
-            f"max_new_tokens={scfg.max_new_tokens} temperature={scfg.temperature:g} "
-            f"top_p={scfg.top_p:g} top_k={scfg.top_k} chat template "
-            f"{'on' if cfg.data.chat_template or args.chat else 'off'}",
-            file=sys.stderr,
-            flush=True,
-        )
-    else:
-        model = load_model(model_cfg, purpose="sample")
+    model = _load(args, cfg, run_ck, model_cfg)
     spec = model.spec
     if tok is not None:
         eos, pad = tok.eos_id, tok.pad_id
@@ -225,14 +183,81 @@ def main(argv: list[str]) -> int:
         interrupt_ids=interrupt_ids,
     )
     out, _ = engine.run(model, prompts, seed=args.seed)
+    _print_samples(out, tok, n=scfg.n, as_json=args.json)
+    return 0
+
+
+def _run_or_model_tokenizer(args, run_ck, model_cfg):
+    """The run's tokenizer, or --model's (None where it ships none)."""
+    if run_ck is not None:
+        from rl_jax.train.policy_io import run_tokenizer
+
+        return run_tokenizer(run_ck)
+    from rl_jax.train.preflight import check_model_files
+
+    check_model_files(model_cfg, tokenizer=False)
+    return _tokenizer(args.model)
+
+
+def _prompt_ids(args, cfg, tok, raw: list) -> list[list[int]]:
+    """Each prompt's token ids: ids as given, text rendered (data.prompt_template, the chat
+    template with --chat) and encoded."""
+    scfg = cfg.sampling
+    needs_text = any(isinstance(r, str) for r in raw) or scfg.length_control == "interrupt"
+    if needs_text and tok is None:
+        raise ConfigError(
+            f"--model {args.model} has no tokenizer files; pass --prompt-token-ids "
+            "(and no sampling.length_control=interrupt)"
+        )
+    if args.chat and tok is not None and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"--chat: the tokenizer of {args.model} has no chat template")
+    from rl_jax.data import prompt_renderer
+
+    verifier = "" if cfg.rewards.name == "auto" else cfg.rewards.name
+    render = prompt_renderer(
+        dataclasses.replace(cfg.data, chat_template=cfg.data.chat_template or args.chat),
+        tok,
+        verifier=verifier,
+    )
+    prompts = []
+    for r in raw:
+        prompts.append(r if isinstance(r, list) else tok.encode(render(r)))
+        if not prompts[-1]:
+            raise ConfigError(f"prompt {len(prompts) - 1} encodes to no tokens")
+    return prompts
+
+
+def _load(args, cfg, run_ck, model_cfg):
+    """The run's policy (saying which, with its sampling settings) or --model's weights."""
+    from rl_jax.models.load import load_model
+
+    if run_ck is None:
+        return load_model(model_cfg, purpose="sample")
+    from rl_jax.train.policy_io import load_run_model
+
+    scfg = cfg.sampling
+    model, run_ck = load_run_model(run_ck, purpose="sample")
+    print(
+        f"sampling run {run_ck.name} step {run_ck.step} with its settings: "
+        f"max_new_tokens={scfg.max_new_tokens} temperature={scfg.temperature:g} "
+        f"top_p={scfg.top_p:g} top_k={scfg.top_k} chat template "
+        f"{'on' if cfg.data.chat_template or args.chat else 'off'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return model
+
+
+def _print_samples(out, tok, *, n: int, as_json: bool) -> None:
+    """Every row: a JSON line (ids, log-probs, finish reason, text), or a header and its text."""
     names = out.finish_names
     for r in range(out.num_rows):
         ids = out.completion(r)
         text = None if tok is None else tok.decode(ids)
-        if args.json:
+        if as_json:
             row = {
                 "prompt_index": int(out.group_ids[r]),
-                "sample_index": r % scfg.n,
+                "sample_index": r % n,
                 "token_ids": ids,
                 "logprobs": [float(x) for x in out.logprobs[r, : len(ids)]],
                 "finish_reason": names[r],
@@ -243,7 +268,6 @@ def main(argv: list[str]) -> int:
             print(json.dumps(row))
         else:
             shown = text if text is not None else " ".join(map(str, ids))
-            print(f"--- prompt {int(out.group_ids[r])} sample {r % scfg.n} ({names[r]})")
+            print(f"--- prompt {int(out.group_ids[r])} sample {r % n} ({names[r]})")
             print(shown)
     sys.stdout.flush()
-    return 0

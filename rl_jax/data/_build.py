@@ -64,6 +64,33 @@ def _select_split(problems: Sequence[Problem], ids: set[int]) -> Sequence[Proble
     return [p for p in problems if p.id in ids]
 
 
+def _split_of_file(cfg: DataConfig, train, val, info: dict, report):
+    """(train, val) kept to the problems of data.split_name in data.split_file (a
+    difficulty split); records the split in `info` and the data report."""
+    from rl_jax.data.splits import read_splits
+
+    splits = read_splits(cfg.split_file)["splits"]
+    if cfg.split_name not in splits:
+        raise ConfigError(
+            f"data.split_name={cfg.split_name!r} is not in {cfg.split_file}; "
+            f"splits there: {sorted(splits)}"
+        )
+    ids = set(splits[cfg.split_name])
+    n_train, n_val = len(train), len(val)
+    train, val = _select_split(train, ids), _select_split(val, ids)
+    if not len(train) or (n_val and not len(val)):
+        raise ConfigError(
+            f"split {cfg.split_name!r} of {cfg.split_file} holds {len(train)} of the "
+            f"{n_train} training and {len(val)} of the {n_val} validation problems of this "
+            "data config; estimate avg@k over task.train and task.val of the same config"
+        )
+    split_file = cfg.split_file if paths.is_url(cfg.split_file) else str(Path(cfg.split_file))
+    info.update(split=cfg.split_name, split_file=split_file)
+    if report is not None:
+        report.split = f"split {cfg.split_name!r} of data.split_file"
+    return train, val
+
+
 def build_task(
     cfg: DataConfig,
     *,
@@ -106,27 +133,7 @@ def build_task(
         train, val = [make(p) for p in train], [make(p) for p in val]
     info = {"source": cfg.source, "task": cfg.task, "difficulty": cfg.difficulty}
     if cfg.split_file:
-        from rl_jax.data.splits import read_splits
-
-        splits = read_splits(cfg.split_file)["splits"]
-        if cfg.split_name not in splits:
-            raise ConfigError(
-                f"data.split_name={cfg.split_name!r} is not in {cfg.split_file}; "
-                f"splits there: {sorted(splits)}"
-            )
-        ids = set(splits[cfg.split_name])
-        n_train, n_val = len(train), len(val)
-        train, val = _select_split(train, ids), _select_split(val, ids)
-        if not len(train) or (n_val and not len(val)):
-            raise ConfigError(
-                f"split {cfg.split_name!r} of {cfg.split_file} holds {len(train)} of the "
-                f"{n_train} training and {len(val)} of the {n_val} validation problems of this "
-                "data config; estimate avg@k over task.train and task.val of the same config"
-            )
-        split_file = cfg.split_file if paths.is_url(cfg.split_file) else str(Path(cfg.split_file))
-        info.update(split=cfg.split_name, split_file=split_file)
-        if report is not None:
-            report.split = f"split {cfg.split_name!r} of data.split_file"
+        train, val = _split_of_file(cfg, train, val, info, report)
     info.update(train_size=len(train), val_size=len(val))
     if report is not None:
         report.train, report.val = len(train), len(val)

@@ -85,6 +85,16 @@ def _zero_variance_groups(rewards_b, group_ids_b, valid, num_groups):
     return present & (hi == lo), present
 
 
+def _check_names(estimator: str, norm: str) -> None:
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(
+            f"advantage estimator={estimator!r} is not one of {list(ADV_ESTIMATORS)}"
+            + ("; GAE needs values: use gae_advantages" if estimator == "gae" else "")
+        )
+    if norm not in ADV_NORMS:
+        raise ValueError(f"advantage norm={norm!r} is not one of {list(ADV_NORMS)}")
+
+
 def compute_advantages(
     rewards_b: Array,
     group_ids_b: Array,
@@ -125,13 +135,7 @@ def compute_advantages(
       Which groups are zero-variance is `zero_variance_groups`' to say (callers
       that filter them pass the survivors as `valid_b`).
     """
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(
-            f"advantage estimator={estimator!r} is not one of {list(ADV_ESTIMATORS)}"
-            + ("; GAE needs values: use gae_advantages" if estimator == "gae" else "")
-        )
-    if norm not in ADV_NORMS:
-        raise ValueError(f"advantage norm={norm!r} is not one of {list(ADV_NORMS)}")
+    _check_names(estimator, norm)
     r = f32(rewards_b)
     if r.ndim != 1:
         raise ValueError(f"rewards_b must be [B]; got shape {tuple(r.shape)}")

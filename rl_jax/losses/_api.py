@@ -79,6 +79,68 @@ def policy_loss(
       'value_clip_frac'. Zero-variance groups are found from the rewards, by
       `zero_variance_groups`.
     """
+    spec, hp, agg, seq_sum_constant = _resolve(name, params, aggregation, seq_sum_constant)
+    layout = make_layout(inputs, num_seqs=num_seqs, num_groups=num_groups)
+    m = layout.mask
+    n_tok = m.astype(jnp.float32).sum()
+
+    def reduce(x_bt):
+        return aggregate_layout(
+            x_bt, layout, agg, num_groups=num_groups, seq_sum_constant=seq_sum_constant
+        )
+
+    def token_mean(x_bt):
+        return masked(sg(x_bt), m).sum() / jnp.maximum(n_tok, 1.0)
+
+    logp, old, sampler, adv = _policy_inputs(inputs, layout, tis=tis)
+    pg_bt, stats = spec.fn(logp, old, adv, layout, **hp)
+    metrics = {}
+    if tis:
+        pg_bt, metrics = _truncated_is(pg_bt, old, sampler, cap=tis_cap, mean=token_mean)
+    pg = reduce(pg_bt)
+    metrics |= _pg_metrics(pg, stats, adv, m, n_tok, token_mean)
+    loss, kl_metrics = _kl_term(
+        pg, inputs, logp, m, coef=kl_coef, estimator=kl_estimator, reduce=reduce, mean=token_mean
+    )
+    loss, entropy_metrics = _entropy_term(
+        loss, inputs, m, coef=entropy_coef, reduce=reduce, mean=token_mean
+    )
+    loss, value_metrics = _value_term(
+        loss, inputs, layout, coef=value_coef, clip=value_clip, reduce=reduce, mean=token_mean
+    )
+    metrics |= kl_metrics | entropy_metrics | value_metrics
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def _policy_inputs(inputs: LossInputs, layout, *, tis: bool):
+    """(logp, old logp, sampler logp, advantages) [B, T] masked to trained tokens, all but logp
+    stop-gradient; the old policy is the sampler's unless given (or, with tis, the current)."""
+    m = layout.mask
+    logp = masked(f32(inputs.logp), m)
+    sampler = sg(masked(f32(inputs.sampler_logp), m))
+    if inputs.old_logp is not None:
+        old = sg(masked(f32(inputs.old_logp), m))
+    else:
+        old = sg(logp) if tis else sampler
+    adv = sg(masked(per_token(inputs.advantages, layout), m))
+    return logp, old, sampler, adv
+
+
+def _truncated_is(pg_bt, old, sampler, *, cap: float, mean):
+    """(pg_bt weighted by min(exp(old - sampler), cap), the weights' metrics)."""
+    w_raw = jnp.exp(jnp.clip(old - sampler, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    w = jnp.minimum(w_raw, cap)
+    metrics = {
+        "tis_weight_mean": mean(w),
+        "tis_clip_frac": mean((w_raw > cap).astype(jnp.float32)),
+    }
+    return pg_bt * w, metrics
+
+
+def _resolve(name: str, params: dict, aggregation: str | None, seq_sum_constant: float | None):
+    """(the loss's spec, its hyperparameters over its defaults, the aggregation, the seq_sum
+    divisor): unset ones are the loss's own."""
     spec = get(name)
     unknown = sorted(set(params) - set(spec.params))
     if unknown:
@@ -92,85 +154,70 @@ def policy_loss(
         raise ValueError(f"aggregation={agg!r} is not one of {list(AGGREGATIONS)}")
     if seq_sum_constant is None:
         seq_sum_constant = spec.seq_sum_constant
-    layout = make_layout(inputs, num_seqs=num_seqs, num_groups=num_groups)
-    m = layout.mask
-    mf = m.astype(jnp.float32)
-    n_tok = mf.sum()
+    return spec, hp, agg, seq_sum_constant
 
-    def reduce(x_bt):
-        return aggregate_layout(
-            x_bt, layout, agg, num_groups=num_groups, seq_sum_constant=seq_sum_constant
-        )
 
-    def token_mean(x_bt):
-        return masked(sg(x_bt), m).sum() / jnp.maximum(n_tok, 1.0)
-
-    logp = masked(f32(inputs.logp), m)
-    sampler = sg(masked(f32(inputs.sampler_logp), m))
-    if inputs.old_logp is not None:
-        old = sg(masked(f32(inputs.old_logp), m))
-    else:
-        old = sg(logp) if tis else sampler
-    adv = sg(masked(per_token(inputs.advantages, layout), m))
-
-    pg_bt, stats = spec.fn(logp, old, adv, layout, **hp)
-    metrics = {}
-    if tis:
-        w_raw = jnp.exp(jnp.clip(old - sampler, -MAX_LOG_RATIO, MAX_LOG_RATIO))
-        w = jnp.minimum(w_raw, tis_cap)
-        pg_bt = pg_bt * w
-        metrics["tis_weight_mean"] = token_mean(w)
-        metrics["tis_clip_frac"] = token_mean((w_raw > tis_cap).astype(jnp.float32))
-    pg = reduce(pg_bt)
-    loss = pg
+def _pg_metrics(pg, stats, adv, m, n_tok, mean) -> dict[str, Array]:
+    """The surrogate's metrics: its ratio's range and clipped fractions over trained tokens."""
     ratio = stats["ratio"]
-    metrics |= {
+    metrics = {
         "pg_loss": pg,
-        "ratio_mean": token_mean(ratio),
+        "ratio_mean": mean(ratio),
         "ratio_max": jnp.where(m, ratio, 0.0).max(),
         "ratio_min": jnp.where(n_tok > 0, jnp.where(m, ratio, jnp.inf).min(), 0.0),
-        "clip_frac_low": token_mean(stats["clip_low"]),
-        "clip_frac_high": token_mean(stats["clip_high"]),
-        "masked_frac": 1.0 - mf.mean(),
+        "clip_frac_low": mean(stats["clip_low"]),
+        "clip_frac_high": mean(stats["clip_high"]),
+        "masked_frac": 1.0 - m.astype(jnp.float32).mean(),
         "tokens": n_tok,
-        "adv_mean": token_mean(adv),
+        "adv_mean": mean(adv),
     }
     if "clip_dual" in stats:
-        metrics["clip_frac_dual"] = token_mean(stats["clip_dual"])
+        metrics["clip_frac_dual"] = mean(stats["clip_dual"])
+    return metrics
 
-    if kl_coef > 0 and inputs.ref_logp is None:
-        raise ValueError(f"kl_coef={kl_coef!r} > 0 needs LossInputs.ref_logp")
-    if inputs.ref_logp is not None:
-        kl_bt = kl_penalty(logp, masked(f32(inputs.ref_logp), m), kl_estimator)
-        metrics["kl"] = token_mean(kl_bt)
-        if kl_coef > 0:
-            loss = loss + kl_coef * reduce(kl_bt)
 
-    if entropy_coef > 0 and inputs.entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef!r} > 0 needs LossInputs.entropy")
-    if inputs.entropy is not None:
-        ent_bt = masked(f32(inputs.entropy), m)
-        metrics["entropy"] = token_mean(ent_bt)
-        if entropy_coef > 0:
-            loss = loss - entropy_coef * reduce(ent_bt)
-
-    if inputs.values is not None:
-        if inputs.returns is None:
-            raise ValueError("LossInputs.values given without LossInputs.returns (critic targets)")
-        old_v = None if inputs.old_values is None else per_token(inputs.old_values, layout)
-        v_bt, v_clipped = clipped_value_loss(
-            per_token(inputs.values, layout),
-            per_token(inputs.returns, layout),
-            old_v,
-            clip=value_clip,
-        )
-        v_loss = reduce(masked(v_bt, m))
-        metrics["value_loss"] = v_loss
-        metrics["value_clip_frac"] = token_mean(v_clipped)
-        loss = loss + value_coef * v_loss
-
-    metrics["loss"] = loss
+def _kl_term(loss, inputs: LossInputs, logp, m, *, coef, estimator, reduce, mean):
+    """(loss + coef * agg(KL to the reference), {"kl": its token mean}) where ref_logp is given."""
+    if coef > 0 and inputs.ref_logp is None:
+        raise ValueError(f"kl_coef={coef!r} > 0 needs LossInputs.ref_logp")
+    if inputs.ref_logp is None:
+        return loss, {}
+    kl_bt = kl_penalty(logp, masked(f32(inputs.ref_logp), m), estimator)
+    metrics = {"kl": mean(kl_bt)}
+    if coef > 0:
+        loss = loss + coef * reduce(kl_bt)
     return loss, metrics
+
+
+def _entropy_term(loss, inputs: LossInputs, m, *, coef, reduce, mean):
+    """(loss - coef * agg(entropy), {"entropy": its token mean}) where entropy is given."""
+    if coef > 0 and inputs.entropy is None:
+        raise ValueError(f"entropy_coef={coef!r} > 0 needs LossInputs.entropy")
+    if inputs.entropy is None:
+        return loss, {}
+    ent_bt = masked(f32(inputs.entropy), m)
+    metrics = {"entropy": mean(ent_bt)}
+    if coef > 0:
+        loss = loss - coef * reduce(ent_bt)
+    return loss, metrics
+
+
+def _value_term(loss, inputs: LossInputs, layout, *, coef, clip, reduce, mean):
+    """(loss + coef * critic loss, its metrics) where values are given."""
+    if inputs.values is None:
+        return loss, {}
+    if inputs.returns is None:
+        raise ValueError("LossInputs.values given without LossInputs.returns (critic targets)")
+    old_v = None if inputs.old_values is None else per_token(inputs.old_values, layout)
+    v_bt, v_clipped = clipped_value_loss(
+        per_token(inputs.values, layout),
+        per_token(inputs.returns, layout),
+        old_v,
+        clip=clip,
+    )
+    v_loss = reduce(masked(v_bt, layout.mask))
+    metrics = {"value_loss": v_loss, "value_clip_frac": mean(v_clipped)}
+    return loss + coef * v_loss, metrics
 
 
 def loss_from_config(

@@ -61,25 +61,63 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     sc = cfg.sampling
     tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
     tg = -(-sc.max_new_tokens // sc.length_bucket) * sc.length_bucket
-    T = tp + tg
-    # A mixture of experts' token goes through k experts' widths (k x Fe).
-    D, F, V, L = spec.hidden_size, spec.active_mlp_width, spec.vocab_size, spec.num_layers
-    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    pdt, cdt = _itemsize(spec.param_dtype), _itemsize(spec.compute_dtype)
+    rows_mb = math.ceil(P // M * G / shards)
+    params, opt, grads, view = _state_bytes(spec, cfg, fsdp * tensor)
+    ref = params if cfg.loss.kl_coef > 0 else 0.0
+    acts, logits = _activation_bytes(spec, rows_mb, tp + tg, tg, tensor)
+    kv, sampler_kv, steps = _kv_bytes(spec, cfg, shards, tp, tg, tensor)
+    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" else 0.0
+    sampler_weights = spec.num_params() * _itemsize(spec.compute_dtype) / tensor
+    # The view is made for sampling and dropped before the updates.
+    train = params + opt + grads + acts + logits + in_flight + ref
+    decode = params + view + sampler_weights + sampler_kv + opt + ref
+    hbm = max(train, decode)
+    parts = {
+        "params": params,
+        "optimizer": opt,
+        "gradients": grads,
+        "activations": acts,
+        "logits": logits,
+        "in_flight": in_flight,
+        "reference": ref,
+        "sampler_view": view,
+        "sampler_weights": sampler_weights,
+        "sampler_kv": sampler_kv,
+    }
+    step_s, useful = _roofline(spec, cfg, chip, chips, tp, tg, (sampler_weights + kv) * steps)
+    return {
+        "hbm_bytes": float(hbm),
+        "train_bytes": float(train),
+        "sampler_bytes": float(decode),
+        "parts": {k: float(v) for k, v in parts.items()},
+        "sampler_kv_bytes": float(sampler_kv),
+        "step_s": float(step_s),
+        "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
+        "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s > 0 else float("nan"),
+    }
 
-    n_params = spec.num_params()
+
+def _state_bytes(spec: Any, cfg: Any, ways: int) -> tuple[float, float, float, float]:
+    """Per chip (the state split `ways` = fsdp x tensor ways): the trainer's state, its
+    optimizer moments, its gradients, and the sampler's view of it (0 when the view is
+    the state itself)."""
     plan = ParamPlan.from_config(cfg, spec)
     state = plan.abstract_state(spec)  # shapes only
     trained = sum(x.size for x in jax.tree.leaves(plan.split(state)[0]))
-    params = tree_bytes(state) / (fsdp * tensor)
-    grads = trained * jnp.dtype(plan.trained_dtype).itemsize / (fsdp * tensor)
+    params = tree_bytes(state) / ways
+    grads = trained * jnp.dtype(plan.trained_dtype).itemsize / ways
     moments = 2 + (cfg.train.grad_accum > 1)
-    opt = moments * trained * jnp.dtype(plan.moment_dtype).itemsize / (fsdp * tensor)
-    view = 0.0 if plan.identity else n_params * pdt / (fsdp * tensor)
-    kl = cfg.loss.kl_coef > 0
-    ref = params if kl else 0.0
+    opt = moments * trained * jnp.dtype(plan.moment_dtype).itemsize / ways
+    view = 0.0 if plan.identity else spec.num_params() * _itemsize(spec.param_dtype) / ways
+    return params, opt, grads, view
 
-    rows_mb = math.ceil(P // M * G / shards)
+
+def _activation_bytes(spec: Any, rows_mb: int, T: int, tg: int, tensor: int):
+    """(activations, logits) of one minibatch of `rows_mb` rows of T tokens per chip."""
+    # A mixture of experts' token goes through k experts' widths (k x Fe).
+    D, F, V, L = spec.hidden_size, spec.active_mlp_width, spec.vocab_size, spec.num_layers
+    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    cdt = _itemsize(spec.compute_dtype)
     per_token_layer = cdt * (4 * D + 2 * _split(H + 2 * K, tensor) * hd + 3 * _split(F, tensor))
     # Attention's fp32 probabilities per row and head: [T, T] (dense), or one (query
     # block, key block) pair's [block, block] (blockwise: `kernels.flash_attention`).
@@ -102,51 +140,32 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
         acts = rows_mb * T * per_token_layer * (L + 1)
     # Logits, softmax, their gradient: the completion's, or one chunk's (logprob_chunk).
     logits_t = chunk_size(spec.logprob_chunk, tg, V) or tg
-    logits = rows_mb * logits_t * _split(V, tensor) * 4 * 3
+    return acts, rows_mb * logits_t * _split(V, tensor) * 4 * 3
 
-    kv_row = 2 * L * _split(K, tensor) * hd * cdt  # per cache slot of one row
+
+def _kv_bytes(spec: Any, cfg: Any, shards: int, tp: int, tg: int, tensor: int):
+    """(the engine's slots' KV caches, those and its prefilled prompts' caches, per chip;
+    decode steps per RL step)."""
+    cdt = _itemsize(spec.compute_dtype)
+    kv_row = 2 * spec.num_layers * _split(spec.num_kv_heads, tensor) * spec.head_dim * cdt
     # The engine's slots, each a row's cache, and its pool of prefilled prompts;
     # PipelineRL's stream keeps them beside the update. Every step's P x n rows decode S
     # at a time.
     shape = engine_shape(cfg.sampling, rows=sampler_rows(cfg), shards=shards)
     slots, prompts = shape["slots"], round_up(shape["prefill_prompts"], shards)
-    kv = kv_row * slots / shards * T
+    kv = kv_row * slots / shards * (tp + tg)
     sampler_kv = kv + kv_row * prompts / shards * tp
-    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" else 0.0
-    steps = P * G * tg / slots
-    sampler_weights = n_params * cdt / tensor  # the sampling layout: tensor-split only
+    steps = cfg.data.prompts_per_batch * cfg.sampling.n * tg / slots
+    return kv, sampler_kv, steps
 
-    # The view is made for sampling and dropped before the updates.
-    train = params + opt + grads + acts + logits + in_flight + ref
-    decode = params + view + sampler_weights + sampler_kv + opt + ref
-    hbm = max(train, decode)
-    parts = {
-        "params": params,
-        "optimizer": opt,
-        "gradients": grads,
-        "activations": acts,
-        "logits": logits,
-        "in_flight": in_flight,
-        "reference": ref,
-        "sampler_view": view,
-        "sampler_weights": sampler_weights,
-        "sampler_kv": sampler_kv,
-    }
 
+def _roofline(spec: Any, cfg: Any, chip: Chip, chips: int, tp: int, tg: int, decode_bytes):
+    """(roofline seconds of an RL step, its model FLOPs): train, log-prob and prefill FLOPs
+    at peak; decode at the larger of its FLOPs and `decode_bytes` read at HBM bandwidth."""
+    P, G = cfg.data.prompts_per_batch, cfg.sampling.n
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     train_fl = train_flops(spec, P, G, tp, tg)["expected"] + extra_forwards(cfg) * fwd
     train_s = train_fl / chips / chip.bf16_flops
-    decode_bytes = (sampler_weights + kv) * steps  # per step: the weights and every cache
     sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
-    step_s = train_s + sample_s
     useful = (TRAIN_PASSES + extra_forwards(cfg) + 1) * fwd
-    return {
-        "hbm_bytes": float(hbm),
-        "train_bytes": float(train),
-        "sampler_bytes": float(decode),
-        "parts": {k: float(v) for k, v in parts.items()},
-        "sampler_kv_bytes": float(sampler_kv),
-        "step_s": float(step_s),
-        "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
-        "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s > 0 else float("nan"),
-    }
+    return train_s + sample_s, useful

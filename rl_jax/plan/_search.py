@@ -148,6 +148,33 @@ def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
     )
 
 
+def _estimated_candidates(cfg: RunConfig, chips: int, chip) -> list[dict[str, Any]]:
+    """Every candidate of `cfg` on `chips` chips with its estimate and the overrides that
+    make it."""
+    spec = resolve_spec(cfg.model)
+    cands = candidates(cfg, chips, spec.num_heads)
+    for c in cands:
+        c_cfg = resolved(apply(cfg, c))
+        c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
+        c["overrides"] = overrides(cfg, c)
+    return cands
+
+
+def _by_estimate(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`cands` sorted by estimated rollouts per hour, best first."""
+    # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
+    # largest PipelineRL W, a slot for every row in flight, then the least memory.
+    return sorted(
+        cands,
+        key=lambda c: (
+            -c["estimate"]["rollouts_per_hour"],
+            -c["waves"],
+            c["slots"] != 0,
+            c["estimate"]["hbm_bytes"],
+        ),
+    )
+
+
 def search(
     cfg: RunConfig,
     topology: str,
@@ -174,26 +201,11 @@ def search(
     cfg = resolved(base)
     if not estimate_only:
         check_prompt_len(cfg)
-    spec = resolve_spec(cfg.model)
-    cands = candidates(cfg, chips, spec.num_heads)
-    for c in cands:
-        c_cfg = resolved(apply(cfg, c))
-        c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
-        c["overrides"] = overrides(cfg, c)
+    cands = _estimated_candidates(cfg, chips, chip)
     # The compiled plan decides what fits with headroom; the estimate only drops what
     # exceeds the whole chip. Without a compile, the estimate must fit with headroom.
     limit = (1 - headroom) * chip.hbm_bytes if estimate_only else chip.hbm_bytes
-    ok = [c for c in cands if c["estimate"]["hbm_bytes"] <= limit]
-    # Ties (a dimension the roofline does not see) go to the recipe's own choice: the
-    # largest PipelineRL W, a slot for every row in flight, then the least memory.
-    ok.sort(
-        key=lambda c: (
-            -c["estimate"]["rollouts_per_hour"],
-            -c["waves"],
-            c["slots"] != 0,
-            c["estimate"]["hbm_bytes"],
-        )
-    )
+    ok = _by_estimate([c for c in cands if c["estimate"]["hbm_bytes"] <= limit])
     excluded = [
         {**_name(c), "reason": "estimate", "hbm_estimate_gb": c["estimate"]["hbm_bytes"] / 1e9}
         for c in cands

@@ -164,22 +164,13 @@ def make_hook(tmp, read_roots, max_writes):
         _prefixes=_DENY_PREFIXES,
         _mods=_DENY_MODULES,
         _guarded=_GUARDED_ATTRS,
-        _wflags=_WRITE_FLAGS,
         _wevents=_WRITE_EVENTS,
         _revents=_READ_EVENTS,
         _tmp=tmp,
         _roots=tuple(read_roots),
         _limit=max_writes,
         _n=counters,
-        _norm=_normpath,
-        _fsdecode=os.fsdecode,
-        _stat=os.stat,
-        _is_dir=_is_dir,
-        _type=type,
-        _str=str,
-        _bytes=bytes,
-        _int=int,
-        _len=len,
+        _file=_file_reason,
         _error=PermissionError,
     ):
         reason = None
@@ -192,46 +183,73 @@ def make_hook(tmp, read_roots, max_writes):
             if args[1] in _guarded:
                 reason = event + " " + args[1]
         elif event == "open" or event in _wevents or event in _revents:
-            path = args[0] if _len(args) else None
-            if path is None or _type(path) is _int:
-                return  # the current directory, or a descriptor the program already holds
-            if _type(path) is _bytes:
-                path = _fsdecode(path)
-            where = _norm(path, _tmp)
-            if event == "open":
-                mode, flags = args[1], args[2]
-                write = (mode is not None and ("w" in mode or "a" in mode or "x" in mode or
-                         "+" in mode)) or (flags and flags & _wflags)  # fmt: skip
-            else:
-                write = event in _wevents
-            inside = where is not None and (where == _tmp or where.startswith(_tmp + "/"))
-            if where is None:
-                reason = event + " of a path that is not text"
-            elif write and not inside:
-                reason = event + " for writing outside the call's directory: " + where
-            elif write and event == "open":
-                _n[1] += 1
-                if _n[1] > _limit:
-                    reason = "more than " + _str(_limit) + " files opened for writing"
-            elif not write and not inside:
-                for root in _roots:
-                    if where == root or where.startswith(root + "/"):
-                        break
-                else:
-                    reason = event + " outside the call's directory: " + where
-                if reason is None and event == "open" and _is_dir(where, _stat):
-                    # A directory's descriptor would resolve paths (dir_fd) where this
-                    # hook, which resolves against the call's directory, cannot follow.
-                    reason = "open of a directory outside the call's directory: " + where
-            if event in ("os.rename", "shutil.copyfile", "shutil.move") and not reason:
-                dst = _norm(args[1] if _type(args[1]) is _str else "", _tmp)
-                if dst is None or not (dst == _tmp or dst.startswith(_tmp + "/")):
-                    reason = event + " to outside the call's directory"
+            reason = _file(event, args, _tmp, _roots, _limit, _n)
         if reason is not None:
             _n[0] += 1
             raise _error("rl_jax sandbox refused: " + reason)
 
     return hook, counters
+
+
+def _file_reason(
+    event,
+    args,
+    _tmp,
+    _roots,
+    _limit,
+    _n,
+    _wflags=_WRITE_FLAGS,
+    _wevents=_WRITE_EVENTS,
+    _norm=_normpath,
+    _fsdecode=os.fsdecode,
+    _stat=os.stat,
+    _is_dir=_is_dir,
+    _type=type,
+    _str=str,
+    _bytes=bytes,
+    _int=int,
+    _len=len,
+):
+    """Why the hook refuses a file event (None: allowed): a write outside `_tmp` or past
+    `_limit` opened files (counted in _n[1]), a read outside `_tmp` and `_roots`, a
+    directory opened outside `_tmp`, a move or copy out of `_tmp`. Bound like the hook."""
+    path = args[0] if _len(args) else None
+    if path is None or _type(path) is _int:
+        return None  # the current directory, or a descriptor the program already holds
+    if _type(path) is _bytes:
+        path = _fsdecode(path)
+    where = _norm(path, _tmp)
+    if event == "open":
+        mode, flags = args[1], args[2]
+        write = (mode is not None and ("w" in mode or "a" in mode or "x" in mode or
+                 "+" in mode)) or (flags and flags & _wflags)  # fmt: skip
+    else:
+        write = event in _wevents
+    inside = where is not None and (where == _tmp or where.startswith(_tmp + "/"))
+    reason = None
+    if where is None:
+        reason = event + " of a path that is not text"
+    elif write and not inside:
+        reason = event + " for writing outside the call's directory: " + where
+    elif write and event == "open":
+        _n[1] += 1
+        if _n[1] > _limit:
+            reason = "more than " + _str(_limit) + " files opened for writing"
+    elif not write and not inside:
+        for root in _roots:
+            if where == root or where.startswith(root + "/"):
+                break
+        else:
+            reason = event + " outside the call's directory: " + where
+        if reason is None and event == "open" and _is_dir(where, _stat):
+            # A directory's descriptor would resolve paths (dir_fd) where this
+            # hook, which resolves against the call's directory, cannot follow.
+            reason = "open of a directory outside the call's directory: " + where
+    if event in ("os.rename", "shutil.copyfile", "shutil.move") and not reason:
+        dst = _norm(args[1] if _type(args[1]) is _str else "", _tmp)
+        if dst is None or not (dst == _tmp or dst.startswith(_tmp + "/")):
+            reason = event + " to outside the call's directory"
+    return reason
 
 
 # ---- values to and from the parent ----------------------------------------------------

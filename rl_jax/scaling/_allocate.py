@@ -154,6 +154,38 @@ def _replicates(fr, budget, factor, *, n_boot, level, seed, notes) -> np.ndarray
     return np.stack(draws)
 
 
+def _candidates(fr, cells, table, p_best, budget, factor, *, q, x, notes) -> list[Candidate]:
+    """One candidate per n evaluated at the budget, best predicted reward first: the B_p
+    of its best cell, the steps the budget buys, and its bootstrap interval (appends a note
+    where one step costs more than the budget)."""
+    cands = []
+    for i, n in enumerate(sorted(fr.fits)):
+        if not np.isfinite(table[i]).any():
+            continue
+        bp, cell_r, cost, runs = max(
+            cells[n], key=lambda t: (t[1] if math.isfinite(t[1]) else -math.inf, -t[0])
+        )
+        steps = int(budget // cost) if math.isfinite(cost) and cost > 0 else None
+        if steps == 0:
+            notes.append(f"n = {n:g}, B_p = {bp:g}: one step ({cost:.4g} {x}) exceeds C")
+        lo, hi = np.quantile(table[i], q)
+        reward = float(fr.fits[n].predict(_at(fr, n, budget, factor)))
+        cands.append(
+            Candidate(
+                n=n,
+                bp=bp,
+                steps=steps,
+                reward=reward,
+                interval=(float(lo), float(hi)),
+                p_best=float(p_best[i]),
+                cell_reward=cell_r,
+                runs=runs,
+            )
+        )
+    cands.sort(key=lambda c: -c.reward)
+    return cands
+
+
 def allocate(
     fr: Frontier,
     curves: Sequence[Curve],
@@ -179,31 +211,7 @@ def allocate(
     q = [(1 - level) / 2, (1 + level) / 2]
     p_best = np.bincount(table.argmax(0), minlength=len(ns)) / table.shape[1]
     cells = _cells(curves, fr, budget)
-    cands = []
-    for i, n in enumerate(ns):
-        if not np.isfinite(table[i]).any():
-            continue
-        bp, cell_r, cost, runs = max(
-            cells[n], key=lambda t: (t[1] if math.isfinite(t[1]) else -math.inf, -t[0])
-        )
-        steps = int(budget // cost) if math.isfinite(cost) and cost > 0 else None
-        if steps == 0:
-            notes.append(f"n = {n:g}, B_p = {bp:g}: one step ({cost:.4g} {x}) exceeds C")
-        lo, hi = np.quantile(table[i], q)
-        reward = float(fr.fits[n].predict(_at(fr, n, budget, factor)))
-        cands.append(
-            Candidate(
-                n=n,
-                bp=bp,
-                steps=steps,
-                reward=reward,
-                interval=(float(lo), float(hi)),
-                p_best=float(p_best[i]),
-                cell_reward=cell_r,
-                runs=runs,
-            )
-        )
-    cands.sort(key=lambda c: -c.reward)
+    cands = _candidates(fr, cells, table, p_best, budget, factor, q=q, x=x, notes=notes)
     best = table.max(0)
     lo, hi = np.quantile(best, q)
     sigma, dof = _evaluation_noise(curves, cands[0].runs, fr.fits[cands[0].n])

@@ -226,53 +226,61 @@ def curves_from_rows(
         raise _unknown_column(x, rows, "compute (--x)")
     if not any(r.get(metric) is not None for r in rows):
         raise _unknown_column(metric, rows, "metric (--metric)")
+    curves = []
+    for rid, rrows in _rows_by_run(rows, run_key).items():
+        curve = _curve(rid, rrows, x=x, metric=metric, group_by=group_by)
+        if curve is not None:
+            curves.append(curve)
+    if not curves:
+        raise CurveError(f"no row has the metric {metric!r}")
+    return curves
+
+
+def _rows_by_run(rows, run_key: str) -> dict[str, list[Mapping[str, Any]]]:
+    """Rows grouped by run id, in first-seen order; rows without one by their source file."""
     runs: dict[str, list[Mapping[str, Any]]] = {}
     for r in rows:
         rid = r.get(run_key)
         if rid is None or rid == "":
             rid = Path(str(r.get(SOURCE_KEY, "rows"))).stem
         runs.setdefault(str(rid), []).append(r)
-    curves = []
-    for rid, rrows in runs.items():
-        evals = [r for r in rrows if r.get(metric) is not None]
-        if not evals:
-            continue
-        warnings: list[str] = []
-        bad = [
-            r for r in evals if _is_missing(r.get(x)) or _is_bad(r.get(x)) or _is_bad(r.get(metric))
-        ]
-        if bad:
-            steps = [r.get("step", "?") for r in bad][:5]
-            warnings.append(
-                f"run {rid}: dropped {len(bad)} row(s) with missing/NaN {x!r} or {metric!r} "
-                f"(steps {steps}); check the run before trusting its fit"
-            )
-            evals = [r for r in evals if not any(r is b for b in bad)]
-        if not evals:
-            raise CurveError(f"run {rid}: every evaluation row has a NaN {x!r} or {metric!r}")
-        has_step = all(isinstance(r.get("step"), (int, float)) for r in evals)
-        if has_step:
-            evals = _dedupe_steps(rid, sorted(evals, key=lambda r: r["step"]), x, warnings)
-        xs = np.array([float(r[x]) for r in evals])
-        ys = np.array([float(r[metric]) for r in evals])
-        steps = np.array([r["step"] for r in evals]) if has_step else None
-        _check_increasing(rid, xs, steps, x)
-        g = evals[0].get(group_by) if group_by else None
-        curves.append(
-            Curve(
-                run_id=rid,
-                group=str(g) if g not in (None, "") else rid,
-                x=xs,
-                y=ys,
-                steps=steps,
-                meta=dict(evals[0]),
-                warnings=tuple(warnings),
-                reliable=not bad,
-            )
+    return runs
+
+
+def _curve(rid: str, rrows, *, x: str, metric: str, group_by: str | None) -> Curve | None:
+    """One run's Curve from its rows (None when none has the metric); see curves_from_rows."""
+    evals = [r for r in rrows if r.get(metric) is not None]
+    if not evals:
+        return None
+    warnings: list[str] = []
+    bad = [r for r in evals if _is_missing(r.get(x)) or _is_bad(r.get(x)) or _is_bad(r.get(metric))]
+    if bad:
+        steps = [r.get("step", "?") for r in bad][:5]
+        warnings.append(
+            f"run {rid}: dropped {len(bad)} row(s) with missing/NaN {x!r} or {metric!r} "
+            f"(steps {steps}); check the run before trusting its fit"
         )
-    if not curves:
-        raise CurveError(f"no row has the metric {metric!r}")
-    return curves
+        evals = [r for r in evals if not any(r is b for b in bad)]
+    if not evals:
+        raise CurveError(f"run {rid}: every evaluation row has a NaN {x!r} or {metric!r}")
+    has_step = all(isinstance(r.get("step"), (int, float)) for r in evals)
+    if has_step:
+        evals = _dedupe_steps(rid, sorted(evals, key=lambda r: r["step"]), x, warnings)
+    xs = np.array([float(r[x]) for r in evals])
+    ys = np.array([float(r[metric]) for r in evals])
+    steps = np.array([r["step"] for r in evals]) if has_step else None
+    _check_increasing(rid, xs, steps, x)
+    g = evals[0].get(group_by) if group_by else None
+    return Curve(
+        run_id=rid,
+        group=str(g) if g not in (None, "") else rid,
+        x=xs,
+        y=ys,
+        steps=steps,
+        meta=dict(evals[0]),
+        warnings=tuple(warnings),
+        reliable=not bad,
+    )
 
 
 def _dedupe_steps(rid, rows, x, warnings):

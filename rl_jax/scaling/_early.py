@@ -178,6 +178,38 @@ def _future(g: Progress) -> np.ndarray:
     return np.minimum(g.reached + every * np.arange(1, k + 1), g.end)
 
 
+def _p_reach(groups, boots, live, *, margin: float, draws: int, seed: int) -> dict[str, float]:
+    """{live group: P(one of its remaining evaluations beats the others' frontier by margin)}
+    (see reach_decision)."""
+    names = list(groups)
+    # Every group's replicates on the union of the live groups' future evaluations.
+    c = np.unique(np.concatenate(list(live.values())))
+    rng = np.random.default_rng(seed)
+    curves, measured = {}, []
+    for k in names:
+        g, bs = groups[k], boots[k]
+        idx = rng.integers(0, bs.samples["A"].size, draws)
+        both = _draw_curves(bs, idx, np.append(c, g.reached))
+        cur, flat = both[:, :-1], both[:, -1:]
+        held = np.where(c[None, :] > g.reached, flat, cur)
+        measured.append(np.where(c[None, :] < g.first, -np.inf, held))
+        curves[k] = cur
+    m = np.stack(measured)  # [G, D, C]
+    # The bar for group i is the best of the others: the top value unless i holds it.
+    order = np.argsort(-m, axis=0)[:2]
+    top, second = np.take_along_axis(m, order, axis=0)
+    p_reach = {}
+    for i, k in enumerate(names):
+        if k not in live:
+            continue
+        at = np.searchsorted(c, live[k])
+        bar = np.where(order[0] == i, second, top)[:, at]
+        sigma = boots[k].fit.sigma if np.isfinite(boots[k].fit.sigma) else 0.0
+        evals = curves[k][:, at] + sigma * rng.standard_normal((draws, at.size))
+        p_reach[k] = float((evals > bar + margin).any(axis=1).mean())
+    return p_reach
+
+
 def reach_decision(
     groups: Mapping[str, Progress],
     *,
@@ -221,29 +253,6 @@ def reach_decision(
         for k, g in groups.items()
     }
     if live:
-        # Every group's replicates on the union of the live groups' future evaluations.
-        c = np.unique(np.concatenate(list(live.values())))
-        rng = np.random.default_rng(seed)
-        curves, measured = {}, []
-        for k in names:
-            g, bs = groups[k], boots[k]
-            idx = rng.integers(0, bs.samples["A"].size, draws)
-            both = _draw_curves(bs, idx, np.append(c, g.reached))
-            cur, flat = both[:, :-1], both[:, -1:]
-            held = np.where(c[None, :] > g.reached, flat, cur)
-            measured.append(np.where(c[None, :] < g.first, -np.inf, held))
-            curves[k] = cur
-        m = np.stack(measured)  # [G, D, C]
-        # The bar for group i is the best of the others: the top value unless i holds it.
-        order = np.argsort(-m, axis=0)[:2]
-        top, second = np.take_along_axis(m, order, axis=0)
-        for i, k in enumerate(names):
-            if k not in live:
-                continue
-            at = np.searchsorted(c, live[k])
-            bar = np.where(order[0] == i, second, top)[:, at]
-            sigma = boots[k].fit.sigma if np.isfinite(boots[k].fit.sigma) else 0.0
-            evals = curves[k][:, at] + sigma * rng.standard_normal((draws, at.size))
-            p = float((evals > bar + margin).any(axis=1).mean())
+        for k, p in _p_reach(groups, boots, live, margin=margin, draws=draws, seed=seed).items():
             rows[k] = dataclasses.replace(rows[k], p_reach=p, stop=p < threshold)
     return ReachDecision(threshold=threshold, margin=margin, rows=tuple(rows.values()))

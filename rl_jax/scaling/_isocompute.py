@@ -152,6 +152,47 @@ def fit_frontier(
             f"a frontier compares runs at different n; got {len(curves)} run(s). Run a grid over "
             f"{n_key} (and {bp_key})"
         )
+    ns, bps, n_values, bp_values = _run_knobs(curves, n_key, bp_key)
+    fits, errors, ranges, records, warnings = _fit_each_n(
+        curves, ns, n_values, r0=r0, method=method, metric_range=metric_range
+    )
+    if len(fits) < 2:
+        raise FrontierError(
+            f"sigmoids could be fitted for {len(fits)} value(s) of {n_key}; need two. "
+            f"Errors: {errors}"
+        )
+    c_grid, envelope, n_star, covered = _envelope(fits, ranges, n_grid)
+    n_star_fit, note = _fit_n_star(c_grid[covered], n_star[covered], n_values)
+    if budgets is None:
+        budgets = _budgets(curves, 3)
+    budgets = tuple(float(b) for b in budgets)
+    heat, sens = {}, []
+    for b in budgets:
+        heat[b] = _heat(curves, ns, bps, n_values, bp_values, b)
+        sens.append(_sensitivity(b, heat[b]))
+    return Frontier(
+        n_key=n_key,
+        bp_key=bp_key,
+        n_values=n_values,
+        bp_values=bp_values,
+        fits=fits,
+        fit_errors=errors,
+        ranges=ranges,
+        records=records,
+        c_grid=c_grid,
+        envelope=envelope,
+        n_star=n_star,
+        n_star_fit=n_star_fit,
+        n_star_note=note,
+        budgets=budgets,
+        heat=heat,
+        sensitivity=tuple(sens),
+        warnings=tuple(warnings),
+    )
+
+
+def _run_knobs(curves, n_key: str, bp_key: str):
+    """(each run's n, each run's B_p, the n values, the B_p values); two n values at least."""
     try:
         ns = np.array([knob_value(c, n_key) for c in curves])
         bps = np.array([knob_value(c, bp_key) for c in curves])
@@ -164,6 +205,12 @@ def fit_frontier(
             f"all {len(curves)} runs have {n_key} = {n_values[0]:g}; a frontier over n needs "
             "at least two values"
         )
+    return ns, bps, n_values, bp_values
+
+
+def _fit_each_n(curves, ns, n_values, *, r0, method, metric_range):
+    """Per n: the sigmoid through the record-breaking points of its runs pooled, the
+    error where none fits, its compute range and records; and the warnings."""
     warnings: list[str] = []
     fits: dict[float, SigmoidFit] = {}
     errors: dict[float, str] = {}
@@ -188,11 +235,12 @@ def fit_frontier(
         fits[n] = f
         if not f.reliable:
             warnings.append(f"n = {n:g}: sigmoid unreliable ({'; '.join(f.warnings)})")
-    if len(fits) < 2:
-        raise FrontierError(
-            f"sigmoids could be fitted for {len(fits)} value(s) of {n_key}; need two. "
-            f"Errors: {errors}"
-        )
+    return fits, errors, ranges, records, warnings
+
+
+def _envelope(fits, ranges, n_grid: int):
+    """(compute grid, best predicted reward on it, the n that reaches it, where any n
+    covers the compute) over the fitted n's compute range."""
     lo = min(r[0] for n, r in ranges.items() if n in fits)
     hi = max(r[1] for n, r in ranges.items() if n in fits)
     c_grid = np.geomspace(lo, hi, n_grid)
@@ -213,41 +261,20 @@ def fit_frontier(
     best = np.nanargmax(np.where(np.isfinite(table), table, -np.inf), axis=1)
     envelope[covered] = table[covered, best[covered]]
     n_star[covered] = np.array(fit_ns)[best[covered]]
-    n_star_fit, note = _fit_n_star(c_grid[covered], n_star[covered], n_values)
-    if budgets is None:
-        budgets = _budgets(curves, 3)
-    budgets = tuple(float(b) for b in budgets)
-    heat, sens = {}, []
-    for b in budgets:
-        mat = np.full((len(n_values), len(bp_values)), np.nan)
-        acc: dict[tuple[int, int], list[float]] = {}
-        for c, cn, cb in zip(curves, ns, bps, strict=True):
-            v = _interp_log(c.x, c.y, b)
-            if math.isfinite(v):
-                acc.setdefault((n_values.index(cn), bp_values.index(cb)), []).append(v)
-        for (i, j), vals in acc.items():
-            mat[i, j] = float(np.mean(vals))  # seeds of one cell averaged
-        heat[b] = mat
-        sens.append(_sensitivity(b, mat))
-    return Frontier(
-        n_key=n_key,
-        bp_key=bp_key,
-        n_values=n_values,
-        bp_values=bp_values,
-        fits=fits,
-        fit_errors=errors,
-        ranges=ranges,
-        records=records,
-        c_grid=c_grid,
-        envelope=envelope,
-        n_star=n_star,
-        n_star_fit=n_star_fit,
-        n_star_note=note,
-        budgets=budgets,
-        heat=heat,
-        sensitivity=tuple(sens),
-        warnings=tuple(warnings),
-    )
+    return c_grid, envelope, n_star, covered
+
+
+def _heat(curves, ns, bps, n_values, bp_values, budget: float) -> np.ndarray:
+    """[n, B_p] mean reward of each cell's runs at compute `budget` (NaN where none reached)."""
+    mat = np.full((len(n_values), len(bp_values)), np.nan)
+    acc: dict[tuple[int, int], list[float]] = {}
+    for c, cn, cb in zip(curves, ns, bps, strict=True):
+        v = _interp_log(c.x, c.y, budget)
+        if math.isfinite(v):
+            acc.setdefault((n_values.index(cn), bp_values.index(cb)), []).append(v)
+    for (i, j), vals in acc.items():
+        mat[i, j] = float(np.mean(vals))  # seeds of one cell averaged
+    return mat
 
 
 def _fit_n_star(c: np.ndarray, n_star: np.ndarray, n_values) -> tuple[SigmoidFit | None, str]:

@@ -78,35 +78,12 @@ def fit_power_law(
     hi = np.array([hi_m, _LOGD_BOUNDS[1], _B_BOUNDS[1]])
     if hi[0] <= lo[0]:
         raise FitError(f"metric already at its maximum {hi_m:g}: nothing left to fit")
-    best = None
-    for a0 in (y.max() + 0.2 * span, y.max() + span):
-        for b0 in (0.1, 0.5, 1.5):
-            a0c = float(np.clip(a0, lo[0] + 1e-9, hi[0] - 1e-9))
-            gap = max(a0c - float(np.median(y)), 1e-6)
-            x0 = np.clip([a0c, math.log(gap), b0], lo + 1e-9, hi - 1e-9)
-            try:
-                r = optimize.least_squares(fun, x0, jac=jac, bounds=(lo, hi), x_scale="jac")
-            except (ValueError, np.linalg.LinAlgError):
-                continue
-            if best is None or r.cost < best.cost:
-                best = r
-    if best is None:
-        raise FitError("power-law least squares failed from every start")
+    best = _best_of_starts(fun, jac, lo, hi, y, span)
     a, logd, b = (float(t) for t in best.x)
     res = -fun(best.x)
     sse = float((res**2).sum())
     sst = float(((y - y.mean()) ** 2).sum())
-    why = []
-    if a >= hi[0] - 1e-3 * (hi[0] - lo[0]):
-        why.append(
-            f"A = {a:.4g} is at the metric's maximum {hi_m:g}: the power law does not saturate "
-            "within the data"
-        )
-    for name, v, (blo, bhi) in (("B", b, _B_BOUNDS), ("log D", logd, _LOGD_BOUNDS)):
-        if v <= blo + 1e-6 * (bhi - blo) or v >= bhi - 1e-6 * (bhi - blo):
-            why.append(f"{name} = {v:.4g} is at a bound of [{blo:g}, {bhi:g}]")
-    if x.size == 3:
-        why.append("3 points for 3 parameters: the fit interpolates")
+    why = _warnings(a, b, logd, lo, hi, hi_m, points=x.size)
     return PowerLawFit(
         A=a,
         B=b,
@@ -122,3 +99,39 @@ def fit_power_law(
         reliable=not why,
         warnings=tuple(why),
     )
+
+
+def _best_of_starts(fun, jac, lo, hi, y, span):
+    """The least-squares result of lowest cost over a small grid of starts (A above the
+    data, B from slow to fast)."""
+    best = None
+    for a0 in (y.max() + 0.2 * span, y.max() + span):
+        for b0 in (0.1, 0.5, 1.5):
+            a0c = float(np.clip(a0, lo[0] + 1e-9, hi[0] - 1e-9))
+            gap = max(a0c - float(np.median(y)), 1e-6)
+            x0 = np.clip([a0c, math.log(gap), b0], lo + 1e-9, hi - 1e-9)
+            try:
+                r = optimize.least_squares(fun, x0, jac=jac, bounds=(lo, hi), x_scale="jac")
+            except (ValueError, np.linalg.LinAlgError):
+                continue
+            if best is None or r.cost < best.cost:
+                best = r
+    if best is None:
+        raise FitError("power-law least squares failed from every start")
+    return best
+
+
+def _warnings(a, b, logd, lo, hi, hi_m, *, points: int) -> list[str]:
+    """Why the fit is not reliable: a parameter at a bound, or no spare points."""
+    why = []
+    if a >= hi[0] - 1e-3 * (hi[0] - lo[0]):
+        why.append(
+            f"A = {a:.4g} is at the metric's maximum {hi_m:g}: the power law does not saturate "
+            "within the data"
+        )
+    for name, v, (blo, bhi) in (("B", b, _B_BOUNDS), ("log D", logd, _LOGD_BOUNDS)):
+        if v <= blo + 1e-6 * (bhi - blo) or v >= bhi - 1e-6 * (bhi - blo):
+            why.append(f"{name} = {v:.4g} is at a bound of [{blo:g}, {bhi:g}]")
+    if points == 3:
+        why.append("3 points for 3 parameters: the fit interpolates")
+    return why

@@ -168,6 +168,81 @@ def parse_fit_start(value: float | str | None, x_max: float) -> float | None:
     return float(value)
 
 
+def _check_choices(*, bootstrap_kind: str, frontier: str, extrapolate: float | None) -> None:
+    if bootstrap_kind not in BOOTSTRAP_KINDS:
+        raise FitError(f"unknown bootstrap kind {bootstrap_kind!r}; known: {BOOTSTRAP_KINDS}")
+    if frontier not in FRONTIER_MODES:
+        raise FitError(f"frontier={frontier!r}: use one of {FRONTIER_MODES}")
+    if extrapolate is not None and not 0 < extrapolate < 1:
+        raise FitError(f"extrapolate={extrapolate!r} must be a fraction in (0, 1) or None")
+
+
+def _fit_settings(base, fit_start, bootstrap_kind, n_boot, level, extrapolate, a_tol) -> dict:
+    """The fit's settings as the report records them (explicit grids are not spelled out)."""
+    return {
+        "method": base.method,
+        "r0": base.r0,
+        "fit_start": fit_start,
+        "a_grid": base.a_grid if isinstance(base.a_grid, str) else "explicit",
+        "c_mid_grid": base.c_mid_grid if isinstance(base.c_mid_grid, str) else "explicit",
+        "metric_range": list(base.metric_range),
+        "bootstrap": bootstrap_kind,
+        "n_boot": n_boot,
+        "level": level,
+        "extrapolate": extrapolate,
+        "a_tol": a_tol,
+    }
+
+
+def _fit_groups(curves, base, fit_start, n_boot, level, bootstrap_kind, extrapolate, seed):
+    """(every run's and pooled recipe's entry, {recipe: its entry}): a recipe of one run is
+    that run's fit; a recipe of several gets a pooled fit beside its runs'."""
+    entries: list[FitEntry] = []
+    recipes: dict[str, FitEntry] = {}
+    for i, (recipe, runs) in enumerate(group_curves(curves).items()):
+        run_entries = [
+            _fit_run(c, base, fit_start, n_boot, level, bootstrap_kind, extrapolate, seed + 7 * i)
+            for c in runs
+        ]
+        entries.extend(run_entries)
+        if len(runs) == 1:
+            recipes[recipe] = run_entries[0]
+        else:
+            e = _fit_recipe(recipe, runs, base, fit_start, n_boot, level, bootstrap_kind, seed + i)
+            entries.append(e)
+            recipes[recipe] = e
+    return entries, recipes
+
+
+def _ranked_table(entries, recipes, ok, *, a_tol: float) -> list[dict[str, Any]]:
+    """The recipe table of the fitted recipes `ok`; writes each one's rank into its entry
+    (in `entries` and `recipes` both)."""
+    table = recipe_table_rows(
+        {k: e.fit for k, e in ok.items()},
+        {k: e.boot for k, e in ok.items()},
+        runs={k: len(e.run_ids) for k, e in ok.items()},
+        a_tol=a_tol,
+    )
+    for row in table:
+        e = recipes[row["recipe"]]
+        idx = next(j for j, t in enumerate(entries) if t is e)
+        entries[idx] = recipes[row["recipe"]] = dataclasses.replace(e, rank=row["rank"])
+        row["reliable"] = entries[idx].reliable
+    return table
+
+
+def _frontier_or_note(curves, frontier: str, n_key: str, bp_key: str, metric_range):
+    """(the IsoCompute frontier, None) or (None, why there is none); "on" raises instead."""
+    if frontier == "off":
+        return None, "not requested"
+    try:
+        return fit_frontier(curves, n_key=n_key, bp_key=bp_key, metric_range=metric_range), None
+    except (FrontierError, CurveError) as e:
+        if frontier == "on":
+            raise
+        return None, str(e)
+
+
 def fit_runs(
     rows: Sequence[Mapping[str, Any]] | Sequence[Curve],
     *,
@@ -192,80 +267,26 @@ def fit_runs(
     sigmoid_kwargs are SigmoidOptions fields (r0, method, a_grid, c_mid_grid, metric_range,
     ...). A recipe with several runs (seeds) gets a pooled fit with a bootstrap over runs.
     """
-    if bootstrap_kind not in BOOTSTRAP_KINDS:
-        raise FitError(f"unknown bootstrap kind {bootstrap_kind!r}; known: {BOOTSTRAP_KINDS}")
-    if frontier not in FRONTIER_MODES:
-        raise FitError(f"frontier={frontier!r}: use one of {FRONTIER_MODES}")
-    if extrapolate is not None and not 0 < extrapolate < 1:
-        raise FitError(f"extrapolate={extrapolate!r} must be a fraction in (0, 1) or None")
+    _check_choices(bootstrap_kind=bootstrap_kind, frontier=frontier, extrapolate=extrapolate)
     base = _merge_options(None, **sigmoid_kwargs)
     if rows and isinstance(rows[0], Curve):
         curves = list(rows)
     else:
         curves = curves_from_rows(rows, x=x, metric=metric, group_by=group_by)
-    settings = {
-        "x": x,
-        "metric": metric,
-        "group_by": group_by,
-        "method": base.method,
-        "r0": base.r0,
-        "fit_start": fit_start,
-        "a_grid": base.a_grid if isinstance(base.a_grid, str) else "explicit",
-        "c_mid_grid": base.c_mid_grid if isinstance(base.c_mid_grid, str) else "explicit",
-        "metric_range": list(base.metric_range),
-        "bootstrap": bootstrap_kind,
-        "n_boot": n_boot,
-        "level": level,
-        "extrapolate": extrapolate,
-        "a_tol": a_tol,
-    }
-    entries: list[FitEntry] = []
-    recipes: dict[str, FitEntry] = {}
-    for i, (recipe, runs) in enumerate(group_curves(curves).items()):
-        run_entries = [
-            _fit_run(c, base, fit_start, n_boot, level, bootstrap_kind, extrapolate, seed + 7 * i)
-            for c in runs
-        ]
-        entries.extend(run_entries)
-        if len(runs) == 1:
-            recipes[recipe] = run_entries[0]
-        else:
-            e = _fit_recipe(recipe, runs, base, fit_start, n_boot, level, bootstrap_kind, seed + i)
-            entries.append(e)
-            recipes[recipe] = e
-    ok = {k: e for k, e in recipes.items() if e.fit is not None}
-    table = recipe_table_rows(
-        {k: e.fit for k, e in ok.items()},
-        {k: e.boot for k, e in ok.items()},
-        runs={k: len(e.run_ids) for k, e in ok.items()},
-        a_tol=a_tol,
+    settings = {"x": x, "metric": metric, "group_by": group_by}
+    settings |= _fit_settings(base, fit_start, bootstrap_kind, n_boot, level, extrapolate, a_tol)
+    entries, recipes = _fit_groups(
+        curves, base, fit_start, n_boot, level, bootstrap_kind, extrapolate, seed
     )
-    for row in table:
-        e = recipes[row["recipe"]]
-        idx = next(j for j, t in enumerate(entries) if t is e)
-        entries[idx] = recipes[row["recipe"]] = dataclasses.replace(e, rank=row["rank"])
-        row["reliable"] = entries[idx].reliable
+    ok = {k: e for k, e in recipes.items() if e.fit is not None}
+    table = _ranked_table(entries, recipes, ok, a_tol=a_tol)
     early, early_note = None, None
     with_boot = {k: e.boot for k, e in ok.items() if e.boot is not None}
     if len(with_boot) >= 2:
         early = early_decision(with_boot, threshold=stop_threshold, seed=seed)
     else:
         early_note = f"needs two fitted recipes with intervals; have {len(with_boot)}"
-    fr, fr_note = None, None
-    if frontier != "off":
-        try:
-            fr = fit_frontier(
-                curves,
-                n_key=n_key,
-                bp_key=bp_key,
-                metric_range=base.metric_range,
-            )
-        except (FrontierError, CurveError) as e:
-            if frontier == "on":
-                raise
-            fr_note = str(e)
-    else:
-        fr_note = "not requested"
+    fr, fr_note = _frontier_or_note(curves, frontier, n_key, bp_key, base.metric_range)
     return FitReport(
         x=x,
         metric=metric,
@@ -499,6 +520,32 @@ def _markdown(rep: FitReport, files: dict[str, list[Path]], out: Path) -> str:
         "C_mid interval | R^2 | reliable |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    lines += _fits_rows(rep)
+    lines += ["", "## Errors and warnings", ""]
+    lines += _problems(rep)
+    lines += [
+        "",
+        "## Sigmoid versus power law (R = A - D / C^B)",
+        "",
+        "| run | sigmoid A | sigmoid R^2 | power-law A | power-law B | power-law R^2 | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += _power_law_rows(rep)
+    lines += ["", "## Extrapolation checks", ""]
+    lines += _extrapolation_md(rep, files, out)
+    lines += ["", "## Early decision", ""]
+    lines += _early_md(rep)
+    lines += ["", "## Iso-compute analysis", ""]
+    fr = rep.frontier
+    if fr is None:
+        lines.append(f"Not computed: {rep.frontier_note}.")
+    else:
+        lines += _frontier_md(fr, files, out)
+    return "\n".join(lines) + "\n"
+
+
+def _fits_rows(rep: FitReport) -> list[str]:
+    lines = []
     for e in rep.entries:
         f, bs = e.fit, e.boot
         if f is None:
@@ -509,6 +556,11 @@ def _markdown(rep: FitReport, files: dict[str, list[Path]], out: Path) -> str:
             f"{_f(f.B, 2)} | {_ci(bs, 'B')} | {_f(f.C_mid)} | {_ci(bs, 'C_mid')} | {_f(f.r2)} | "
             f"{_f(e.reliable)} |"
         )
+    return lines
+
+
+def _problems(rep: FitReport) -> list[str]:
+    """Every entry's error and warnings (its own, its fit's, its bootstrap's), or "None."."""
     problems = [
         (e, w)
         for e in rep.entries
@@ -517,15 +569,11 @@ def _markdown(rep: FitReport, files: dict[str, list[Path]], out: Path) -> str:
         + (list(e.fit.warnings) if e.fit is not None else [])
         + (list(e.boot.warnings) if e.boot is not None else [])
     ]
-    lines += ["", "## Errors and warnings", ""]
-    lines += [f"- **{e.name}**: {w}" for e, w in problems] or ["None."]
-    lines += [
-        "",
-        "## Sigmoid versus power law (R = A - D / C^B)",
-        "",
-        "| run | sigmoid A | sigmoid R^2 | power-law A | power-law B | power-law R^2 | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    return [f"- **{e.name}**: {w}" for e, w in problems] or ["None."]
+
+
+def _power_law_rows(rep: FitReport) -> list[str]:
+    lines = []
     for e in rep.entries:
         if e.kind != "run" or e.fit is None or e.power_law is None:
             continue
@@ -534,57 +582,56 @@ def _markdown(rep: FitReport, files: dict[str, list[Path]], out: Path) -> str:
             f"| {e.name} | {_f(e.fit.A)} | {_f(e.fit.r2)} | {_f(pl.A)} | {_f(pl.B)} | "
             f"{_f(pl.r2)} | {'; '.join(pl.warnings) or '-'} |"
         )
-    lines += ["", "## Extrapolation checks", ""]
+    return lines
+
+
+def _extrapolation_md(rep: FitReport, files, out) -> list[str]:
+    s = rep.settings
     exts = [e for e in rep.entries if e.extrapolation is not None]
-    if exts:
-        lvl = f"{s['level']:.0%}"
-        lines += [
-            f"Fit on compute up to {s['extrapolate']:.0%} of each run, predict the rest. "
-            f"'inside' = held-out evaluations within the {lvl} predictive interval.",
-            "",
-            "| run | points fitted / held out | A (partial fit) | A interval | A (full) | "
-            "final error | final inside | inside | RMSE | power-law RMSE |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for e in exts:
-            x = e.extrapolation
-            sm = x.summary()
-            lines.append(
-                f"| {e.name} | {sm['n_fit']} / {sm['n_test']} | {_f(x.fit.A)} | "
-                f"{_ci(x.boot, 'A')} | {_f(e.fit.A)} | {x.final_error:+.4f} | "
-                f"{_f(x.final_within)} | {x.coverage:.0%} | {_f(x.rmse, 4)} | "
-                f"{_f(x.power_law_rmse, 4)} |"
-            )
-        lines.append("")
-        lines += [_img(files, f"extrapolation:{e.name}", out) for e in exts]
-    else:
-        lines.append(f"None (extrapolate = {s['extrapolate']}).")
-    lines += ["", "## Early decision", ""]
-    if rep.early is not None:
-        ed = rep.early
-        lines += [
-            f"Leader: **{ed.leader}**. P(beats leader) = P(A > A_leader + {ed.margin:g}) from "
-            f"independent bootstrap distributions; stop when below {ed.threshold:g}.",
-            "",
-            "| recipe | A | A interval | P(beats leader) | P(best) | stop | reliable fit |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in ed.rows:
-            pb = "leader" if r.p_beats_leader is None else f"{r.p_beats_leader:.3f}"
-            lines.append(
-                f"| {r.name} | {_f(r.A)} | [{_f(r.A_interval[0])}, {_f(r.A_interval[1])}] | "
-                f"{pb} | {r.p_best:.3f} | {'STOP' if r.stop else 'continue'} | "
-                f"{_f(r.reliable)} |"
-            )
-    else:
-        lines.append(f"Not computed: {rep.early_note}.")
-    lines += ["", "## Iso-compute analysis", ""]
-    fr = rep.frontier
-    if fr is None:
-        lines.append(f"Not computed: {rep.frontier_note}.")
-    else:
-        lines += _frontier_md(fr, files, out)
-    return "\n".join(lines) + "\n"
+    if not exts:
+        return [f"None (extrapolate = {s['extrapolate']})."]
+    lvl = f"{s['level']:.0%}"
+    lines = [
+        f"Fit on compute up to {s['extrapolate']:.0%} of each run, predict the rest. "
+        f"'inside' = held-out evaluations within the {lvl} predictive interval.",
+        "",
+        "| run | points fitted / held out | A (partial fit) | A interval | A (full) | "
+        "final error | final inside | inside | RMSE | power-law RMSE |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in exts:
+        x = e.extrapolation
+        sm = x.summary()
+        lines.append(
+            f"| {e.name} | {sm['n_fit']} / {sm['n_test']} | {_f(x.fit.A)} | "
+            f"{_ci(x.boot, 'A')} | {_f(e.fit.A)} | {x.final_error:+.4f} | "
+            f"{_f(x.final_within)} | {x.coverage:.0%} | {_f(x.rmse, 4)} | "
+            f"{_f(x.power_law_rmse, 4)} |"
+        )
+    lines.append("")
+    lines += [_img(files, f"extrapolation:{e.name}", out) for e in exts]
+    return lines
+
+
+def _early_md(rep: FitReport) -> list[str]:
+    if rep.early is None:
+        return [f"Not computed: {rep.early_note}."]
+    ed = rep.early
+    lines = [
+        f"Leader: **{ed.leader}**. P(beats leader) = P(A > A_leader + {ed.margin:g}) from "
+        f"independent bootstrap distributions; stop when below {ed.threshold:g}.",
+        "",
+        "| recipe | A | A interval | P(beats leader) | P(best) | stop | reliable fit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in ed.rows:
+        pb = "leader" if r.p_beats_leader is None else f"{r.p_beats_leader:.3f}"
+        lines.append(
+            f"| {r.name} | {_f(r.A)} | [{_f(r.A_interval[0])}, {_f(r.A_interval[1])}] | "
+            f"{pb} | {r.p_best:.3f} | {'STOP' if r.stop else 'continue'} | "
+            f"{_f(r.reliable)} |"
+        )
+    return lines
 
 
 def _frontier_md(fr: Frontier, files, out) -> list[str]:

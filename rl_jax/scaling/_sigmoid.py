@@ -210,6 +210,26 @@ def _grid_values(spec, paper: tuple[float, ...], data: np.ndarray) -> np.ndarray
     return np.asarray(sorted(spec), dtype=float)
 
 
+def _c_mid_range(grid, pos: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """C_mid's box: the paper's grid (which must overlap the compute), decades around the
+    data's compute ("data"), or an explicit grid's span."""
+    if grid == "paper":
+        c_lo, c_hi = PAPER_C_MID_GRID[0], PAPER_C_MID_GRID[-1]
+        if c_hi < pos.min() or c_lo > x.max():
+            raise FitError(
+                f"the paper's C_mid grid [{c_lo:g}, {c_hi:g}] (GPU-hours) does not overlap the "
+                f"compute range [{pos.min():g}, {x.max():g}]; use the data-relative grid"
+            )
+    elif grid == "data":
+        c_lo = pos.min() / 10**_C_MID_DECADES_OUT
+        c_hi = x.max() * 10**_C_MID_DECADES_OUT
+    else:
+        c_lo, c_hi = min(grid), max(grid)
+        if c_lo <= 0:
+            raise FitError(f"C_mid grid values must be > 0, got {c_lo:g}")
+    return c_lo, c_hi
+
+
 def _build_problem(
     x: np.ndarray, y: np.ndarray, opts: SigmoidOptions, *, r0: float | None
 ) -> tuple[_Problem, list[str]]:
@@ -250,20 +270,7 @@ def _build_problem(
         a_lo = a_hi = float(opts.a_fixed)
     if a_hi <= a_lo:
         raise FitError(f"R0 = {a_lo:g} is already at the metric's maximum {a_hi:g}: no gain to fit")
-    if opts.c_mid_grid == "paper":
-        c_lo, c_hi = PAPER_C_MID_GRID[0], PAPER_C_MID_GRID[-1]
-        if c_hi < pos.min() or c_lo > x.max():
-            raise FitError(
-                f"the paper's C_mid grid [{c_lo:g}, {c_hi:g}] (GPU-hours) does not overlap the "
-                f"compute range [{pos.min():g}, {x.max():g}]; use the data-relative grid"
-            )
-    elif opts.c_mid_grid == "data":
-        c_lo = pos.min() / 10**_C_MID_DECADES_OUT
-        c_hi = x.max() * 10**_C_MID_DECADES_OUT
-    else:
-        c_lo, c_hi = min(opts.c_mid_grid), max(opts.c_mid_grid)
-        if c_lo <= 0:
-            raise FitError(f"C_mid grid values must be > 0, got {c_lo:g}")
+    c_lo, c_hi = _c_mid_range(opts.c_mid_grid, pos, x)
     prob = _Problem(
         x=x,
         y=y,
@@ -744,6 +751,58 @@ def refit(fit: SigmoidFit, *, y=None, r0: float | None = None, a_fixed=None) -> 
     return _finish(prob, p, opts, r0_source=fit.r0_source, r0_count=fit.r0_count)
 
 
+def _replicate_starts(prob: _Problem, start, r0, n_rep: int):
+    """(starts [R, 4] clipped into the box, box lows [R, 4], box highs [R, 4]): a fixed R0
+    pins its column per replicate (and bounds A from below), a fixed A pins its own."""
+    lo, hi = _bounds(prob)
+    fixed_r0 = prob.r0 is not None
+    lo_rep, hi_rep = np.tile(lo, (n_rep, 1)), np.tile(hi, (n_rep, 1))
+    if fixed_r0:
+        r0v = np.full(n_rep, prob.r0) if r0 is None else np.asarray(r0, dtype=float)
+        lo_rep[:, 3] = hi_rep[:, 3] = r0v
+        if prob.a_fixed is None:  # A >= R0, and each replicate has its own R0
+            lo_rep[:, 0] = np.minimum(r0v, hi[0])
+    theta = np.array(np.broadcast_to(np.asarray(start, dtype=float), (n_rep, 4)))
+    if fixed_r0:
+        theta[:, 3] = r0v
+    if prob.a_fixed is not None:
+        theta[:, 0] = prob.a_fixed
+    return np.clip(theta, lo_rep, hi_rep), lo_rep, hi_rep
+
+
+def _residual_fns(u, y, wt, finite, fi):
+    """(residuals [R, N] and the sigmoid at theta, Jacobian [R, N, P] in the free columns
+    `fi`) of the weighted sigmoid fit, for theta [R, 4] = (A, log C_mid, B, R0)."""
+
+    def resid(th):
+        a, m, b, r = (th[:, i : i + 1] for i in range(4))
+        s = special.expit(b * (u - m))
+        return (r + (a - r) * s - y) * wt, s
+
+    def jac(th, s):
+        a, m, b, r = (th[:, i : i + 1] for i in range(4))
+        ds = s * (1.0 - s) * (a - r)
+        t = np.where(finite, u - m, 0.0)
+        cols = (s, -ds * b, ds * t, 1.0 - s)
+        return np.stack([cols[i] * wt for i in fi], axis=2)  # [R, N, P]
+
+    return resid, jac
+
+
+def _lm_step(j, res, lam, eye) -> np.ndarray:
+    """[R, P] Levenberg-Marquardt steps (Marquardt's diagonal scaling; a gradient step where
+    the damped system is singular)."""
+    jt = j.transpose(0, 2, 1)
+    g = (jt @ res[:, :, None])[:, :, 0]
+    h = jt @ j
+    d = np.einsum("rpp->rp", h)
+    a_mat = h + (lam[:, None] * np.maximum(d, 1e-12))[:, :, None] * eye
+    try:
+        return np.linalg.solve(a_mat, -g[:, :, None])[:, :, 0]
+    except np.linalg.LinAlgError:
+        return -g / np.maximum(d, 1e-12)
+
+
 def batch_lsq(
     prob: _Problem,
     y: np.ndarray,
@@ -769,50 +828,17 @@ def batch_lsq(
         u = np.broadcast_to(np.log(xx), y.shape)
     finite = np.isfinite(u)
     free = _free_mask(prob)
-    lo, hi = _bounds(prob)
-    fixed_r0 = prob.r0 is not None
     wt = np.ones(y.shape) if w is None else np.broadcast_to(np.asarray(w, dtype=float), y.shape)
-    lo_rep, hi_rep = np.tile(lo, (n_rep, 1)), np.tile(hi, (n_rep, 1))
-    if fixed_r0:
-        r0v = np.full(n_rep, prob.r0) if r0 is None else np.asarray(r0, dtype=float)
-        lo_rep[:, 3] = hi_rep[:, 3] = r0v
-        if prob.a_fixed is None:  # A >= R0, and each replicate has its own R0
-            lo_rep[:, 0] = np.minimum(r0v, hi[0])
-    theta = np.array(np.broadcast_to(np.asarray(start, dtype=float), (n_rep, 4)))
-    if fixed_r0:
-        theta[:, 3] = r0v
-    if prob.a_fixed is not None:
-        theta[:, 0] = prob.a_fixed
-    theta = np.clip(theta, lo_rep, hi_rep)
+    theta, lo_rep, hi_rep = _replicate_starts(prob, start, r0, n_rep)
     fi = np.flatnonzero(free)
-
-    def resid(th):
-        a, m, b, r = (th[:, i : i + 1] for i in range(4))
-        s = special.expit(b * (u - m))
-        return (r + (a - r) * s - y) * wt, s
-
-    def jac(th, s):
-        a, m, b, r = (th[:, i : i + 1] for i in range(4))
-        ds = s * (1.0 - s) * (a - r)
-        t = np.where(finite, u - m, 0.0)
-        cols = (s, -ds * b, ds * t, 1.0 - s)
-        return np.stack([cols[i] * wt for i in fi], axis=2)  # [R, N, P]
-
+    resid, jac = _residual_fns(u, y, wt, finite, fi)
     res, s = resid(theta)
     cost = (res**2).sum(1)
     lam = np.full(n_rep, 1e-3)
     eye = np.eye(fi.size)
     for _ in range(iters):
         j = jac(theta, s)
-        jt = j.transpose(0, 2, 1)
-        g = (jt @ res[:, :, None])[:, :, 0]
-        h = jt @ j
-        d = np.einsum("rpp->rp", h)
-        a_mat = h + (lam[:, None] * np.maximum(d, 1e-12))[:, :, None] * eye
-        try:
-            step = np.linalg.solve(a_mat, -g[:, :, None])[:, :, 0]
-        except np.linalg.LinAlgError:
-            step = -g / np.maximum(d, 1e-12)
+        step = _lm_step(j, res, lam, eye)
         cand = theta.copy()
         cand[:, fi] = np.clip(theta[:, fi] + step, lo_rep[:, fi], hi_rep[:, fi])
         res_c, s_c = resid(cand)

@@ -211,6 +211,30 @@ def _diff_interval(d: Sequence[float], level: float) -> tuple[float, float, tupl
     return float(d.mean()), se, _t_interval(float(d.mean()), se, d.size - 1, level)
 
 
+def _b_at_common(base: list[SeedFit], var: list[SeedFit], common: float) -> dict[str, float]:
+    """{run_id: B refitted at the common A} of the runs whose R0 lies below it."""
+    b_at: dict[str, float] = {}
+    for s in (*base, *var):
+        try:
+            b_at[s.run_id] = refit(s.fit, a_fixed=common).B
+        except FitError:
+            continue  # the run's R0 lies above the common A: it says nothing about B there
+    return b_at
+
+
+def _b_difference(b_at, base: list[SeedFit], var: list[SeedFit], level: float):
+    """(dB, its standard error, its t interval) between the two recipes' mean B at the
+    common A, unpaired; NaN with an unbounded interval where a side has no B."""
+    b_b = [b_at[s.run_id] for s in base if s.run_id in b_at]
+    b_v = [b_at[s.run_id] for s in var if s.run_id in b_at]
+    if not (b_b and b_v):
+        return math.nan, math.nan, (-math.inf, math.inf)
+    d_b = float(np.mean(b_v) - np.mean(b_b))
+    sd_b, df_b = _pooled_sd([b_b, b_v])
+    se_b = sd_b * math.sqrt(1 / len(b_v) + 1 / len(b_b))
+    return d_b, se_b, _t_interval(d_b, se_b, df_b, level)
+
+
 def _effect(
     group: str,
     base: list[SeedFit],
@@ -231,21 +255,8 @@ def _effect(
     se_a = sd_a * math.sqrt(1 / len(a_v) + 1 / len(a_b))
     a_ci = _t_interval(d_a, se_a, df_a, level)
     common = (pooled[group].A + pooled[base[0].group].A) / 2
-    b_at: dict[str, float] = {}  # run_id -> B refitted at the common A
-    for s in (*base, *var):
-        try:
-            b_at[s.run_id] = refit(s.fit, a_fixed=common).B
-        except FitError:
-            continue  # the run's R0 lies above the common A: it says nothing about B there
-    b_b = [b_at[s.run_id] for s in base if s.run_id in b_at]
-    b_v = [b_at[s.run_id] for s in var if s.run_id in b_at]
-    if b_b and b_v:
-        d_b = float(np.mean(b_v) - np.mean(b_b))
-        sd_b, df_b = _pooled_sd([b_b, b_v])
-        se_b = sd_b * math.sqrt(1 / len(b_v) + 1 / len(b_b))
-        b_ci = _t_interval(d_b, se_b, df_b, level)
-    else:
-        d_b, se_b, b_ci = math.nan, math.nan, (-math.inf, math.inf)
+    b_at = _b_at_common(base, var, common)
+    d_b, se_b, b_ci = _b_difference(b_at, base, var, level)
     extra: dict[str, Any] = {}
     if paired:
         by_seed = {s.seed: s for s in base}
@@ -266,8 +277,7 @@ def _effect(
     elif not all(s.a_pinned for s in (*base, *var)):
         a_class, b_class = "not resolved (A unpinned)", classify_b(*b_ci, d_b)
     else:
-        a_class = classify_a(*a_ci, d_a, a_tol)
-        b_class = classify_b(*b_ci, d_b)
+        a_class, b_class = classify_a(*a_ci, d_a, a_tol), classify_b(*b_ci, d_b)
     return Effect(
         group=group,
         seeds=len(var),
@@ -284,6 +294,84 @@ def _effect(
         verdict=verdict(a_class, b_class, paper),
         **extra,
     )
+
+
+def _seed_fits(groups, report, notes: list[str]) -> dict[str, list[SeedFit]]:
+    """{group: its runs' fits with their seeds}; a run that could not be fitted is noted."""
+    by_run = {e.name: e for e in report.entries if e.kind == "run"}
+    seed_fits: dict[str, list[SeedFit]] = {}
+    for g, runs in groups.items():
+        seed_fits[g] = []
+        for c in runs:
+            e = by_run[c.run_id]
+            if e.fit is None:
+                notes.append(f"run {c.run_id} ({g}) could not be fitted: {e.error}")
+                continue
+            seed_fits[g].append(
+                SeedFit(
+                    group=g,
+                    seed=_seed_of(c),
+                    run_id=c.run_id,
+                    fit=e.fit,
+                    extrapolation=e.extrapolation,
+                )
+            )
+    return seed_fits
+
+
+def _seed_noise(seed_fits: dict[str, list[SeedFit]], notes: list[str]) -> dict[str, Any]:
+    """The seed noise of A (runs with A pinned below its bound only) and B, pooled over
+    recipes, with its degrees of freedom; the runs left out are noted."""
+    sd_a, df_a = _pooled_sd([[s.fit.A for s in v if s.a_pinned] for v in seed_fits.values()])
+    unpinned = [s.run_id for v in seed_fits.values() for s in v if not s.a_pinned]
+    if unpinned:
+        notes.append(
+            f"{len(unpinned)} run(s) with A on its upper bound, left out of the seed noise of A "
+            f"and leaving their recipes' A differences unresolved: {', '.join(unpinned)}"
+        )
+    sd_b, df_b = _pooled_sd([[s.fit.B for s in v] for v in seed_fits.values()])
+    return {"sd_A": sd_a, "df_A": df_a, "sd_B": sd_b, "df_B": df_b}
+
+
+def _effects(groups, baseline, seed_fits, pooled, noise, notes, *, level, a_tol, paper, paired):
+    """Every recipe's Effect against the baseline; one without fits is noted instead."""
+    effects = []
+    for g in groups:
+        if g == baseline:
+            continue
+        missing = [h for h in (g, baseline) if not seed_fits[h] or h not in pooled]
+        if missing:
+            notes.append(f"{g}: not compared; no fit of {' and '.join(missing)}")
+            continue
+        effects.append(
+            _effect(
+                g,
+                seed_fits[baseline],
+                seed_fits[g],
+                pooled,
+                noise["sd_A"],
+                noise["df_A"],
+                level=level,
+                a_tol=a_tol,
+                identical=_identical(groups[g], groups[baseline]),
+                paper=paper.get(g),
+                paired=paired,
+            )
+        )
+    return effects
+
+
+def _baseline_mean(runs, *, fraction, n_boot, level, seed, r0, fit_start):
+    """(the extrapolation check of the baseline's mean curve, "") or (None, why not)."""
+    try:
+        mx, my = mean_curve(runs)
+        start = parse_fit_start(fit_start, float(mx[-1]))
+        return extrapolation_check(
+            mx, my, fraction=fraction, n_boot=n_boot, level=level, seed=seed, r0=r0,
+            fit_start=start,
+        ), ""  # fmt: skip
+    except FitError as e:
+        return None, str(e)
 
 
 def analyse_study(
@@ -317,68 +405,18 @@ def analyse_study(
         r0=r0,
         fit_start=fit_start,
     )
-    by_run = {e.name: e for e in report.entries if e.kind == "run"}
     notes: list[str] = []
-    seed_fits: dict[str, list[SeedFit]] = {}
-    for g, runs in groups.items():
-        seed_fits[g] = []
-        for c in runs:
-            e = by_run[c.run_id]
-            if e.fit is None:
-                notes.append(f"run {c.run_id} ({g}) could not be fitted: {e.error}")
-                continue
-            seed_fits[g].append(
-                SeedFit(
-                    group=g,
-                    seed=_seed_of(c),
-                    run_id=c.run_id,
-                    fit=e.fit,
-                    extrapolation=e.extrapolation,
-                )
-            )
-    sd_a, df_a = _pooled_sd([[s.fit.A for s in v if s.a_pinned] for v in seed_fits.values()])
-    unpinned = [s.run_id for v in seed_fits.values() for s in v if not s.a_pinned]
-    if unpinned:
-        notes.append(
-            f"{len(unpinned)} run(s) with A on its upper bound, left out of the seed noise of A "
-            f"and leaving their recipes' A differences unresolved: {', '.join(unpinned)}"
-        )
-    sd_b, df_b = _pooled_sd([[s.fit.B for s in v] for v in seed_fits.values()])
-    noise = {"sd_A": sd_a, "df_A": df_a, "sd_B": sd_b, "df_B": df_b}
+    seed_fits = _seed_fits(groups, report, notes)
+    noise = _seed_noise(seed_fits, notes)
     pooled = {g: e.fit for g, e in report.recipes.items() if e.fit is not None}
-    effects = []
-    for g in groups:
-        if g == baseline:
-            continue
-        missing = [h for h in (g, baseline) if not seed_fits[h] or h not in pooled]
-        if missing:
-            notes.append(f"{g}: not compared; no fit of {' and '.join(missing)}")
-            continue
-        effects.append(
-            _effect(
-                g,
-                seed_fits[baseline],
-                seed_fits[g],
-                pooled,
-                sd_a,
-                df_a,
-                level=level,
-                a_tol=a_tol,
-                identical=_identical(groups[g], groups[baseline]),
-                paper=(paper or {}).get(g),
-                paired=paired,
-            )
-        )
-    mean_ext, mean_note = None, ""
-    try:
-        mx, my = mean_curve(groups[baseline])
-        start = parse_fit_start(fit_start, float(mx[-1]))
-        mean_ext = extrapolation_check(
-            mx, my, fraction=fraction, n_boot=n_boot, level=level, seed=seed, r0=r0,
-            fit_start=start,
-        )  # fmt: skip
-    except FitError as e:
-        mean_note = str(e)
+    effects = _effects(
+        groups, baseline, seed_fits, pooled, noise, notes,
+        level=level, a_tol=a_tol, paper=paper or {}, paired=paired,
+    )  # fmt: skip
+    mean_ext, mean_note = _baseline_mean(
+        groups[baseline], fraction=fraction, n_boot=n_boot, level=level, seed=seed, r0=r0,
+        fit_start=fit_start,
+    )  # fmt: skip
     return Study(
         baseline=baseline,
         level=level,
