@@ -829,7 +829,10 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
 
     # The train step is the v5e test's: a stand-in program here, and only generate's
     # costs counted layer by layer (XLA's own count for the others), to compile little.
-    monkeypatch.setattr(pp, "make_update", lambda *a, **k: jax.jit(lambda p, o, b: (p, o)))
+    from rl_jax.train import parts
+
+    # (The plan builds the trainer's programs with the trainer's own `run_programs`.)
+    monkeypatch.setattr(parts, "make_update", lambda *a, **k: jax.jit(lambda p, o, b: (p, o)))
     layer_costs = pp._layer_costs
 
     def generate_costs(*args, **kw):

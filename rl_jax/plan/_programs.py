@@ -49,23 +49,20 @@ from rl_jax.sharding import (
     batch_sharding,
     get_rules,
     make_mesh,
-    num_batch_shards,
     resolve_axis_sizes,
 )
 from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import (
     TRAIN_PASSES,
+    Passes,
     extra_forwards,
     forward_flops,
     num_waves,
-    policy_steps,
-    sampler_rows,
+    passes,
 )
-from rl_jax.train.evaluation import engine_shape
-from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import LORA_KEY, ParamPlan
-from rl_jax.train.parts import check_sizes, engine_sampling
-from rl_jax.train.step import TrainBatch, make_logprob_fn, make_update
+from rl_jax.train.parts import check_sizes, run_engine, run_optimizer, run_programs
+from rl_jax.train.step import TrainBatch
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
 
@@ -178,7 +175,7 @@ def plan_run(
     b = _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg)
     params, opt, engine = b.params, b.opt, b.engine
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
-    ref_bytes = param_bytes if b.kl else 0  # the frozen reference policy stays resident
+    ref_bytes = param_bytes if b.passes.ref else 0  # the frozen reference policy stays resident
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
     real = {"train_step": _submit(b.update, *b.update_args)}
@@ -222,7 +219,7 @@ def plan_run(
                     real["logprob"].result(),
                     fwd,
                     resident=opt_bytes + in_flight + ref_bytes,
-                    calls=int(b.needs_old) + int(b.kl),
+                    calls=int(b.passes.old) + int(b.passes.ref),
                     cost=costs["logprob"],
                 )
             )
@@ -354,9 +351,11 @@ def plan_run(
     return plan
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Built:
-    """A run's programs for one model spec, on abstract arrays (nothing compiled)."""
+    """A run's programs for one model spec, on abstract arrays (nothing compiled), as
+    the trainer builds them (`rl_jax.train.parts`: `run_optimizer`, `run_programs`,
+    `run_engine`)."""
 
     params: dict  # the trainer's state (float32 masters, LoRA adapters)
     weights: dict  # what the engine runs: the state's view (model.param_dtype, merged)
@@ -366,16 +365,25 @@ class _Built:
     update_args: tuple
     logprob: Any
     logprob_args: tuple | None
-    kl: bool
-    needs_old: bool
+    passes: Passes  # the forward passes besides the updates
     engine: Engine  # the trainer's engine
     engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
 
 
+class _StandInTokens:
+    """The token ids the engine's programs take from a tokenizer: their values change
+    no shape (one token stands in for the interruption text)."""
+
+    eos_id = pad_id = 0
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [0]
+
+
 def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
-    """The trainer's update program (`make_update`: `minibatches` minibatch updates
-    scanned in one program), the log-prob pass where the recipe needs one, and the
-    engine's programs (as `rl_jax.train.parts` makes it: its slots, chunk and prefill),
+    """The trainer's update program (`minibatches` minibatch updates scanned in one
+    program), the log-prob pass where the recipe needs one, and the engine's programs,
     for `spec` on `mesh`."""
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     shardings = param_shardings(spec, mesh, rules)
@@ -388,55 +396,26 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         for n, a in params.items()
         if n != LORA_KEY
     }
-    tx, _ = make_optimizer(cfg.train, prompts_per_batch=P, samples_per_prompt=G)
+    tx, _ = run_optimizer(cfg)
     opt = jax.tree.map(
         _abstract,
         jax.eval_shape(functools.partial(plan.init_optimizer, tx), params),
         plan.optimizer_shardings(tx, params, mesh),
     )
-    loss = cfg.loss.resolved()
-    temperature = cfg.sampling.temperature or 1.0
-    kl = loss.kl_coef > 0
-    needs_old = policy_steps(cfg) > 1 or loss.tis or (kl and loss.kl_in_reward)
-    critic = loss.advantage == "gae"
-    sampling = engine_sampling(cfg)
-    engine = Engine(
-        spec,
-        sampling,
-        mesh=mesh,
-        eos_id=0,
-        interrupt_ids=[0],  # its length changes no shape: one token stands in for the text
-        rules=cfg.mesh.rules,
-        prompt_len=tp,
-        fixed_shapes=True,
-        **{
-            **engine_shape(sampling, rows=sampler_rows(cfg), shards=num_batch_shards(mesh)),
-            # Every prompt prefilled in one block: a call counted whole, the bound the
-            # calls are counted against (the run's engine prefills in blocks and skips
-            # those a refill leaves empty, which a count of the compiled program cannot
-            # know).
-            "prefill_block": None,
-        },
-    )
-    update = make_update(
-        spec,
-        rules,
-        mesh,
-        tx,
-        loss,
-        num_groups=P // M,
-        max_tokens=cfg.sampling.max_new_tokens,
-        temperature=temperature,
-        state_shardings=(
-            jax.tree.map(lambda a: a.sharding, params),
-            jax.tree.map(lambda a: a.sharding, opt),
-        ),
-        plan=plan,
-    )
-    mbs = _batch(mesh, P // M, G, tp, tg, old=needs_old, ref=kl, critic=critic, stack=minibatches)
+    state_shardings = jax.tree.map(lambda a: a.sharding, (params, opt))
+    programs = run_programs(cfg, spec, mesh, rules, plan, tx, state_shardings)
+    # Every prompt prefilled in one block: a call counted whole, the bound the calls are
+    # counted against (the run's engine prefills in blocks and skips those a refill
+    # leaves empty, which a count of the compiled program cannot know).
+    engine = run_engine(cfg, spec, _StandInTokens, mesh, tp, prefill_block=None)
+    runs = passes(cfg)
+    mbs = _batch(
+        mesh, P // M, G, tp, tg, old=runs.keep_old, ref=runs.ref, critic=runs.critic,
+        stack=minibatches,
+    )  # fmt: skip
     logprob, logprob_args = None, None
-    if needs_old or kl:
-        logprob = make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan)
+    if runs.old or runs.ref:
+        logprob = programs["logprob_fn"]
         # The update's minibatches, one after another (phases.advantages); the counting
         # build (minibatches=1) takes the whole batch, the same FLOPs.
         stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
@@ -446,12 +425,11 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         weights=weights,
         state_resident=not plan.identity,
         opt=opt,
-        update=update,
+        update=programs["update_fn"],
         update_args=(params, opt, mbs),
         logprob=logprob,
         logprob_args=logprob_args,
-        kl=kl,
-        needs_old=needs_old,
+        passes=runs,
         engine=engine,
         engine_programs=engine.programs(weights),
     )

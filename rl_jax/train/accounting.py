@@ -91,14 +91,38 @@ def forward_flops(
     return float(prompts + completions)
 
 
-def extra_forwards(cfg: RunConfig) -> int:
-    """Forward passes over a whole batch that training takes besides its updates: the
-    old policy's log-probs (the policy changes within the batch, truncated IS, or the KL
-    in the reward), the reference's (a KL term) and the critic's values (GAE)."""
+@dataclass(frozen=True)
+class Passes:
+    """The forward passes over a whole batch that training takes besides its updates,
+    as the trainer runs them and the plan compiles and counts them."""
+
+    old: bool  # the old policy's log-probs: the policy steps within the batch, TIS, KL reward
+    keep_old: bool  # ... kept in the batch for the loss (the first two)
+    ref: bool  # the reference's log-probs (a KL term)
+    critic: bool  # the critic's values (GAE)
+
+    @property
+    def count(self) -> int:
+        return int(self.old) + int(self.ref) + int(self.critic)
+
+
+def passes(cfg: RunConfig) -> Passes:
+    """The recipe's `Passes`."""
     loss = cfg.loss.resolved()
     kl = loss.kl_coef > 0
-    old = policy_steps(cfg) > 1 or loss.tis or (kl and loss.kl_in_reward)
-    return int(old) + int(kl) + int(loss.advantage == "gae")
+    keep = policy_steps(cfg) > 1 or loss.tis
+    return Passes(
+        old=keep or (kl and loss.kl_in_reward),
+        keep_old=keep,
+        ref=kl,
+        critic=loss.advantage == "gae",
+    )
+
+
+def extra_forwards(cfg: RunConfig) -> int:
+    """Forward passes over a whole batch that training takes besides its updates
+    (`passes`): the old policy's log-probs, the reference's and the critic's values."""
+    return passes(cfg).count
 
 
 def policy_steps(cfg: RunConfig) -> int:

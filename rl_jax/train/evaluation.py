@@ -45,11 +45,11 @@ def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
     return make_sampler(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
 
 
-def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0):
+def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0, **shape):
     """The engine of `sampling` for batches of up to `rows` rows (slots:
     sampling.engine_slots, else `rows`; one chunk decodes to the end unless
     sampling.decode_chunk; `fixed_shapes`, so a run compiles one prefill_insert and one
-    generate program)."""
+    generate program); `shape` overrides `engine_shape`'s."""
     from rl_jax.sampling import Engine
     from rl_jax.sharding import num_batch_shards
 
@@ -59,7 +59,7 @@ def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len:
         sampling,
         prompt_len=prompt_len or sampling.max_prompt_len,
         fixed_shapes=True,
-        **engine_shape(sampling, rows=rows, shards=shards),
+        **{**engine_shape(sampling, rows=rows, shards=shards), **shape},
         mesh=mesh,
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,

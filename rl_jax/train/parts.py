@@ -20,7 +20,7 @@ from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
-from rl_jax.train.accounting import decode_chunk, policy_steps, sampler_rows
+from rl_jax.train.accounting import Passes, decode_chunk, passes, policy_steps, sampler_rows
 from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
@@ -77,14 +77,10 @@ class Parts:
         return self.cfg.train.updates_per_batch
 
     @property
-    def critic(self) -> bool:
-        return self.cfg.loss.advantage == "gae"
-
-    @property
-    def needs_old_logp(self) -> bool:
-        """Batches carry the old policy's log-probs: the policy steps within the batch
-        (`policy_steps`), or TIS."""
-        return policy_steps(self.cfg) > 1 or self.cfg.loss.tis
+    def passes(self) -> Passes:
+        """The forward passes training takes besides its updates (old policy, reference,
+        critic)."""
+        return passes(self.cfg)
 
 
 class SamplerWeights:
@@ -142,30 +138,12 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     del weights  # the weights cast into the state are not kept beside it
     if cfg.loss.advantage == "gae" and not spec.value_head:
         raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
-    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    tx, lr_schedule = make_optimizer(
-        cfg.train, prompts_per_batch=P, samples_per_prompt=G, lr_scale=cfg.lora.lr_factor
-    )
+    tx, lr_schedule = run_optimizer(cfg)
     opt_state = init_opt_state(tx, mesh, params, plan)
-    # The trainer scores tokens under the distribution the sampler drew them from.
-    temperature = cfg.sampling.temperature or 1.0
-    update_fn = make_update(
-        spec,
-        rules,
-        mesh,
-        tx,
-        cfg.loss,
-        num_groups=P // M,
-        max_tokens=cfg.sampling.max_new_tokens,
-        temperature=temperature,
-        state_shardings=(_shardings(params), _shardings(opt_state)),
-        plan=plan,
-    )
     # Rendered for the tokenizer (chat template, answer instruction); prompts checked
     # against sampling.max_prompt_len.
     task, prompt_len = task_and_prompt_len(cfg, tokenizer)
     reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
-    critic = cfg.loss.advantage == "gae"
     parts = Parts(
         cfg=cfg,
         mesh=mesh,
@@ -177,10 +155,11 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
         lr_schedule=lr_schedule,
         # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
         lr_at=jax.jit(lr_schedule),
-        **_samplers(cfg, spec, tokenizer, sample_mesh, prompt_len),
-        update_fn=update_fn,
-        logprob_fn=make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
-        value_fn=make_value_fn(spec, rules, mesh, plan=plan) if critic else None,
+        engine=run_engine(cfg, spec, tokenizer, sample_mesh, prompt_len),
+        eval_sampler=make_eval_sampler(
+            spec, cfg, tokenizer, mesh=sample_mesh, prompt_len=prompt_len
+        ),
+        **run_programs(cfg, spec, mesh, rules, plan, tx, _shardings((params, opt_state))),
         task=task,
         reward_fn=reward_fn,
         correct_fn=correctness_fn(cfg.rewards, task, reward_fn),
@@ -189,22 +168,67 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     return parts, params, opt_state
 
 
-def _samplers(cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int) -> dict:
-    """Parts' engine (every batch; by default a slot for every row the schedule has in
-    flight at once: B_p x n, x k for ppo_off_policy's k batches, x W for pipeline's W)
-    and eval_sampler."""
+# The pieces below are built alike for the trainer (on its weights) and for `rl-jax plan`
+# (on abstract arrays of a TPU topology's mesh), so that the plan compiles the programs a
+# run runs.
+
+
+def run_optimizer(cfg: RunConfig) -> tuple[Any, Any]:
+    """(optax transformation, learning-rate schedule) of the run."""
+    return make_optimizer(
+        cfg.train,
+        prompts_per_batch=cfg.data.prompts_per_batch,
+        samples_per_prompt=cfg.sampling.n,
+        lr_scale=cfg.lora.lr_factor,
+    )
+
+
+def run_programs(
+    cfg: RunConfig, spec: ModelSpec, mesh: Mesh, rules, plan: ParamPlan, tx, state_shardings
+) -> dict[str, Any]:
+    """The trainer's programs, jitted for the state of `state_shardings` ((params,
+    optimizer state)): the update (`make_update`: a batch's minibatch updates in one
+    program), the log-prob pass (old policy, reference) and the critic's values where GAE
+    needs them, as `Parts` holds them."""
+    # The trainer scores tokens under the distribution the sampler drew them from.
+    temperature = cfg.sampling.temperature or 1.0
+    num_groups = cfg.data.prompts_per_batch // cfg.train.updates_per_batch
+    update_fn = make_update(
+        spec,
+        rules,
+        mesh,
+        tx,
+        cfg.loss.resolved(),
+        num_groups=num_groups,
+        max_tokens=cfg.sampling.max_new_tokens,
+        temperature=temperature,
+        state_shardings=state_shardings,
+        plan=plan,
+    )
     return {
-        "engine": make_sampler(
-            spec,
-            engine_sampling(cfg),
-            cfg,
-            tokenizer,
-            mesh=mesh,
-            rows=sampler_rows(cfg),
-            prompt_len=prompt_len,
-        ),
-        "eval_sampler": make_eval_sampler(spec, cfg, tokenizer, mesh=mesh, prompt_len=prompt_len),
+        "update_fn": update_fn,
+        "logprob_fn": make_logprob_fn(spec, rules, mesh, temperature=temperature, plan=plan),
+        "value_fn": make_value_fn(spec, rules, mesh, plan=plan) if passes(cfg).critic else None,
     }
+
+
+def run_engine(
+    cfg: RunConfig, spec: ModelSpec, tokenizer, mesh: Mesh, prompt_len: int, **shape
+) -> Engine:
+    """The engine every batch samples on (pipeline's as a stream): by default a slot for
+    every row the schedule has in flight at once (`sampler_rows`: B_p x n, x k for
+    ppo_off_policy's k batches, x W for pipeline's W); `shape` overrides `engine_shape`'s
+    (the plan prefills every prompt in one block)."""
+    return make_sampler(
+        spec,
+        engine_sampling(cfg),
+        cfg,
+        tokenizer,
+        mesh=mesh,
+        rows=sampler_rows(cfg),
+        prompt_len=prompt_len,
+        **shape,
+    )
 
 
 def engine_sampling(cfg: RunConfig) -> SamplingConfig:

@@ -180,15 +180,16 @@ def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, 
         np.zeros(P * G, np.float32),  # the advantages, set below
         group_b,
     )
-    kl_reward = cfg.loss.kl_in_reward and state.ref_params is not None
-    full = put_batch(host, parts.mesh) if parts.critic else None
-    old, ref = _policy_logprobs(parts, state, host, P, old=parts.needs_old_logp or kl_reward)
+    runs = parts.passes
+    kl_reward = runs.ref and cfg.loss.kl_in_reward
+    full = put_batch(host, parts.mesh) if runs.critic else None
+    old, ref = _policy_logprobs(parts, state, host, P, old=runs.old)
     # KL in the reward: behaviour = the policy before this batch's updates, as the
     # trainer computes it (the same forward as the reference's).
     kl = dict(behaviour_logp_bt=old, ref_logp_bt=ref) if kl_reward else {}
     mask_f = loss_mask.astype(np.float32)
     info: dict = {}
-    if parts.critic:
+    if runs.critic:
         # GAE from the critic's values before this batch's updates (PPO).
         values = np.asarray(parts.value_fn(state.params, full))
         adv_bt, ret_bt = gae_from_config(
@@ -208,7 +209,7 @@ def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, 
             **kl,
         )
         host["advantages"] = np.asarray(adv, np.float32) * keep_b
-    return Batch(host=host, old_logp=old if parts.needs_old_logp else None, ref_logp=ref, info=info)
+    return Batch(host=host, old_logp=old if runs.keep_old else None, ref_logp=ref, info=info)
 
 
 # ---- update -------------------------------------------------------------------------------
