@@ -875,6 +875,40 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     assert gen["roofline_s"] == pytest.approx(bound)
 
 
+def test_a_critics_recipe_plans_its_values_pass(monkeypatch, no_compilation_cache):
+    """PPO's GAE takes the critic's values over the whole batch once per step before its
+    updates (`phases.advantages`): the plan compiles that program as the trainer builds it
+    (`run_programs`) and counts its FLOPs, a call per step."""
+    _libtpu()
+    import collections
+
+    import jax
+
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import _programs as pp
+    from rl_jax.train import parts
+
+    # A stand-in train step, and only the values pass counted layer by layer.
+    monkeypatch.setattr(parts, "make_update", lambda *a, **k: jax.jit(lambda p, o, b: (p, o)))
+    layer_costs = pp._layer_costs
+
+    def values_costs(*args, **kw):
+        return collections.defaultdict(lambda: None, layer_costs(*args, **kw, programs=("values",)))
+
+    monkeypatch.setattr(pp, "_layer_costs", values_costs)
+    plan = pp.plan_run(load_recipe("ppo", TINY), "v5e:2x2")
+    progs = {p["name"]: p for p in plan["programs"]}
+    # Two minibatch updates a batch: the old policy's log-probs too.
+    assert set(progs) == {"train_step", "logprob", "values", "prefill_insert", "generate"}
+    values = progs["values"]
+    assert values["calls"] == 1 and values["fits"] and values["roofline_s"] > 0
+    # The policy's forward over the batch's prompts and completions, with a scalar head
+    # in place of the LM head.
+    assert 0.5 < values["flops_ratio"] < 1.5, values
+    # (The step's roofline sums every program's: test_plan_compiles_train_and_sampler_...;
+    # here the stand-in train step has no count.)
+
+
 def test_the_estimate_counts_the_engines_slots_and_pool():
     """The trainer's engine in every mode (pipeline's stream too): the estimate counts
     its slots and pool."""

@@ -14,7 +14,7 @@ from rl_jax.plan.chips import MAX_TENSOR
 from rl_jax.train.accounting import num_waves
 from rl_jax.train.parts import check_sizes
 
-_TRAINER = ("train_step", "logprob")
+_TRAINER = ("train_step", "logprob", "values")
 
 
 def advice(cfg: RunConfig, plan: dict[str, Any]) -> list[str]:

@@ -181,6 +181,8 @@ def plan_run(
     real = {"train_step": _submit(b.update, *b.update_args)}
     if b.logprob is not None:
         real["logprob"] = _submit(b.logprob, *b.logprob_args)
+    if b.values is not None:
+        real["values"] = _submit(b.values, *b.values_args)
     for name, (fn, args, kw) in b.engine_programs.items():
         real[name] = _submit(fn, *args, **kw)
     # The engine's state is laid out by its own constraints, known before compiling.
@@ -221,6 +223,17 @@ def plan_run(
                     resident=opt_bytes + in_flight + ref_bytes,
                     calls=int(b.passes.old) + int(b.passes.ref),
                     cost=costs["logprob"],
+                )
+            )
+        if b.values is not None:  # the critic's forward over the whole batch
+            programs.append(
+                report(
+                    "values",
+                    real["values"].result(),
+                    fwd,
+                    resident=opt_bytes + in_flight + ref_bytes,
+                    calls=1,
+                    cost=costs["values"],
                 )
             )
         # The engine's programs run while the optimizer state (and the reference) stay resident
@@ -365,6 +378,8 @@ class _Built:
     update_args: tuple
     logprob: Any
     logprob_args: tuple | None
+    values: Any  # the critic's values of a batch (GAE), else None
+    values_args: tuple | None
     passes: Passes  # the forward passes besides the updates
     engine: Engine  # the trainer's engine
     engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
@@ -420,6 +435,11 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         # build (minibatches=1) takes the whole batch, the same FLOPs.
         stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
         logprob_args = (params, stacked)
+    values, values_args = None, None
+    if runs.critic:  # once per batch, before its updates (phases.advantages)
+        values = programs["value_fn"]
+        whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
+        values_args = (params, whole)
     return _Built(
         params=params,
         weights=weights,
@@ -429,6 +449,8 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         update_args=(params, opt, mbs),
         logprob=logprob,
         logprob_args=logprob_args,
+        values=values,
+        values_args=values_args,
         passes=runs,
         engine=engine,
         engine_programs=engine.programs(weights),
@@ -477,7 +499,7 @@ COUNTING_OPTIONS = {
     }
 }
 
-PROGRAMS = ("train_step", "logprob", "prefill_insert", "generate")
+PROGRAMS = ("train_step", "logprob", "values", "prefill_insert", "generate")
 
 
 def _layer_costs(cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS) -> dict[str, tuple]:
@@ -555,6 +577,8 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
             compile_("train_step", b.update, *b.update_args)
         if "logprob" in programs and b.logprob is not None:
             compile_("logprob", b.logprob, *b.logprob_args)
+        if "values" in programs and b.values is not None:
+            compile_("values", b.values, *b.values_args)
         for name, (fn, args, kw) in b.engine_programs.items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
