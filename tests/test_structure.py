@@ -13,7 +13,6 @@ MAX_CLASS, MAX_FUNCTION = 300, 60
 # "module path under rl_jax:qualified name" -> why it stays over the limit for now.
 _NOT_YET = "; not split yet (issue #47)"
 EXCEPTIONS = {
-    "cli/eval.py:main": "eval's parse, checkpoint lookup, run and report in one" + _NOT_YET,
     "grid/driver.py:Driver._run": (
         "the grid driver's launch/poll/retry/early-stop loop over one local state" + _NOT_YET
     ),

@@ -62,20 +62,9 @@ def _eval_mesh(mesh_cfg):
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_intermixed_args(argv)
-    from rl_jax.config import apply_overrides, run_id
-    from rl_jax.train.policy_io import find_run_checkpoint
+    from rl_jax.config import run_id
 
-    ck = find_run_checkpoint(args.run, args.step)
-    bad = [o for o in args.overrides if o.split("=", 1)[0].startswith(_FIXED)]
-    if bad:
-        raise ConfigError(
-            f"{bad}: eval keeps the run's model.*, train.* and loss.* (they define the policy)"
-        )
-    cfg = apply_overrides(ck.cfg, args.overrides)
-    from rl_jax.train.preflight import check_data_files
-
-    check_data_files(cfg.data)
-
+    ck, cfg = _checkpoint_and_config(args)
     from rl_jax.sharding import start_jax
 
     start_jax(dataclasses.replace(cfg.mesh, distributed=False))
@@ -126,13 +115,35 @@ def main(argv: list[str]) -> int:
         "devices": jax.device_count(),
         **metrics,
     }
-    if args.json:
+    _print(out, metrics, cfg, meta, as_json=args.json)
+    return 0
+
+
+def _checkpoint_and_config(args):
+    """(the run's checkpoint, the run's config with the overrides eval may change),
+    checked before any device work."""
+    from rl_jax.config import apply_overrides
+    from rl_jax.train.policy_io import find_run_checkpoint
+    from rl_jax.train.preflight import check_data_files
+
+    ck = find_run_checkpoint(args.run, args.step)
+    bad = [o for o in args.overrides if o.split("=", 1)[0].startswith(_FIXED)]
+    if bad:
+        raise ConfigError(
+            f"{bad}: eval keeps the run's model.*, train.* and loss.* (they define the policy)"
+        )
+    cfg = apply_overrides(ck.cfg, args.overrides)
+    check_data_files(cfg.data)
+    return ck, cfg
+
+
+def _print(out: dict, metrics: dict, cfg, meta: dict, *, as_json: bool) -> None:
+    if as_json:
         out["eval"] = {f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
         out["counters"] = meta.get("counters", {})
         print(json.dumps(out))
     else:
-        print(f"run {out['run_id']} step {ck.step} ({out['checkpoint']})")
+        print(f"run {out['run_id']} step {out['step']} ({out['checkpoint']})")
         for k, v in metrics.items():
             print(f"  {k:<28} {v:.4f}")
     sys.stdout.flush()
-    return 0
