@@ -42,10 +42,6 @@ EXCEPTIONS = {
         "every program's report, in plan_run's closure" + _NOT_YET
     ),
     "plan/_programs.py:_report": "one program's memory and cost report" + _NOT_YET,
-    "runs/run_dir.py:extend_run": (
-        "--continue's checks (configs differ in train.steps only, a schedule independent of "
-        "it), each with its own message" + _NOT_YET
-    ),
     "sampling/_engine.py:Engine": (
         "the continuous-batching engine's state machine (verbs, compiled programs, host "
         "loop); splitting it is #47 item 1/5 work" + _NOT_YET

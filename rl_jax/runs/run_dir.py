@@ -275,6 +275,14 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
     old_id = current_id(old_doc)
     if old_id == new_id:
         return had  # continued already (or nothing changed): train on as usual
+    _check_continuable(cfg, old, old_id, had, path)
+    _rewrite_as_continued(store, path, cfg, old_doc, new_id)
+    return had
+
+
+def _check_continuable(cfg: RunConfig, old: RunConfig, old_id, had: int, path) -> None:
+    """ConfigError unless `cfg` is the run `old` (id `old_id`, `had` steps) with more
+    steps, on a schedule that does not depend on train.steps."""
     if cfg.train.steps <= had:
         raise ConfigError(
             f"--continue: train.steps={cfg.train.steps} must be more than the run's {had}"
@@ -303,6 +311,10 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
             f"for {cfg.train.steps} does; continue runs with train.schedule=constant and "
             "train.warmup_steps given in steps, or start a new run"
         )
+
+
+def _rewrite_as_continued(store, path, cfg: RunConfig, old_doc: dict, new_id: str) -> None:
+    """The run's rows, config.json and DONE as those of `cfg`'s run (under its lock)."""
     lock = locks.acquire(path, LOCK, what=f"run directory {path}")
     try:
         for name in (CURVE, METRICS, SAMPLES):
@@ -325,7 +337,6 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
         store.remove(DONE)
     finally:
         lock.release()
-    return had
 
 
 def current_id(doc: Any) -> str | None:
