@@ -197,9 +197,10 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     with pp._unrolled_scans(), loops.unrolled():
         b = pp._build(cfg, spec3, mesh, rules, minibatches=2, **kw)
         fn, args, static = b.engine_programs["prefill_insert"]
+        logprob, logprob_args, _ = b.forwards["logprob"]
         truth = {
             "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
-            "logprob": pp._cost(pp._compile(b.logprob, *b.logprob_args)),
+            "logprob": pp._cost(pp._compile(logprob, *logprob_args)),
             "prefill_insert": pp._cost(pp._compile(fn, *args, **static)),
         }
     for name, (flops, moved) in truth.items():

@@ -179,10 +179,8 @@ def plan_run(
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
     real = {"train_step": _submit(b.update, *b.update_args)}
-    if b.logprob is not None:
-        real["logprob"] = _submit(b.logprob, *b.logprob_args)
-    if b.values is not None:
-        real["values"] = _submit(b.values, *b.values_args)
+    for name, (fn, args, _) in b.forwards.items():
+        real[name] = _submit(fn, *args)
     for name, (fn, args, kw) in b.engine_programs.items():
         real[name] = _submit(fn, *args, **kw)
     # The engine's state is laid out by its own constraints, known before compiling.
@@ -214,26 +212,15 @@ def plan_run(
                 cost=costs["train_step"],
             )
         )
-        if b.logprob is not None:
+        for name, (_, _, calls) in b.forwards.items():  # a forward over the batch each
             programs.append(
                 report(
-                    "logprob",
-                    real["logprob"].result(),
+                    name,
+                    real[name].result(),
                     fwd,
                     resident=opt_bytes + in_flight + ref_bytes,
-                    calls=int(b.passes.old) + int(b.passes.ref),
-                    cost=costs["logprob"],
-                )
-            )
-        if b.values is not None:  # the critic's forward over the whole batch
-            programs.append(
-                report(
-                    "values",
-                    real["values"].result(),
-                    fwd,
-                    resident=opt_bytes + in_flight + ref_bytes,
-                    calls=1,
-                    cost=costs["values"],
+                    calls=calls,
+                    cost=costs[name],
                 )
             )
         # The engine's programs run while the optimizer state (and the reference) stay resident
@@ -376,11 +363,11 @@ class _Built:
     opt: Any
     update: Any
     update_args: tuple
-    logprob: Any
-    logprob_args: tuple | None
-    values: Any  # the critic's values of a batch (GAE), else None
-    values_args: tuple | None
-    passes: Passes  # the forward passes besides the updates
+    # The forward passes besides the updates (`Passes`), in the order a step runs them:
+    # name -> (jitted, abstract args, calls per step). "logprob": the old policy's and the
+    # reference's log-probs; "values": the critic's values (GAE).
+    forwards: dict[str, tuple[Any, tuple, int]]
+    passes: Passes
     engine: Engine  # the trainer's engine
     engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
 
@@ -428,18 +415,16 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         mesh, P // M, G, tp, tg, old=runs.keep_old, ref=runs.ref, critic=runs.critic,
         stack=minibatches,
     )  # fmt: skip
-    logprob, logprob_args = None, None
+    forwards = {}
     if runs.old or runs.ref:
-        logprob = programs["logprob_fn"]
         # The update's minibatches, one after another (phases.advantages); the counting
         # build (minibatches=1) takes the whole batch, the same FLOPs.
         stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
-        logprob_args = (params, stacked)
-    values, values_args = None, None
+        calls = int(runs.old) + int(runs.ref)
+        forwards["logprob"] = (programs["logprob_fn"], (params, stacked), calls)
     if runs.critic:  # once per batch, before its updates (phases.advantages)
-        values = programs["value_fn"]
         whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
-        values_args = (params, whole)
+        forwards["values"] = (programs["value_fn"], (params, whole), 1)
     return _Built(
         params=params,
         weights=weights,
@@ -447,10 +432,7 @@ def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
         opt=opt,
         update=programs["update_fn"],
         update_args=(params, opt, mbs),
-        logprob=logprob,
-        logprob_args=logprob_args,
-        values=values,
-        values_args=values_args,
+        forwards=forwards,
         passes=runs,
         engine=engine,
         engine_programs=engine.programs(weights),
@@ -575,10 +557,9 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
         b = _build(cfg, s, mesh, rules, minibatches=1, tp=tp, tg=tg)
         if "train_step" in programs:
             compile_("train_step", b.update, *b.update_args)
-        if "logprob" in programs and b.logprob is not None:
-            compile_("logprob", b.logprob, *b.logprob_args)
-        if "values" in programs and b.values is not None:
-            compile_("values", b.values, *b.values_args)
+        for name, (fn, args, _) in b.forwards.items():
+            if name in programs:
+                compile_(name, fn, *args)
         for name, (fn, args, kw) in b.engine_programs.items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
