@@ -15,6 +15,7 @@ import json
 import math
 import os
 import posixpath
+import re
 import shlex
 import sys
 from typing import Any
@@ -71,8 +72,8 @@ def main(argv: list[str]) -> int:
         canonical_topology(a.topology)
     src = a.src
     grid, curves_file, split = _locate(src, a.split)
-    spec = _spec(grid)
     rows = _rows(curves_file)
+    spec = _spec(grid, rows)
     x = UNITS[a.unit] if a.unit else (spec.report.x if spec else "rollouts")
     metric = a.metric or (spec.report.metric if spec else "val/pass@1")
     rows, split = _split(rows, spec, split)
@@ -130,16 +131,23 @@ def _join(root: str, rel: str) -> str:
     return join(root, rel)
 
 
-def _spec(grid: str | None):
-    """The grid's spec when its name is a spec in experiments/ (its split axis, recipe, ...)."""
-    if grid is None:
-        return None
+def _spec(grid: str | None, rows: list[dict]):
+    """The grid's spec (its split axis, recipe, ...) when a spec in experiments/ has its
+    name: the rows' `grid` column (a committed study's directory is named otherwise), else
+    the grid directory's name. Only bare names are looked up (a spec file runs code)."""
     from rl_jax.grid.spec import load_spec
 
-    try:
-        return load_spec(posixpath.basename(grid.rstrip("/")))
-    except ConfigError:
-        return None
+    names = {str(r["grid"]) for r in rows if r.get("grid")}
+    candidates = [*names] if len(names) == 1 else []
+    if grid is not None:
+        candidates.append(posixpath.basename(grid.rstrip("/")))
+    for name in candidates:
+        if re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            try:
+                return load_spec(name)
+            except ConfigError:
+                continue
+    return None
 
 
 def _rows(path: str) -> list[dict]:

@@ -1,12 +1,16 @@
-"""`rl-jax study SPEC --out DIR [--from GRID_DIR]`: a seeded leave-one-out study's report.
+"""`rl-jax study SPEC --out DIR [--from GRID_DIR]`: a study's report from a grid's curves.
 
 With --from, the grid's curves (GRID_DIR/curves.jsonl, written by `rl-jax grid`)
 are cut to the columns a study needs and written to DIR/curves.jsonl, small
-enough to commit. Then DIR/curves.jsonl is fitted (rl_jax.scaling.analyse_study:
-per-seed fits, seed noise, each variant's effect on A and B with intervals,
-half-budget extrapolation, the paper's findings from the spec's
-`report.paper`) and DIR/study.json, DIR/report.md and DIR/plots/*.png are
-written. The same curves give the same report, bit for bit.
+enough to commit. Then DIR/curves.jsonl is fitted and DIR/study.json,
+DIR/report.md and DIR/plots/*.png are written. The same curves give the same
+report, bit for bit. What is fitted follows the spec's report kind:
+- a seeded leave-one-out grid (rl_jax.scaling.analyse_study): per-seed fits,
+  seed noise, each variant's effect on A and B with intervals, half-budget
+  extrapolation, the paper's findings from the spec's `report.paper`;
+- an iso-compute grid (rl_jax.scaling.analyse_isocompute): per split the
+  frontier and n*(C), n against B_p per budget, n*'s change with the budget,
+  the interference histograms, and IsoCompute's findings beside these.
 
 Exit status: 0 on success, 2 for unusable input (unknown spec, missing or
 malformed curves, a baseline without runs).
@@ -21,11 +25,20 @@ from pathlib import Path
 
 from rl_jax.grid import load_spec
 from rl_jax.grid.results import GROUP_KEY as GROUP
-from rl_jax.scaling import FitError, analyse_study, curves_from_rows, load_rows, write_study
+from rl_jax.scaling import (
+    HIST_KEY,
+    FitError,
+    analyse_isocompute,
+    analyse_study,
+    curves_from_rows,
+    load_rows,
+    write_iso_study,
+    write_study,
+)
 
 CURVES = "curves.jsonl"
 # Columns kept per evaluation row, besides the axis labels and the report's x and metric.
-KEEP = ("run_id", GROUP, "seed", "status", "step", "rollouts", "flops", "generated_tokens")
+KEEP = ("run_id", GROUP, "grid", "seed", "status", "step", "rollouts", "flops", "generated_tokens")
 KEEP += ("device_seconds", "eval_device_seconds")
 
 
@@ -53,40 +66,76 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     spec = load_spec(a.spec)  # a ConfigError: the CLI shell prints it and exits 2
-    rep = spec.report
     out = Path(a.out)
     dest = out / CURVES
-    if a.grid_dir:
-        src = Path(a.grid_dir) / CURVES
-        if not src.is_file():
-            print(f"rl-jax study: {src} not found (run `rl-jax grid` first)", file=sys.stderr)
-            return 2
-        rows = compact_rows(load_rows(src), [ax.name for ax in spec.axes], rep.x, rep.metric)
-        out.mkdir(parents=True, exist_ok=True)
-        dest.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    if a.grid_dir and not _collect(spec, Path(a.grid_dir) / CURVES, dest):
+        return 2
     if not dest.is_file():
         print(f"rl-jax study: {dest} not found; give --from GRID_DIR", file=sys.stderr)
         return 2
     try:
-        curves = curves_from_rows(load_rows(dest), x=rep.x, metric=rep.metric, group_by=GROUP)
-        baseline = a.baseline or rep.baseline or curves[0].group
-        study = analyse_study(
-            curves,
-            baseline=baseline,
-            paper=dict(rep.paper),
-            fraction=rep.fit_fraction,
-            n_boot=rep.n_boot,
-            r0=rep.r0,
-            fit_start=rep.fit_start,
-            paired=rep.paired,
-        )
+        if spec.report.kind == "isocompute":
+            _isocompute(spec, load_rows(dest), out, plots=not a.no_plots)
+        else:
+            _leave_one_out(spec, load_rows(dest), out, a)
     except FitError as e:
         print(f"rl-jax study: {dest}: {e}", file=sys.stderr)
         return 2
-    preamble = (
-        f"Grid `{spec.name}` ({spec.description or spec.recipe}); {len(curves)} runs. "
-        f"Regenerated from this directory's curves.jsonl by `rl-jax study {spec.name} --out DIR`."
-    )
-    write_study(study, out, title=f"Study: {spec.name}", preamble=preamble, plots=not a.no_plots)
     print(f"wrote {out / 'report.md'} and {out / 'study.json'}")
     return 0
+
+
+def _collect(spec, src: Path, dest: Path) -> bool:
+    """The grid's evaluation rows, compacted, written to dest; False (said) without them."""
+    if not src.is_file():
+        print(f"rl-jax study: {src} not found (run `rl-jax grid` first)", file=sys.stderr)
+        return False
+    rep = spec.report
+    keep = [ax.name for ax in spec.axes]
+    if rep.kind == "isocompute":
+        keep += [*rep.frontier, HIST_KEY]
+    rows = compact_rows(load_rows(src), keep, rep.x, rep.metric)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    return True
+
+
+def _preamble(spec, runs: int) -> str:
+    return (
+        f"Grid `{spec.name}` ({spec.description or spec.recipe}); {runs} runs. "
+        f"Regenerated from this directory's curves.jsonl by `rl-jax study {spec.name} --out DIR`."
+    )
+
+
+def _leave_one_out(spec, rows: list[dict], out: Path, a) -> None:
+    rep = spec.report
+    curves = curves_from_rows(rows, x=rep.x, metric=rep.metric, group_by=GROUP)
+    study = analyse_study(
+        curves,
+        baseline=a.baseline or rep.baseline or curves[0].group,
+        paper=dict(rep.paper),
+        fraction=rep.fit_fraction,
+        n_boot=rep.n_boot,
+        r0=rep.r0,
+        fit_start=rep.fit_start,
+        paired=rep.paired,
+    )
+    title, preamble = f"Study: {spec.name}", _preamble(spec, len(curves))
+    write_study(study, out, title=title, preamble=preamble, plots=not a.no_plots)
+
+
+def _isocompute(spec, rows: list[dict], out: Path, *, plots: bool) -> None:
+    rep = spec.report
+    study = analyse_isocompute(
+        rows,
+        split_by=rep.split_by,
+        x=rep.x,
+        metric=rep.metric,
+        n_key=rep.frontier[0],
+        bp_key=rep.frontier[1],
+        group_by=GROUP,
+        n_boot=rep.n_boot,
+    )
+    runs = sum(s.runs for s in study.splits.values())
+    title, preamble = f"Study: {spec.name}", _preamble(spec, runs)
+    write_iso_study(study, out, title=title, preamble=preamble, plots=plots)

@@ -14,6 +14,7 @@ matplotlib alone, so an analyst can use it on a laptop.
     scaling.write_report(report, "fits/")
     per_task = scaling.fit_tasks(rows, x="flops")          # a mixture's val/<task>/pass@1
     study = scaling.analyse_study(curves, baseline="scalerl")  # seeded leave-one-out
+    iso = scaling.analyse_isocompute(rows, split_by="split")  # an iso-compute study
     alloc = scaling.allocate(frontier, curves, budget=2**20)  # (n, B_p, M) for a budget
 """
 
@@ -30,6 +31,8 @@ from rl_jax.scaling._compare import (
 from rl_jax.scaling._curves import SOURCE_KEY, Curve, CurveError, curves_from_rows, load_rows
 from rl_jax.scaling._early import Progress, early_decision, p_greater, reach_decision
 from rl_jax.scaling._extrapolate import Extrapolation, extrapolation_check
+from rl_jax.scaling._iso_report import iso_study_json, write_iso_study
+from rl_jax.scaling._iso_study import HIST_KEY, IsoStudy, additive_fit, analyse_isocompute
 from rl_jax.scaling._isocompute import FrontierError, fit_frontier, record_breaking
 from rl_jax.scaling._power import fit_power_law
 from rl_jax.scaling._report import (
@@ -84,10 +87,14 @@ __all__ = [
     "FitError",
     "FitReport",
     "FrontierError",
+    "HIST_KEY",
+    "IsoStudy",
     "PaperFinding",
     "SigmoidOptions",
     "Study",
+    "additive_fit",
     "allocate",
+    "analyse_isocompute",
     "analyse_study",
     "bootstrap",
     "bootstrap_runs",
@@ -102,6 +109,7 @@ __all__ = [
     "fit_sigmoid",
     "fit_sigmoid_runs",
     "fit_tasks",
+    "iso_study_json",
     "load_rows",
     "p_greater",
     "parse_fit_start",
@@ -118,6 +126,7 @@ __all__ = [
     "task_metrics",
     "task_table",
     "task_table_markdown",
+    "write_iso_study",
     "write_report",
     "write_study",
 ]

@@ -1,0 +1,394 @@
+"""An iso-compute study's findings against the IsoCompute paper, its JSON, report and plots.
+
+`findings` sets each of the paper's claims (PAPERS.md section 2) beside what the study's
+splits show: `agree` / `disagree` when the interval (or the bootstrap's share of
+replicates) settles it at the study's level, `not resolved` otherwise, `descriptive` where
+the study has no interval (interference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rl_jax.scaling._iso_study import Effects, IsoStudy, NStar, SplitStudy
+
+EASY, HARD = "easy", "hard"
+
+
+def _sign(interval: tuple[float, float], expect: int) -> str:
+    """agree / disagree / not resolved for an interval and the sign the paper expects."""
+    lo, hi = interval
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "not resolved"
+    if (lo > 0 and expect > 0) or (hi < 0 and expect < 0):
+        return "agree"
+    if (lo > 0 and expect < 0) or (hi < 0 and expect > 0):
+        return "disagree"
+    return "not resolved"
+
+
+def _share(p_yes: float, p_no: float, level: float) -> str:
+    return "agree" if p_yes >= level else "disagree" if p_no >= level else "not resolved"
+
+
+def _ci(iv) -> str:
+    ok = all(math.isfinite(v) for v in iv)
+    return f"[{iv[0]:+.3f}, {iv[1]:+.3f}]" if ok else "[-]"
+
+
+def _sg(v: float) -> str:
+    return f"{v:+.3f}" if math.isfinite(v) else "-"
+
+
+def _n_vs_bp(s: SplitStudy, level: float) -> dict[str, Any] | None:
+    if not s.effects:
+        return None
+    e = s.effects[-1]
+    return {
+        "id": "n_vs_bp",
+        "claim": "at a fixed budget, n moves reward more than B_p",
+        "paper": "easy set: varying n moved reward 9.2%, varying B_p 1.9%",
+        "ours": f"at {e.budget:.4g}: over n {e.over_n:.3f} ({e.over_n / e.mean:.1%}), over B_p "
+        f"{e.over_bp:.3f} ({e.over_bp / e.mean:.1%}); difference {e.diff:+.3f} "
+        f"{_ci(e.diff_interval)}",
+        "verdict": _sign(e.diff_interval, +1),
+    }
+
+
+def _n_star_grows(s: SplitStudy, level: float) -> dict[str, Any] | None:
+    ns = s.n_star
+    if ns is None:
+        return None
+    return {
+        "id": "n_star_grows",
+        "claim": "the compute-optimal n* grows with the budget",
+        "paper": "n* grows, then saturates (7B: ~512 easy, ~128 hard)",
+        "ours": f"n* = {ns.lo:g} at {ns.lo_budget:.4g}, {ns.hi:g} at {ns.hi_budget:.4g}; "
+        f"P(grows) = {ns.p_grows:.2f}, P(shrinks) = {ns.p_shrinks:.2f}",
+        "verdict": _share(ns.p_grows, ns.p_shrinks, level),
+    }
+
+
+def _bp_early(s: SplitStudy, level: float) -> dict[str, Any] | None:
+    if len(s.effects) < 2:
+        return None
+    lo, hi = s.effects[0], s.effects[-1]
+    d = lo.draws[:, 1] - hi.draws[:, 1]
+    d = d[np.isfinite(d)]
+    q = [(1 - level) / 2, (1 + level) / 2]
+    iv = tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
+    return {
+        "id": "bp_early",
+        "claim": "B_p matters at low budgets, little later",
+        "paper": "B_p matters at low budgets and little in a moderate range",
+        "ours": f"reward moved by B_p: {lo.over_bp:.3f} at {lo.budget:.4g}, {hi.over_bp:.3f} at "
+        f"{hi.budget:.4g}; difference {lo.over_bp - hi.over_bp:+.3f} {_ci(iv)}",
+        "verdict": _sign(iv, +1),
+    }
+
+
+def _fixed_batch(s: SplitStudy, level: float) -> dict[str, Any] | None:
+    es = [e for e in s.effects if math.isfinite(e.fixed_batch)]
+    if len(es) < 2:
+        return None
+    lo, hi = es[0], es[-1]
+    v_lo, v_hi = _sign(lo.fixed_batch_interval, -1), _sign(hi.fixed_batch_interval, +1)
+    verdict = (
+        "agree"
+        if v_lo == v_hi == "agree"
+        else "disagree"
+        if "disagree" in (v_lo, v_hi)
+        else "not resolved"
+    )
+    return {
+        "id": "fixed_batch",
+        "claim": "at a fixed batch B = B_p x n, small M favours larger B_p, large M larger n",
+        "paper": "small M favours larger B_p; large M favours larger n",
+        "ours": f"reward(largest n) - reward(largest B_p) at one B, averaged over B: "
+        f"{lo.fixed_batch:+.3f} {_ci(lo.fixed_batch_interval)} at {lo.budget:.4g}, "
+        f"{hi.fixed_batch:+.3f} {_ci(hi.fixed_batch_interval)} at {hi.budget:.4g}",
+        "verdict": verdict,
+    }
+
+
+def _interference(s: SplitStudy, level: float) -> dict[str, Any] | None:
+    rows = s.interference
+    if len(rows) < 2:
+        return None
+    ext = [r["near_zero"] + r["near_one"] for r in rows]
+    flatter = ext[-1] < ext[0]
+    return {
+        "id": "interference",
+        "claim": "larger n gives a flatter per-problem pass-rate histogram",
+        "paper": "small n: a few problems race to 1, many stay at 0; larger n is flatter",
+        "ours": "share of problems with training pass rate < 0.1 or >= 0.9 at the end: "
+        + ", ".join(f"n = {r['n']:g}: {e:.2f}" for r, e in zip(rows, ext, strict=True)),
+        "verdict": "descriptive: " + ("agrees" if flatter else "does not agree"),
+    }
+
+
+def _hard_saturates_lower(study: IsoStudy) -> dict[str, Any] | None:
+    e, h = study.splits.get(EASY), study.splits.get(HARD)
+    if e is None or h is None or e.n_star is None or h.n_star is None:
+        return None
+    de, dh = e.n_star.draws_hi, h.n_star.draws_hi
+    return {
+        "split": f"{HARD} vs {EASY}",
+        "id": "hard_lower",
+        "claim": "n* at the largest budget is smaller on the hard split",
+        "paper": "n* saturates at ~128 on hard, ~512 on easy",
+        "ours": f"n* = {h.n_star.hi:g} (hard) vs {e.n_star.hi:g} (easy) at the largest budgets; "
+        f"P(hard < easy) = {np.mean(dh < de):.2f}, P(hard > easy) = {np.mean(dh > de):.2f}",
+        "verdict": _share(float(np.mean(dh < de)), float(np.mean(dh > de)), study.level),
+    }
+
+
+PER_SPLIT = (_n_vs_bp, _n_star_grows, _bp_early, _fixed_batch, _interference)
+
+
+def findings(study: IsoStudy) -> list[dict[str, Any]]:
+    """The paper's claims beside the study's numbers, per split (then across splits)."""
+    out = []
+    for name, s in study.splits.items():
+        for f in PER_SPLIT:
+            row = f(s, study.level)
+            if row is not None:
+                out.append({"split": name, **row})
+    cross = _hard_saturates_lower(study)
+    return out + ([cross] if cross else [])
+
+
+def _effects_json(e: Effects) -> dict[str, Any]:
+    d = {k: getattr(e, k) for k in Effects.__dataclass_fields__ if k != "draws"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _n_star_json(ns: NStar) -> dict[str, Any]:
+    keys = ("lo_budget", "hi_budget", "lo", "hi", "p_grows", "p_shrinks")
+    return {k: getattr(ns, k) for k in keys} | {
+        "p_lo": {f"{k:g}": v for k, v in ns.p_lo.items()},
+        "p_hi": {f"{k:g}": v for k, v in ns.p_hi.items()},
+    }
+
+
+def _split_json(s: SplitStudy) -> dict[str, Any]:
+    ns = s.n_star
+    return {
+        "runs": s.runs,
+        "frontier": s.frontier.summary(),
+        "budgets": list(s.frontier.budgets),
+        "heat": {f"{b:.6g}": m.tolist() for b, m in s.frontier.heat.items()},
+        "effects": [_effects_json(e) for e in s.effects],
+        "n_star": None if ns is None else _n_star_json(ns),
+        "interference": list(s.interference),
+        "notes": list(s.notes),
+    }
+
+
+def _finite(v):
+    """v with every non-finite float as None (strict JSON)."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    if isinstance(v, float | np.floating):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
+def iso_study_json(study: IsoStudy) -> dict[str, Any]:
+    """Everything the report prints, as strict JSON (None where a number is undefined)."""
+    return _finite(
+        {
+            "x": study.x,
+            "metric": study.metric,
+            "level": study.level,
+            "n_boot": study.n_boot,
+            "splits": {k: _split_json(s) for k, s in study.splits.items()},
+            "findings": findings(study),
+        }
+    )
+
+
+def _f(v, d=3) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.{d}f}"
+
+
+def _heat_md(s: SplitStudy) -> list[str]:
+    fr = s.frontier
+    out = []
+    for b in fr.budgets:
+        m = fr.heat[b]
+        out += [
+            f"At {b:.4g} (rows n, columns B_p):",
+            "",
+            "| n \\ B_p | " + " | ".join(f"{v:g}" for v in fr.bp_values) + " |",
+            "|---" * (len(fr.bp_values) + 1) + "|",
+        ]
+        for i, n in enumerate(fr.n_values):
+            out.append(f"| {n:g} | " + " | ".join(_f(v) for v in m[i]) + " |")
+        out.append("")
+    return out
+
+
+def _effects_md(s: SplitStudy, lvl: str) -> list[str]:
+    out = [
+        f"| budget | cells | residual sd (dof) | over n | over B_p | difference ({lvl}) | "
+        f"fixed-B: largest n - largest B_p ({lvl}) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in s.effects:
+        out.append(
+            f"| {e.budget:.4g} | {e.cells} | {_f(e.resid_sd)} ({e.dof}) | {_f(e.over_n)} "
+            f"{_ci(e.over_n_interval)} | {_f(e.over_bp)} {_ci(e.over_bp_interval)} | "
+            f"{_sg(e.diff)} {_ci(e.diff_interval)} | {_sg(e.fixed_batch)} "
+            f"{_ci(e.fixed_batch_interval)} over B = {[f'{b:g}' for b in e.fixed_batch_sizes]} |"
+        )
+    return out
+
+
+def _frontier_md(s: SplitStudy) -> list[str]:
+    fr = s.frontier
+    out = ["| n | A | B | C_mid | R0 | reliable |", "|---|---|---|---|---|---|"]
+    for n in fr.n_values:
+        f = fr.fits.get(n)
+        out.append(
+            f"| {n:g} | - | - | - | - | {fr.fit_errors.get(n)} |"
+            if f is None
+            else f"| {n:g} | {_f(f.A)} | {_f(f.B, 2)} | {f.C_mid:.4g} | {_f(f.R0)} | {f.reliable} |"
+        )
+    nf = fr.n_star_fit
+    out.append("")
+    out.append(
+        f"n*(C): no fit ({fr.n_star_note})."
+        if nf is None
+        else f"n*(C): log2 n* = {nf.R0:.2f} + ({nf.A:.2f} - {nf.R0:.2f}) / (1 + ({nf.C_mid:.4g}"
+        f" / C)^{nf.B:.2f}): n* from {2**nf.R0:.3g} to {2**nf.A:.3g} ({fr.n_star_note})."
+    )
+    ns = s.n_star
+    if ns is not None:
+        out += [
+            "",
+            f"n* on the frontier: {ns.lo:g} at {ns.lo_budget:.4g}, {ns.hi:g} at "
+            f"{ns.hi_budget:.4g}. Bootstrap share of each n as n*: "
+            + "; ".join(
+                f"{b:.4g}: " + ", ".join(f"{k:g}: {v:.2f}" for k, v in p.items())
+                for b, p in ((ns.lo_budget, ns.p_lo), (ns.hi_budget, ns.p_hi))
+            )
+            + ".",
+        ]
+    return out
+
+
+def _interference_md(s: SplitStudy) -> list[str]:
+    if not s.interference:
+        return ["No run logged `train/pass_rate_hist`."]
+    out = [
+        "| n | runs | problems seen | share < 0.1 | share >= 0.9 | histogram (10 bins) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in s.interference:
+        out.append(
+            f"| {r['n']:g} | {r['runs']} | {r['problems']} | {r['near_zero']:.2f} | "
+            f"{r['near_one']:.2f} | {' '.join(f'{v:.2f}' for v in r['share'])} |"
+        )
+    return out
+
+
+def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
+    lines = ["", f"## Split `{name}` ({s.runs} runs)", "", "### Frontier", "", *_frontier_md(s)]
+    lines += ["", f"![frontier](plots/{name}_frontier.png)", f"![n*](plots/{name}_n_star.png)"]
+    lines += [
+        "",
+        "### Reward per cell at each budget",
+        "",
+        "Each run's best-so-far evaluation at that compute (linear in log compute between"
+        " evaluations).",
+        "",
+        *_heat_md(s),
+        f"![heat maps](plots/{name}_heat.png)",
+        "",
+        "### n against B_p (additive model)",
+        "",
+        *_effects_md(s, lvl),
+        "",
+        "### Interference",
+        "",
+        *_interference_md(s),
+        "",
+        f"![interference](plots/{name}_interference.png)",
+        "",
+    ]
+    return lines + [f"- {n}" for n in (*s.notes, *s.frontier.warnings)]
+
+
+def iso_study_markdown(study: IsoStudy, *, title: str, preamble: str = "") -> str:
+    lvl = f"{study.level:.0%}"
+    lines = [f"# {title}", ""] + ([preamble.strip(), ""] if preamble else [])
+    lines += [
+        f"x = `{study.x}`, metric = `{study.metric}`; {lvl} intervals from {study.n_boot} "
+        "bootstrap replicates. How each number is computed: `rl_jax/scaling/_iso_study.py`.",
+        "",
+        "## The paper's findings and ours",
+        "",
+        "| split | claim | paper | ours | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for f in findings(study):
+        lines.append(
+            f"| {f['split']} | {f['claim']} | {f['paper']} | {f['ours']} | {f['verdict']} |"
+        )
+    for name, s in study.splits.items():
+        lines += _split_md(name, s, lvl)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _plot_interference(s: SplitStudy, stem: Path) -> list[Path]:
+    from rl_jax.scaling._plots import _figure, _save
+
+    fig = _figure()
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(s.interference), 1)
+    for k, r in enumerate(s.interference):
+        ax.bar(np.arange(10) + k * width, r["share"], width, label=f"n = {r['n']:g}")
+    ax.set_xticks(np.arange(10) + 0.4, [f"{i / 10:.1f}" for i in range(10)], fontsize=7)
+    ax.set_xlabel("latest training pass rate of a problem (bin start)")
+    ax.set_ylabel("share of problems seen")
+    ax.set_title(f"interference: split {s.split}, each run's last evaluation")
+    ax.legend(fontsize=7)
+    return _save(fig, stem, ("png",))
+
+
+def _write_plots(study: IsoStudy, out: Path) -> list[Path]:
+    from rl_jax.scaling._plots import plot_frontier, plot_heatmaps, plot_n_star
+
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    for name, s in study.splits.items():
+        fr = s.frontier
+        files += plot_frontier(fr, out / f"{name}_frontier", x_label=study.x, y_label=study.metric)
+        files += plot_n_star(fr, out / f"{name}_n_star", x_label=study.x)
+        if fr.budgets:
+            files += plot_heatmaps(fr, out / f"{name}_heat", y_label=study.metric)
+        if s.interference:
+            files += _plot_interference(s, out / f"{name}_interference")
+    return files
+
+
+def write_iso_study(
+    study: IsoStudy, out_dir: str | Path, *, title: str, preamble: str = "", plots: bool = True
+) -> list[Path]:
+    """study.json, report.md and (plots=True) PNGs under out_dir/plots."""
+    from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = _write_plots(study, out / "plots") if plots else []
+    atomic_write_text(out / "study.json", json.dumps(iso_study_json(study), indent=2) + "\n")
+    atomic_write_text(out / "report.md", iso_study_markdown(study, title=title, preamble=preamble))
+    return [out / "study.json", out / "report.md", *files]
