@@ -201,9 +201,19 @@ def test_cli_reads_a_grid_in_a_bucket(tmp_path, rows, capsys):
         fs.rm(f"/{tmp_path.name}", recursive=True)
 
 
-def test_cli_on_a_committed_study_takes_cell_knobs_from_its_spec(tmp_path, capsys):
-    # A study committed as curves.jsonl alone (experiments/results/<grid>/): the cells'
-    # other knobs (the split's) and the trainer come from the grid's spec.
+@pytest.mark.parametrize(
+    "dirname, grid_column",
+    [("isocompute_cpu", None), ("results", "isocompute_cpu"), ("isocompute_cpu", "evil")],
+)
+def test_cli_on_a_committed_study_takes_cell_knobs_from_its_spec(
+    tmp_path, capsys, dirname, grid_column
+):
+    # A study committed as curves.jsonl alone: the cells' other knobs (the split's) and the
+    # trainer come from the grid's spec, named by the rows' `grid` column or the directory.
+    # A `grid` value that is a path is never loaded (a spec file runs code).
+    if grid_column == "evil":
+        grid_column = str(tmp_path / "evil.py")
+        (tmp_path / "evil.py").write_text("raise SystemExit('a spec file named by rows ran')\n")
     from rl_jax.grid import expand, load_spec
 
     plans = expand(load_spec("isocompute_cpu"))
@@ -224,9 +234,10 @@ def test_cli_on_a_committed_study_takes_cell_knobs_from_its_spec(tmp_path, capsy
                     "sampling.n": n,
                     "data.prompts_per_batch": bp,
                     **dict(p.labels),
+                    **({"grid": grid_column} if grid_column else {}),
                 }
             )
-    d = tmp_path / "isocompute_cpu"
+    d = tmp_path / dirname
     d.mkdir()
     (d / "curves.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["allocate", "--from", str(d), "--split", "easy", "--budget", "16384"]) == 0
