@@ -11,7 +11,13 @@ import pytest
 from rl_jax.cli import main as cli_main
 from rl_jax.scaling import HIST_KEY, additive_fit, analyse_isocompute, iso_study_json
 from rl_jax.scaling._iso_report import findings
-from rl_jax.scaling._iso_study import effects_at, fixed_batch, interference
+from rl_jax.scaling._iso_study import (
+    _bin_values,
+    effects_at,
+    fixed_batch,
+    interference,
+    polarization,
+)
 from rl_jax.scaling.synthetic import isocompute_rows
 
 
@@ -61,10 +67,32 @@ def test_interference_pools_each_runs_last_histogram():
         {"run_id": "c", "step": 9, "sampling.n": 8, HIST_KEY: [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]},
         {"run_id": "d", "step": 9, "sampling.n": 8},
     ]
-    two, eight = interference(rows, "sampling.n")
+    two, eight = interference(rows, "sampling.n", n_boot=50, level=0.9, seed=0)
     assert (two["n"], two["runs"], two["problems"]) == (2, 2, 10)
     assert two["near_zero"] == pytest.approx(0.4) and two["near_one"] == pytest.approx(0.4)
     assert eight["share"][:4] == [0.25] * 4 and eight["near_one"] == 0.0
+    # Rates 0 (4 problems), 0.5 (2), 1 (4): m = 0.5, Var(r) = 0.2; Var(p) = (0.2 - 0.25 / 2)
+    # / (1 - 1/2) = 0.15 of at most 0.25.
+    assert two["mean_pass"] == pytest.approx(0.5)
+    assert two["polarization"] == pytest.approx(0.6)
+    lo, hi = two["polarization_interval"]
+    assert lo <= 0.6 <= hi
+
+
+def test_polarization_takes_out_the_binomial_noise_of_n():
+    from math import comb
+
+    # Every problem at p = 0.5, eight samples each: the histogram is Binomial(8, 0.5) / 8.
+    counts = np.zeros(10)
+    for k in range(9):
+        counts[min(int(10 * k / 8), 9)] += comb(8, k)
+    mean, pol = polarization(counts, 8)
+    assert mean == pytest.approx(0.5) and pol == pytest.approx(0.0, abs=1e-12)
+    # All-or-nothing problems: everything between problems.
+    assert polarization(np.array([7, 0, 0, 0, 0, 0, 0, 0, 0, 3]), 8)[1] == pytest.approx(1.0)
+    # n = 32 puts k = 0..3 in the first bin: their mean rate stands for it.
+    assert _bin_values(32, 10)[0] == pytest.approx(1.5 / 32)
+    assert _bin_values(2, 10)[[0, 5, 9]].tolist() == [0.0, 0.5, 1.0]
 
 
 C_MAX = 2**15

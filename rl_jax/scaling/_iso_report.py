@@ -2,8 +2,7 @@
 
 `findings` sets each of the paper's claims (PAPERS.md section 2) beside what the study's
 splits show: `agree` / `disagree` when the interval (or the bootstrap's share of
-replicates) settles it at the study's level, `not resolved` otherwise, `descriptive` where
-the study has no interval (interference).
+replicates) settles it at the study's level, `not resolved` otherwise.
 """
 
 from __future__ import annotations
@@ -120,15 +119,21 @@ def _interference(s: SplitStudy, level: float) -> dict[str, Any] | None:
     rows = s.interference
     if len(rows) < 2:
         return None
-    ext = [r["near_zero"] + r["near_one"] for r in rows]
-    flatter = ext[-1] < ext[0]
+    lo, hi = rows[0], rows[-1]
+    d = lo["draws"] - hi["draws"]
+    d = d[np.isfinite(d)]
+    q = [(1 - level) / 2, (1 + level) / 2]
+    iv = tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
     return {
         "id": "interference",
-        "claim": "larger n gives a flatter per-problem pass-rate histogram",
+        "claim": "small n polarizes problems (rich get richer); larger n is flatter",
         "paper": "small n: a few problems race to 1, many stay at 0; larger n is flatter",
-        "ours": "share of problems with training pass rate < 0.1 or >= 0.9 at the end: "
-        + ", ".join(f"n = {r['n']:g}: {e:.2f}" for r, e in zip(rows, ext, strict=True)),
-        "verdict": "descriptive: " + ("agrees" if flatter else "does not agree"),
+        "ours": "polarization of the training pass rates at the end (between-problem share "
+        "of their variance, n's binomial noise taken out): "
+        + ", ".join(f"n = {r['n']:g}: {_f(r['polarization'], 2)}" for r in rows)
+        + f"; n = {lo['n']:g} minus n = {hi['n']:g}: "
+        f"{_sg(lo['polarization'] - hi['polarization'])} {_ci(iv)}",
+        "verdict": _sign(iv, +1),
     }
 
 
@@ -185,7 +190,7 @@ def _split_json(s: SplitStudy) -> dict[str, Any]:
         "heat": {f"{b:.6g}": m.tolist() for b, m in s.frontier.heat.items()},
         "effects": [_effects_json(e) for e in s.effects],
         "n_star": None if ns is None else _n_star_json(ns),
-        "interference": list(s.interference),
+        "interference": [{k: v for k, v in r.items() if k != "draws"} for r in s.interference],
         "notes": list(s.notes),
     }
 
@@ -289,13 +294,16 @@ def _interference_md(s: SplitStudy) -> list[str]:
     if not s.interference:
         return ["No run logged `train/pass_rate_hist`."]
     out = [
-        "| n | runs | problems seen | share < 0.1 | share >= 0.9 | histogram (10 bins) |",
-        "|---|---|---|---|---|---|",
+        "| n | runs | problems seen (runs pooled) | mean pass rate | polarization | "
+        "share < 0.1 | share >= 0.9 | histogram (10 bins) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in s.interference:
         out.append(
-            f"| {r['n']:g} | {r['runs']} | {r['problems']} | {r['near_zero']:.2f} | "
-            f"{r['near_one']:.2f} | {' '.join(f'{v:.2f}' for v in r['share'])} |"
+            f"| {r['n']:g} | {r['runs']} | {r['problems']} | {r['mean_pass']:.3f} | "
+            f"{_f(r['polarization'])} {_ci(r['polarization_interval'])} | "
+            f"{r['near_zero']:.2f} | {r['near_one']:.2f} | "
+            f"{' '.join(f'{v:.2f}' for v in r['share'])} |"
         )
     return out
 

@@ -22,8 +22,11 @@ module asks of them what IsoCompute (PAPERS.md section 2) reports, with interval
   come from the scatter of the record-breaking evaluations, not from seeds.
 - **interference.** Per n (its B_p cells pooled), the histogram of the latest training
   pass rate of every problem seen, at each run's last evaluation
-  (`train/pass_rate_hist`): the share of problems near 0 and near 1. Descriptive: a run's
-  n quantizes the rates it can show (n = 2 shows 0, 0.5 or 1 only).
+  (`train/pass_rate_hist`): the shares of problems near 0 and near 1, which n's
+  quantization shapes (n = 2 shows 0, 0.5 or 1 only), and the polarization, which it
+  does not: the share of the rates' variance that lies between problems once the
+  binomial noise of n samples is taken out (`polarization`), with a bootstrap over
+  problems. "Rich get richer" is a high polarization at small n.
 
 Every number comes from deterministic code (fixed seeds), so a study's report regenerates
 bit for bit from its curves.
@@ -238,9 +241,41 @@ def _frontier_n_star(fr: Frontier, budget: float) -> float:
     return float(fr.n_star[k])
 
 
-def interference(rows: Sequence[Mapping[str, Any]], n_key: str) -> tuple[dict[str, Any], ...]:
+def _bin_values(n: int, bins: int) -> np.ndarray:
+    """Per histogram bin, the mean of the pass rates k / n a group of n can show that fall
+    in it (binned as the trainer bins them); the bin's middle where none does."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    vals = np.arange(n + 1) / n
+    count, _ = np.histogram(vals, bins=edges)
+    total, _ = np.histogram(vals, bins=edges, weights=vals)
+    middle = (edges[:-1] + edges[1:]) / 2
+    return np.where(count > 0, total / np.maximum(count, 1), middle)
+
+
+def polarization(counts: np.ndarray, n: int) -> tuple[float, float]:
+    """(mean pass rate, the share of the pass rates' variance that lies between problems):
+    each problem's observed rate is Binomial(n, p_i) / n, whose variance is Var(p) plus
+    E[p (1 - p)] / n, so Var(p) = (Var(r) - m (1 - m) / n) / (1 - 1 / n), divided here by
+    its largest value m (1 - m) (every problem at 0 or 1). 1: problems all-or-nothing
+    ("rich get richer"); 0: every problem at the mean. Rates are taken per bin (exact for
+    n <= 8 with 10 bins; within a bin's width of 0.1 otherwise)."""
+    c = np.asarray(counts, dtype=float)
+    v = _bin_values(int(n), c.size)
+    total = c.sum()
+    m = float((c * v).sum() / total)
+    var = float((c * (v - m) ** 2).sum() / total)
+    spread = m * (1.0 - m)
+    if n < 2 or spread <= 0:
+        return m, math.nan
+    return m, (var - spread / n) / ((1.0 - 1.0 / n) * spread)
+
+
+def interference(
+    rows: Sequence[Mapping[str, Any]], n_key: str, *, n_boot: int, level: float, seed: int
+) -> tuple[dict[str, Any], ...]:
     """Per n: the pooled histogram of the latest per-problem training pass rate at each
-    run's last evaluation that logged one, its share of problems near 0 and near 1."""
+    run's last evaluation that logged one, its shares of problems near 0 and near 1, and
+    its polarization with a bootstrap interval (problems resampled)."""
     last: dict[str, Mapping[str, Any]] = {}
     for r in rows:
         if r.get(HIST_KEY) is not None and sum(r[HIST_KEY]) > 0:
@@ -251,12 +286,15 @@ def interference(rows: Sequence[Mapping[str, Any]], n_key: str) -> tuple[dict[st
     runs: dict[float, int] = {}
     for r in last.values():
         n = float(r[n_key])
-        h = np.asarray(r[HIST_KEY], dtype=float)
-        by_n[n] = by_n.get(n, 0) + h
+        by_n[n] = by_n.get(n, 0) + np.asarray(r[HIST_KEY], dtype=float)
         runs[n] = runs.get(n, 0) + 1
+    rng = np.random.default_rng(seed)
+    q = [(1 - level) / 2, (1 + level) / 2]
     out = []
     for n in sorted(by_n):
         h = by_n[n]
+        mean, pol = polarization(h, int(n))
+        draws = [polarization(d, int(n))[1] for d in rng.multinomial(h.sum(), h / h.sum(), n_boot)]
         out.append(
             {
                 "n": n,
@@ -265,6 +303,10 @@ def interference(rows: Sequence[Mapping[str, Any]], n_key: str) -> tuple[dict[st
                 "share": [float(v) for v in h / h.sum()],
                 "near_zero": float(h[0] / h.sum()),
                 "near_one": float(h[-1] / h.sum()),
+                "mean_pass": mean,
+                "polarization": pol,
+                "polarization_interval": [float(v) for v in np.quantile(draws, q)],
+                "draws": np.asarray(draws),
             }
         )
     return tuple(out)
@@ -301,7 +343,7 @@ def analyse_split(
         frontier=fr,
         effects=tuple(effects),
         n_star=n_star_change(fr, n_boot=n_boot, level=level, seed=seed),
-        interference=interference(rows, n_key),
+        interference=interference(rows, n_key, n_boot=n_boot, level=level, seed=seed + 99),
         notes=tuple(notes),
     )
 
