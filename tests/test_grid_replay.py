@@ -256,3 +256,15 @@ def test_stop_early_turns_on_the_drivers_check(tmp_path, monkeypatch):
     assert callable(seen["early_stop"]) and seen["spec"].early_stop.threshold == 0.02
     assert cli.main([*args, "--stop-early"]) == 0
     assert seen["spec"].early_stop == EarlyStop()  # the defaults
+
+
+def test_a_changed_pick_says_whether_n_or_only_b_p_moved():
+    from rl_jax.grid.replay import _changed
+
+    full = {"n": 4.0, "bp": 16.0, "reward": 0.853}
+    same_n = {"n": 4.0, "bp": 8.0, "reward": 0.848}
+    assert "B_p only: the same n, cells 0.005 apart" in _changed(full, same_n, {})
+    other_n = {"n": 2.0, "bp": 8.0, "reward": 0.86}
+    assert "picks n = 2 in 37% of replicates" in _changed(
+        full, other_n, {"p_full_picks_replay_n": 0.37}
+    )

@@ -247,6 +247,18 @@ def _ranking_picks(spec: GridSpec, full: list, kept: list, runs: dict) -> tuple[
     return tuple(out)
 
 
+def _changed(full: dict, replay: dict, pick: dict) -> str:
+    if full["n"] == replay["n"]:
+        return (
+            f"  CHANGED (B_p only: the same n, cells {abs(full['reward'] - replay['reward']):.3f}"
+            " apart)"
+        )
+    return (
+        f"  CHANGED (the full grid's bootstrap picks n = {replay['n']:g} in"
+        f" {pick['p_full_picks_replay_n']:.0%} of replicates)"
+    )
+
+
 def format_replay(rep: Replay, unit: str) -> str:
     jobs = "all at once" if rep.jobs == 0 else f"{rep.jobs} at a time"
     lines = [
@@ -271,12 +283,7 @@ def format_replay(rep: Replay, unit: str) -> str:
             f"  {p['split']} at {p['budget']:.4g} {unit}: full grid n = {f['n']:g}, B_p ="
             f" {f['bp']:g} ({f['reward']:.3f}); replay n = {r['n']:g}, B_p = {r['bp']:g}"
             f" ({r['reward']:.3f})"
-            + (
-                f"  CHANGED (the full grid's bootstrap picks n = {r['n']:g} in"
-                f" {p['p_full_picks_replay_n']:.0%} of replicates)"
-                if p["changed"]
-                else ""
-            )
+            + (_changed(f, r, p) if p["changed"] else "")
         )
     lines.append("the grid's pick " + ("CHANGED" if rep.pick_changed else "unchanged"))
     lines += [f"note: {n}" for n in rep.notes]

@@ -248,11 +248,12 @@ def _effects_md(s: SplitStudy, lvl: str) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for e in s.effects:
+        sizes = ", ".join(f"{b:g}" for b in e.fixed_batch_sizes)
         out.append(
             f"| {e.budget:.4g} | {e.cells} | {_f(e.resid_sd)} ({e.dof}) | {_f(e.over_n)} "
             f"{_ci(e.over_n_interval)} | {_f(e.over_bp)} {_ci(e.over_bp_interval)} | "
             f"{_sg(e.diff)} {_ci(e.diff_interval)} | {_sg(e.fixed_batch)} "
-            f"{_ci(e.fixed_batch_interval)} over B = {[f'{b:g}' for b in e.fixed_batch_sizes]} |"
+            f"{_ci(e.fixed_batch_interval)} over B = {sizes} |"
         )
     return out
 
@@ -379,10 +380,11 @@ def _write_plots(study: IsoStudy, out: Path) -> list[Path]:
     files: list[Path] = []
     for name, s in study.splits.items():
         fr = s.frontier
-        files += plot_frontier(fr, out / f"{name}_frontier", x_label=study.x, y_label=study.metric)
-        files += plot_n_star(fr, out / f"{name}_n_star", x_label=study.x)
+        labels = {"x_label": study.x, "y_label": study.metric, "formats": ("png",)}
+        files += plot_frontier(fr, out / f"{name}_frontier", **labels)
+        files += plot_n_star(fr, out / f"{name}_n_star", x_label=study.x, formats=("png",))
         if fr.budgets:
-            files += plot_heatmaps(fr, out / f"{name}_heat", y_label=study.metric)
+            files += plot_heatmaps(fr, out / f"{name}_heat", y_label=study.metric, formats=("png",))
         if s.interference:
             files += _plot_interference(s, out / f"{name}_interference")
     return files

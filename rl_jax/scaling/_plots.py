@@ -184,7 +184,12 @@ def plot_extrapolation(
 
 
 def plot_frontier(
-    fr: Frontier, stem: str | Path, *, x_label: str = "compute", y_label: str = "reward"
+    fr: Frontier,
+    stem: str | Path,
+    *,
+    x_label: str = "compute",
+    y_label: str = "reward",
+    formats: Sequence[str] = FORMATS,
 ) -> list[Path]:
     """Record-breaking points and the monotone sigmoid of each n; the upper envelope."""
     fig = _figure()
@@ -206,10 +211,12 @@ def plot_frontier(
     ax.set_title("compute-optimal frontier (upper envelope over n)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem)
+    return _save(fig, stem, formats)
 
 
-def plot_heatmaps(fr: Frontier, stem: str | Path, *, y_label: str = "reward") -> list[Path]:
+def plot_heatmaps(
+    fr: Frontier, stem: str | Path, *, y_label: str = "reward", formats: Sequence[str] = FORMATS
+) -> list[Path]:
     """Reward over (n, B_p) at each budget; empty cells: no run reached that budget."""
     if not fr.budgets:
         raise ValueError("the frontier has no budget reached by two runs")
@@ -234,10 +241,12 @@ def plot_heatmaps(fr: Frontier, stem: str | Path, *, y_label: str = "reward") ->
             if math.isfinite(v):
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w")
     fig.colorbar(im, ax=list(axes), label=y_label, shrink=0.8)
-    return _save(fig, stem)
+    return _save(fig, stem, formats)
 
 
-def plot_n_star(fr: Frontier, stem: str | Path, *, x_label: str = "compute") -> list[Path]:
+def plot_n_star(
+    fr: Frontier, stem: str | Path, *, x_label: str = "compute", formats: Sequence[str] = FORMATS
+) -> list[Path]:
     """The compute-optimal n* along the frontier, and its sigmoid fit in log2 n*."""
     fig = _figure()
     ax = fig.add_subplot()
@@ -254,4 +263,4 @@ def plot_n_star(fr: Frontier, stem: str | Path, *, x_label: str = "compute") -> 
     ax.set_title("compute-optimal n*(C)" + ("" if fr.n_star_fit else f": {fr.n_star_note}"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, stem)
+    return _save(fig, stem, formats)
