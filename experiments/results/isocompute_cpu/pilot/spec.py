@@ -6,7 +6,9 @@ def grid():
     return base.replace(
         name="iso_pilot",
         axes=(
-            Axis.variants("split", {"easy": {"data.reverse_digits": True}}, vars={"easy": {"B_max": 1024}}),
+            Axis.variants(
+                "split", {"easy": {"data.reverse_digits": True}}, vars={"easy": {"B_max": 1024}}
+            ),
             Axis.of("sampling.n", [2, 32], short="n"),
             Axis.of("data.prompts_per_batch", [2, 16], short="bp"),
         ),
