@@ -282,8 +282,7 @@ def format_replay(rep: Replay, unit: str) -> str:
         lines.append(
             f"  {p['split']} at {p['budget']:.4g} {unit}: full grid n = {f['n']:g}, B_p ="
             f" {f['bp']:g} ({f['reward']:.3f}); replay n = {r['n']:g}, B_p = {r['bp']:g}"
-            f" ({r['reward']:.3f})"
-            + (_changed(f, r, p) if p["changed"] else "")
+            f" ({r['reward']:.3f})" + (_changed(f, r, p) if p["changed"] else "")
         )
     lines.append("the grid's pick " + ("CHANGED" if rep.pick_changed else "unchanged"))
     lines += [f"note: {n}" for n in rep.notes]
