@@ -202,6 +202,8 @@ def test_cli_collects_an_isocompute_grid_and_regenerates_bit_for_bit(tmp_path, c
     assert {n: (out / n).read_bytes() for n in first} == first
     md = first["report.md"].decode()
     assert "## The paper's findings and ours" in md and "## Split `hard` (20 runs)" in md
+    assert cli_main(["study", str(spec), "--out", str(out), "--baseline", "x"]) == 2
+    assert "--baseline: toy_iso is an iso-compute grid" in capsys.readouterr().err
     # One run left: no frontier for that split, exit 2 with the split named.
     (out / "curves.jsonl").write_text(json.dumps(kept[0]) + "\n")
     assert cli_main(["study", str(spec), "--out", str(out), "--no-plots"]) == 2

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", help="the grid spec the curves come from (file or experiments/ name)")
     p.add_argument("--out", required=True, help="study directory: curves.jsonl in, report out")
     p.add_argument("--from", dest="grid_dir", help="a grid directory to take curves.jsonl from")
-    p.add_argument("--baseline", default="", help="group to compare against (default: spec's)")
+    p.add_argument(
+        "--baseline", default="", help="leave-one-out: group to compare against (default: spec's)"
+    )
     p.add_argument("--no-plots", action="store_true")
     return p
 
@@ -66,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     spec = load_spec(a.spec)  # a ConfigError: the CLI shell prints it and exits 2
+    if a.baseline and spec.report.kind == "isocompute":
+        print(
+            f"rl-jax study: --baseline: {spec.name} is an iso-compute grid (no baseline)",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(a.out)
     dest = out / CURVES
     if a.grid_dir and not _collect(spec, Path(a.grid_dir) / CURVES, dest):
