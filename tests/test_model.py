@@ -109,6 +109,29 @@ def test_spec_errors_name_the_problem():
         ModelConfig(architecture="gpt2")
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"num_heads": 8, "num_kv_heads": 3}, "model.num_heads=8 must be a multiple of"),
+        ({"head_dim": 7}, "model.head_dim=7 must be even"),
+        ({"num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok=5 must be in"),
+        ({"attention_block": 0}, "model.attention_block=0 must be in"),
+    ],
+)
+def test_config_and_spec_are_checked_by_one_validator(fields, message):
+    """A pair of fields no preset can repair is refused by the config itself (before any
+    checkpoint is read), with the message the resolved spec gives for it."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(preset="tiny", **fields)
+    spec = resolve_spec(ModelConfig(preset="tiny-moe"))
+    with pytest.raises(ConfigError, match=message):
+        spec.replace(**fields)
+    # Zeros are "from the preset" in a config and refused in a spec.
+    ModelConfig(hidden_size=0)
+    with pytest.raises(ConfigError, match="model.hidden_size=0 must be > 0"):
+        spec.replace(hidden_size=0)
+
+
 def test_flops_formula():
     s = resolve_spec(ModelConfig(preset="bench"))
     D, F, H, K, hd, L, V = 256, 688, 4, 2, 64, 4, 512

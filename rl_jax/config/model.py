@@ -101,9 +101,6 @@ class ModelConfig:
 
     def __post_init__(self):
         check_numbers("model", self)
-        check_choice("model", "architecture", self.architecture, ("",) + ARCHITECTURES)
-        check_choice("model", "param_dtype", self.param_dtype, DTYPES)
-        check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         # `model.tie_embeddings=false` arrives from YAML-typed overrides as the string
         # 'False': accept any capitalization.
         object.__setattr__(self, "tie_embeddings", str(self.tie_embeddings).lower())
@@ -111,25 +108,75 @@ class ModelConfig:
         object.__setattr__(self, "norm_topk_prob", str(self.norm_topk_prob).lower())
         check_choice("model", "norm_topk_prob", self.norm_topk_prob, NORM_TOPK_CHOICES)
         object.__setattr__(self, "remat", remat_policy(self.remat))
-        check_choice("model", "remat", self.remat, REMAT_CHOICES)
-        check_choice("model", "attention", self.attention, ATTENTION_CHOICES)
-        check_range("model", "attention_block", self.attention_block, lo=1, hi=2**31 - 1)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position",
-            "num_experts",
-            "num_experts_per_tok",
-            "moe_intermediate_size",
-        ):
-            # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
-            check_range("model", name, getattr(self, name), lo=0, hi=2**31 - 1)
-        check_range("model", "logprob_chunk", self.logprob_chunk, lo=-1, hi=2**31 - 1)
-        for name in ("rope_theta", "rms_norm_eps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = default)")
+        check_model(self, resolved=False)
+
+
+# The sizes of a decoder: 0 in a ModelConfig means "from the preset or the checkpoint".
+DIMENSIONS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position",
+)
+EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def check_model(m, *, resolved: bool) -> None:
+    """The one validation of a model's description, for a `ModelConfig` (resolved=False:
+    0 or '' mean "from the preset or the checkpoint") and for the `ModelSpec` resolved from
+    it (resolved=True: every dimension set). A check between two fields runs as soon as
+    both are set, so a config that no preset can fix is refused before any loading."""
+    check_choice(
+        "model", "architecture", m.architecture, ARCHITECTURES + (() if resolved else ("",))
+    )
+    check_choice("model", "param_dtype", m.param_dtype, DTYPES)
+    check_choice("model", "compute_dtype", m.compute_dtype, DTYPES)
+    check_choice("model", "remat", m.remat, REMAT_CHOICES)
+    check_choice("model", "attention", m.attention, ATTENTION_CHOICES)
+    check_range("model", "attention_block", m.attention_block, lo=1, hi=2**31 - 1)
+    for name in DIMENSIONS + EXPERTS:
+        value = getattr(m, name)
+        if resolved and name in DIMENSIONS and value <= 0:
+            raise ConfigError(f"model.{name}={value} must be > 0")
+        # 0 = from the preset/checkpoint; above int32 no array dimension is meant.
+        check_range("model", name, value, lo=0, hi=2**31 - 1)
+    check_range("model", "logprob_chunk", m.logprob_chunk, lo=-1, hi=2**31 - 1)
+    for name in ("rope_theta", "rms_norm_eps"):
+        if getattr(m, name) < 0 or (resolved and name == "rope_theta" and m.rope_theta == 0):
+            raise ConfigError(
+                f"model.{name}={getattr(m, name)} must be "
+                + ("> 0" if resolved else ">= 0 (0 = default)")
+            )
+    if m.num_heads and m.num_kv_heads and m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of "
+            f"model.num_kv_heads={m.num_kv_heads} (grouped-query attention)"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even (RoPE pairs)")
+    _check_experts(m, resolved=resolved)
+
+
+def _check_experts(m, *, resolved: bool) -> None:
+    E, k, Fe = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    if E and k and not k <= E:
+        raise ConfigError(
+            f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
+            "(a mixture-of-experts model routes each token to k experts)"
+        )
+    if not (resolved and E):
+        return
+    if not k:
+        raise ConfigError(
+            f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
+            "(a mixture-of-experts model routes each token to k experts)"
+        )
+    if Fe <= 0:
+        raise ConfigError(
+            f"model.moe_intermediate_size={Fe} must be > 0 with model.num_experts={E} "
+            "(each expert's MLP width)"
+        )

@@ -11,15 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rl_jax.config.model import (
-    ARCHITECTURES,
-    ATTENTION_CHOICES,
-    DTYPES,
-    REMAT_CHOICES,
-    ModelConfig,
-    remat_policy,
-)
-from rl_jax.knobs import ConfigError, check_choice
+from rl_jax.config.model import ARCHITECTURES, ModelConfig, check_model, remat_policy
+from rl_jax.knobs import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,54 +68,8 @@ class ModelSpec:
     pad_token_id: int = -1
 
     def __post_init__(self):
-        check_choice("model", "architecture", self.architecture, ARCHITECTURES)
-        check_choice("model", "param_dtype", self.param_dtype, DTYPES)
-        check_choice("model", "compute_dtype", self.compute_dtype, DTYPES)
         object.__setattr__(self, "remat", remat_policy(self.remat))
-        check_choice("model", "remat", self.remat, REMAT_CHOICES)
-        check_choice("model", "attention", self.attention, ATTENTION_CHOICES)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position",
-            "attention_block",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={self.num_heads} must be a multiple of "
-                f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE pairs)")
-        if self.rope_theta <= 0:
-            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
-        if self.logprob_chunk < -1:
-            raise ConfigError(f"model.logprob_chunk={self.logprob_chunk} must be >= -1 (auto)")
-        self._check_experts()
-
-    def _check_experts(self) -> None:
-        E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
-        if E < 0:
-            raise ConfigError(f"model.num_experts={E} must be >= 0 (0 = a dense MLP)")
-        if not E:
-            return
-        if not 1 <= k <= E:
-            raise ConfigError(
-                f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
-                "(a mixture-of-experts model routes each token to k experts)"
-            )
-        if Fe <= 0:
-            raise ConfigError(
-                f"model.moe_intermediate_size={Fe} must be > 0 with model.num_experts={E} "
-                "(each expert's MLP width)"
-            )
+        check_model(self, resolved=True)
 
     @property
     def is_moe(self) -> bool:
