@@ -11,7 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rl_jax.config.model import ARCHITECTURES, ModelConfig, check_model, remat_policy
+from rl_jax.config.model import (
+    ARCHITECTURES,
+    DIMENSIONS,
+    EXPERTS,
+    ModelConfig,
+    check_model,
+    remat_policy,
+)
 from rl_jax.knobs import ConfigError
 
 
@@ -390,21 +397,8 @@ def arch_flags(architecture: str, attention_bias: bool = False) -> dict[str, boo
     raise ConfigError(f"model.architecture={architecture!r} is not one of {list(ARCHITECTURES)}")
 
 
-_OVERRIDABLE = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "rope_theta",
-    "max_position",
-    "rms_norm_eps",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
+# What a ModelConfig's nonzero fields override in the preset's or checkpoint's fields.
+_OVERRIDABLE = (*DIMENSIONS, "rope_theta", "rms_norm_eps", *EXPERTS)
 _REQUIRED = (
     "architecture",
     "vocab_size",

@@ -31,6 +31,14 @@ def _sign(interval: tuple[float, float], expect: int) -> str:
     return "not resolved"
 
 
+def _diff_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
+    """Percentile interval of a - b over paired bootstrap draws (non-finite pairs dropped)."""
+    d = a - b
+    d = d[np.isfinite(d)]
+    q = [(1 - level) / 2, (1 + level) / 2]
+    return tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
+
+
 def _share(p_yes: float, p_no: float, level: float) -> str:
     return "agree" if p_yes >= level else "disagree" if p_no >= level else "not resolved"
 
@@ -77,10 +85,7 @@ def _bp_early(s: SplitStudy, level: float) -> dict[str, Any] | None:
     if len(s.effects) < 2:
         return None
     lo, hi = s.effects[0], s.effects[-1]
-    d = lo.draws[:, 1] - hi.draws[:, 1]
-    d = d[np.isfinite(d)]
-    q = [(1 - level) / 2, (1 + level) / 2]
-    iv = tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
+    iv = _diff_interval(lo.draws[:, 1], hi.draws[:, 1], level)
     return {
         "id": "bp_early",
         "claim": "B_p matters at low budgets, little later",
@@ -120,10 +125,7 @@ def _interference(s: SplitStudy, level: float) -> dict[str, Any] | None:
     if len(rows) < 2:
         return None
     lo, hi = rows[0], rows[-1]
-    d = lo["draws"] - hi["draws"]
-    d = d[np.isfinite(d)]
-    q = [(1 - level) / 2, (1 + level) / 2]
-    iv = tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
+    iv = _diff_interval(lo["draws"], hi["draws"], level)
     return {
         "id": "interference",
         "claim": "small n polarizes problems (rich get richer); larger n is flatter",
