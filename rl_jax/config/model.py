@@ -163,19 +163,12 @@ def check_model(m, *, resolved: bool) -> None:
 
 def _check_experts(m, *, resolved: bool) -> None:
     E, k, Fe = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
-    if E and k and not k <= E:
+    if (E and k > E) or (resolved and E and not k):
         raise ConfigError(
             f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
             "(a mixture-of-experts model routes each token to k experts)"
         )
-    if not (resolved and E):
-        return
-    if not k:
-        raise ConfigError(
-            f"model.num_experts_per_tok={k} must be in [1, model.num_experts={E}] "
-            "(a mixture-of-experts model routes each token to k experts)"
-        )
-    if Fe <= 0:
+    if resolved and E and Fe <= 0:
         raise ConfigError(
             f"model.moe_intermediate_size={Fe} must be > 0 with model.num_experts={E} "
             "(each expert's MLP width)"
