@@ -61,9 +61,15 @@ def test_fixed_batch_contrast_by_hand():
 def test_interference_pools_each_runs_last_histogram():
     rows = [
         {"run_id": "a", "step": 0, "sampling.n": 2, HIST_KEY: [0] * 10},
-        {"run_id": "a", "step": 5, "sampling.n": 2, HIST_KEY: [3, 0, 0, 0, 0, 1, 0, 0, 0, 0]},
-        {"run_id": "a", "step": 9, "sampling.n": 2, HIST_KEY: [4, 0, 0, 0, 0, 2, 0, 0, 0, 2]},
-        {"run_id": "b", "step": 9, "sampling.n": 2, HIST_KEY: [0, 0, 0, 0, 0, 0, 0, 0, 0, 2]},
+        {"run_id": "a", "step": 5, "rollouts": 50, "sampling.n": 2, HIST_KEY: [3] + [0] * 9},
+        {
+            "run_id": "a",
+            "step": 9,
+            "rollouts": 90,
+            "sampling.n": 2,
+            HIST_KEY: [4, 0, 0, 0, 0, 2, 0, 0, 0, 2],
+        },
+        {"run_id": "b", "step": 9, "rollouts": 90, "sampling.n": 2, HIST_KEY: [0] * 9 + [2]},
         {"run_id": "c", "step": 9, "sampling.n": 8, HIST_KEY: [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]},
         {"run_id": "d", "step": 9, "sampling.n": 8},
     ]
@@ -77,6 +83,8 @@ def test_interference_pools_each_runs_last_histogram():
     assert two["polarization"] == pytest.approx(0.6)
     lo, hi = two["polarization_interval"]
     assert lo <= 0.6 <= hi
+    # Over training: only where both runs of n = 2 were evaluated (90 rollouts, not 50).
+    assert two["over_training"] == [[90.0, pytest.approx(0.6)]]
 
 
 def test_polarization_takes_out_the_binomial_noise_of_n():

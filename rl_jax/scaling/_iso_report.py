@@ -297,14 +297,19 @@ def _interference_md(s: SplitStudy) -> list[str]:
     if not s.interference:
         return ["No run logged `train/pass_rate_hist`."]
     out = [
+        "At each run's last evaluation, its runs pooled; polarization over training: at the"
+        " first and last compute all of n's runs were evaluated at.",
+        "",
         "| n | runs | problems seen (runs pooled) | mean pass rate | polarization | "
-        "share < 0.1 | share >= 0.9 | histogram (10 bins) |",
-        "|---|---|---|---|---|---|---|---|",
+        "over training | share < 0.1 | share >= 0.9 | histogram (10 bins) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in s.interference:
+        tr = r["over_training"]
+        course = f"{_f(tr[0][1])} -> {_f(tr[-1][1])}" if tr else "-"
         out.append(
             f"| {r['n']:g} | {r['runs']} | {r['problems']} | {r['mean_pass']:.3f} | "
-            f"{_f(r['polarization'])} {_ci(r['polarization_interval'])} | "
+            f"{_f(r['polarization'])} {_ci(r['polarization_interval'])} | {course} | "
             f"{r['near_zero']:.2f} | {r['near_one']:.2f} | "
             f"{' '.join(f'{v:.2f}' for v in r['share'])} |"
         )
@@ -333,6 +338,7 @@ def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
         *_interference_md(s),
         "",
         f"![interference](plots/{name}_interference.png)",
+        f"![polarization over training](plots/{name}_polarization.png)",
         "",
     ]
     return lines + [f"- {n}" for n in (*s.notes, *s.frontier.warnings)]
@@ -375,6 +381,24 @@ def _plot_interference(s: SplitStudy, stem: Path) -> list[Path]:
     return _save(fig, stem, ("png",))
 
 
+def _plot_polarization(s: SplitStudy, stem: Path, x: str) -> list[Path]:
+    from rl_jax.scaling._plots import _figure, _save
+
+    fig = _figure()
+    ax = fig.add_subplot()
+    for r in s.interference:
+        if r["over_training"]:
+            c, v = np.array(r["over_training"]).T
+            ax.plot(c, v, "o-", ms=3, label=f"n = {r['n']:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel("polarization (between-problem share of variance)")
+    ax.set_title(f"interference over training: split {s.split}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, stem, ("png",))
+
+
 def _write_plots(study: IsoStudy, out: Path) -> list[Path]:
     from rl_jax.scaling._plots import plot_frontier, plot_heatmaps, plot_n_star
 
@@ -389,6 +413,7 @@ def _write_plots(study: IsoStudy, out: Path) -> list[Path]:
             files += plot_heatmaps(fr, out / f"{name}_heat", y_label=study.metric, formats=("png",))
         if s.interference:
             files += _plot_interference(s, out / f"{name}_interference")
+            files += _plot_polarization(s, out / f"{name}_polarization", study.x)
     return files
 
 

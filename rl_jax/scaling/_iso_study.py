@@ -270,18 +270,39 @@ def polarization(counts: np.ndarray, n: int) -> tuple[float, float]:
     return m, (var - spread / n) / ((1.0 - 1.0 / n) * spread)
 
 
+def _trajectory(rows, n_key: str, x: str, n: float, runs: int) -> list[list[float]]:
+    """[[compute, polarization]] of n's runs pooled, at each compute where every one of
+    its `runs` runs logged a histogram (the diagnostic over training)."""
+    at: dict[float, list] = {}
+    for r in rows:
+        if float(r[n_key]) == n and r.get(x) is not None:
+            at.setdefault(float(r[x]), []).append(np.asarray(r[HIST_KEY], dtype=float))
+    return [
+        [c, polarization(np.sum(hs, axis=0), int(n))[1]]
+        for c, hs in sorted(at.items())
+        if len(hs) == runs and c > 0
+    ]
+
+
 def interference(
-    rows: Sequence[Mapping[str, Any]], n_key: str, *, n_boot: int, level: float, seed: int
+    rows: Sequence[Mapping[str, Any]],
+    n_key: str,
+    *,
+    x: str = "rollouts",
+    n_boot: int,
+    level: float,
+    seed: int,
 ) -> tuple[dict[str, Any], ...]:
     """Per n: the pooled histogram of the latest per-problem training pass rate at each
-    run's last evaluation that logged one, its shares of problems near 0 and near 1, and
-    its polarization with a bootstrap interval (problems resampled)."""
+    run's last evaluation that logged one, its shares of problems near 0 and near 1, its
+    polarization with a bootstrap interval (problems resampled), and the polarization at
+    each compute `x` all its runs were evaluated at."""
+    rows = [r for r in rows if r.get(HIST_KEY) is not None and sum(r[HIST_KEY]) > 0]
     last: dict[str, Mapping[str, Any]] = {}
     for r in rows:
-        if r.get(HIST_KEY) is not None and sum(r[HIST_KEY]) > 0:
-            rid = str(r.get("run_id"))
-            if rid not in last or r.get("step", 0) >= last[rid].get("step", 0):
-                last[rid] = r
+        rid = str(r.get("run_id"))
+        if rid not in last or r.get("step", 0) >= last[rid].get("step", 0):
+            last[rid] = r
     by_n: dict[float, np.ndarray] = {}
     runs: dict[float, int] = {}
     for r in last.values():
@@ -307,6 +328,7 @@ def interference(
                 "polarization": pol,
                 "polarization_interval": [float(v) for v in np.quantile(draws, q)],
                 "draws": np.asarray(draws),
+                "over_training": _trajectory(rows, n_key, x, n, runs[n]),
             }
         )
     return tuple(out)
@@ -343,7 +365,7 @@ def analyse_split(
         frontier=fr,
         effects=tuple(effects),
         n_star=n_star_change(fr, n_boot=n_boot, level=level, seed=seed),
-        interference=interference(rows, n_key, n_boot=n_boot, level=level, seed=seed + 99),
+        interference=interference(rows, n_key, x=x, n_boot=n_boot, level=level, seed=seed + 99),
         notes=tuple(notes),
     )
 
