@@ -399,14 +399,10 @@ def arch_flags(architecture: str, attention_bias: bool = False) -> dict[str, boo
 
 # What a ModelConfig's nonzero fields override in the preset's or checkpoint's fields.
 _OVERRIDABLE = (*DIMENSIONS, "rope_theta", "rms_norm_eps", *EXPERTS)
+# What a spec cannot be built without (head_dim defaults to D / H, max_position to 2048).
 _REQUIRED = (
     "architecture",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
+    *(d for d in DIMENSIONS if d not in ("head_dim", "max_position")),
     "rope_theta",
 )
 
