@@ -7,7 +7,6 @@ replicates) settles it at the study's level, `not resolved` otherwise.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from rl_jax.scaling._iso_study import Effects, IsoStudy, NStar, SplitStudy
+from rl_jax.scaling._study_report import write_files
 
 EASY, HARD = "easy", "hard"
 
@@ -421,11 +421,9 @@ def write_iso_study(
     study: IsoStudy, out_dir: str | Path, *, title: str, preamble: str = "", plots: bool = True
 ) -> list[Path]:
     """study.json, report.md and (plots=True) PNGs under out_dir/plots."""
-    from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_plots(study, out / "plots") if plots else []
-    atomic_write_text(out / "study.json", json.dumps(iso_study_json(study), indent=2) + "\n")
-    atomic_write_text(out / "report.md", iso_study_markdown(study, title=title, preamble=preamble))
-    return [out / "study.json", out / "report.md", *files]
+    return write_files(
+        out_dir,
+        data=iso_study_json(study),
+        markdown=iso_study_markdown(study, title=title, preamble=preamble),
+        plots=(lambda out: _write_plots(study, out / "plots")) if plots else None,
+    )

@@ -341,15 +341,26 @@ def _write_plots(study: Study, out: Path) -> list[Path]:
     return files
 
 
-def write_study(
-    study: Study, out_dir: str | Path, *, title: str, preamble: str = "", plots: bool = True
-) -> list[Path]:
-    """study.json, report.md and (plots=True) PNGs under out_dir/plots."""
+def write_files(out_dir: str | Path, *, data: dict, markdown: str, plots=None) -> list[Path]:
+    """A study's `study.json` (data) and `report.md` (markdown) in out_dir, after
+    `plots(out_dir)` where given (it writes the figures and returns their paths)."""
     from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = _write_plots(study, out) if plots else []
-    atomic_write_text(out / "study.json", json.dumps(study_json(study), indent=2) + "\n")
-    atomic_write_text(out / "report.md", study_markdown(study, title=title, preamble=preamble))
+    files = plots(out) if plots is not None else []
+    atomic_write_text(out / "study.json", json.dumps(data, indent=2) + "\n")
+    atomic_write_text(out / "report.md", markdown)
     return [out / "study.json", out / "report.md", *files]
+
+
+def write_study(
+    study: Study, out_dir: str | Path, *, title: str, preamble: str = "", plots: bool = True
+) -> list[Path]:
+    """study.json, report.md and (plots=True) PNGs under out_dir/plots."""
+    return write_files(
+        out_dir,
+        data=study_json(study),
+        markdown=study_markdown(study, title=title, preamble=preamble),
+        plots=(lambda out: _write_plots(study, out)) if plots else None,
+    )
