@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.scaling._iso_study import Effects, IsoStudy, NStar, SplitStudy
+from rl_jax.scaling._iso_study import Effects, IsoStudy, NStar, SplitStudy, percentile_interval
 from rl_jax.scaling._study_report import write_files
 
 EASY, HARD = "easy", "hard"
@@ -29,14 +29,6 @@ def _sign(interval: tuple[float, float], expect: int) -> str:
     if (lo > 0 and expect < 0) or (hi < 0 and expect > 0):
         return "disagree"
     return "not resolved"
-
-
-def _diff_interval(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
-    """Percentile interval of a - b over paired bootstrap draws (non-finite pairs dropped)."""
-    d = a - b
-    d = d[np.isfinite(d)]
-    q = [(1 - level) / 2, (1 + level) / 2]
-    return tuple(float(v) for v in np.quantile(d, q)) if d.size else (math.nan, math.nan)
 
 
 def _share(p_yes: float, p_no: float, level: float) -> str:
@@ -85,7 +77,7 @@ def _bp_early(s: SplitStudy, level: float) -> dict[str, Any] | None:
     if len(s.effects) < 2:
         return None
     lo, hi = s.effects[0], s.effects[-1]
-    iv = _diff_interval(lo.draws[:, 1], hi.draws[:, 1], level)
+    iv = percentile_interval(lo.draws[:, 1] - hi.draws[:, 1], level)
     return {
         "id": "bp_early",
         "claim": "B_p matters at low budgets, little later",
@@ -125,7 +117,7 @@ def _interference(s: SplitStudy, level: float) -> dict[str, Any] | None:
     if len(rows) < 2:
         return None
     lo, hi = rows[0], rows[-1]
-    iv = _diff_interval(lo["draws"], hi["draws"], level)
+    iv = percentile_interval(lo["draws"] - hi["draws"], level)
     return {
         "id": "interference",
         "claim": "small n polarizes problems (rich get richer); larger n is flatter",

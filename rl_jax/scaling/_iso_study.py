@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from rl_jax.scaling._allocate import _replicates
+from rl_jax.scaling._bootstrap import _quantiles
 from rl_jax.scaling._curves import CurveError, curves_from_rows
 from rl_jax.scaling._isocompute import Frontier, FrontierError, fit_frontier
 from rl_jax.scaling._sigmoid import FitError
@@ -132,6 +133,14 @@ def additive_fit(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, i
     return alpha, beta, fitted, int(ii.size - np.linalg.matrix_rank(X))
 
 
+def percentile_interval(draws: np.ndarray, level: float) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws, non-finite ones dropped (nan, nan
+    without any)."""
+    d = np.asarray(draws, dtype=float)
+    d = d[np.isfinite(d)]
+    return tuple(float(v) for v in np.quantile(d, _quantiles(level))) if d.size else (math.nan,) * 2
+
+
 def _spread(v: np.ndarray) -> float:
     v = v[np.isfinite(v)]
     return float(v.max() - v.min()) if v.size >= 2 else math.nan
@@ -179,11 +188,9 @@ def effects_at(
         m[ok] = fitted[ok] + rng.choice(scaled, size=resid.size, replace=True)
         reps.append(_stats(m, n_values, bp_values))
     reps = np.array(reps)
-    q = [(1 - level) / 2, (1 + level) / 2]
 
     def interval(k):
-        col = reps[:, k][np.isfinite(reps[:, k])]
-        return tuple(float(v) for v in np.quantile(col, q)) if col.size else (math.nan,) * 2
+        return percentile_interval(reps[:, k], level)
 
     point = _stats(mat, n_values, bp_values)
     return Effects(
@@ -310,7 +317,7 @@ def interference(
         by_n[n] = by_n.get(n, 0) + np.asarray(r[HIST_KEY], dtype=float)
         runs[n] = runs.get(n, 0) + 1
     rng = np.random.default_rng(seed)
-    q = [(1 - level) / 2, (1 + level) / 2]
+    q = _quantiles(level)
     out = []
     for n in sorted(by_n):
         h = by_n[n]
