@@ -30,7 +30,9 @@ import sys
 from rl_jax import kernels
 from rl_jax.config import load_recipe
 from rl_jax.kernels import tpu, xla
-from rl_jax.plan._programs import OutOfMemory, _batch, _build, _compile, plan_target
+from rl_jax.plan._programs import OutOfMemory, _compile, _programs, plan_target
+from rl_jax.train.accounting import passes
+from rl_jax.train.step import abstract_batch
 
 
 def _measure(fn, *args) -> dict:
@@ -54,15 +56,16 @@ def _measure(fn, *args) -> dict:
 def _program(args, cfg, spec, mesh, rules, tp, tg) -> dict:
     """The chosen program (or both log-prob passes) compiled."""
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    b = _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg)
+    run = _programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg)
     if args.program == "train_step":
-        return _measure(b.update, *b.update_args)
-    params, stacked = b.logprob_args
-    whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
+        fn, state_and_batch, _ = run["train_step"]
+        return _measure(fn, *state_and_batch)
+    fn, (params, stacked), _ = run["logprob"]
+    whole = abstract_batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
     return {
         "logprob": {
-            "minibatches": {"rows_per_pass": P * G // M, **_measure(b.logprob, params, stacked)},
-            "whole_batch": {"rows_per_pass": P * G, **_measure(b.logprob, params, whole)},
+            "minibatches": {"rows_per_pass": P * G // M, **_measure(fn, params, stacked)},
+            "whole_batch": {"rows_per_pass": P * G, **_measure(fn, params, whole)},
         }
     }
 
@@ -79,9 +82,7 @@ def main() -> None:
         load_recipe(args.recipe, args.overrides), args.topology
     )
     sc, M = cfg.sampling, cfg.train.updates_per_batch
-    if args.program == "logprob" and (
-        _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg).logprob is None
-    ):
+    if args.program == "logprob" and "logprob" not in passes(cfg).calls:
         print(
             f"--program logprob: recipe {args.recipe} runs no log-prob pass (it needs"
             " train.updates_per_batch > 1, loss.tis or loss.kl_coef > 0)",

@@ -172,9 +172,9 @@ def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):
         pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
 
     def update_program(mesh):
-        kw = dict(minibatches=1, tp=tp, tg=tg)
-        b = pp._build(cfg, spec, mesh, rules, **kw)
-        return b.update.trace(*b.update_args).lower()
+        run = pp._programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
+        fn, args, _ = run["train_step"]
+        return fn.trace(*args).lower()
 
     compiled = update_program(mesh).compile()
     # 2 forwards (prompt, completions) and each one's dq and dkv kernels, more than once

@@ -192,16 +192,15 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, programs=counted, **kw)
     with pp.compile_jobs(2):  # the counting programs compiled on two threads
         c3 = pp._layer_costs(cfg, spec3, mesh, rules, M=2, programs=counted, **kw)
-    b = pp._build(cfg, spec3, mesh, rules, minibatches=2, **kw)
-    scanned = pp._cost(pp._compile(b.update, *b.update_args))
+    run = pp._programs(cfg, spec3, mesh, rules, tp).step_programs(tp, tg, minibatches=2)
+    fn, args, _ = run["train_step"]
+    scanned = pp._cost(pp._compile(fn, *args))
     with pp._unrolled_scans(), loops.unrolled():
-        b = pp._build(cfg, spec3, mesh, rules, minibatches=2, **kw)
-        fn, args, static = b.engine_programs["prefill_insert"]
-        logprob, logprob_args, _ = b.forwards["logprob"]
+        run = pp._programs(cfg, spec3, mesh, rules, tp).step_programs(tp, tg, minibatches=2)
         truth = {
-            "train_step": pp._cost(pp._compile(b.update, *b.update_args)),
-            "logprob": pp._cost(pp._compile(logprob, *logprob_args)),
-            "prefill_insert": pp._cost(pp._compile(fn, *args, **static)),
+            name: pp._cost(pp._compile(fn, *args, **kw))
+            for name, (fn, args, kw) in run.items()
+            if name in counted
         }
     for name, (flops, moved) in truth.items():
         assert c3[name][0] == pytest.approx(flops, rel=0.02), name
@@ -312,9 +311,9 @@ def test_engine_prefill_compiles_with_one_prompt_per_batch_shard(no_compilation_
         "sampling.engine_slots=96",
     ]
     cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
-    b = pp._build(cfg, spec, mesh, rules, minibatches=8, tp=tp, tg=tg)
-    assert (b.engine.slots, b.engine.prefill_prompts) == (96, 16)
-    fn, args, kw = b.engine_programs["prefill_insert"]
+    progs = pp._programs(cfg, spec, mesh, rules, tp)
+    assert (progs.engine.slots, progs.engine.prefill_prompts) == (96, 16)
+    fn, args, kw = progs.step_programs(tp, tg)["prefill_insert"]
     compiled, _ = pp._compile(fn, *args, **kw)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
@@ -348,8 +347,9 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     kw = dict(tp=tp, tg=tg)
     got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
     with pp._unrolled_scans(), loops.unrolled():
-        b = pp._build(cfg, spec, mesh, rules, minibatches=1, **kw)
-        truth = pp._cost(pp._compile(b.update, *b.update_args))
+        run = pp._programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
+        fn, args, _ = run["train_step"]
+        truth = pp._cost(pp._compile(fn, *args))
     # 16 prompt keys in one block: no loop; 16 completions after them over 32 keys in
     # blocks of 16: 2 causal block pairs; 16 completions' LM head in chunks of 4. Each
     # loop once more.

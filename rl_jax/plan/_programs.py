@@ -24,14 +24,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rl_jax.config import RunConfig, resolved
 from rl_jax.kernels import loops
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import dtype_of, param_shardings
+from rl_jax.models.transformer import dtype_of
 from rl_jax.plan._advice import advice
 from rl_jax.plan._assumed import (
     SCALERL_BUDGET_ROLLOUTS,
@@ -43,10 +43,8 @@ from rl_jax.plan._collectives import collective_bytes
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
-from rl_jax.sampling import Engine
 from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import (
-    batch_sharding,
     get_rules,
     make_mesh,
     resolve_axis_sizes,
@@ -54,15 +52,11 @@ from rl_jax.sharding import (
 from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import (
     TRAIN_PASSES,
-    Passes,
     extra_forwards,
     forward_flops,
     num_waves,
-    passes,
 )
-from rl_jax.train.params import LORA_KEY, ParamPlan
-from rl_jax.train.parts import check_sizes, run_engine, run_optimizer, run_programs
-from rl_jax.train.step import TrainBatch
+from rl_jax.train.parts import Programs, build_programs, check_sizes
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
 
@@ -172,17 +166,15 @@ def plan_run(
     off, k = cfg.train.off_policy, cfg.train.off_policy_k
     batch_prompts = P * k if off == "ppo_off_policy" else P
     in_flight_batches = num_waves(cfg) if off == "pipeline" else 1
-    b = _build(cfg, spec, mesh, rules, minibatches=M, tp=tp, tg=tg)
-    params, opt, engine = b.params, b.opt, b.engine
+    progs = _programs(cfg, spec, mesh, rules, tp)
+    (params, opt), engine, runs = progs.state_shapes, progs.engine, progs.passes
     param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
-    ref_bytes = param_bytes if b.passes.ref else 0  # the frozen reference policy stays resident
+    ref_bytes = param_bytes if runs.ref else 0  # the frozen reference policy stays resident
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
-    real = {"train_step": _submit(b.update, *b.update_args)}
-    for name, (fn, args, _) in b.forwards.items():
-        real[name] = _submit(fn, *args)
-    for name, (fn, args, kw) in b.engine_programs.items():
-        real[name] = _submit(fn, *args, **kw)
+    real = {
+        n: _submit(fn, *args, **kw) for n, (fn, args, kw) in progs.step_programs(tp, tg).items()
+    }
     # The engine's state is laid out by its own constraints, known before compiling.
     state = engine.abstract_state()
     state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
@@ -212,7 +204,7 @@ def plan_run(
                 cost=costs["train_step"],
             )
         )
-        for name, (_, _, calls) in b.forwards.items():  # a forward over the batch each
+        for name, calls in runs.calls.items():  # a forward over the batch each
             programs.append(
                 report(
                     name,
@@ -226,12 +218,14 @@ def plan_run(
         # The engine's programs run while the optimizer state (and the reference) stay resident
         # (the sampler's state is the programs' argument). The state the view is made from
         # stays too, unless the view is the state itself.
-        state_resident = param_bytes if b.state_resident else 0
+        state_resident = 0 if progs.plan.identity else param_bytes
         beside = opt_bytes + ref_bytes + state_resident
         weight_bytes = _chip_bytes(
             {
                 n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-                for n, a in _resharded(b.weights, engine.param_shardings()).items()
+                for n, a in _resharded(
+                    progs.plan.abstract_view(params), engine.param_shardings()
+                ).items()
             }
         )
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
@@ -351,27 +345,6 @@ def plan_run(
     return plan
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Built:
-    """A run's programs for one model spec, on abstract arrays (nothing compiled), as
-    the trainer builds them (`rl_jax.train.parts`: `run_optimizer`, `run_programs`,
-    `run_engine`)."""
-
-    params: dict  # the trainer's state (float32 masters, LoRA adapters)
-    weights: dict  # what the engine runs: the state's view (model.param_dtype, merged)
-    state_resident: bool  # the state stays beside the view while the engine runs
-    opt: Any
-    update: Any
-    update_args: tuple
-    # The forward passes besides the updates (`Passes`), in the order a step runs them:
-    # name -> (jitted, abstract args, calls per step). "logprob": the old policy's and the
-    # reference's log-probs; "values": the critic's values (GAE).
-    forwards: dict[str, tuple[Any, tuple, int]]
-    passes: Passes
-    engine: Engine  # the trainer's engine
-    engine_programs: dict  # its programs: name -> (jitted, abstract args, static args)
-
-
 class _StandInTokens:
     """The token ids the engine's programs take from a tokenizer: their values change
     no shape (one token stands in for the interruption text)."""
@@ -383,59 +356,14 @@ class _StandInTokens:
         return [0]
 
 
-def _build(cfg, spec, mesh, rules, *, minibatches, tp, tg) -> _Built:
-    """The trainer's update program (`minibatches` minibatch updates scanned in one
-    program), the log-prob pass where the recipe needs one, and the engine's programs,
-    for `spec` on `mesh`."""
-    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    shardings = param_shardings(spec, mesh, rules)
-    # The trainer's state (float32 masters, LoRA adapters: rl_jax.train.params); the
-    # engine runs its view, laid out as the weights.
-    plan = ParamPlan.from_config(cfg, spec)
-    params = plan.abstract_state(spec, shardings, mesh)
-    weights = {
-        n: jax.ShapeDtypeStruct(a.shape, jnp.dtype(spec.param_dtype), sharding=a.sharding)
-        for n, a in params.items()
-        if n != LORA_KEY
-    }
-    tx, _ = run_optimizer(cfg)
-    opt = jax.tree.map(
-        _abstract,
-        jax.eval_shape(functools.partial(plan.init_optimizer, tx), params),
-        plan.optimizer_shardings(tx, params, mesh),
-    )
-    state_shardings = jax.tree.map(lambda a: a.sharding, (params, opt))
-    programs = run_programs(cfg, spec, mesh, rules, plan, tx, state_shardings)
-    # Every prompt prefilled in one block: a call counted whole, the bound the calls are
-    # counted against (the run's engine prefills in blocks and skips those a refill
-    # leaves empty, which a count of the compiled program cannot know).
-    engine = run_engine(cfg, spec, _StandInTokens, mesh, tp, prefill_block=None)
-    runs = passes(cfg)
-    mbs = _batch(
-        mesh, P // M, G, tp, tg, old=runs.keep_old, ref=runs.ref, critic=runs.critic,
-        stack=minibatches,
-    )  # fmt: skip
-    forwards = {}
-    if runs.old or runs.ref:
-        # The update's minibatches, one after another (phases.advantages); the counting
-        # build (minibatches=1) takes the whole batch, the same FLOPs.
-        stacked = _batch(mesh, P // M, G, tp, tg, old=False, ref=False, critic=False, stack=M)
-        calls = int(runs.old) + int(runs.ref)
-        forwards["logprob"] = (programs["logprob_fn"], (params, stacked), calls)
-    if runs.critic:  # once per batch, before its updates (phases.advantages)
-        whole = _batch(mesh, P, G, tp, tg, old=False, ref=False, critic=False)
-        forwards["values"] = (programs["value_fn"], (params, whole), 1)
-    return _Built(
-        params=params,
-        weights=weights,
-        state_resident=not plan.identity,
-        opt=opt,
-        update=programs["update_fn"],
-        update_args=(params, opt, mbs),
-        forwards=forwards,
-        passes=runs,
-        engine=engine,
-        engine_programs=engine.programs(weights),
+def _programs(cfg, spec, mesh, rules, tp) -> Programs:
+    """The run's programs for `spec` on `mesh`, as the trainer builds them
+    (`build_programs`), its engine at the `tp`-column prompts the plan assumes and
+    prefilling every prompt in one block: a call counted whole, the bound the calls are
+    counted against (the run's engine prefills in blocks and skips those a refill leaves
+    empty, which a count of the compiled program cannot know)."""
+    return build_programs(
+        cfg, spec, mesh, rules, tokenizer=_StandInTokens, prompt_len=tp, prefill_block=None
     )
 
 
@@ -554,13 +482,8 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
         trips[name] = count.trips
 
     with _unrolled_scans():
-        b = _build(cfg, s, mesh, rules, minibatches=1, tp=tp, tg=tg)
-        if "train_step" in programs:
-            compile_("train_step", b.update, *b.update_args)
-        for name, (fn, args, _) in b.forwards.items():
-            if name in programs:
-                compile_(name, fn, *args)
-        for name, (fn, args, kw) in b.engine_programs.items():
+        run = _programs(cfg, s, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
+        for name, (fn, args, kw) in run.items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
     return costs, trips
@@ -728,45 +651,6 @@ def _required_bytes(message: str) -> float:
     if not m:
         return float("nan")
     return float(m.group(1)) * 1024 ** (" KMGT".index(m.group(2)))
-
-
-def _batch(
-    mesh,
-    groups: int,
-    G: int,
-    tp: int,
-    tg: int,
-    *,
-    old: bool,
-    ref: bool,
-    critic: bool,
-    stack: int | None = None,
-):
-    """A TrainBatch of `groups` prompt groups; `stack`: that many such minibatches on a
-    leading axis, laid out as `put_minibatches` lays them out."""
-    rows, T = groups * G, tp + tg
-
-    def arr(shape, dtype):
-        if stack is None:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
-        sh = NamedSharding(mesh, PartitionSpec(None, *batch_sharding(mesh, len(shape)).spec))
-        return jax.ShapeDtypeStruct((stack, *shape), dtype, sharding=sh)
-
-    f32 = jnp.float32
-    return TrainBatch(
-        tokens=arr((rows, T), jnp.int32),
-        valid=arr((rows, T), jnp.bool_),
-        positions=arr((rows, T), jnp.int32),
-        mask=arr((rows, tg), f32),
-        sampler_logp=arr((rows, tg), f32),
-        advantages=arr((rows, tg) if critic else (rows,), f32),
-        group_ids=arr((rows,), jnp.int32),
-        old_logp=arr((rows, tg), f32) if old else None,
-        ref_logp=arr((rows, tg), f32) if ref else None,
-        old_values=arr((rows, tg), f32) if critic else None,
-        returns=arr((rows, tg), f32) if critic else None,
-        group_size=G,
-    )
 
 
 def _report(

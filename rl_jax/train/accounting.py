@@ -105,6 +105,13 @@ class Passes:
     def count(self) -> int:
         return int(self.old) + int(self.ref) + int(self.critic)
 
+    @property
+    def calls(self) -> dict[str, int]:
+        """{program: calls per RL step} of the passes taken: "logprob" once for the old
+        policy and once for the reference, "values" once (the critic)."""
+        out = {"logprob": int(self.old) + int(self.ref), "values": int(self.critic)}
+        return {name: n for name, n in out.items() if n}
+
 
 def passes(cfg: RunConfig) -> Passes:
     """The recipe's `Passes`."""

@@ -229,6 +229,15 @@ class ParamPlan:
             out[k] = w.astype(dt)
         return out
 
+    def abstract_view(self, state: State) -> dict[str, jax.ShapeDtypeStruct]:
+        """`view`'s weights for an abstract `state`: param_dtype, laid out as the state's."""
+        dt = jnp.dtype(self.param_dtype)
+        return {
+            k: jax.ShapeDtypeStruct(a.shape, dt, sharding=a.sharding)
+            for k, a in state.items()
+            if k != LORA_KEY
+        }
+
     def train_view(self, state: State) -> dict[str, jax.Array]:
         """`view` as the loss differentiates it: the same values, but each trained float32
         weight stays float32 (its value rounded to param_dtype, the gradient passed
@@ -284,6 +293,16 @@ class ParamPlan:
             shapes,
             jax.tree.map(on_mesh, trained),
             transform_non_params=lambda _: rep,
+        )
+
+    def abstract_optimizer(self, tx: optax.GradientTransformation, state: State, mesh: Mesh):
+        """`init_optimizer(tx, state)` as shapes on its `optimizer_shardings` (`state`:
+        abstract arrays)."""
+        shapes = jax.eval_shape(functools.partial(self.init_optimizer, tx), state)
+        return jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            shapes,
+            self.optimizer_shardings(tx, state, mesh),
         )
 
     def apply(self, tx: optax.GradientTransformation, grads: State, opt_state, trained: State):

@@ -16,7 +16,13 @@ from jax.sharding import Mesh
 
 from rl_jax.config import RunConfig, SamplingConfig
 from rl_jax.knobs import ConfigError
-from rl_jax.models import ModelSpec, init_sharded_params, model_params, resolve_spec
+from rl_jax.models import (
+    ModelSpec,
+    init_sharded_params,
+    model_params,
+    param_shardings,
+    resolve_spec,
+)
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
@@ -25,7 +31,7 @@ from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_samp
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
 from rl_jax.train.preflight import task_and_prompt_len
-from rl_jax.train.step import make_logprob_fn, make_update, make_value_fn
+from rl_jax.train.step import abstract_batch, make_logprob_fn, make_update, make_value_fn
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -38,27 +44,29 @@ def load_tokenizer(cfg: RunConfig):
     return CharTokenizer()
 
 
-@dataclass(frozen=True)
-class Parts:
+@dataclass(frozen=True, kw_only=True)
+class Programs:
+    """A run's programs on its meshes, built from the config, the model spec and the
+    state's shapes (`build_programs`): the trainer runs them on its weights, and
+    `rl-jax plan` compiles these same programs for a TPU topology on abstract arrays
+    (`step_programs`)."""
+
     cfg: RunConfig
     mesh: Mesh  # the trainer's
     sample_mesh: Mesh  # the sampler's: the same mesh unless split
     spec: ModelSpec
     plan: ParamPlan  # what the state's params hold and the weights the model runs (`view`)
-    tokenizer: Any
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
+    # (params, optimizer state) as abstract arrays on `mesh`: the programs are jitted for
+    # these shardings, and the trainer's state is laid out on them.
+    state_shapes: tuple[Any, Any]
     engine: Engine  # every batch (pipeline's as a stream)
-    eval_sampler: Engine
-    # The compiled programs take the plan's state and run the model on its view.
+    # The programs take the plan's state and run the model on its view.
     update_fn: Any  # make_update: (params, opt_state, minibatches) -> (params, opt_state, m)
-    logprob_fn: Any
+    logprob_fn: Any  # the old policy's and the reference's log-probs
     value_fn: Any  # the critic's values (loss.advantage='gae'), else None
-    task: Any
-    reward_fn: Any
-    correct_fn: Any
-    val_problems: list
 
     @property
     def split(self) -> bool:
@@ -81,6 +89,43 @@ class Parts:
         """The forward passes training takes besides its updates (old policy, reference,
         critic)."""
         return passes(self.cfg)
+
+    def step_programs(
+        self, tp: int, tg: int, *, minibatches: int | None = None
+    ) -> dict[str, tuple[Any, tuple, dict]]:
+        """{name: (jitted program, abstract arguments, static arguments)} of what an RL
+        step runs at `tp` prompt and `tg` completion columns, in the order it runs them:
+        "train_step" (the update: `minibatches` minibatch updates scanned in one program,
+        by default the run's M), "logprob" (the old policy's and the reference's, over the
+        update's M minibatches one after another: `phases.advantages`) and "values" (the
+        critic's, over the whole batch) where the recipe takes them (`passes`), and the
+        engine's "prefill_insert" and "generate"."""
+        params, opt = self.state_shapes
+        runs, P, G, M = self.passes, self.P, self.G, self.M
+        batch = functools.partial(abstract_batch, self.mesh, G=G, tp=tp, tg=tg)
+        mbs = batch(
+            P // M, old=runs.keep_old, ref=runs.ref, critic=runs.critic, stack=minibatches or M
+        )
+        out = {"train_step": (self.update_fn, (params, opt, mbs), {})}
+        none = dict(old=False, ref=False, critic=False)
+        if runs.old or runs.ref:
+            out["logprob"] = (self.logprob_fn, (params, batch(P // M, **none, stack=M)), {})
+        if runs.critic:
+            out["values"] = (self.value_fn, (params, batch(P, **none)), {})
+        return {**out, **self.engine.programs(self.plan.abstract_view(params))}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parts(Programs):
+    """What a run is built from: its `Programs`, and the task, verifiers and evaluation
+    sampler."""
+
+    tokenizer: Any
+    eval_sampler: Engine
+    task: Any
+    reward_fn: Any
+    correct_fn: Any
+    val_problems: list
 
 
 class SamplerWeights:
@@ -131,35 +176,27 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     tokenizer = load_tokenizer(cfg)
     spec, weights = _build_params(cfg, mesh, rules, tokenizer)
     check_sizes(cfg, num_batch_shards(mesh))
-    # What the trainer holds (float32 masters, LoRA adapters) and the weights the model
-    # runs (`plan.view`): rl_jax.train.params.
-    plan = ParamPlan.from_config(cfg, spec)
-    params = plan.init_state(weights, key=adapter_key(cfg), mesh=mesh)
-    del weights  # the weights cast into the state are not kept beside it
-    if cfg.loss.advantage == "gae" and not spec.value_head:
-        raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
-    tx, lr_schedule = run_optimizer(cfg)
-    opt_state = init_opt_state(tx, mesh, params, plan)
     # Rendered for the tokenizer (chat template, answer instruction); prompts checked
     # against sampling.max_prompt_len.
     task, prompt_len = task_and_prompt_len(cfg, tokenizer)
+    programs = build_programs(
+        cfg, spec, mesh, rules, sample_mesh=sample_mesh, tokenizer=tokenizer, prompt_len=prompt_len
+    )
+    # What the trainer holds (float32 masters, LoRA adapters) and the weights the model
+    # runs (`plan.view`): rl_jax.train.params. Laid out as the programs take it (a
+    # loaded checkpoint's weights already are: then nothing moves).
+    plan = programs.plan
+    params = plan.init_state(weights, key=adapter_key(cfg), mesh=mesh)
+    del weights  # the weights cast into the state are not kept beside it
+    params = jax.device_put(params, _shardings(programs.state_shapes[0]))
+    opt_state = init_opt_state(programs.tx, mesh, params, plan)
     reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
     parts = Parts(
-        cfg=cfg,
-        mesh=mesh,
-        sample_mesh=sample_mesh,
-        spec=spec,
-        plan=plan,
+        **{f.name: getattr(programs, f.name) for f in dataclasses.fields(Programs)},
         tokenizer=tokenizer,
-        tx=tx,
-        lr_schedule=lr_schedule,
-        # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
-        lr_at=jax.jit(lr_schedule),
-        engine=run_engine(cfg, spec, tokenizer, sample_mesh, prompt_len),
         eval_sampler=make_eval_sampler(
             spec, cfg, tokenizer, mesh=sample_mesh, prompt_len=prompt_len
         ),
-        **run_programs(cfg, spec, mesh, rules, plan, tx, _shardings((params, opt_state))),
         task=task,
         reward_fn=reward_fn,
         correct_fn=correctness_fn(cfg.rewards, task, reward_fn),
@@ -168,28 +205,57 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     return parts, params, opt_state
 
 
-# The pieces below are built alike for the trainer (on its weights) and for `rl-jax plan`
-# (on abstract arrays of a TPU topology's mesh), so that the plan compiles the programs a
-# run runs.
-
-
-def run_optimizer(cfg: RunConfig) -> tuple[Any, Any]:
-    """(optax transformation, learning-rate schedule) of the run."""
-    return make_optimizer(
+def build_programs(
+    cfg: RunConfig,
+    spec: ModelSpec,
+    mesh: Mesh,
+    rules,
+    *,
+    sample_mesh: Mesh | None = None,
+    tokenizer,
+    prompt_len: int,
+    **shape,
+) -> Programs:
+    """The run's `Programs` for `spec` on `mesh` (the sampler's on `sample_mesh`, by
+    default the same), jitted for the state's shapes and shardings: no weights are
+    needed, so the trainer and `rl-jax plan` build the same programs. The engine holds a
+    slot for every row the schedule has in flight (`run_engine`; `shape` overrides its
+    sizes); `tokenizer` gives it its stop and pad ids."""
+    if cfg.loss.advantage == "gae" and not spec.value_head:
+        raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
+    plan = ParamPlan.from_config(cfg, spec)
+    tx, lr_schedule = make_optimizer(
         cfg.train,
         prompts_per_batch=cfg.data.prompts_per_batch,
         samples_per_prompt=cfg.sampling.n,
         lr_scale=cfg.lora.lr_factor,
     )
+    params = plan.abstract_state(spec, param_shardings(spec, mesh, rules), mesh)
+    state = (params, plan.abstract_optimizer(tx, params, mesh))
+    sample_mesh = mesh if sample_mesh is None else sample_mesh
+    return Programs(
+        cfg=cfg,
+        mesh=mesh,
+        sample_mesh=sample_mesh,
+        spec=spec,
+        plan=plan,
+        tx=tx,
+        lr_schedule=lr_schedule,
+        # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
+        lr_at=jax.jit(lr_schedule),
+        state_shapes=state,
+        engine=run_engine(cfg, spec, tokenizer, sample_mesh, prompt_len, **shape),
+        **_jitted(cfg, spec, mesh, rules, plan, tx, _shardings(state)),
+    )
 
 
-def run_programs(
+def _jitted(
     cfg: RunConfig, spec: ModelSpec, mesh: Mesh, rules, plan: ParamPlan, tx, state_shardings
 ) -> dict[str, Any]:
     """The trainer's programs, jitted for the state of `state_shardings` ((params,
     optimizer state)): the update (`make_update`: a batch's minibatch updates in one
     program), the log-prob pass (old policy, reference) and the critic's values where GAE
-    needs them, as `Parts` holds them."""
+    needs them, as `Programs` holds them."""
     # The trainer scores tokens under the distribution the sampler drew them from.
     temperature = cfg.sampling.temperature or 1.0
     num_groups = cfg.data.prompts_per_batch // cfg.train.updates_per_batch

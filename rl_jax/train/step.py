@@ -445,6 +445,48 @@ def put_minibatches(
     return TrainBatch(**out, group_size=G)
 
 
+def abstract_batch(
+    mesh: Mesh,
+    groups: int,
+    G: int,
+    tp: int,
+    tg: int,
+    *,
+    old: bool,
+    ref: bool,
+    critic: bool,
+    stack: int | None = None,
+) -> TrainBatch:
+    """The TrainBatch `put_batch` makes of `groups` prompt groups of G rows, `tp` prompt
+    and `tg` completion columns, as abstract arrays on `mesh` (`rl-jax plan` compiles the
+    trainer's programs on these); `stack`: that many such minibatches on a leading axis,
+    laid out as `put_minibatches` lays them out. old/ref/critic: the optional fields the
+    recipe's passes fill (`rl_jax.train.accounting.Passes`)."""
+    rows, T = groups * G, tp + tg
+
+    def arr(shape, dtype):
+        spec = batch_sharding(mesh, len(shape)).spec
+        if stack is not None:
+            shape, spec = (stack, *shape), PartitionSpec(None, *spec)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    f32 = jnp.float32
+    return TrainBatch(
+        tokens=arr((rows, T), jnp.int32),
+        valid=arr((rows, T), jnp.bool_),
+        positions=arr((rows, T), jnp.int32),
+        mask=arr((rows, tg), f32),
+        sampler_logp=arr((rows, tg), f32),
+        advantages=arr((rows, tg) if critic else (rows,), f32),
+        group_ids=arr((rows,), jnp.int32),
+        old_logp=arr((rows, tg), f32) if old else None,
+        ref_logp=arr((rows, tg), f32) if ref else None,
+        old_values=arr((rows, tg), f32) if critic else None,
+        returns=arr((rows, tg), f32) if critic else None,
+        group_size=G,
+    )
+
+
 def make_logprob_fn(
     spec: ModelSpec,
     rules,
