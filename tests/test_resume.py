@@ -120,7 +120,7 @@ def test_pipeline_drains_at_checkpoints_and_resumes_exactly(tmp_path):
     assert first.ckpt.steps() == [2]
     again = _run(tmp_path, "pipe", *extra)
     assert _rows(tmp_path / "pipe") == _rows(tmp_path / "ref")
-    assert again.state.idle and again.ckpt.steps() == [2, 4]
+    assert not again.in_flight and again.ckpt.steps() == [2, 4]
 
 
 def test_a_run_made_under_first_version_ids_resumes_exactly(

@@ -127,7 +127,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
     evals = {k: n for k, n in final.items() if k.startswith("eval_")}
     assert evals and set(evals.values()) == {1}, evals  # the final evaluation, once each
     # The stream: batches of complete groups, slots kept busy, drained at the end.
-    assert tr.state.stream is not None and tr.state.idle
+    assert not tr.in_flight
     assert all(0 < r["train/slot_occupancy"] <= 1 for r in rows if "train/loss" in r)
 
 

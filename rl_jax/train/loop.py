@@ -39,7 +39,7 @@ from rl_jax.train.parts import (
 )
 from rl_jax.train.record import Recorder, curve_row, say
 from rl_jax.train.split import SplitStream
-from rl_jax.train.state import DataStream, TrainerState
+from rl_jax.train.state import PromptSource, TrainerState
 
 
 class NonFiniteError(RuntimeError):
@@ -90,16 +90,17 @@ class RLTrainer:
             process_index=0,
             process_count=1,
         )
+        self.prompts = PromptSource(prompts, curriculum)
         self.state = TrainerState(
             params=params,
             opt_state=opt_state,
             # The reference policy is the initial one, frozen (sharded like the policy).
             ref_params=copy_params(params) if cfg.loss.kl_coef > 0 else None,
-            data=DataStream(prompts, curriculum),
         )
         self.knobs = flatten(cfg)
         self.weights = SamplerWeights(self.parts)  # the sampler's copies of the policy
-        self.split_sampler: SplitStream | None = None
+        self.split_sampler: SplitStream | None = None  # split mode's sampler thread
+        self.in_flight = False  # sampler work in flight after the last step (finish_step)
         self.step_hooks: list = []  # callables(trainer) run after every step (tests, tools)
         self._resumed: bool | None = None  # try_resume's answer, once asked
 
@@ -116,7 +117,7 @@ class RLTrainer:
     version = property(lambda self: self.state.version)
     params = property(lambda self: self.state.params)
     counters = property(lambda self: self.state.counters)
-    curriculum = property(lambda self: self.state.data.curriculum)
+    curriculum = property(lambda self: self.prompts.curriculum)
     spec = property(lambda self: self.parts.spec)
     tokenizer = property(lambda self: self.parts.tokenizer)
     task = property(lambda self: self.parts.task)
@@ -155,10 +156,12 @@ class RLTrainer:
             ref_params=None if self.state.ref_params is None else copy_params(params),
         )
 
-    def sampler_weights(self) -> tuple[Any, int]:
-        """(weights, version) for the sampler (SamplerWeights: the policy's view; in split
-        mode a copy on the sampler's devices), made once per version."""
-        return self.weights.sampler(self.state.params, self.state.version)
+    def sampler_weights(self, state: TrainerState | None = None) -> tuple[Any, int]:
+        """(weights, version) of `state`'s policy (by default the trainer's) for the
+        sampler (SamplerWeights: the policy's view; in split mode a copy on the sampler's
+        devices), made once per version."""
+        state = self.state if state is None else state
+        return self.weights.sampler(state.params, state.version)
 
     def policy_weights(self) -> dict[str, jax.Array]:
         """The policy's weights as the model runs them (`plan.view` of the state)."""
@@ -185,7 +188,7 @@ class RLTrainer:
         schedule = schedules.split if self.split else schedules.SCHEDULES[cfg.train.off_policy]
         name = f"train {cfg.name}"
         with progress_bar(cfg.train.steps, name, enabled=self.talk, completed=self.step) as bar:
-            schedule(self, bar)
+            self.state = schedule(self, self.state, bar)
         self.save(force=True)
         st = self.state
         summary = {
@@ -198,10 +201,14 @@ class RLTrainer:
         self.record.finish(summary)
         return summary
 
-    def finish_step(self, state: TrainerState, metrics: dict[str, float], bar) -> None:
+    def finish_step(
+        self, state: TrainerState, metrics: dict[str, float], bar, *, in_flight: bool
+    ) -> TrainerState:
         """A trained batch's state: the step advances, then logs, hooks, evaluation and
-        the checkpoint when due."""
+        the checkpoint when due (never with sampler work `in_flight`: a checkpoint then
+        would not resume exactly). Returns the state the schedule goes on with."""
         self.state = state.replace(step=state.step + 1)
+        self.in_flight = in_flight
         self.record.stepped()  # a lost lock or a failed background save stops the run here
         self.record.log(self.step, metrics)
         for hook in self.step_hooks:
@@ -216,25 +223,28 @@ class RLTrainer:
                 f"{self.step} with a checkpoint in {self.run.checkpoints_dir}"
             )
         ev = self._maybe_eval(force=self.step == self.cfg.train.steps)
-        if self._ckpt_due():
+        if not in_flight and self._ckpt_due():
             self.save()
         info = f"reward {metrics.get('train/reward', float('nan')):+.3f}"
         if ev is not None:
             info += f"  val pass@1 {ev['val/pass@1']:.3f}"
         bar.advance(info=info)
+        return self.state
 
-    def next_boundary(self) -> int:
-        """The next step a checkpoint is due at (the last step without checkpoints)."""
+    def next_boundary(self, step: int) -> int:
+        """The next step after `step` a checkpoint is due at (the last step without
+        checkpoints)."""
         every = self.cfg.checkpoint.every
         if every <= 0:
             return self.cfg.train.steps
-        return (self.step // every + 1) * every
+        return (step // every + 1) * every
 
     # ---- logging and evaluation -----------------------------------------------------------
 
-    def log_samples(self, problems, scores: phases.Scores) -> None:
-        """A few readable rows to samples.jsonl and TensorBoard (logging.samples_every)."""
-        step, cfg = self.step + 1, self.cfg  # the step this batch is logged under
+    def log_samples(self, step: int, problems, scores: phases.Scores) -> None:
+        """A few readable rows of the batch logged under `step` to samples.jsonl and
+        TensorBoard (logging.samples_every)."""
+        cfg = self.cfg
         due = samples_due(
             cfg.logging.samples_every,
             step=step,
@@ -282,6 +292,7 @@ class RLTrainer:
             recipe=self.cfg.recipe or self.cfg.name,
             knobs=self.knobs,
             state=self.state,
+            curriculum=self.prompts.curriculum,
             metrics=m,
         )
         self.record.evaluated(self.step, row, m)
@@ -291,16 +302,17 @@ class RLTrainer:
 
     def _ckpt_due(self) -> bool:
         """Due once a multiple of checkpoint.every has been reached since the newest
-        checkpoint, and only with no sampler work in flight (a PPO-off-policy-k group
-        checkpoints at its end: inside it, a resume would sample the group's remaining
-        batches with newer weights)."""
+        checkpoint (`finish_step` asks only with no sampler work in flight: a
+        PPO-off-policy-k group checkpoints at its end, since inside it a resume would
+        sample the group's remaining batches with newer weights)."""
         every = self.cfg.checkpoint.every
-        if every <= 0 or not self.state.idle:
+        if every <= 0:
             return False
         return self.step // every > max(self.ckpt.steps(), default=0) // every
 
     def save(self, *, force: bool = False) -> None:
-        self.record.save(self.step, self.state.arrays(), self.state.meta(), force=force)
+        meta = {**self.state.meta(), **self.prompts.state_dict()}
+        self.record.save(self.step, self.state.arrays(), meta, force=force)
 
     def try_resume(self) -> bool:
         """Restore the newest usable checkpoint, or start over; either way the logs are
@@ -318,6 +330,7 @@ class RLTrainer:
         if got is None:
             return False
         _, arrays, meta = got
+        self.prompts.load_state_dict(meta)
         self.state = self.state.restored(arrays, meta)
         self.weights.reset()
         return True

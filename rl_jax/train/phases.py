@@ -24,7 +24,7 @@ from rl_jax.sampling import Rollouts, concat_groups
 from rl_jax.train.accounting import forward_flops, step_flops
 from rl_jax.train.evaluation import eval_key, evaluate_policy
 from rl_jax.train.parts import Parts
-from rl_jax.train.state import TrainerState
+from rl_jax.train.state import PromptSource, TrainerState
 from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
 
 # ---- rollout ------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> Trainer
 
 
 def dynamic_rollout(
-    parts: Parts, state: TrainerState, weights
+    parts: Parts, state: TrainerState, prompts: PromptSource, weights
 ) -> tuple[TrainerState, Rollouts, list]:
     """DAPO dynamic sampling: sample rounds of B_p prompts, keep groups whose rewards
     differ, until B_p are kept or data.max_resample_rounds; short batches are filled
@@ -81,7 +81,7 @@ def dynamic_rollout(
     kept: list[tuple[Rollouts, int, Any, np.ndarray]] = []  # (rollouts, group, problem, raw [G])
     spare: list[tuple[Rollouts, int, Any, np.ndarray]] = []
     for r in range(parts.cfg.data.max_resample_rounds):
-        batch = state.data.draw()
+        batch = prompts.draw()
         ro = generate(parts, weights, state.version, state.step * 64 + r, batch)
         state = account_sampling(parts, state, ro)
         sc = score(parts, ro, batch)
@@ -93,7 +93,7 @@ def dynamic_rollout(
     chosen = (kept + spare[:fill])[:P]
     dropped = kept[P:] + spare[fill:]
     if dropped:
-        state.data.record([d[2].id for d in dropped], np.stack([d[3] for d in dropped]))
+        prompts.record([d[2].id for d in dropped], np.stack([d[3] for d in dropped]))
     state = state.count(rollouts=(r + 1) * P * G - P * G)
     ro = concat_groups([(c[0], c[1]) for c in chosen], G)
     return state, ro, [c[2] for c in chosen]
@@ -279,13 +279,14 @@ def update(
 
 
 def train_on(
-    parts: Parts, state: TrainerState, ro: Rollouts, problems, scores: Scores
+    parts: Parts, state: TrainerState, prompts: PromptSource, ro: Rollouts, problems, scores: Scores
 ) -> tuple[TrainerState, dict[str, float]]:
-    """Advantages and M updates on one scored batch of P prompts x G samples; returns
-    the new state and the step's metrics."""
+    """Advantages and M updates on one scored batch of P prompts x G samples (its pass
+    rates recorded in `prompts`' curriculum); returns the new state and the step's
+    metrics."""
     t0 = time.perf_counter()
     P, G = len(problems), parts.G
-    state.data.record([p.id for p in problems], scores.raw.reshape(P, G))
+    prompts.record([p.id for p in problems], scores.raw.reshape(P, G))
     keep_p = ~scores.zero_var if parts.cfg.data.zero_variance_filter else np.ones(P, bool)
     versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
     oldest = int(versions.min()) if ro.completion_mask.any() else state.version
@@ -306,14 +307,15 @@ def train_on(
         metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
     state = state.count(rollouts=P * G, prompts=P)
     staleness = float(steps_behind(state.version - 1, oldest, ga)) if keep_p.any() else 0.0
-    metrics.update(_batch_metrics(parts, state, ro, scores, staleness))
+    metrics.update(_batch_metrics(parts, state, prompts.curriculum, ro, scores, staleness))
     metrics["time/train_s"] = time.perf_counter() - t0
     metrics.update({f"adv/{k}": float(np.asarray(v)) for k, v in info.items() if np.ndim(v) == 0})
     return state, metrics
 
 
-def _batch_metrics(parts, state, ro: Rollouts, scores: Scores, staleness: float) -> dict:
-    curriculum = state.data.curriculum
+def _batch_metrics(
+    parts, state, curriculum, ro: Rollouts, scores: Scores, staleness: float
+) -> dict:
     return {
         "train/reward": float(scores.shaped.mean()),
         "train/pass@1": float((scores.raw > 0).mean()),

@@ -210,14 +210,21 @@ def _last_pass(run: RunDir) -> float | None:
 
 
 def curve_row(
-    *, run_id: str, recipe: str, knobs: dict[str, Any], state, metrics: dict[str, float]
+    *,
+    run_id: str,
+    recipe: str,
+    knobs: dict[str, Any],
+    state,
+    curriculum,
+    metrics: dict[str, float],
 ) -> dict[str, Any]:
-    """One row of curve.jsonl: the run's knobs, counters and the evaluation's metrics."""
+    """One row of curve.jsonl: the run's knobs, counters and the evaluation's metrics,
+    with the curriculum's histogram of per-prompt training pass rates."""
     row = {"run_id": run_id, "step": state.step, "version": state.version, "recipe": recipe}
     row.update(knobs)
     row.update(state.counters.as_dict())
     row.update({k: v for k, v in metrics.items() if k.startswith(("val/", "train/"))})
-    hist = getattr(state.data.curriculum, "pass_rate_histogram", None)
+    hist = getattr(curriculum, "pass_rate_histogram", None)
     if hist is not None:
         counts, _ = hist(10)
         row["train/pass_rate_hist"] = [int(c) for c in counts]

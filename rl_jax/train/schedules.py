@@ -15,13 +15,18 @@
   split           pipeline with the engine on the sampler's own devices, decoding in
                   a background thread while the rest train (`rl_jax.train.split`).
 
-A schedule drives a trainer `tr` (`RLTrainer`): it reads `tr.state`, runs phases,
-sets `tr.state`, and hands every trained batch to `tr.finish_step` (logging,
-hooks, evaluation, checkpoints), which advances the step.
+A schedule is `(tr, state, bar) -> state`: it threads the trainer's state
+(`TrainerState`, plain data) through the phases and returns the last. `tr` (the
+`RLTrainer`) gives it what lives outside the state: the run's parts, the prompts
+(`tr.prompts`, a `PromptSource`), the sampler's copy of a state's policy
+(`tr.sampler_weights`) and `tr.finish_step`, which logs a trained batch, runs
+hooks, evaluates and checkpoints when due, and returns the state with the step
+advanced. The stream of groups in flight is the pipeline schedules' own.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -29,33 +34,32 @@ import jax
 from rl_jax.sampling import Rollouts
 from rl_jax.train import phases
 from rl_jax.train.split import SplitStream
-from rl_jax.train.state import Pending
+from rl_jax.train.state import Pending, TrainerState
 from rl_jax.train.stream import trainer_stream
 
 
-def on_policy(tr, bar) -> None:
+def on_policy(tr, state: TrainerState, bar) -> TrainerState:
     """PPO-off-policy with k = 1: every batch is sampled with the weights that train on it."""
-    ppo_off_policy(tr, bar, k=1)
+    return ppo_off_policy(tr, state, bar, k=1)
 
 
-def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
+def ppo_off_policy(tr, state: TrainerState, bar, *, k: int | None = None) -> TrainerState:
     cfg, parts = tr.cfg, tr.parts
     k = cfg.train.off_policy_k if k is None else k
-    while tr.state.step < cfg.train.steps:
-        if not tr.state.pending:
+    while state.step < cfg.train.steps:
+        if not state.pending:
             # The whole group of k batches with the current weights, before any update.
             t0 = time.perf_counter()
+            weights, version = tr.sampler_weights(state)
             if cfg.data.dynamic_sampling:
-                tr.state, ro, problems = phases.dynamic_rollout(
-                    parts, tr.state, tr.sampler_weights()[0]
-                )
+                state, ro, problems = phases.dynamic_rollout(parts, state, tr.prompts, weights)
                 batches = [problems]
             else:
-                n = min(k, cfg.train.steps - tr.state.step)
-                batches = [tr.state.data.draw() for _ in range(n)]
+                n = min(k, cfg.train.steps - state.step)
+                batches = [tr.prompts.draw() for _ in range(n)]
                 flat = [p for b in batches for p in b]
-                ro = phases.generate(parts, *tr.sampler_weights(), tr.state.step, flat)
-                tr.state = phases.account_sampling(parts, tr.state, ro)
+                ro = phases.generate(parts, weights, version, state.step, flat)
+                state = phases.account_sampling(parts, state, ro)
             rows, sample_s = parts.P * parts.G, time.perf_counter() - t0
             pending = tuple(
                 Pending(
@@ -65,85 +69,85 @@ def ppo_off_policy(tr, bar, *, k: int | None = None) -> None:
                 )
                 for i, b in enumerate(batches)
             )
-            tr.state = tr.state.replace(pending=pending)
-        head = tr.state.pending[0]
+            state = state.replace(pending=pending)
+        head = state.pending[0]
         # The rest of the group stays pending: no checkpoint until it is trained.
-        tr.state = tr.state.replace(pending=tr.state.pending[1:])
+        state = state.replace(pending=state.pending[1:])
         t1 = time.perf_counter()
-        state, m = _train(tr, head.rollouts, head.problems)
-        _finish(tr, state, m, head.sample_s, t1, bar)
+        state, m = _train(tr, state, head.rollouts, head.problems)
+        state = _finish(tr, state, m, head.sample_s, t1, bar, in_flight=bool(state.pending))
+    return state
 
 
-def pipeline(tr, bar) -> None:
+def pipeline(tr, state: TrainerState, bar) -> TrainerState:
     """PipelineRL-k as a continuous stream on the engine (rl_jax.train.stream): the
     trainer takes the next B_p complete groups; the groups in flight continue with the
-    new weights."""
+    new weights. The stream starts empty (a fresh run, or resumed: nothing in flight)."""
     cfg, parts = tr.cfg, tr.parts
-    if tr.state.stream is None:  # a fresh run, or resumed: nothing in flight
-        tr.state = tr.state.replace(stream=trainer_stream(parts, tr.state.data, tr.state.step))
-    stream = tr.state.stream
-    while tr.state.step < cfg.train.steps:
+    stream = trainer_stream(parts, tr.prompts, state.step)
+    while state.step < cfg.train.steps:
         t0 = time.perf_counter()
         # Groups only for steps before the next checkpoint: the stream drains there.
-        stream.allow(min(cfg.train.steps, tr.next_boundary()))
+        stream.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
         if stream.idle:  # drained (the start, a checkpoint): counted afresh, as on resume
             stream.count_afresh()
-        problems, ro = stream.next_batch(tr.sampler_weights)
-        tr.state = phases.account_sampling(parts, tr.state, ro)
+        problems, ro = stream.next_batch(functools.partial(tr.sampler_weights, state))
+        state = phases.account_sampling(parts, state, ro)
         sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        state, m = _train(tr, ro, problems)
+        state, m = _train(tr, state, ro, problems)
         stream.trained()
         m["train/slot_occupancy"] = stream.occupancy  # since the stream last drained
-        _finish(tr, state, m, sample_s, t1, bar)
+        state = _finish(tr, state, m, sample_s, t1, bar, in_flight=not stream.idle)
+    return state
 
 
-def split(tr, bar) -> None:
+def split(tr, state: TrainerState, bar) -> TrainerState:
     """PipelineRL-k with the sampler on its own devices (rl_jax.train.split): the stream
     on the engine decodes in `SplitStream`'s thread while the trainer trains."""
     cfg, parts = tr.cfg, tr.parts
-    stream = trainer_stream(parts, tr.state.data, tr.state.step)
-    tr.state = tr.state.replace(stream=stream)
-    worker = SplitStream(stream, weights=tr.sampler_weights())
-    tr.split_sampler = worker
+    stream = trainer_stream(parts, tr.prompts, state.step)
+    worker = SplitStream(stream, weights=tr.sampler_weights(state))
+    tr.split_sampler = worker  # for step hooks (tests, tools)
     try:
-        worker.allow(min(cfg.train.steps, tr.next_boundary()))
-        while tr.state.step < cfg.train.steps:
+        worker.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
+        while state.step < cfg.train.steps:
             t0 = time.perf_counter()
             step, problems, ro = worker.take()
-            assert step == tr.state.step, (step, tr.state.step)
-            tr.state = phases.account_sampling(parts, tr.state, ro)
+            assert step == state.step, (step, state.step)
+            state = phases.account_sampling(parts, state, ro)
             wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            state, m = _train(tr, ro, problems)
-            tr.state = state
+            state, m = _train(tr, state, ro, problems)
             # Push before `trained`: a group admitted after it samples with these
             # weights (the staleness bound in rl_jax.train.split relies on it).
-            worker.push(tr.sampler_weights())
+            worker.push(tr.sampler_weights(state))
             worker.trained()
             worker.train_intervals.append((t1, time.perf_counter()))
-            _finish(tr, state, m, wait_s, t1, bar)  # sample_s: the wait for rollouts
-            worker.allow(min(cfg.train.steps, tr.next_boundary()))
+            # sample_s: the wait for rollouts
+            state = _finish(tr, state, m, wait_s, t1, bar, in_flight=not stream.idle)
+            worker.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
     finally:
         worker.close()
+    return state
 
 
 # train.off_policy -> its schedule (split mode, mesh.sampler_devices > 0, runs `split`).
 SCHEDULES = {"on_policy": on_policy, "ppo_off_policy": ppo_off_policy, "pipeline": pipeline}
 
 
-def _train(tr, ro: Rollouts, problems):
+def _train(tr, state: TrainerState, ro: Rollouts, problems) -> tuple[TrainerState, dict]:
     """score -> advantages -> update on one batch: (new state, step metrics)."""
     t0 = time.perf_counter()
     tr.weights.drop_view()  # the update makes a new version: its memory goes to the update
     scores = phases.score(tr.parts, ro, problems)
-    tr.log_samples(problems, scores)
+    tr.log_samples(state.step + 1, problems, scores)
     score_s = time.perf_counter() - t0
-    state, m = phases.train_on(tr.parts, tr.state, ro, problems, scores)
+    state, m = phases.train_on(tr.parts, state, tr.prompts, ro, problems, scores)
     m["time/score_s"] = score_s
     return state, m
 
 
-def _finish(tr, state, m: dict, sample_s: float, t1: float, bar) -> None:
+def _finish(tr, state, m: dict, sample_s: float, t1: float, bar, *, in_flight: bool):
     m["time/sample_s"] = sample_s
     m["time/step_s"] = time.perf_counter() - t1 + sample_s
     state = state.count(device_seconds=m["time/step_s"] * jax.device_count())
-    tr.finish_step(state, m, bar)
+    return tr.finish_step(state, m, bar, in_flight=in_flight)

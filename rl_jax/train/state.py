@@ -1,17 +1,19 @@
-"""The trainer's state: everything the next RL step depends on, as one pytree.
+"""The trainer's state: everything the next RL step depends on, as plain data.
 
-`TrainerState` is what a checkpoint holds: the arrays (policy, optimizer state,
-frozen reference policy) and the host part (step and version counters, compute
-counters, the staleness histogram, the prompt stream's and curriculum's state).
-Phases take a state and return a new one (`dataclasses.replace`); the loop keeps
-the newest.
+`TrainerState` is what a checkpoint holds, less the prompts: the arrays (policy,
+optimizer state, frozen reference policy) and the host part (step and version
+counters, compute counters, the staleness histogram). Phases take a state and
+return a new one (`dataclasses.replace`); schedules thread it through the phases
+and return the last (`rl_jax.train.schedules`).
 
-In-flight sampler work is part of the state too (PipelineRL's stream of groups on
-the engine, the sampled-but-untrained batches of a PPO-off-policy-k group) and is
-never in a checkpoint: every schedule saves only where there is none (the stream
-admits no group past the next checkpoint, so it drains there; a PPO group
-checkpoints at its end), so a resume samples those rows again from (seed, step)
-exactly as the first run did.
+The host-side iterators are not in it: `PromptSource` (the prompt iterator and the
+curriculum its draws read, advancing in place, its position saved beside the state
+in a checkpoint) and PipelineRL's stream of groups on the engine, which its schedule
+owns. In-flight sampler work is never in a checkpoint (a PPO-off-policy-k group's
+sampled but untrained batches are `pending` here): every schedule saves only where
+there is none (the stream admits no group past the next checkpoint, so it drains
+there; a PPO group checkpoints at its end), so a resume samples those rows again
+from (seed, step) exactly as the first run did.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ class Pending:
     sample_s: float  # seconds spent sampling it (logged with its step)
 
 
-class DataStream:
+class PromptSource:
     """The prompt iterator and the curriculum its draws read, behind one lock (split
     mode draws prompts in the sampler thread while the trainer updates the curriculum).
 
-    The one mutable part of the state: iterators advance in place; `state_dict` and
-    `load_state_dict` are what a checkpoint saves and restores."""
+    Host-side and advancing in place; `state_dict` and `load_state_dict` are what a
+    checkpoint saves and restores of it."""
 
     def __init__(self, pipeline: PromptPipeline, curriculum: Curriculum):
         self.pipeline = pipeline
@@ -78,7 +80,6 @@ class TrainerState:
     params: Params  # the policy, on the trainer's mesh
     opt_state: Any
     ref_params: Params | None  # the frozen reference policy (loss.kl_coef > 0), else None
-    data: DataStream
     step: int = 0  # RL steps (batches of P prompts) trained
     version: int = 0  # minibatch updates taken (train.grad_accum per optimizer step)
     nonfinite_streak: int = 0  # consecutive steps with a NaN/Inf update
@@ -86,7 +87,6 @@ class TrainerState:
     staleness_hist: dict[int, int] = field(default_factory=dict)  # {staleness: updates}
     # In flight, never checkpointed (see the module docstring).
     pending: tuple[Pending, ...] = ()  # ppo_off_policy: the group's untrained batches
-    stream: Any = None  # pipeline: its EngineStream on the engine (rl_jax.train.stream)
 
     def replace(self, **changes) -> TrainerState:
         return dataclasses.replace(self, **changes)
@@ -96,11 +96,6 @@ class TrainerState:
         c = dataclasses.replace(self.counters)
         c.add(**inc)
         return self.replace(counters=c)
-
-    @property
-    def idle(self) -> bool:
-        """No sampler work in flight: a checkpoint of this state resumes exactly."""
-        return not self.pending and (self.stream is None or self.stream.idle)
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -112,19 +107,18 @@ class TrainerState:
         return st
 
     def meta(self) -> dict[str, Any]:
-        """The host part of a checkpoint (JSON)."""
+        """The state's host part of a checkpoint (JSON); the prompts' position goes beside
+        it (`PromptSource.state_dict`)."""
         return {
             "step": self.step,
             "version": self.version,
             "counters": self.counters.as_dict(),
-            **self.data.state_dict(),
             "nonfinite_streak": self.nonfinite_streak,
             "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
         }
 
     def restored(self, arrays: dict[str, Any], meta: dict[str, Any]) -> TrainerState:
-        """This state with a checkpoint's arrays and meta (the data stream is set in place)."""
-        self.data.load_state_dict(meta)
+        """This state with a checkpoint's arrays and meta."""
         return self.replace(
             params=arrays["params"],
             opt_state=arrays["opt_state"],
@@ -135,5 +129,4 @@ class TrainerState:
             nonfinite_streak=int(meta["nonfinite_streak"]),
             staleness_hist={int(k): v for k, v in meta["staleness_hist"].items()},
             pending=(),
-            stream=None,
         )

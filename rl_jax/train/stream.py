@@ -317,10 +317,11 @@ class EngineStream:
                 self.cond.notify_all()
 
 
-def trainer_stream(parts, data, first_step: int) -> EngineStream:
+def trainer_stream(parts, prompts, first_step: int) -> EngineStream:
     """The trainer's stream on `parts.engine`: group g is prompt g % B_p of the prompts
-    drawn for step g // B_p (drawn from `data` when that step's first group enters),
-    its rows keyed as that step's rows in every mode (`phases.row_ids`)."""
+    drawn for step g // B_p (drawn from `prompts`, a `PromptSource`, when that step's
+    first group enters), its rows keyed as that step's rows in every mode
+    (`phases.row_ids`)."""
     from rl_jax.train import phases
     from rl_jax.train.accounting import num_waves
 
@@ -330,7 +331,7 @@ def trainer_stream(parts, data, first_step: int) -> EngineStream:
     def source(g: int):
         step, i = divmod(g, P)
         if step not in drawn:
-            problems = data.draw()
+            problems = prompts.draw()
             drawn[step] = (problems, phases.prompt_ids(parts, problems))
         problems, ids = drawn[step]
         rows = phases.row_ids(parts, step, P)[i * G : (i + 1) * G]
