@@ -34,13 +34,6 @@ EXCEPTIONS = {
     "models/transformer.py:Transformer.__call__": (
         "the model's forward (embed, scanned or unrolled layers, head, MoE aux)" + _NOT_YET
     ),
-    "plan/_programs.py:plan_run": (
-        "the planner's build-compile-report pipeline, its closures sharing the run's "
-        "abstract state" + _NOT_YET
-    ),
-    "plan/_programs.py:plan_run.reports": (
-        "every program's report, in plan_run's closure" + _NOT_YET
-    ),
     "plan/_programs.py:_report": "one program's memory and cost report" + _NOT_YET,
     "sampling/_engine.py:Engine": (
         "the continuous-batching engine's state machine (verbs, compiled programs, host "

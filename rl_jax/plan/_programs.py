@@ -149,85 +149,116 @@ def plan_run(
             f"mesh.sampler_devices={cfg.mesh.sampler_devices}: a plan covers colocated runs "
             "(the sampler on the trainer's mesh); set mesh.sampler_devices=0"
         )
-    cfg, devices, mesh, spec, rules, tp, tg = plan_target(cfg, topology)
-    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    if P % M:
-        raise ConfigError(
-            f"data.prompts_per_batch={P} must be divisible by train.updates_per_batch={M}"
-        )
-    chips = len(devices)
-
-    def report(name, done, analytic, **kw):
-        return _report(name, done, analytic, chip, chips, headroom, **kw)
-
-    # PPO-off-policy-k samples the prompts of its k steps at once; PipelineRL's stream
-    # keeps W batches untrained (W x B_p groups in flight), by default a slot for each of
-    # their rows.
-    off, k = cfg.train.off_policy, cfg.train.off_policy_k
-    batch_prompts = P * k if off == "ppo_off_policy" else P
-    in_flight_batches = num_waves(cfg) if off == "pipeline" else 1
-    progs = _programs(cfg, spec, mesh, rules, tp)
-    (params, opt), engine, runs = progs.state_shapes, progs.engine, progs.passes
-    param_bytes, opt_bytes = _chip_bytes(params), _chip_bytes(opt)
-    ref_bytes = param_bytes if runs.ref else 0  # the frozen reference policy stays resident
+    t = plan_target(cfg, topology)
+    progs = _programs(t.cfg, t.spec, t.mesh, t.rules, t.tp)
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
-    real = {
-        n: _submit(fn, *args, **kw) for n, (fn, args, kw) in progs.step_programs(tp, tg).items()
-    }
-    # The engine's state is laid out by its own constraints, known before compiling.
-    state = engine.abstract_state()
-    state_bytes, kv_bytes = _chip_bytes(state), _chip_bytes(state.slots.cache)
+    run = progs.step_programs(t.tp, t.tg)
+    real = {name: _submit(fn, *args, **kw) for name, (fn, args, kw) in run.items()}
+    step = _Step(t, topology, progs, real, chip, headroom)
+    # XLA's cost analysis counts a while loop's body once. The programs scan over the
+    # layers (and the update over its minibatches), so their counts come from the same
+    # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
+    # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
+    # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
+    # `flops_if_fits`: a program that does not fit gets no roofline, so its counting
+    # programs are not compiled (a search's candidate that does not fit costs its memory).
+    nan_costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
+    if count_flops and flops_if_fits:
+        count_flops = all(p["fits"] for p in step.reports(nan_costs))
+    t0 = time.perf_counter()
+    if count_flops:
+        M = t.cfg.train.updates_per_batch
+        costs = _layer_costs(t.cfg, t.spec, t.mesh, t.rules, M=M, tp=t.tp, tg=t.tg)
+    else:  # XLA's own counts of the scanned programs would miss all but one iteration
+        costs = nan_costs
+    plan = step.summary(
+        step.reports(costs),
+        source=source,
+        budget_rollouts=budget_rollouts,
+        cost_s=time.perf_counter() - t0,
+        flops_counted=count_flops,
+    )
+    plan["advice"] = advice(t.cfg, plan)
+    return plan
 
-    fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
-    tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
 
-    # Positions of cache a row holds: its table's pages.
-    cache_positions = engine.row_pages * engine.page_size
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A planned RL step: the target, the run's programs, their compiles (futures), and
+    the per-chip bytes of what stays resident while each runs."""
 
-    def reports(costs) -> list[dict[str, Any]]:
+    t: Target
+    topology: str
+    progs: Programs
+    real: dict  # program -> future of its `_compile`
+    chip: Chip
+    headroom: float
+
+    def _report(self, name: str, analytic: float, **kw) -> dict[str, Any]:
+        chips = len(self.t.devices)
+        return _report(
+            name, self.real[name].result(), analytic, self.chip, chips, self.headroom, **kw
+        )
+
+    @functools.cached_property
+    def bytes(self) -> dict[str, int]:
+        """Per chip: the state's params ("param"), the optimizer state ("opt"), the frozen
+        reference ("ref", resident when the recipe has one), the engine's whole state
+        ("sampler": laid out by its own constraints, known before compiling), its KV
+        cache ("kv") and the weights the engine runs ("weights", in the compute dtype)."""
+        params, opt = self.progs.state_shapes
+        engine, spec = self.progs.engine, self.t.spec
+        state = engine.abstract_state()
+        view = _resharded(self.progs.plan.abstract_view(params), engine.param_shardings())
+        param = _chip_bytes(params)
+        return {
+            "param": param,
+            "opt": _chip_bytes(opt),
+            "ref": param if self.progs.passes.ref else 0,
+            "sampler": _chip_bytes(state),
+            "kv": _chip_bytes(state.slots.cache),
+            "weights": _chip_bytes(
+                {n: _abstract(a, a.sharding, spec.compute_dtype) for n, a in view.items()}
+            ),
+        }
+
+    def reports(self, costs) -> list[dict[str, Any]]:
         """Every program's report, its FLOPs and bytes from `costs`."""
-        programs = []
+        return [*self._trainer_reports(costs), *self._engine_reports(costs)]
+
+    def _trainer_reports(self, costs) -> list[dict[str, Any]]:
+        cfg, spec, tp, tg = self.t.cfg, self.t.spec, self.t.tp, self.t.tg
+        P, G, b = cfg.data.prompts_per_batch, cfg.sampling.n, self.bytes
         # While the trainer updates, PipelineRL's stream keeps its engine state with the
         # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
         # their batches are sampled (`Engine.run`).
-        in_flight = state_bytes if off == "pipeline" else 0
+        in_flight = b["sampler"] if cfg.train.off_policy == "pipeline" else 0
+        tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
         # One call of the trainer's update program: the RL step's M minibatch updates.
-        programs.append(
-            report(
+        out = [
+            self._report(
                 "train_step",
-                real["train_step"].result(),
                 tf["model"],
                 expected=tf["expected"],
-                resident=in_flight + ref_bytes,
+                resident=in_flight + b["ref"],
                 calls=1,
                 cost=costs["train_step"],
             )
-        )
-        for name, calls in runs.calls.items():  # a forward over the batch each
-            programs.append(
-                report(
-                    name,
-                    real[name].result(),
-                    fwd,
-                    resident=opt_bytes + in_flight + ref_bytes,
-                    calls=calls,
-                    cost=costs[name],
-                )
-            )
+        ]
+        fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
+        for name, calls in self.progs.passes.calls.items():  # a forward over the batch each
+            resident = b["opt"] + in_flight + b["ref"]
+            out.append(self._report(name, fwd, resident=resident, calls=calls, cost=costs[name]))
+        return out
+
+    def _engine_reports(self, costs) -> list[dict[str, Any]]:
+        cfg, spec, tp, tg = self.t.cfg, self.t.spec, self.t.tp, self.t.tg
+        engine, P, G, b = self.progs.engine, cfg.data.prompts_per_batch, cfg.sampling.n, self.bytes
         # The engine's programs run while the optimizer state (and the reference) stay resident
         # (the sampler's state is the programs' argument). The state the view is made from
         # stays too, unless the view is the state itself.
-        state_resident = 0 if progs.plan.identity else param_bytes
-        beside = opt_bytes + ref_bytes + state_resident
-        weight_bytes = _chip_bytes(
-            {
-                n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=a.sharding)
-                for n, a in _resharded(
-                    progs.plan.abstract_view(params), engine.param_shardings()
-                ).items()
-            }
-        )
+        beside = b["opt"] + b["ref"] + (0 if self.progs.plan.identity else b["param"])
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
         # the engine's slots (full occupancy: the least it takes). A generate call runs
         # `chunk` of those steps; its cost is one step's (the step loop's body once) plus
@@ -239,110 +270,107 @@ def plan_run(
         # counted whole, every prompt prefilled (an upper bound: the run's engine skips
         # the prefill blocks a refill leaves empty).
         calls = P / engine.prefill_prompts
-        if off == "pipeline":
+        if cfg.train.off_policy == "pipeline":
             calls = min(P, max(calls, steps / engine.chunk))
-        programs.append(
-            report(
-                "prefill_insert",
-                real["prefill_insert"].result(),
-                engine.prefill_prompts * _prefill_flops(spec, tp - 1),
-                resident=beside,
-                calls=calls,
-                cost=costs["prefill_insert"],
-            )
+        prefill = self._report(
+            "prefill_insert",
+            engine.prefill_prompts * _prefill_flops(spec, tp - 1),
+            resident=beside,
+            calls=calls,
+            cost=costs["prefill_insert"],
         )
-        kv_read = kv_bytes * _mean_pages_read(engine, tp, tg) / engine.row_pages
-        programs.append(
-            report(
-                "generate",
-                real["generate"].result(),
-                slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
-                resident=beside,
-                calls=steps,
-                bytes_analytic=weight_bytes + kv_read,
-                bytes_floor=weight_bytes + kv_bytes * _mean_filled(tp, tg) / cache_positions,
-                cost=costs["generate"],
-                steps_per_call=engine.chunk,
-            )
+        kv_read = b["kv"] * _mean_pages_read(engine, tp, tg) / engine.row_pages
+        cache_positions = engine.row_pages * engine.page_size  # a row's table's pages
+        generate = self._report(
+            "generate",
+            slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
+            resident=beside,
+            calls=steps,
+            bytes_analytic=b["weights"] + kv_read,
+            bytes_floor=b["weights"] + b["kv"] * _mean_filled(tp, tg) / cache_positions,
+            cost=costs["generate"],
+            steps_per_call=engine.chunk,
         )
-        return programs
+        return [prefill, generate]
 
-    # XLA's cost analysis counts a while loop's body once. The programs scan over the
-    # layers (and the update over its minibatches), so their counts come from the same
-    # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
-    # linear in depth, c(L) = c(1) + (L - 1) (c(2) - c(1)), and M updates cost M times one.
-    # Attention's block pairs and the LM head's chunks are counted peeled (`_depth_costs`).
-    # `flops_if_fits`: a program that does not fit gets no roofline, so its counting
-    # programs are not compiled (a search's candidate that does not fit costs its memory).
-    nan_costs = collections.defaultdict(lambda: (float("nan"), float("nan")))
-    if count_flops and flops_if_fits:
-        count_flops = all(p["fits"] for p in reports(nan_costs))
-    t0 = time.perf_counter()
-    if count_flops:
-        kw = dict(M=M, tp=tp, tg=tg)
-        costs = _layer_costs(cfg, spec, mesh, rules, **kw)
-    else:  # XLA's own counts of the scanned programs would miss all but one iteration
-        costs = nan_costs
-    cost_s = time.perf_counter() - t0
-    programs = reports(costs)
-    step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
-    # The collectives added to the roofline, none overlapped with compute: the other bound.
-    step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
-    useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
-    rollouts = P * G
-    per_hour = rollouts * 3600 / step_s if step_s > 0 else float("nan")
-    hours = budget_rollouts / per_hour
-    plan = {
-        "topology": topology,
-        "chip": chip.name,
-        "chips": chips,
-        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
-        "hbm_capacity_gb": chip.hbm_bytes / 1e9,
-        "headroom": headroom,
-        "fit_limit_gb": (1 - headroom) * chip.hbm_bytes / 1e9,
-        "model": model_facts(cfg, source),
-        "batch": {
-            "prompts": P,
-            "samples": G,
-            "updates": M,
-            "grad_accum": cfg.train.grad_accum,
-            "prompt_len": tp,
-            "gen_len": tg,
-            "batch_prompts": batch_prompts,
-            "batches_in_flight": in_flight_batches,
-        },
-        "engine": {
-            "slots": engine.slots,
-            "chunk": engine.chunk,
-            "prefill_prompts": engine.prefill_prompts,
-        },
-        "kv_cache_gb": kv_bytes / 1e9,
-        "sampler_state_gb": state_bytes / 1e9,
-        "optimizer_gb": opt_bytes / 1e9,
-        "programs": programs,
-        "fits": all(p["fits"] for p in programs),
-        "step": {
+    def summary(
+        self, programs, *, source, budget_rollouts, cost_s, flops_counted
+    ) -> dict[str, Any]:
+        """The plan's dict: the target, sizes, every program's report and the RL step's
+        roofline time, rollouts per hour and budget."""
+        cfg, mesh, chip, tp, tg = self.t.cfg, self.t.mesh, self.chip, self.t.tp, self.t.tg
+        P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+        engine, chips, b = self.progs.engine, len(self.t.devices), self.bytes
+        # PPO-off-policy-k samples the prompts of its k steps at once; PipelineRL's stream
+        # keeps W batches untrained (W x B_p groups in flight), by default a slot for each
+        # of their rows.
+        off = cfg.train.off_policy
+        step = self._step(programs)
+        hours = budget_rollouts / step["rollouts_per_hour"]
+        return {
+            "topology": self.topology,
+            "chip": chip.name,
+            "chips": chips,
+            "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
+            "hbm_capacity_gb": chip.hbm_bytes / 1e9,
+            "headroom": self.headroom,
+            "fit_limit_gb": (1 - self.headroom) * chip.hbm_bytes / 1e9,
+            "model": model_facts(cfg, source),
+            "batch": {
+                "prompts": P,
+                "samples": G,
+                "updates": M,
+                "grad_accum": cfg.train.grad_accum,
+                "prompt_len": tp,
+                "gen_len": tg,
+                "batch_prompts": P * cfg.train.off_policy_k if off == "ppo_off_policy" else P,
+                "batches_in_flight": num_waves(cfg) if off == "pipeline" else 1,
+            },
+            "engine": {
+                "slots": engine.slots,
+                "chunk": engine.chunk,
+                "prefill_prompts": engine.prefill_prompts,
+            },
+            "kv_cache_gb": b["kv"] / 1e9,
+            "sampler_state_gb": b["sampler"] / 1e9,
+            "optimizer_gb": b["opt"] / 1e9,
+            "programs": programs,
+            "fits": all(p["fits"] for p in programs),
+            "step": step,
+            "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
+            "flops_counted": flops_counted,
+            "budget": {
+                "rollouts": budget_rollouts,
+                "hours": hours,
+                "chip_hours": hours * chips,
+                "note": budget_note(cfg, budget_rollouts),
+            },
+        }
+
+    def _step(self, programs) -> dict[str, float]:
+        """The RL step's roofline time (every program's calls), its useful FLOPs, MFU and
+        rollouts per hour; with collectives added, none overlapped with compute (the
+        other bound)."""
+        cfg, tp, tg = self.t.cfg, self.t.tp, self.t.tg
+        P, G = cfg.data.prompts_per_batch, cfg.sampling.n
+        step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
+        step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
+        fwd = forward_flops(self.t.spec, [tp] * P, [tg] * (P * G), G)
+        useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
+        chips, rollouts = len(self.t.devices), P * G
+        return {
             "roofline_s": step_s,
             "flops": useful,
-            "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s else float("nan"),
+            "mfu_estimate": (
+                useful / chips / self.chip.bf16_flops / step_s if step_s else float("nan")
+            ),
             "rollouts": rollouts,
-            "rollouts_per_hour": per_hour,
+            "rollouts_per_hour": rollouts * 3600 / step_s if step_s > 0 else float("nan"),
             "roofline_s_with_collectives": step_c,
             "rollouts_per_hour_with_collectives": (
                 rollouts * 3600 / step_c if step_c > 0 else float("nan")
             ),
-        },
-        "cost_compile_s": cost_s,  # the counting programs' compiles (`_depth_costs`)
-        "flops_counted": count_flops,
-        "budget": {
-            "rollouts": budget_rollouts,
-            "hours": hours,
-            "chip_hours": hours * chips,
-            "note": budget_note(cfg, budget_rollouts),
-        },
-    }
-    plan["advice"] = advice(cfg, plan)
-    return plan
+        }
 
 
 class _StandInTokens:
@@ -548,8 +576,8 @@ def _resharded(params, shardings):
     return {n: _abstract(a, shardings[n]) for n, a in params.items()}
 
 
-def _abstract(s, sharding) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+def _abstract(s, sharding, dtype=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sharding)
 
 
 @dataclasses.dataclass(frozen=True)

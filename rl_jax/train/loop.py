@@ -23,9 +23,8 @@ import numpy as np
 
 from rl_jax.config import RunConfig, flatten, resolved, run_id
 from rl_jax.data import Curriculum, PromptPipeline
-from rl_jax.runs import RunDir, create_run_dir, progress_bar, sample_rows
+from rl_jax.runs import RunDir, create_run_dir, progress_bar
 from rl_jax.runs import run_dir as runs_lib
-from rl_jax.runs.samples import format_row, samples_due
 from rl_jax.runs.storage import check_out_dir
 from rl_jax.sharding import start_jax
 from rl_jax.train import phases, schedules
@@ -242,29 +241,9 @@ class RLTrainer:
     # ---- logging and evaluation -----------------------------------------------------------
 
     def log_samples(self, step: int, problems, scores: phases.Scores) -> None:
-        """A few readable rows of the batch logged under `step` to samples.jsonl and
-        TensorBoard (logging.samples_every)."""
-        cfg = self.cfg
-        due = samples_due(
-            cfg.logging.samples_every,
-            step=step,
-            eval_every=cfg.eval.every,
-            last_step=cfg.train.steps,
-        )
-        if not self.is_main or not due:
-            return
-        rows = sample_rows(
-            step=step,
-            problems=problems,
-            completions=scores.texts,
-            raw=scores.raw,
-            shaped=scores.shaped,
-            group_size=self.G,
-            rows=cfg.logging.samples_rows,
-            well_formed=self.parts.reward_fn.well_formed,
-        )
-        text = "\n".join("```\n" + format_row(r) + "```" for r in rows)
-        self.record.log_samples(step, rows, text)
+        """A few readable rows of the batch logged under `step` (Recorder.log_samples)."""
+        well_formed = self.parts.reward_fn.well_formed
+        self.record.log_samples(step, problems, scores, well_formed=well_formed)
 
     def evaluate(self) -> dict[str, float]:
         self.state, m = phases.evaluate(self.parts, self.state, self.sampler_weights()[0])

@@ -22,9 +22,10 @@ import jax
 
 from rl_jax.config import RunConfig
 from rl_jax.knobs import ConfigError
-from rl_jax.runs import MetricsLogger, RunDir, RunDirError, StorageError
+from rl_jax.runs import MetricsLogger, RunDir, RunDirError, StorageError, sample_rows
 from rl_jax.runs.plots import CURVE_PNG, draw_curve
 from rl_jax.runs.run_dir import CHECKPOINTS, METRICS
+from rl_jax.runs.samples import format_row, samples_due
 from rl_jax.train.checkpoint import Checkpointer
 
 LOG_ROWS = "log_rows"  # checkpoint meta: rows in each log at the checkpoint's step
@@ -109,11 +110,32 @@ class Recorder:
         if self.logger is not None:
             self.logger.log(step, metrics)
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]], text: str) -> None:
-        if self.is_main:
-            self.run.append_samples(rows)
-            if self.logger is not None:
-                self.logger.log_text(step, "samples", text)
+    def log_samples(self, step: int, problems, scores, *, well_formed) -> None:
+        """A few readable rows of a scored batch (`phases.Scores`) logged under `step`, to
+        samples.jsonl and TensorBoard, when logging.samples_every makes them due."""
+        cfg = self.cfg
+        due = samples_due(
+            cfg.logging.samples_every,
+            step=step,
+            eval_every=cfg.eval.every,
+            last_step=cfg.train.steps,
+        )
+        if not self.is_main or not due:
+            return
+        rows = sample_rows(
+            step=step,
+            problems=problems,
+            completions=scores.texts,
+            raw=scores.raw,
+            shaped=scores.shaped,
+            group_size=cfg.sampling.n,
+            rows=cfg.logging.samples_rows,
+            well_formed=well_formed,
+        )
+        self.run.append_samples(rows)
+        if self.logger is not None:
+            text = "\n".join("```\n" + format_row(r) + "```" for r in rows)
+            self.logger.log_text(step, "samples", text)
 
     def evaluated(self, step: int, row: dict[str, Any], metrics: dict[str, float]) -> None:
         """An evaluation's curve row, metrics and picture, made durable at once: watchers
