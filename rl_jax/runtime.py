@@ -18,27 +18,23 @@ from pathlib import Path
 
 # Every compilation is written, however short: a warm start otherwise recompiles the
 # dozens of small programs (eager ops, advantages, optimizer init) that a run starts
-# with, 30-500 ms each, while reading one back takes a few ms. rl_step.py's warm
-# first step: 4.1-4.2 s at 0.5 s (JAX's default is 1 s), 3.4-3.7 s at 0; the cold
-# first step did not change measurably.
+# with, each slower to compile than to read back (docs/results/performance.md,
+# "Compute rate and compilation cache").
 MIN_COMPILE_SECS = 0.0
 _trim_registered = False
 
 
 # LLVM's optimization level for XLA:CPU kernels (XLA's default is 2). The matmuls
 # run in libraries (Eigen, YNNPACK), so the generated kernels are the elementwise
-# and reduction fusions, and level 1 compiles them ~20% faster without slowing them
-# measurably (bench workload, 2 CPUs, back-to-back A/B in one session: train step
-# compile 8.0-8.8 -> 6.1-7.3 s at 0.70-0.77 s per step either way; the sampler's
-# first call 4.0-4.6 -> 3.0-3.6 s at 8,900-9,550 tokens/s either way). Level 0
-# compiled in 4.9 s but ran the step in 1.28 s.
+# and reduction fusions, which level 1 compiles faster without running them slower;
+# level 0 runs them slower (docs/results/performance.md, "Compute rate and
+# compilation cache").
 CPU_LLVM_OPT_LEVEL = 1
 
 # XLA:CPU's instruction scheduler: the memory-minimizing one orders a program's
 # instructions so fewer temporaries are live at once (the default orders them for
-# concurrency). The order changes no arithmetic, so results stay bit-identical; on the
-# SmolLM2 recipe it took a step's peak RSS from 3,133 to 2,940 MiB
-# (docs/results/performance.md).
+# concurrency). The order changes no arithmetic, so results stay bit-identical, and
+# the SmolLM2 recipe's peak RSS falls (docs/results/performance.md, "Under 3 GB").
 CPU_SCHEDULER = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 
 # glibc's mmap threshold (mallopt M_MMAP_THRESHOLD): host buffers of at least this many

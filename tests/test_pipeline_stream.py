@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rl_jax.train.accounting import num_waves
+from rl_jax.train.accounting import batches_in_flight
 from rl_jax.train.phases import StalenessError, check_staleness
 from rl_jax.train.stream import DeadlineError, StreamBook, feasible
 
@@ -98,7 +98,7 @@ def test_random_completions_keep_every_deadline_and_the_staleness_bound(seed):
     k = W * U - 1 + int(rng.integers(0, U))
     knobs = dict(off_policy_k=k, updates_per_batch=M, grad_accum=ga, pipeline_waves=0)
     cfg = SimpleNamespace(train=SimpleNamespace(**knobs))  # k = 0 is below the knob's range
-    assert num_waves(cfg) == W  # (k + 1) // U
+    assert batches_in_flight(cfg) == W  # (k + 1) // U
     book = StreamBook(P=P, W=W)
     steps = 12
     book.allow(steps)

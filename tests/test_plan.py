@@ -704,13 +704,13 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     batch (micro-batches split a step, so they keep as many), each once."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.plan._search import apply, candidates
-    from rl_jax.train.accounting import num_waves
+    from rl_jax.train.accounting import batches_in_flight
 
     cfg = resolved(load_recipe("scalerl", [*TINY, "data.prompts_per_batch=8"]))
     cands = candidates(cfg, 4, num_heads=4)
     assert {c["remat"] for c in cands} == {"none", "save_dots", "full"}
     assert {c["micro"] for c in cands} == {1, 2, 4, 8}
-    assert all(num_waves(resolved(apply(cfg, c))) == c["waves"] for c in cands)
+    assert all(batches_in_flight(resolved(apply(cfg, c))) == c["waves"] for c in cands)
     # PipelineRL-8: W = 9 with one optimizer step per batch, then halvings; the same
     # with 8 micro-batches of it (train.grad_accum=8).
     assert sorted({c["waves"] for c in cands if c["micro"] == 1}) == [1, 2, 4, 9]

@@ -15,7 +15,7 @@ import pytest
 
 from rl_jax.config import load_recipe
 from rl_jax.runs import read_jsonl
-from rl_jax.train.accounting import num_waves
+from rl_jax.train.accounting import batches_in_flight
 from rl_jax.train.loop import NonFiniteError, RLTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
         ),
         quiet=True,
     )
-    assert num_waves(tr.cfg) == k + 1  # W batches untrained at once
+    assert batches_in_flight(tr.cfg) == k + 1  # W batches untrained at once
     seen, compiled = [], []
     tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
     tr.step_hooks.append(lambda t: compiled.append(len(xla.records)))

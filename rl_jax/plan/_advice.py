@@ -11,7 +11,7 @@ from rl_jax.config import RunConfig
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.plan.chips import MAX_TENSOR
-from rl_jax.train.accounting import num_waves
+from rl_jax.train.accounting import batches_in_flight
 from rl_jax.train.parts import check_sizes
 
 _TRAINER = ("train_step", "logprob", "values")
@@ -57,7 +57,7 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
         if fewer >= shards and fewer % shards == 0:
             why = "KV cache" if sampler else "stream state beside the update"
             hints.append(f"sampling.engine_slots={fewer} (half the {slots} slots: half the {why})")
-        w = num_waves(cfg)
+        w = batches_in_flight(cfg)
         if stream and w > 1:
             hints.append(f"train.pipeline_waves={w - 1} (fewer batches in flight than {w})")
     if sampler:

@@ -52,9 +52,9 @@ from rl_jax.sharding import (
 from rl_jax.sharding.rules import Rules
 from rl_jax.train.accounting import (
     TRAIN_PASSES,
+    batches_in_flight,
     extra_forwards,
     forward_flops,
-    num_waves,
 )
 from rl_jax.train.parts import Programs, build_programs, check_sizes
 
@@ -324,7 +324,7 @@ class _Step:
                 "prompt_len": tp,
                 "gen_len": tg,
                 "batch_prompts": P * cfg.train.off_policy_k if off == "ppo_off_policy" else P,
-                "batches_in_flight": num_waves(cfg) if off == "pipeline" else 1,
+                "batches_in_flight": batches_in_flight(cfg) if off == "pipeline" else 1,
             },
             "engine": {
                 "slots": engine.slots,

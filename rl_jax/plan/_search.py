@@ -51,7 +51,7 @@ from rl_jax.plan._programs import (
     plan_run,
 )
 from rl_jax.plan.chips import MAX_TENSOR, num_chips, parse_topology
-from rl_jax.train.accounting import num_waves, sampler_rows
+from rl_jax.train.accounting import batches_in_flight, sampler_rows
 from rl_jax.train.parts import check_sizes
 
 REMAT = ("none", "save_dots", "full")
@@ -102,11 +102,11 @@ def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
 
 def _waves(cfg: RunConfig) -> list[int]:
     """PipelineRL's choices of W (batches untrained at once): the most the trainer keeps
-    (`num_waves`, the same with any micro-batches: they split the recipe's optimizer
+    (`batches_in_flight`, the same with any micro-batches: they split the recipe's optimizer
     steps, not add to them) and halvings of it; [0] (no such knob) otherwise."""
     if cfg.train.off_policy != "pipeline":
         return [0]
-    most = num_waves(cfg)
+    most = batches_in_flight(cfg)
     return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 

@@ -143,7 +143,7 @@ def policy_steps(cfg: RunConfig) -> int:
     return M // ga if M % ga == 0 else M
 
 
-def num_waves(cfg: RunConfig) -> int:
+def batches_in_flight(cfg: RunConfig) -> int:
     """PipelineRL's W: batches untrained at once (the stream's W x B_p groups in flight,
     `rl_jax.train.stream`), W = (k + 1) // U with U the batch's optimizer steps
     (`policy_steps`), at least 1 and at most train.pipeline_waves when set."""
@@ -156,7 +156,7 @@ def sampler_rows(cfg: RunConfig) -> int:
     batches (sampled together unless data.dynamic_sampling), x W for pipeline's W."""
     off = cfg.train.off_policy
     ppo = off == "ppo_off_policy" and not cfg.data.dynamic_sampling
-    batches = cfg.train.off_policy_k if ppo else num_waves(cfg) if off == "pipeline" else 1
+    batches = cfg.train.off_policy_k if ppo else batches_in_flight(cfg) if off == "pipeline" else 1
     return batches * cfg.data.prompts_per_batch * cfg.sampling.n
 
 

@@ -42,10 +42,10 @@ def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
     ev = cfg.eval
     sampling = dataclasses.replace(cfg.sampling, n=ev.k, temperature=ev.temperature, decode_chunk=0)
     rows = eval_prompts_per_batch(ev.num_prompts, ev.k, ev.batch_rows) * ev.k
-    return make_sampler(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
+    return make_engine(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
 
 
-def make_sampler(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0, **shape):
+def make_engine(spec, sampling, cfg, tokenizer, *, mesh, rows: int, prompt_len: int = 0, **shape):
     """The engine of `sampling` for batches of up to `rows` rows (slots:
     sampling.engine_slots, else `rows`; one chunk decodes to the end unless
     sampling.decode_chunk; `fixed_shapes`, so a run compiles one prefill_insert and one

@@ -27,7 +27,7 @@ from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
 from rl_jax.train.accounting import Passes, decode_chunk, passes, policy_steps, sampler_rows
-from rl_jax.train.evaluation import correctness_fn, make_eval_sampler, make_sampler
+from rl_jax.train.evaluation import correctness_fn, make_engine, make_eval_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamPlan
 from rl_jax.train.preflight import task_and_prompt_len
@@ -285,7 +285,7 @@ def run_engine(
     every row the schedule has in flight at once (`sampler_rows`: B_p x n, x k for
     ppo_off_policy's k batches, x W for pipeline's W); `shape` overrides `engine_shape`'s
     (the plan prefills every prompt in one block)."""
-    return make_sampler(
+    return make_engine(
         spec,
         engine_sampling(cfg),
         cfg,

@@ -7,7 +7,7 @@ rows in flight included (PipelineRL's in-flight update: their stale KV is kept).
 A slot whose row ended takes the next row at once, where a batch decoded as one
 block would hold its slots until its longest row ends.
 
-Staleness bound, in optimizer steps (PipelineRL's k). W = `accounting.num_waves`
+Staleness bound, in optimizer steps (PipelineRL's k). W = `accounting.batches_in_flight`
 batches may be untrained at once: the one being formed and (W - 1) x B_p groups ahead
 of it. A batch's M minibatch updates take U optimizer steps (`accounting.policy_steps`:
 M / train.grad_accum, or M). A group admitted when t batches are trained samples with
@@ -67,7 +67,7 @@ class StreamBook:
     """Which groups may enter the engine and which form the next batch: host
     bookkeeping only (the engine's work is `EngineStream`'s).
 
-    P: groups per batch (B_p); W: batches untrained at once (`num_waves`). Groups
+    P: groups per batch (B_p); W: batches untrained at once (`batches_in_flight`). Groups
     are numbered in admission order from first_step x P; batches from first_step.
     """
 
@@ -323,7 +323,7 @@ def trainer_stream(parts, prompts, first_step: int) -> EngineStream:
     first group enters), its rows keyed as that step's rows in every mode
     (`phases.row_ids`)."""
     from rl_jax.train import phases
-    from rl_jax.train.accounting import num_waves
+    from rl_jax.train.accounting import batches_in_flight
 
     P, G = parts.P, parts.G
     drawn: dict[int, tuple[list, list[list[int]]]] = {}  # step -> (problems, prompt ids)
@@ -339,5 +339,5 @@ def trainer_stream(parts, prompts, first_step: int) -> EngineStream:
             del drawn[step]
         return problems[i], ids[i], rows, None
 
-    book = StreamBook(P=P, W=num_waves(parts.cfg), first_step=first_step)
+    book = StreamBook(P=P, W=batches_in_flight(parts.cfg), first_step=first_step)
     return EngineStream(parts.engine, book, n=G, key=phases.sample_key(parts), source=source)
