@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--topology", default="v5e:2x2")
     args = p.parse_args()
     t0 = time.perf_counter()
-    cfg, devices, mesh, spec, rules, tp, tg = plan_target(
+    cfg, devices, mesh, spec, rules, tp, tg, _ = plan_target(
         load_recipe(args.recipe, args.overrides), args.topology
     )
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch

@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--program", choices=("train_step", "logprob"), default="train_step")
     p.add_argument("--flash", choices=("platform", "xla", "both"), default="platform")
     args = p.parse_intermixed_args()
-    cfg, _, mesh, spec, rules, tp, tg = plan_target(
+    cfg, _, mesh, spec, rules, tp, tg, _ = plan_target(
         load_recipe(args.recipe, args.overrides), args.topology
     )
     sc, M = cfg.sampling, cfg.train.updates_per_batch

@@ -167,7 +167,9 @@ def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):
         "mesh.tensor=1",
     ]
     try:
-        cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v5e:2x2")
+        cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(
+            load_recipe("scalerl", knobs), "v5e:2x2"
+        )
     except ConfigError as e:
         pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rl_jax.knobs import ConfigError
@@ -184,7 +185,7 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     # The engine's prefill of on_policy's batch.
     knobs = [*TINY, *ON_POLICY, "train.updates_per_batch=2"]
     cfg = load_recipe("scalerl", knobs)
-    cfg, _, mesh, spec2, rules, tp, tg = pp.plan_target(cfg, "v5e:2x2")
+    cfg, _, mesh, spec2, rules, tp, tg, _ = pp.plan_target(cfg, "v5e:2x2")
     kw = dict(tp=tp, tg=tg)
     spec3 = dataclasses.replace(spec2, num_layers=3)
     # generate's step loop is counted peeled (test_plan_compiles_the_engines_programs_...).
@@ -310,7 +311,7 @@ def test_engine_prefill_compiles_with_one_prompt_per_batch_shard(no_compilation_
         "mesh.tensor=4",
         "sampling.engine_slots=96",
     ]
-    cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
+    cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
     progs = pp._programs(cfg, spec, mesh, rules, tp)
     assert (progs.engine.slots, progs.engine.prefill_prompts) == (96, 16)
     fn, args, kw = progs.step_programs(tp, tg)["prefill_insert"]
@@ -331,9 +332,9 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
 
     peeled, peel = [], pp._peeled_costs
 
-    def recording(*args):
+    def recording(*args, **kw):
         peeled.append(args[5])  # the keys run twice
-        return peel(*args)
+        return peel(*args, **kw)
 
     monkeypatch.setattr(pp, "_peeled_costs", recording)
     # Heads 64 wide, so that attention's matmuls outweigh its masks and softmax as at
@@ -341,7 +342,7 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     # program, where XLA folds and shares them).
     knobs = ["model.attention=blockwise", "model.attention_block=16", "model.logprob_chunk=4"]
     knobs.append("model.head_dim=64")
-    cfg, _, mesh, spec, rules, tp, tg = pp.plan_target(
+    cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(
         load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
     )
     kw = dict(tp=tp, tg=tg)
@@ -663,6 +664,54 @@ def test_a_minibatch_the_mesh_cannot_split_exits_2_before_compiling():
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_split_plan_runs_the_sides_at_once_and_adds_the_weight_push(monkeypatch):
+    """mesh.sampler_devices=4 of v5e:2x4's 8 chips: the engine's programs compile on the
+    first 4 chips (a data-parallel sampler mesh, as the trainer lays it out), the
+    trainer's on the other 4, and the RL step is the slower side plus the push of a
+    version's weights into the sampler's layout over ICI."""
+    _libtpu()
+    from rl_jax.cli.plan import format_plan
+    from rl_jax.config import load_recipe
+    from rl_jax.plan import _programs as pp
+
+    # Every program's (FLOPs, bytes) per chip set here: the counting compiles skipped.
+    fixed = {"train_step": (4e9, 1e8), "prefill_insert": (1e9, 2e8), "generate": (5e8, 3e8)}
+    monkeypatch.setattr(pp, "_layer_costs", lambda *a, **k: fixed)
+    cfg = load_recipe("scalerl", [*TINY, "mesh.sampler_devices=4"])
+    plan = pp.plan_run(cfg, "v5e:2x4")
+    assert plan["chips"] == 8 and plan["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert plan["sampler_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    progs = {p["name"]: p for p in plan["programs"]}
+    assert set(progs) == {"train_step", "prefill_insert", "generate"} and plan["fits"]
+    # Nothing of the other side lives beside a program: the stream's engine state is on
+    # the sampler's chips, the optimizer state on the trainer's.
+    assert all(p["hbm_gb"]["resident"] == 0 for p in progs.values())
+    # A version's view (float32, the tiny model's every weight) whole on each sampler
+    # chip (tensor 1), sent by 4 trainer chips to 4: each side moves one copy a chip.
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.models.transformer import param_layout
+
+    weights = sum(int(np.prod(i.shape)) for i in param_layout(resolve_spec(cfg.model)).values())
+    st, split = plan["step"], plan["step"]["split"]
+    assert split["push_gb"] * 1e9 == weights * 4
+    assert split["push_s"] == pytest.approx(weights * 4 / (CHIPS["v5e"].ici_bandwidth / 2))
+    train = progs["train_step"]["roofline_s"] * progs["train_step"]["calls"]
+    sample = sum(progs[n]["roofline_s"] * progs[n]["calls"] for n in ("prefill_insert", "generate"))
+    assert (split["trainer_s"], split["sampler_s"]) == pytest.approx((train, sample))
+    assert st["roofline_s"] == pytest.approx(max(train, sample) + split["push_s"])
+    assert st["roofline_s"] < train + sample + split["push_s"]  # the sides overlap
+    assert "split:" in format_plan(plan) and "sampler data=4" in format_plan(plan)
+
+
+@pytest.mark.parametrize("search", [(), ("--search", "--estimate-only")])
+def test_a_split_plan_exits_2_before_compiling_where_it_cannot_be_planned(search):
+    """A split that leaves the trainer no chip; --search, which ranks colocated layouts."""
+    topology = "v5e:2x4" if search else "v5e:2x2"
+    r = _plan_cli("scalerl", *TINY, "mesh.sampler_devices=4", "--topology", topology, *search)
+    assert r.returncode == 2 and "mesh.sampler_devices=4" in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_bad_topology_exits_2_before_compiling():
     r = subprocess.run(
         [sys.executable, "-m", "rl_jax.cli", "plan", "scalerl", "--topology", "v9:2x2"],
@@ -832,7 +881,7 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     # costs counted layer by layer (XLA's own count for the others), to compile little.
     from rl_jax.train import parts
 
-    # (The plan builds the trainer's programs with the trainer's own `run_programs`.)
+    # (The plan builds the trainer's programs with the trainer's own `build_programs`.)
     monkeypatch.setattr(parts, "make_update", lambda *a, **k: jax.jit(lambda p, o, b: (p, o)))
     layer_costs = pp._layer_costs
 
@@ -879,7 +928,7 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
 def test_a_critics_recipe_plans_its_values_pass(monkeypatch, no_compilation_cache):
     """PPO's GAE takes the critic's values over the whole batch once per step before its
     updates (`phases.advantages`): the plan compiles that program as the trainer builds it
-    (`run_programs`) and counts its FLOPs, a call per step."""
+    (`build_programs`) and counts its FLOPs, a call per step."""
     _libtpu()
     import collections
 

@@ -162,8 +162,14 @@ def _finite(x):
     return x
 
 
+def _axes(axes: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in axes.items())
+
+
 def format_plan(plan: dict) -> str:
-    mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+    mesh = _axes(plan["mesh"])
+    if "sampler_mesh" in plan:  # split mode: the engine's programs on chips of their own
+        mesh = f"trainer {mesh}, sampler {_axes(plan['sampler_mesh'])}"
     b, st, bud, m = plan["batch"], plan["step"], plan["budget"], plan["model"]
     lines = [
         m["source"],
@@ -211,12 +217,21 @@ def format_plan(plan: dict) -> str:
             f" in {bud['hours']:.4g} h = {bud['chip_hours']:.4g} chip-hours",
             f"with collectives, none overlapped: {st['roofline_s_with_collectives']:.4g} s,"
             f" {st['rollouts_per_hour_with_collectives']:.4g} rollouts/hour",
+            *([_split_line(st["split"])] if "split" in st else []),
             bud["note"],
         ]
     else:
         why = "--memory-only" if plan["fits"] else "a program does not fit"
         lines.append(f"RL step: FLOPs not counted ({why}): no roofline, MFU or hours")
     return "\n".join(lines)
+
+
+def _split_line(sp: dict) -> str:
+    return (
+        f"split: the trainer's programs {sp['trainer_s']:.4g} s and the sampler's"
+        f" {sp['sampler_s']:.4g} s run at once; the step is the slower plus the weight push"
+        f" ({sp['push_gb']:.3g} GB per sampler chip, {sp['push_s']:.3g} s)"
+    )
 
 
 def _model(m: dict) -> str:

@@ -51,16 +51,23 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
     resident = program["hbm_gb"].get("resident", 0.0)
     stream = cfg.train.off_policy == "pipeline"
     sampler = program["name"] not in _TRAINER
+    split = plan.get("sampler_mesh")  # the engine's own chips (mesh.sampler_devices)
     if sampler or (stream and resident > 0):
         slots = plan["engine"]["slots"]
-        fewer = slots // 2
-        if fewer >= shards and fewer % shards == 0:
+        fewer, rows = slots // 2, shards if split is None else split["data"] * split["fsdp"]
+        if fewer >= rows and fewer % rows == 0:
             why = "KV cache" if sampler else "stream state beside the update"
             hints.append(f"sampling.engine_slots={fewer} (half the {slots} slots: half the {why})")
         w = batches_in_flight(cfg)
         if stream and w > 1:
             hints.append(f"train.pipeline_waves={w - 1} (fewer batches in flight than {w})")
-    if sampler:
+    if sampler and split is not None:
+        n = 2 * cfg.mesh.sampler_devices
+        if n < plan["chips"]:
+            hints.append(
+                f"mesh.sampler_devices={n} (the engine's weights and cache over {n} chips)"
+            )
+    elif sampler:
         tensor = _more_tensor(cfg, plan["mesh"])
         if tensor:
             hints.append(tensor)

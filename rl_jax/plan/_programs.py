@@ -46,7 +46,6 @@ from rl_jax.runtime import mesh_platform
 from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import (
     get_rules,
-    make_mesh,
     resolve_axis_sizes,
 )
 from rl_jax.sharding.rules import Rules
@@ -56,7 +55,7 @@ from rl_jax.train.accounting import (
     extra_forwards,
     forward_flops,
 )
-from rl_jax.train.parts import Programs, build_programs, check_sizes
+from rl_jax.train.parts import Programs, build_programs, check_sizes, check_split, make_meshes
 
 HEADROOM = 0.10  # a program fits when it leaves this fraction of the chip's HBM free
 
@@ -89,6 +88,7 @@ class Target(NamedTuple):
     rules: Rules  # the trainer's
     tp: int  # prompt columns: sampling.max_prompt_len in whole length buckets
     tg: int  # generated columns: sampling.max_new_tokens in whole length buckets
+    sample_mesh: Mesh  # the sampler's: `mesh` itself unless split (mesh.sampler_devices)
 
 
 def check_prompt_len(cfg: RunConfig) -> None:
@@ -102,16 +102,21 @@ def check_prompt_len(cfg: RunConfig) -> None:
 
 
 def plan_target(cfg: RunConfig, topology: str) -> Target:
-    """`cfg` resolved, on a mesh of `topology`'s devices (its mesh.* shape, not a count
-    of this host's devices), with its model spec, train rules and bucketed lengths. The
-    batch's sizes are checked against the mesh as the trainer checks them, before libtpu
-    loads: a ConfigError, not a compile that cannot shard the minibatch."""
+    """`cfg` resolved, on meshes of `topology`'s devices (its mesh.* shape, not a count
+    of this host's devices; in split mode the first mesh.sampler_devices chips the
+    sampler's, as a run lays them out: `make_meshes`), with its model spec, train rules
+    and bucketed lengths. The batch's sizes are checked against the mesh as the trainer
+    checks them, before libtpu loads: a ConfigError, not a compile that cannot shard the
+    minibatch."""
     cfg = resolved(planned_model(cfg)[0])
     check_prompt_len(cfg)
-    data, fsdp, _ = resolve_axis_sizes(cfg.mesh, num_chips(parse_topology(topology)[1]))
+    chips = num_chips(parse_topology(topology)[1])
+    if cfg.mesh.sampler_devices:
+        check_split(cfg.mesh.sampler_devices, chips)
+    data, fsdp, _ = resolve_axis_sizes(cfg.mesh, chips - cfg.mesh.sampler_devices)
     check_sizes(cfg, data * fsdp)
     devices = topology_devices(topology)
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, num_devices=0), devices=devices)
+    mesh, sample_mesh = make_meshes(cfg, devices)
     sc = cfg.sampling
     return Target(
         cfg,
@@ -121,6 +126,7 @@ def plan_target(cfg: RunConfig, topology: str) -> Target:
         get_rules(cfg.mesh.rules, purpose="train"),
         round_up(sc.max_prompt_len, sc.length_bucket),
         round_up(sc.max_new_tokens, sc.length_bucket),
+        sample_mesh,
     )
 
 
@@ -144,13 +150,8 @@ def plan_run(
     "model" says where the shapes come from)."""
     chip, _ = parse_topology(topology)
     cfg, source = planned_model(cfg)
-    if cfg.mesh.sampler_devices:
-        raise ConfigError(
-            f"mesh.sampler_devices={cfg.mesh.sampler_devices}: a plan covers colocated runs "
-            "(the sampler on the trainer's mesh); set mesh.sampler_devices=0"
-        )
     t = plan_target(cfg, topology)
-    progs = _programs(t.cfg, t.spec, t.mesh, t.rules, t.tp)
+    progs = _programs(t.cfg, t.spec, t.mesh, t.rules, t.tp, sample_mesh=t.sample_mesh)
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
     run = progs.step_programs(t.tp, t.tg)
@@ -168,8 +169,9 @@ def plan_run(
         count_flops = all(p["fits"] for p in step.reports(nan_costs))
     t0 = time.perf_counter()
     if count_flops:
-        M = t.cfg.train.updates_per_batch
-        costs = _layer_costs(t.cfg, t.spec, t.mesh, t.rules, M=M, tp=t.tp, tg=t.tg)
+        M, sample_mesh = t.cfg.train.updates_per_batch, t.sample_mesh
+        kw = dict(M=M, tp=t.tp, tg=t.tg, sample_mesh=sample_mesh)
+        costs = _layer_costs(t.cfg, t.spec, t.mesh, t.rules, **kw)
     else:  # XLA's own counts of the scanned programs would miss all but one iteration
         costs = nan_costs
     plan = step.summary(
@@ -195,24 +197,30 @@ class _Step:
     chip: Chip
     headroom: float
 
+    @property
+    def split(self) -> bool:
+        return self.progs.split
+
     def _report(self, name: str, analytic: float, **kw) -> dict[str, Any]:
-        chips = len(self.t.devices)
-        return _report(
-            name, self.real[name].result(), analytic, self.chip, chips, self.headroom, **kw
-        )
+        mesh = self.t.sample_mesh if name in ENGINE_PROGRAMS else self.t.mesh
+        done, chips = self.real[name].result(), mesh.devices.size  # the program's own chips
+        return _report(name, done, analytic, self.chip, chips, self.headroom, **kw)
 
     @functools.cached_property
     def bytes(self) -> dict[str, int]:
         """Per chip: the state's params ("param"), the optimizer state ("opt"), the frozen
         reference ("ref", resident when the recipe has one), the engine's whole state
         ("sampler": laid out by its own constraints, known before compiling), its KV
-        cache ("kv") and the weights the engine runs ("weights", in the compute dtype)."""
+        cache ("kv"), the weights the engine runs ("weights", in the compute dtype) and,
+        in split mode, what a sampler chip receives of each version ("push": the view in
+        the engine's layout)."""
         params, opt = self.progs.state_shapes
         engine, spec = self.progs.engine, self.t.spec
         state = engine.abstract_state()
         view = _resharded(self.progs.plan.abstract_view(params), engine.param_shardings())
         param = _chip_bytes(params)
         return {
+            "push": _chip_bytes(view) if self.split else 0,
             "param": param,
             "opt": _chip_bytes(opt),
             "ref": param if self.progs.passes.ref else 0,
@@ -233,7 +241,9 @@ class _Step:
         # While the trainer updates, PipelineRL's stream keeps its engine state with the
         # rows in flight in HBM; on_policy's and ppo_off_policy's sampler state is gone once
         # their batches are sampled (`Engine.run`).
-        in_flight = b["sampler"] if cfg.train.off_policy == "pipeline" else 0
+        # In split mode that state is on the sampler's chips.
+        pipeline = cfg.train.off_policy == "pipeline" and not self.split
+        in_flight = b["sampler"] if pipeline else 0
         tf = train_flops(spec, P, G, tp, tg)  # model FLOPs and what the knobs recompute
         # One call of the trainer's update program: the RL step's M minibatch updates.
         out = [
@@ -257,8 +267,10 @@ class _Step:
         engine, P, G, b = self.progs.engine, cfg.data.prompts_per_batch, cfg.sampling.n, self.bytes
         # The engine's programs run while the optimizer state (and the reference) stay resident
         # (the sampler's state is the programs' argument). The state the view is made from
-        # stays too, unless the view is the state itself.
+        # stays too, unless the view is the state itself. The sampler's own chips (split
+        # mode) hold nothing beside the programs' arguments.
         beside = b["opt"] + b["ref"] + (0 if self.progs.plan.identity else b["param"])
+        beside = 0 if self.split else beside
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
         # the engine's slots (full occupancy: the least it takes). A generate call runs
         # `chunk` of those steps; its cost is one step's (the step loop's body once) plus
@@ -311,7 +323,8 @@ class _Step:
             "topology": self.topology,
             "chip": chip.name,
             "chips": chips,
-            "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
+            "mesh": _axes(mesh),
+            **({"sampler_mesh": _axes(self.t.sample_mesh)} if self.split else {}),
             "hbm_capacity_gb": chip.hbm_bytes / 1e9,
             "headroom": self.headroom,
             "fit_limit_gb": (1 - self.headroom) * chip.hbm_bytes / 1e9,
@@ -348,17 +361,27 @@ class _Step:
         }
 
     def _step(self, programs) -> dict[str, float]:
-        """The RL step's roofline time (every program's calls), its useful FLOPs, MFU and
-        rollouts per hour; with collectives added, none overlapped with compute (the
-        other bound)."""
+        """The RL step's roofline time, its useful FLOPs, MFU and rollouts per hour; with
+        collectives added, none overlapped with compute (the other bound). Colocated,
+        every program's calls one after another; split, the trainer's and the sampler's
+        chips work at once: the slower side plus the weight push (`_push_s`)."""
         cfg, tp, tg = self.t.cfg, self.t.tp, self.t.tg
         P, G = cfg.data.prompts_per_batch, cfg.sampling.n
         step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
         step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
+        if self.split:
+            sides = {}  # side -> (roofline, with collectives)
+            for side in ("trainer", "sampler"):
+                on = [p for p in programs if (p["name"] in ENGINE_PROGRAMS) == (side == "sampler")]
+                s = sum(p["roofline_s"] * p["calls"] for p in on)
+                sides[side] = (s, s + sum(p["collective_s"] * p["calls"] for p in on))
+            push_s = self._push_s()
+            trainer, sampler = sides["trainer"], sides["sampler"]
+            step_s, step_c = (max(trainer[i], sampler[i]) + push_s for i in (0, 1))
         fwd = forward_flops(self.t.spec, [tp] * P, [tg] * (P * G), G)
         useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
         chips, rollouts = len(self.t.devices), P * G
-        return {
+        out = {
             "roofline_s": step_s,
             "flops": useful,
             "mfu_estimate": (
@@ -371,6 +394,24 @@ class _Step:
                 rollouts * 3600 / step_c if step_c > 0 else float("nan")
             ),
         }
+        if self.split:
+            out["split"] = {
+                "trainer_s": trainer[0],
+                "sampler_s": sampler[0],
+                "push_s": push_s,
+                "push_gb": self.bytes["push"] / 1e9,
+            }
+        return out
+
+    def _push_s(self) -> float:
+        """Seconds a version's weights take from the trainer's chips to the sampler's
+        (split mode, once per RL step): each sampler chip receives its shard of the view
+        ("push" bytes), and the trainer's chips send those of every sampler chip between
+        them, over ICI at half its bidirectional bandwidth (one direction of every port
+        at once). A lower bound: no hops, no contention, nothing overlapped."""
+        n_sampler, n_trainer = self.t.sample_mesh.devices.size, self.t.mesh.devices.size
+        push = self.bytes["push"]
+        return max(push, push * n_sampler / n_trainer) / (self.chip.ici_bandwidth / 2)
 
 
 class _StandInTokens:
@@ -384,14 +425,22 @@ class _StandInTokens:
         return [0]
 
 
-def _programs(cfg, spec, mesh, rules, tp) -> Programs:
-    """The run's programs for `spec` on `mesh`, as the trainer builds them
+def _programs(cfg, spec, mesh, rules, tp, *, sample_mesh=None) -> Programs:
+    """The run's programs for `spec` on `mesh` (the engine's on `sample_mesh`, by default
+    the same), as the trainer builds them
     (`build_programs`), its engine at the `tp`-column prompts the plan assumes and
     prefilling every prompt in one block: a call counted whole, the bound the calls are
     counted against (the run's engine prefills in blocks and skips those a refill leaves
     empty, which a count of the compiled program cannot know)."""
     return build_programs(
-        cfg, spec, mesh, rules, tokenizer=_StandInTokens, prompt_len=tp, prefill_block=None
+        cfg,
+        spec,
+        mesh,
+        rules,
+        sample_mesh=sample_mesh,
+        tokenizer=_StandInTokens,
+        prompt_len=tp,
+        prefill_block=None,
     )
 
 
@@ -438,9 +487,12 @@ COUNTING_OPTIONS = {
 }
 
 PROGRAMS = ("train_step", "logprob", "values", "prefill_insert", "generate")
+ENGINE_PROGRAMS = ("prefill_insert", "generate")  # on the sampler's chips in split mode
 
 
-def _layer_costs(cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS) -> dict[str, tuple]:
+def _layer_costs(
+    cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS, sample_mesh=None
+) -> dict[str, tuple]:
     """Per program of `programs`, (FLOPs, bytes accessed) per chip of the
     `spec.num_layers`-layer program with every iteration of its loops counted: the
     1- and 2-layer counts of `_depth_costs` extrapolated linearly in depth,
@@ -448,7 +500,7 @@ def _layer_costs(cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS) -> dic
     one. The engine's step loop stays a loop: its count is one step plus what runs once
     per call."""
     L = spec.num_layers
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, programs)
+    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, programs, sample_mesh=sample_mesh)
     scale = {"train_step": M}
     total = {n: c1[n] + (L - 1) * _increment(c2[n], c1[n]) for n in c1}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
@@ -464,7 +516,7 @@ def _increment(more, fewer) -> np.ndarray:
     return np.array([d[0], max(d[1], 0.0)])
 
 
-def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS):
+def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_mesh=None):
     """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
     one minibatch, every iteration of its scans and loops counted.
 
@@ -472,15 +524,16 @@ def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS):
     peeled, one iteration; a loop key's body costs the difference with the 1-layer
     program that runs that key's loops twice (one more compile per key), and counts
     (trip count - 1) more times, per layer for loops inside a layer."""
-    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs)
-    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs)
+    meshes = dict(sample_mesh=sample_mesh)
+    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs, **meshes)
+    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs, **meshes)
     # Every counting program is submitted before any is waited for (`compile_jobs`).
     keys = sorted({k for t in trips.values() for k, n in t.items() if n > 1})
     twice = {}
     for key in keys:
         names = tuple(p for p in one if key in trips[p])
         args = (cfg, spec, mesh, rules, 1, (key,), tp, tg, names)
-        twice[key], _ = _peeled_costs(*args)
+        twice[key], _ = _peeled_costs(*args, **meshes)
     one, c2 = _results(one), _results(two)
     c1 = dict(one)
     for key in keys:
@@ -495,7 +548,7 @@ def _results(futures: dict) -> dict:
     return {n: np.asarray(f.result()) for n, f in futures.items()}
 
 
-def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
+def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs, *, sample_mesh=None):
     """({program: future of (FLOPs, bytes)}, {program: {loop key: trip count}}) of
     `programs` built with `layers` layers and one minibatch, scans unrolled, loops peeled
     (the keys in `twice` run two iterations). The trip counts are known once the programs
@@ -510,8 +563,8 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs):
         trips[name] = count.trips
 
     with _unrolled_scans():
-        run = _programs(cfg, s, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
-        for name, (fn, args, kw) in run.items():
+        progs = _programs(cfg, s, mesh, rules, tp, sample_mesh=sample_mesh)
+        for name, (fn, args, kw) in progs.step_programs(tp, tg, minibatches=1).items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
     return costs, trips
@@ -561,6 +614,10 @@ def _prefill_flops(spec, T: int) -> float:
 def _per_key(spec) -> float:
     """Attention FLOPs of one token per attended key (all layers)."""
     return spec.flops_per_token(1) - spec.flops_per_token(0)
+
+
+def _axes(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True))
 
 
 def _chip_bytes(tree) -> int:

@@ -175,6 +175,16 @@ def _by_estimate(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
 
+def _check_searchable(cfg: RunConfig, *, compiles: bool) -> None:
+    if cfg.mesh.sampler_devices:
+        raise ConfigError(
+            f"--search with mesh.sampler_devices={cfg.mesh.sampler_devices}: the search ranks "
+            "colocated layouts (mesh.sampler_devices=0); plan a split-mode run without --search"
+        )
+    if compiles:
+        check_prompt_len(cfg)
+
+
 def search(
     cfg: RunConfig,
     topology: str,
@@ -199,8 +209,7 @@ def search(
     chips = num_chips(dims)
     base, source = planned_model(cfg)
     cfg = resolved(base)
-    if not estimate_only:
-        check_prompt_len(cfg)
+    _check_searchable(cfg, compiles=not estimate_only)
     cands = _estimated_candidates(cfg, chips, chip)
     # The compiled plan decides what fits with headroom; the estimate only drops what
     # exceeds the whole chip. Without a compile, the estimate must fit with headroom.

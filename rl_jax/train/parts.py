@@ -112,7 +112,17 @@ class Programs:
             out["logprob"] = (self.logprob_fn, (params, batch(P // M, **none, stack=M)), {})
         if runs.critic:
             out["values"] = (self.value_fn, (params, batch(P, **none)), {})
-        return {**out, **self.engine.programs(self.plan.abstract_view(params))}
+        return {**out, **self.engine.programs(self.sampler_view())}
+
+    def sampler_view(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The weights the engine runs, as abstract arrays: the state's view where the
+        trainer lays it out, or in split mode pushed into the engine's layout on the
+        sampler's devices (`SamplerWeights`)."""
+        view = self.plan.abstract_view(self.state_shapes[0])
+        if not self.split:
+            return view
+        to = self.engine.param_shardings()
+        return {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=to[n]) for n, a in view.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,35 +378,32 @@ def check_sizes(cfg: RunConfig, shards: int) -> None:
         )
 
 
-def make_meshes(cfg: RunConfig) -> tuple[Mesh, Mesh]:
-    """(trainer mesh, sampler mesh): one mesh when colocated; in split mode the first
-    mesh.sampler_devices devices form a data-parallel sampler mesh (keeping the
-    trainer's tensor axis when it divides them) and the rest the trainer's mesh."""
+def make_meshes(cfg: RunConfig, devices: list | None = None) -> tuple[Mesh, Mesh]:
+    """(trainer mesh, sampler mesh) over `devices` (default: this process's, the first
+    mesh.num_devices of them when set): one mesh when colocated; in split mode the
+    first mesh.sampler_devices devices form a data-parallel sampler mesh (keeping the
+    trainer's tensor axis when it divides them) and the rest the trainer's mesh.
+    `rl-jax plan` passes a TPU topology's devices."""
     m = cfg.mesh
     if not m.sampler_devices:
-        mesh = make_mesh(m)
+        if devices is None:
+            mesh = make_mesh(m)
+        else:
+            mesh = make_mesh(dataclasses.replace(m, num_devices=0), devices=devices)
         return mesh, mesh
-    if cfg.train.off_policy != "pipeline":
-        raise ConfigError(
-            f"mesh.sampler_devices={m.sampler_devices} (split mode) needs "
-            f"train.off_policy='pipeline', got {cfg.train.off_policy!r}: only PipelineRL-k "
-            "bounds how stale the weights of a sampler running alongside the trainer may be"
-        )
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "mesh.sampler_devices (split mode) runs in one process only; under "
-            "jax.distributed use mesh.sampler_devices=0"
-        )
-    devices = jax.devices()
-    if m.num_devices:
-        if m.num_devices > len(devices):
-            raise ConfigError(f"mesh.num_devices={m.num_devices} but only {len(devices)} exist")
-        devices = devices[: m.num_devices]
-    if not 0 < m.sampler_devices < len(devices):
-        raise ConfigError(
-            f"mesh.sampler_devices={m.sampler_devices} must leave the trainer at least one of "
-            f"the {len(devices)} devices"
-        )
+    # (RunConfig refuses split mode outside train.off_policy='pipeline'.)
+    if devices is None:
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "mesh.sampler_devices (split mode) runs in one process only; under "
+                "jax.distributed use mesh.sampler_devices=0"
+            )
+        devices = jax.devices()
+        if m.num_devices:
+            if m.num_devices > len(devices):
+                raise ConfigError(f"mesh.num_devices={m.num_devices} but only {len(devices)} exist")
+            devices = devices[: m.num_devices]
+    check_split(m.sampler_devices, len(devices))
     sample_devs, train_devs = devices[: m.sampler_devices], devices[m.sampler_devices :]
     train_mesh = make_mesh(dataclasses.replace(m, num_devices=0), devices=train_devs)
     tensor = train_mesh.shape["tensor"]
@@ -405,6 +412,15 @@ def make_meshes(cfg: RunConfig) -> tuple[Mesh, Mesh]:
         MeshConfig(data=-1, fsdp=1, tensor=tensor, rules=m.rules), devices=sample_devs
     )
     return train_mesh, sample_mesh
+
+
+def check_split(sampler_devices: int, devices: int) -> None:
+    """Split mode leaves the trainer at least one of the `devices`."""
+    if not 0 < sampler_devices < devices:
+        raise ConfigError(
+            f"mesh.sampler_devices={sampler_devices} must leave the trainer at least one of "
+            f"the {devices} devices"
+        )
 
 
 def _shardings(tree):
