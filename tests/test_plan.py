@@ -389,7 +389,7 @@ def test_search_compiles_the_best_candidate_of_a_tiny_run():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["compiled"] == 1
-    assert res["dimensions"] == ["mesh", "remat", "micro", "waves", "slots"]
+    assert res["dimensions"] == ["mesh", "remat", "micro", "waves", "slots", "sampler"]
     (best,) = res["ranked"]
     plan = best["plan"]
     assert plan["fits"] and plan["mesh"] == best["mesh"]
@@ -545,7 +545,7 @@ def test_search_rows_carry_the_overrides_that_make_their_candidate():
             (d, str(x[d])) for x in some for d in DIMENSIONS
         }:
             some.append(c)
-    assert {(d, str(c[d])) for c in some for d in DIMENSIONS} == values and len(some) < 40
+    assert {(d, str(c[d])) for c in some for d in DIMENSIONS} == values and len(some) < 50
     assert {c["micro"] for c in some} > {1} and {c["slots"] for c in some} > {0}
     for c in some:
         ov = overrides(cfg, c)
@@ -703,11 +703,8 @@ def test_split_plan_runs_the_sides_at_once_and_adds_the_weight_push(monkeypatch)
     assert "split:" in format_plan(plan) and "sampler data=4" in format_plan(plan)
 
 
-@pytest.mark.parametrize("search", [(), ("--search", "--estimate-only")])
-def test_a_split_plan_exits_2_before_compiling_where_it_cannot_be_planned(search):
-    """A split that leaves the trainer no chip; --search, which ranks colocated layouts."""
-    topology = "v5e:2x4" if search else "v5e:2x2"
-    r = _plan_cli("scalerl", *TINY, "mesh.sampler_devices=4", "--topology", topology, *search)
+def test_a_split_that_leaves_the_trainer_no_chip_exits_2_before_compiling():
+    r = _plan_cli("scalerl", *TINY, "mesh.sampler_devices=4", "--topology", "v5e:2x2")
     assert r.returncode == 2 and "mesh.sampler_devices=4" in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -787,7 +784,7 @@ def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     keeps its own."""
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec
-    from rl_jax.plan._estimate import estimate
+    from rl_jax.plan._estimate import estimate, sampler_axes
     from rl_jax.plan._search import apply, candidates
     from rl_jax.train.accounting import sampler_rows
 
@@ -801,6 +798,8 @@ def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     for c in cands:
         rows = sampler_rows(resolved(apply(cfg, {**c, "slots": 0})))
         shards = c["mesh"]["data"] * c["mesh"]["fsdp"]
+        if c["sampler"]:  # split mode: the sampler's own batch shards
+            shards = sampler_axes(c["mesh"], c["sampler"])[0]
         assert c["slots"] == 0 or (rows % c["slots"] == 0 and c["slots"] % shards == 0)
         assert c["slots"] == 0 or resolved(apply(cfg, c)).sampling.engine_slots == c["slots"]
     chip = CHIPS["v5e"]
@@ -993,6 +992,49 @@ def test_the_estimate_counts_the_engines_slots_and_pool():
     few = est("sampling.engine_slots=8")
     assert few["sampler_kv_bytes"] == kv_row * 2 * 32 + kv_row * 1 * 16
     assert few["step_s"] > stream["step_s"] and few["hbm_bytes"] < stream["hbm_bytes"]
+
+
+def test_the_estimate_of_a_split_run_puts_each_side_on_its_chips():
+    """Split mode (2 sampler chips beside a data=2 trainer): the sampler's chips hold the
+    pushed view, the weights it runs and the stream's caches over their own 2 batch
+    shards; the trainer's hold no stream state; the step is the slower side plus the
+    push, at half a chip's bidirectional ICI bandwidth."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.models.load import resolve_spec
+    from rl_jax.plan import _estimate as pe
+    from rl_jax.plan._search import candidates
+
+    cfg = resolved(load_recipe("scalerl", [*TINY, "mesh.data=2", "mesh.fsdp=1"]))
+    spec, chip = resolve_spec(cfg.model), CHIPS["v5e"]
+    mesh = {"data": 2, "fsdp": 1, "tensor": 1}
+    split = pe.estimate(spec, cfg, mesh, chip, sampler=2)
+    kv_heads, head_dim = _tiny_attention()
+    kv_row = 2 * 2 * kv_heads * head_dim * 4
+    # PipelineRL-8's 9 x 4 x 2 rows in flight and a pool of 9 x 4 prompts, over 2 shards.
+    kv = kv_row * 36 * 32 + kv_row * 18 * 16
+    weights = spec.num_params() * 4  # float32, whole on each sampler chip (tensor 1)
+    parts = split["parts"]
+    assert split["sampler_kv_bytes"] == kv and parts["in_flight"] == 0
+    assert split["sampler_bytes"] == weights + weights + kv  # pushed view + weights + caches
+    train = ("params", "optimizer", "gradients", "activations", "logits", "reference")
+    assert split["train_bytes"] == pytest.approx(sum(parts[k] for k in train))
+    tp = tg = 16
+    decode = (weights + kv_row * 36 * 32) * (4 * 2 * tg / 72)
+    train_s, sample_s, _ = pe._roofline(spec, cfg, chip, (2, 2), tp, tg, decode)
+    push_s = weights / (chip.ici_bandwidth / 2)
+    assert split["step_s"] == pytest.approx(max(train_s, sample_s) + push_s)
+    # Colocated on the same 2 trainer chips: the stream's caches beside the update.
+    together = pe.estimate(spec, cfg, mesh, chip)
+    assert together["parts"]["in_flight"] > 0
+    assert together["train_bytes"] > split["train_bytes"]
+    # The search splits PipelineRL runs only, a quarter or a half of the chips the
+    # sampler's where the rest split the minibatch (2 of 8 leave 6: 8 rows do not split).
+    assert {c["sampler"] for c in candidates(cfg, 8, num_heads=4)} == {0, 4}
+    on_policy = resolved(load_recipe("scalerl", [*TINY, *ON_POLICY]))
+    assert {c["sampler"] for c in candidates(on_policy, 8, num_heads=4)} == {0}
+    for c in candidates(cfg, 8, num_heads=4):
+        m = c["mesh"]
+        assert m["data"] * m["fsdp"] * m["tensor"] + c["sampler"] == 8
 
 
 def test_estimate_keeps_what_each_remat_policy_saves_per_layer_and_one_layers_backward():

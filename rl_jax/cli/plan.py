@@ -294,14 +294,15 @@ def format_search(res: dict) -> str:
             + ("" if len(res["ranked"]) == res["top"] else "; every candidate was tried")
         )
     lines.append(
-        f"{'rank':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5} {'waves':>5}"
-        f" {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5} {'budget h':>9}"
+        f"{'rank':>4} {'smp':>4} {'data':>4} {'fsdp':>4} {'tp':>3} {'remat':>9} {'micro':>5}"
+        f" {'waves':>5} {'slots':>6} {'HBM GB':>7} {'est GB':>7} {'rollouts/h':>11} {'MFU':>5}"
+        f" {'budget h':>9}"
     )
     for i, r in enumerate(res["ranked"], 1):
         m = r["mesh"]
         lines += [
-            f"{i:>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3} {r['remat']:>9}"
-            f" {r['micro']:>5} {r['waves'] or '-':>5}"
+            f"{i:>4} {r['sampler'] or '-':>4} {m['data']:>4} {m['fsdp']:>4} {m['tensor']:>3}"
+            f" {r['remat']:>9} {r['micro']:>5} {r['waves'] or '-':>5}"
             f" {r['slots'] or 'recipe':>6} {_gb(r['hbm_gb']):>7}"
             f" {r['hbm_estimate_gb']:>7.2f} {r['rollouts_per_hour']:>11.4g}"
             f" {r['mfu_estimate']:>5.2f} {r['budget_hours']:>9.4g}",
@@ -321,6 +322,7 @@ def format_search(res: dict) -> str:
         ]
     lines.append(
         f"excluded: {sum(e['reason'] == 'estimate' for e in res['excluded'])} by the memory"
-        f" estimate, {len(compiled)} after compiling"
+        f" estimate, {len(compiled)} after compiling (smp: split mode's sampler chips,"
+        " mesh.sampler_devices; the mesh is the trainer's, on the other chips)"
     )
     return "\n".join(lines)

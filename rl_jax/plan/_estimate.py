@@ -35,13 +35,24 @@ def _split(n: int, ways: int) -> float:
     return n / ways if n % ways == 0 else n
 
 
-def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str, float]:
+def sampler_axes(mesh: dict[str, int], sampler: int) -> tuple[int, int]:
+    """(batch shards, tensor) of split mode's sampler mesh on `sampler` chips beside the
+    trainer's `mesh`, as `make_meshes` lays it out: data-parallel, keeping the trainer's
+    tensor axis where it divides them."""
+    tensor = mesh["tensor"] if sampler % mesh["tensor"] == 0 else 1
+    return sampler // tensor, tensor
+
+
+def estimate(
+    spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip, sampler: int = 0
+) -> dict[str, float]:
     """{"hbm_bytes": the larger of "train_bytes" (the update, with what stays beside it)
     and "sampler_bytes" (decoding) per chip, "parts": their terms below in bytes,
     "sampler_kv_bytes": the sampler's KV caches per chip, "step_s": roofline seconds
     of an RL step, "rollouts_per_hour", "mfu_estimate": the step's model FLOPs
     (sampling and training, as the compiled plan counts them) over the chips' peak for
-    step_s} for a resolved RunConfig on a data x fsdp x tensor mesh.
+    step_s} for a resolved RunConfig on a data x fsdp x tensor mesh, beside `sampler`
+    chips of split mode's sampler (0: colocated).
 
     Memory per chip: the trainer's state (FSDP x tensor; float32 masters, LoRA adapters:
     rl_jax.train.params), AdamW moments of its trained part (+ accumulated gradients
@@ -51,12 +62,14 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     save_dots; plus, in one layer's backward, its activations' gradients and, with
     remat, the activations it recomputes), fp32 logits of the completion,
     and the engine's KV caches (its slots and prefilled prompts, by default a slot for
-    each row in flight: PipelineRL's W x B_p groups). Time: train,
-    log-prob and prefill FLOPs at peak; decode at the larger of FLOPs and the bytes of
-    the sampler's weights and the whole cache per decode step."""
+    each row in flight: PipelineRL's W x B_p groups). Split, the sampler's chips hold
+    the pushed view, the weights it runs and the caches, and nothing else; the trainer's
+    the rest. Time: train, log-prob and prefill FLOPs at peak; decode at the larger of
+    FLOPs and the bytes of the sampler's weights and the whole cache per decode step;
+    colocated the sum, split the slower side plus the weight push (`_push_s`)."""
     data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
-    chips = data * fsdp * tensor
-    shards = data * fsdp
+    chips, shards = data * fsdp * tensor, data * fsdp
+    s_shards, s_tensor = sampler_axes(mesh, sampler) if sampler else (shards, tensor)
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     sc = cfg.sampling
     tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
@@ -65,13 +78,16 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
     params, opt, grads, view = _state_bytes(spec, cfg, fsdp * tensor)
     ref = params if cfg.loss.kl_coef > 0 else 0.0
     acts, logits = _activation_bytes(spec, rows_mb, tp + tg, tg, tensor)
-    kv, sampler_kv, steps = _kv_bytes(spec, cfg, shards, tp, tg, tensor)
-    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" else 0.0
-    sampler_weights = spec.num_params() * _itemsize(spec.compute_dtype) / tensor
+    kv, sampler_kv, steps = _kv_bytes(spec, cfg, s_shards, tp, tg, s_tensor)
+    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" and not sampler else 0.0
+    sampler_weights = spec.num_params() * _itemsize(spec.compute_dtype) / s_tensor
+    push = spec.num_params() * _itemsize(spec.param_dtype) / s_tensor if sampler else 0.0
     # The view is made for sampling and dropped before the updates.
     train = params + opt + grads + acts + logits + in_flight + ref
-    decode = params + view + sampler_weights + sampler_kv + opt + ref
-    hbm = max(train, decode)
+    if sampler:
+        view, decode = push, push + sampler_weights + sampler_kv
+    else:
+        decode = params + view + sampler_weights + sampler_kv + opt + ref
     parts = {
         "params": params,
         "optimizer": opt,
@@ -84,17 +100,33 @@ def estimate(spec: Any, cfg: Any, mesh: dict[str, int], chip: Chip) -> dict[str,
         "sampler_weights": sampler_weights,
         "sampler_kv": sampler_kv,
     }
-    step_s, useful = _roofline(spec, cfg, chip, chips, tp, tg, (sampler_weights + kv) * steps)
+    decode_bytes = (sampler_weights + kv) * steps
+    s_chips = sampler or chips
+    train_s, sample_s, useful = _roofline(spec, cfg, chip, (chips, s_chips), tp, tg, decode_bytes)
+    if sampler:
+        step_s = max(train_s, sample_s) + _push_s(push, sampler, chips, chip)
+    else:
+        step_s = train_s + sample_s
+    all_chips = chips + sampler
     return {
-        "hbm_bytes": float(hbm),
+        "hbm_bytes": float(max(train, decode)),
         "train_bytes": float(train),
         "sampler_bytes": float(decode),
         "parts": {k: float(v) for k, v in parts.items()},
         "sampler_kv_bytes": float(sampler_kv),
         "step_s": float(step_s),
         "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
-        "mfu_estimate": useful / chips / chip.bf16_flops / step_s if step_s > 0 else float("nan"),
+        "mfu_estimate": (
+            useful / all_chips / chip.bf16_flops / step_s if step_s > 0 else float("nan")
+        ),
     }
+
+
+def _push_s(push: float, sampler: int, trainer: int, chip: Chip) -> float:
+    """A version's weights from the trainer's chips to the sampler's: `push` bytes into
+    each sampler chip, those of all of them out of the trainer's, at half a chip's
+    bidirectional ICI bandwidth (as the compiled plan prices it)."""
+    return max(push, push * sampler / trainer) / (chip.ici_bandwidth / 2)
 
 
 def _state_bytes(spec: Any, cfg: Any, ways: int) -> tuple[float, float, float, float]:
@@ -159,13 +191,15 @@ def _kv_bytes(spec: Any, cfg: Any, shards: int, tp: int, tg: int, tensor: int):
     return kv, sampler_kv, steps
 
 
-def _roofline(spec: Any, cfg: Any, chip: Chip, chips: int, tp: int, tg: int, decode_bytes):
-    """(roofline seconds of an RL step, its model FLOPs): train, log-prob and prefill FLOPs
-    at peak; decode at the larger of its FLOPs and `decode_bytes` read at HBM bandwidth."""
+def _roofline(spec: Any, cfg: Any, chip: Chip, chips: tuple[int, int], tp, tg, decode_bytes):
+    """(the trainer's seconds of an RL step, the sampler's, its model FLOPs): train and
+    log-prob FLOPs at peak on the trainer's chips, prefill FLOPs on the sampler's, decode
+    at the larger of its FLOPs and `decode_bytes` read at HBM bandwidth. `chips`: (the
+    trainer's, the sampler's), the same chips when colocated."""
     P, G = cfg.data.prompts_per_batch, cfg.sampling.n
     fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
     train_fl = train_flops(spec, P, G, tp, tg)["expected"] + extra_forwards(cfg) * fwd
-    train_s = train_fl / chips / chip.bf16_flops
-    sample_s = max(fwd / chips / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
+    train_s = train_fl / chips[0] / chip.bf16_flops
+    sample_s = max(fwd / chips[1] / chip.bf16_flops, decode_bytes / chip.hbm_bandwidth)
     useful = (TRAIN_PASSES + extra_forwards(cfg) + 1) * fwd
-    return train_s + sample_s, useful
+    return train_s, sample_s, useful

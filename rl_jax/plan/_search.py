@@ -20,6 +20,10 @@ Dimensions, each a knob the trainer has:
                 whole batch shards: a smaller KV cache, more decode steps each
                 reading the weights. Only where the trainer samples on the engine and
                 the recipe leaves sampling.engine_slots unset
+  sampler       PipelineRL only (mesh.sampler_devices): colocated (0), or split mode
+                with a quarter or a half of the chips the sampler's and the mesh
+                above over the rest; the two sides then run at once, and each
+                version's weights are pushed from one to the other
 
 Every candidate is first estimated from formulas (`_estimate`); those whose estimate
 exceeds the chip's HBM are dropped without compiling, and the rest are compiled in the
@@ -43,7 +47,7 @@ from rl_jax.config import RunConfig, apply_overrides, resolved
 from rl_jax.knobs import ConfigError
 from rl_jax.models.load import resolve_spec
 from rl_jax.plan._assumed import planned_model, shapes
-from rl_jax.plan._estimate import estimate
+from rl_jax.plan._estimate import estimate, sampler_axes
 from rl_jax.plan._programs import (
     HEADROOM,
     SCALERL_BUDGET_ROLLOUTS,
@@ -56,26 +60,35 @@ from rl_jax.train.parts import check_sizes
 
 REMAT = ("none", "save_dots", "full")
 SLOT_SPLITS = (1, 2, 4, 8)
-DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots")
+DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots", "sampler")
 
 
 def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any]]:
     """Every combination of the dimensions above that the recipe's batch allows."""
     P, M = cfg.data.prompts_per_batch, cfg.train.updates_per_batch
     meshes = [
-        {"data": d, "fsdp": f, "tensor": t}
-        for t in _divisors(chips)
+        ({"data": d, "fsdp": f, "tensor": t}, n)
+        for n in _samplers(cfg, chips)
+        for t in _divisors(chips - n)
         if t <= MAX_TENSOR and num_heads % t == 0
-        for d in _divisors(chips // t)
-        for f in [chips // t // d]
+        for d in _divisors((chips - n) // t)
+        for f in [(chips - n) // t // d]
     ]
     micro = _divisors(P // M) if P % M == 0 else [1]
     cands = [
-        {"mesh": mesh, "remat": remat, "micro": m, "waves": w, "slots": 0}
-        for mesh, remat, m in itertools.product(meshes, REMAT, micro)
+        {"mesh": mesh, "remat": remat, "micro": m, "waves": w, "slots": 0, "sampler": n}
+        for (mesh, n), remat, m in itertools.product(meshes, REMAT, micro)
         for w in _waves(cfg)
     ]
     return [{**c, "slots": s} for c in cands if _trains(cfg, c) for s in _slots(cfg, c)]
+
+
+def _samplers(cfg: RunConfig, chips: int) -> list[int]:
+    """Split mode's choices of sampler chips: none (colocated), and for PipelineRL a
+    quarter and a half of the chips."""
+    if cfg.train.off_policy != "pipeline":
+        return [0]
+    return [0] + sorted({chips // d for d in (4, 2) if chips % d == 0})
 
 
 def _trains(cfg: RunConfig, cand: dict[str, Any]) -> bool:
@@ -97,6 +110,8 @@ def _slots(cfg: RunConfig, cand: dict[str, Any]) -> list[int]:
         return [0]
     rows = sampler_rows(resolved(apply(cfg, cand)))
     shards = cand["mesh"]["data"] * cand["mesh"]["fsdp"]
+    if cand["sampler"]:  # the engine's rows split over the sampler's own batch shards
+        shards = sampler_axes(cand["mesh"], cand["sampler"])[0]
     return [0] + [rows // s for s in SLOT_SPLITS[1:] if rows % s == 0 and (rows // s) % shards == 0]
 
 
@@ -116,6 +131,8 @@ def overrides(cfg: RunConfig, cand: dict[str, Any]) -> list[str]:
     set two knobs: m x the minibatches and m x the accumulation."""
     m, mesh = cand["micro"], cand["mesh"]
     out = [f"mesh.{axis}={mesh[axis]}" for axis in ("data", "fsdp", "tensor")]
+    if cand["sampler"] or cfg.mesh.sampler_devices:
+        out.append(f"mesh.sampler_devices={cand['sampler']}")
     out += [
         f"model.remat={cand['remat']}",
         f"train.updates_per_batch={cfg.train.updates_per_batch * m}",
@@ -141,7 +158,7 @@ def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
     slots = cand.get("slots", 0)
     return dataclasses.replace(
         cfg,
-        mesh=dataclasses.replace(cfg.mesh, **cand["mesh"]),
+        mesh=dataclasses.replace(cfg.mesh, **cand["mesh"], sampler_devices=cand["sampler"]),
         model=dataclasses.replace(cfg.model, remat=cand["remat"]),
         sampling=dataclasses.replace(cfg.sampling, engine_slots=slots) if slots else cfg.sampling,
         train=train,
@@ -155,7 +172,8 @@ def _estimated_candidates(cfg: RunConfig, chips: int, chip) -> list[dict[str, An
     cands = candidates(cfg, chips, spec.num_heads)
     for c in cands:
         c_cfg = resolved(apply(cfg, c))
-        c["estimate"] = estimate(resolve_spec(c_cfg.model), c_cfg, c["mesh"], chip)
+        spec = resolve_spec(c_cfg.model)
+        c["estimate"] = estimate(spec, c_cfg, c["mesh"], chip, sampler=c["sampler"])
         c["overrides"] = overrides(cfg, c)
     return cands
 
@@ -170,19 +188,10 @@ def _by_estimate(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
             -c["estimate"]["rollouts_per_hour"],
             -c["waves"],
             c["slots"] != 0,
+            c["sampler"],
             c["estimate"]["hbm_bytes"],
         ),
     )
-
-
-def _check_searchable(cfg: RunConfig, *, compiles: bool) -> None:
-    if cfg.mesh.sampler_devices:
-        raise ConfigError(
-            f"--search with mesh.sampler_devices={cfg.mesh.sampler_devices}: the search ranks "
-            "colocated layouts (mesh.sampler_devices=0); plan a split-mode run without --search"
-        )
-    if compiles:
-        check_prompt_len(cfg)
 
 
 def search(
@@ -209,7 +218,8 @@ def search(
     chips = num_chips(dims)
     base, source = planned_model(cfg)
     cfg = resolved(base)
-    _check_searchable(cfg, compiles=not estimate_only)
+    if not estimate_only:
+        check_prompt_len(cfg)
     cands = _estimated_candidates(cfg, chips, chip)
     # The compiled plan decides what fits with headroom; the estimate only drops what
     # exceeds the whole chip. Without a compile, the estimate must fit with headroom.
