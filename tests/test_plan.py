@@ -703,6 +703,32 @@ def test_split_plan_runs_the_sides_at_once_and_adds_the_weight_push(monkeypatch)
     assert "split:" in format_plan(plan) and "sampler data=4" in format_plan(plan)
 
 
+def test_a_split_sampler_that_does_not_fit_is_told_of_its_own_chips():
+    """Advice for split mode's engine programs: fewer slots in whole shards of the
+    sampler's own mesh, or twice the sampler chips; not the trainer's tensor axis."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.plan._advice import advice
+
+    cfg = resolved(load_recipe("scalerl", [*TINY, "mesh.sampler_devices=2"]))
+    over = {"name": "generate", "fits": False, "over_gb": 1.5, "hbm_total_gb": 17.0}
+    plan = {
+        "fit_limit_gb": 15.5,
+        "hbm_capacity_gb": 17.2,
+        "headroom": 0.1,
+        "chips": 8,
+        "mesh": {"data": 2, "fsdp": 2, "tensor": 1},
+        "sampler_mesh": {"data": 2, "fsdp": 1, "tensor": 1},
+        "engine": {"slots": 72},
+        "programs": [{**over, "hbm_gb": {"resident": 0.0}}],
+    }
+    (line,) = advice(cfg, plan)
+    assert line.startswith("generate: 1.50 GB per chip over")
+    assert "sampling.engine_slots=36" in line and "mesh.sampler_devices=4" in line
+    assert "mesh.tensor" not in line
+    plan["chips"] = 4  # twice the sampler's 2 chips would leave the trainer none
+    assert "mesh.sampler_devices" not in advice(cfg, plan)[0]
+
+
 def test_a_split_that_leaves_the_trainer_no_chip_exits_2_before_compiling():
     r = _plan_cli("scalerl", *TINY, "mesh.sampler_devices=4", "--topology", "v5e:2x2")
     assert r.returncode == 2 and "mesh.sampler_devices=4" in r.stderr, r.stderr[-2000:]

@@ -264,15 +264,14 @@ def _gb(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def format_search(res: dict) -> str:
+def _search_header(res: dict) -> list[str]:
     estimated, sh = res["estimate_only"], res["shapes"]
     prompt = (
         f"{sh['prompt_tokens']} prompt"
         if sh["prompt_tokens"]
         else "no prompt (sampling.max_prompt_len=0)"
     )
-    compiled = [e for e in res["excluded"] if e["reason"] == "compiled"]
-    lines = [
+    return [
         f"shapes of every row: {sh['model']['source']}; {_model(sh['model'])}; batch"
         f" {sh['prompts']} prompts x {sh['samples']} samples; {prompt} +"
         f" {sh['new_tokens']} new tokens",
@@ -282,6 +281,12 @@ def format_search(res: dict) -> str:
         f" the memory estimate; a program fits under {res['fit_limit_gb']:.1f} GB of"
         f" {res['hbm_capacity_gb']:.1f} ({res['headroom']:.0%} headroom)",
     ]
+
+
+def format_search(res: dict) -> str:
+    estimated = res["estimate_only"]
+    compiled = [e for e in res["excluded"] if e["reason"] == "compiled"]
+    lines = _search_header(res)
     if estimated:
         lines.append(
             f"estimate only, nothing compiled: the {len(res['ranked'])} best estimates that fit"

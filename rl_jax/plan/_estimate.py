@@ -67,44 +67,21 @@ def estimate(
     the rest. Time: train, log-prob and prefill FLOPs at peak; decode at the larger of
     FLOPs and the bytes of the sampler's weights and the whole cache per decode step;
     colocated the sum, split the slower side plus the weight push (`_push_s`)."""
-    data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
-    chips, shards = data * fsdp * tensor, data * fsdp
-    s_shards, s_tensor = sampler_axes(mesh, sampler) if sampler else (shards, tensor)
-    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    sc = cfg.sampling
+    chips = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
+    P, G, sc = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.sampling
     tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
     tg = -(-sc.max_new_tokens // sc.length_bucket) * sc.length_bucket
-    rows_mb = math.ceil(P // M * G / shards)
-    params, opt, grads, view = _state_bytes(spec, cfg, fsdp * tensor)
-    ref = params if cfg.loss.kl_coef > 0 else 0.0
-    acts, logits = _activation_bytes(spec, rows_mb, tp + tg, tg, tensor)
-    kv, sampler_kv, steps = _kv_bytes(spec, cfg, s_shards, tp, tg, s_tensor)
-    in_flight = sampler_kv if cfg.train.off_policy == "pipeline" and not sampler else 0.0
-    sampler_weights = spec.num_params() * _itemsize(spec.compute_dtype) / s_tensor
-    push = spec.num_params() * _itemsize(spec.param_dtype) / s_tensor if sampler else 0.0
-    # The view is made for sampling and dropped before the updates.
-    train = params + opt + grads + acts + logits + in_flight + ref
-    if sampler:
-        view, decode = push, push + sampler_weights + sampler_kv
+    parts, kv, steps = _parts(spec, cfg, mesh, sampler, tp, tg)
+    train = sum(parts[k] for k in _TRAINER_PARTS)
+    if sampler:  # the sampler's chips: the pushed view, the weights it runs, the caches
+        decode = parts["sampler_view"] + parts["sampler_weights"] + parts["sampler_kv"]
     else:
-        decode = params + view + sampler_weights + sampler_kv + opt + ref
-    parts = {
-        "params": params,
-        "optimizer": opt,
-        "gradients": grads,
-        "activations": acts,
-        "logits": logits,
-        "in_flight": in_flight,
-        "reference": ref,
-        "sampler_view": view,
-        "sampler_weights": sampler_weights,
-        "sampler_kv": sampler_kv,
-    }
-    decode_bytes = (sampler_weights + kv) * steps
+        decode = sum(parts[k] for k in _DECODE_PARTS)
+    decode_bytes = (parts["sampler_weights"] + kv) * steps
     s_chips = sampler or chips
     train_s, sample_s, useful = _roofline(spec, cfg, chip, (chips, s_chips), tp, tg, decode_bytes)
     if sampler:
-        step_s = max(train_s, sample_s) + _push_s(push, sampler, chips, chip)
+        step_s = max(train_s, sample_s) + _push_s(parts["sampler_view"], sampler, chips, chip)
     else:
         step_s = train_s + sample_s
     all_chips = chips + sampler
@@ -113,13 +90,50 @@ def estimate(
         "train_bytes": float(train),
         "sampler_bytes": float(decode),
         "parts": {k: float(v) for k, v in parts.items()},
-        "sampler_kv_bytes": float(sampler_kv),
+        "sampler_kv_bytes": float(parts["sampler_kv"]),
         "step_s": float(step_s),
         "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
         "mfu_estimate": (
             useful / all_chips / chip.bf16_flops / step_s if step_s > 0 else float("nan")
         ),
     }
+
+
+# What each side holds at its peak (`estimate`): the update with what stays beside it
+# (the view is made for sampling and dropped before the updates), and colocated decoding.
+_TRAINER_PARTS = ("params", "optimizer", "gradients", "activations", "logits", "in_flight")
+_TRAINER_PARTS += ("reference",)
+_DECODE_PARTS = ("params", "sampler_view", "sampler_weights", "sampler_kv", "optimizer")
+_DECODE_PARTS += ("reference",)
+
+
+def _parts(spec: Any, cfg: Any, mesh: dict[str, int], sampler: int, tp: int, tg: int):
+    """({term: bytes per chip} of `estimate`, the slots' caches per sampler chip, decode
+    steps per RL step). Split (`sampler` chips), "sampler_view" is the pushed view and
+    "in_flight" is 0: the stream's caches are on the sampler's chips."""
+    data, fsdp, tensor = mesh["data"], mesh["fsdp"], mesh["tensor"]
+    shards = data * fsdp
+    s_shards, s_tensor = sampler_axes(mesh, sampler) if sampler else (shards, tensor)
+    P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
+    rows_mb = math.ceil(P // M * G / shards)
+    params, opt, grads, view = _state_bytes(spec, cfg, fsdp * tensor)
+    acts, logits = _activation_bytes(spec, rows_mb, tp + tg, tg, tensor)
+    kv, sampler_kv, steps = _kv_bytes(spec, cfg, s_shards, tp, tg, s_tensor)
+    if sampler:
+        view = spec.num_params() * _itemsize(spec.param_dtype) / s_tensor
+    parts = {
+        "params": params,
+        "optimizer": opt,
+        "gradients": grads,
+        "activations": acts,
+        "logits": logits,
+        "in_flight": sampler_kv if cfg.train.off_policy == "pipeline" and not sampler else 0.0,
+        "reference": params if cfg.loss.kl_coef > 0 else 0.0,
+        "sampler_view": view,
+        "sampler_weights": spec.num_params() * _itemsize(spec.compute_dtype) / s_tensor,
+        "sampler_kv": sampler_kv,
+    }
+    return parts, kv, steps
 
 
 def _push_s(push: float, sampler: int, trainer: int, chip: Chip) -> float:
