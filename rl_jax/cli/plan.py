@@ -4,10 +4,13 @@ TPU topology from this host and print per-chip HBM (a program fits with 10% of t
 free; one that does not says by how much and what to try), FLOPs and roofline times,
 the RL step's rollouts per hour and the hours ScaleRL's 8B budget of rollouts takes at
 these shapes. A model.path this host lacks is planned with model.preset's shapes.
+Split mode (mesh.sampler_devices=N) compiles the engine's programs on the first N
+chips and the trainer's on the rest; its step is the slower side plus the weight push.
 --search ranks mesh shapes, remat, micro-batches, PipelineRL's batches in flight (W,
-train.pipeline_waves) and the engine's slots (sampling.engine_slots) by rollouts per
-hour, compiling down a closed-form estimate's ranking until --top fit; each row with
-the command that plans it. --estimate-only: the estimate alone, compiling nothing."""
+train.pipeline_waves), the engine's slots (sampling.engine_slots) and split mode by
+rollouts per hour, compiling down a closed-form estimate's ranking until --top fit;
+each row with the command that plans it. --estimate-only: the estimate alone,
+compiling nothing."""
 
 from __future__ import annotations
 
