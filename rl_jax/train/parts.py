@@ -1,6 +1,8 @@
 """What a run is built from: meshes, model spec, optimizer, compiled programs, samplers,
 task and verifiers. Built once from a RunConfig (`build_parts`) and never changed;
-everything that changes lives in `TrainerState`.
+what changes is the `TrainerState` and the host-side iterators beside it
+(`rl_jax.train.state`). The programs are built from the state's shapes alone
+(`build_programs`), so `rl-jax plan` compiles the trainer's own programs.
 """
 
 from __future__ import annotations
