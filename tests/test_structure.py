@@ -34,7 +34,6 @@ EXCEPTIONS = {
     "models/transformer.py:Transformer.__call__": (
         "the model's forward (embed, scanned or unrolled layers, head, MoE aux)" + _NOT_YET
     ),
-    "plan/_programs.py:_report": "one program's memory and cost report" + _NOT_YET,
     "sampling/_engine.py:Engine": (
         "the continuous-batching engine's state machine (verbs, compiled programs, host "
         "loop); splitting it is #47 item 1/5 work" + _NOT_YET

@@ -767,30 +767,14 @@ def _report(
     if isinstance(done, OutOfMemory):
         return _out_of_memory(name, done, chip, headroom, calls)
     compiled, compile_s = done
-    mem = compiled.memory_analysis()
     flops, moved = _cost(done) if cost is None else cost
-    parts = {
-        "arguments": mem.argument_size_in_bytes,
-        "outputs": mem.output_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes,
-        "temporaries": mem.temp_size_in_bytes,
-        "code": mem.generated_code_size_in_bytes,
-        "resident": resident,
-    }
-    total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
-    total += parts["code"] + resident
     analytic = analytic_total / chips  # an SPMD program's costs are per chip
     expected = analytic if expected is None else expected / chips
     roofline = chip.roofline_s(flops, moved)
     sent = sum(collective_bytes(compiled.as_text()).values()) / steps_per_call
-    nan = float("nan")
     out = {
         "name": name,
-        "hbm_total_gb": total / 1e9,
-        "hbm_gb": {k: v / 1e9 for k, v in parts.items()},
-        "fits": total <= (1 - headroom) * chip.hbm_bytes,
-        "headroom": 1 - total / chip.hbm_bytes,
-        "over_gb": _over_gb(total, chip, headroom),
+        **_memory(compiled, resident, chip, headroom),
         "flops": flops,
         "flops_analytic": analytic,
         "flops_ratio": flops / analytic if analytic else float("nan"),
@@ -807,19 +791,49 @@ def _report(
         "compile_s": compile_s,
     }
     if bytes_analytic is not None:
-        # XLA's bytes of a decode call count the loop body once plus what runs once per
-        # call (the weights' re-layout, the draws of every column), which for a large
-        # model is twice the weights again, and see nothing of a Pallas kernel's reads:
-        # per token, the bytes the step must read (the weights and the cache the
-        # platform's attention reads: on TPU a row's filled pages) are the bound.
-        out["bytes_analytic"] = float(bytes_analytic)
-        if bytes_floor:
-            out["bytes_floor"] = float(bytes_floor)
-            out["bytes_floor_ratio"] = float(bytes_analytic) / float(bytes_floor)
-        out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
-        out["roofline_compiled_s"] = roofline
-        out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)
-        out["mfu_estimate"] = analytic / chip.bf16_flops / roofline if roofline > 0 else nan
+        out.update(_decode_bytes(chip, analytic, flops, roofline, bytes_analytic, bytes_floor))
+    return out
+
+
+def _memory(compiled, resident: int, chip: Chip, headroom: float) -> dict[str, Any]:
+    """A compiled program's HBM per chip (XLA's memory analysis, with `resident` bytes of
+    other live buffers beside it) and whether it fits with `headroom` left free."""
+    mem = compiled.memory_analysis()
+    parts = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+        "resident": resident,
+    }
+    total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
+    total += parts["code"] + resident
+    return {
+        "hbm_total_gb": total / 1e9,
+        "hbm_gb": {k: v / 1e9 for k, v in parts.items()},
+        "fits": total <= (1 - headroom) * chip.hbm_bytes,
+        "headroom": 1 - total / chip.hbm_bytes,
+        "over_gb": _over_gb(total, chip, headroom),
+    }
+
+
+def _decode_bytes(chip, analytic, flops, roofline, bytes_analytic, bytes_floor) -> dict:
+    """A decode program's roofline from the bytes a step must read.
+
+    XLA's bytes of a decode call count the loop body once plus what runs once per call
+    (the weights' re-layout, the draws of every column), which for a large model is
+    twice the weights again, and see nothing of a Pallas kernel's reads: per token, the
+    bytes the step must read (the weights and the cache the platform's attention reads:
+    on TPU a row's filled pages) are the bound."""
+    out = {"bytes_analytic": float(bytes_analytic)}
+    if bytes_floor:
+        out["bytes_floor"] = float(bytes_floor)
+        out["bytes_floor_ratio"] = float(bytes_analytic) / float(bytes_floor)
+    out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
+    out["roofline_compiled_s"] = roofline
+    out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)
+    out["mfu_estimate"] = analytic / chip.bf16_flops / roofline if roofline > 0 else float("nan")
     return out
 
 
