@@ -231,6 +231,13 @@ class _Step:
             ),
         }
 
+    @functools.cached_property
+    def forward_flops(self) -> float:
+        """Model FLOPs of one forward over the RL step's batch (every prompt and row)."""
+        cfg, tp, tg = self.t.cfg, self.t.tp, self.t.tg
+        P, G = cfg.data.prompts_per_batch, cfg.sampling.n
+        return forward_flops(self.t.spec, [tp] * P, [tg] * (P * G), G)
+
     def reports(self, costs) -> list[dict[str, Any]]:
         """Every program's report, its FLOPs and bytes from `costs`."""
         return [*self._trainer_reports(costs), *self._engine_reports(costs)]
@@ -256,7 +263,7 @@ class _Step:
                 cost=costs["train_step"],
             )
         ]
-        fwd = forward_flops(spec, [tp] * P, [tg] * (P * G), G)
+        fwd = self.forward_flops
         for name, calls in self.progs.passes.calls.items():  # a forward over the batch each
             resident = b["opt"] + in_flight + b["ref"]
             out.append(self._report(name, fwd, resident=resident, calls=calls, cost=costs[name]))
@@ -269,8 +276,8 @@ class _Step:
         # (the sampler's state is the programs' argument). The state the view is made from
         # stays too, unless the view is the state itself. The sampler's own chips (split
         # mode) hold nothing beside the programs' arguments.
-        beside = b["opt"] + b["ref"] + (0 if self.progs.plan.identity else b["param"])
-        beside = 0 if self.split else beside
+        view_of = 0 if self.progs.plan.identity else b["param"]
+        beside = 0 if self.split else b["opt"] + b["ref"] + view_of
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
         # the engine's slots (full occupancy: the least it takes). A generate call runs
         # `chunk` of those steps; its cost is one step's (the step loop's body once) plus
@@ -365,7 +372,7 @@ class _Step:
         collectives added, none overlapped with compute (the other bound). Colocated,
         every program's calls one after another; split, the trainer's and the sampler's
         chips work at once: the slower side plus the weight push (`_push_s`)."""
-        cfg, tp, tg = self.t.cfg, self.t.tp, self.t.tg
+        cfg = self.t.cfg
         P, G = cfg.data.prompts_per_batch, cfg.sampling.n
         step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
         step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
@@ -378,7 +385,7 @@ class _Step:
             push_s = self._push_s()
             trainer, sampler = sides["trainer"], sides["sampler"]
             step_s, step_c = (max(trainer[i], sampler[i]) + push_s for i in (0, 1))
-        fwd = forward_flops(self.t.spec, [tp] * P, [tg] * (P * G), G)
+        fwd = self.forward_flops
         useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
         chips, rollouts = len(self.t.devices), P * G
         out = {
