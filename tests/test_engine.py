@@ -12,7 +12,7 @@ import pytest
 from test_sampler import PROMPTS, SPEC, _params, _sequences, _swapped_logits, sample
 
 from rl_jax.config import MeshConfig, SamplingConfig
-from rl_jax.sampling import Engine, FinishReason
+from rl_jax.sampling import DecodeWeights, Engine, FinishReason
 from rl_jax.sharding import make_mesh
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12, length_bucket=8, max_prompt_len=16)
@@ -127,7 +127,7 @@ def test_same_rollouts_on_eight_devices(params_a):
     got, _ = eight.run(resharded, PROMPTS, n=3, seed=9)
     eight.run(resharded, PROMPTS, n=3, seed=1)
     # Each call takes the state in the layout the last one left it in: one program each.
-    assert eight.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    assert eight.compile_counts() == {"prefill_insert": 1, "generate": 1, "prepare": 1}
     one, _ = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0).run(params_a, PROMPTS, n=3, seed=9)
     _assert_same(got, one, exact=False)
 
@@ -230,15 +230,15 @@ def test_compiles_stay_bounded(params_a, params_b):
     engine = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0)
     prompts = [[3, 9, 4], [7, 1, 8, 2, 6, 5, 11], [12, 13], [2, 3, 4, 5, 6]]  # bucket 8
     engine.run(params_a, prompts, n=2)
-    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1, "prepare": 1}
     engine.run(params_b, [p[:-1] + [1] for p in prompts], n=2, seed=4)
     engine.run(params_a, prompts[:3], n=3, seed=1, weights=lambda c: (params_b, c))
-    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1, "prepare": 1}
     engine.run(params_a, [list(range(1, 12))], n=1)  # a second bucket (16)
-    assert engine.compile_counts() == {"prefill_insert": 2, "generate": 1}
+    assert engine.compile_counts() == {"prefill_insert": 2, "generate": 1, "prepare": 1}
     fixed = Engine(SPEC, GREEDY, slots=4, chunk=4, pad_id=0, fixed_shapes=True)
     fixed.run(params_a, [*prompts, list(range(1, 12))], n=2)
-    assert fixed.compile_counts() == {"prefill_insert": 1, "generate": 1}
+    assert fixed.compile_counts() == {"prefill_insert": 1, "generate": 1, "prepare": 1}
 
 
 def test_prefill_blocks_compute_the_rows_of_a_whole_prefill(params_a, params_b):
@@ -261,7 +261,7 @@ def test_prefill_blocks_compute_the_rows_of_a_whole_prefill(params_a, params_b):
         assert engine.prefill_block == 2
         runs[prompts_per_prefill] = engine.run(params_a, prompts, n=1, seed=4)[0]
         engine.run(params_b, prompts[:2], n=3, seed=1)  # refills of fewer prompts
-        assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1}
+        assert engine.compile_counts() == {"prefill_insert": 1, "generate": 1, "prepare": 1}
     for out in runs.values():
         _assert_same(out, runs[2], exact=True)
 
@@ -321,6 +321,55 @@ def test_overlapped_host_loop_gives_the_same_rollouts(params_a):
     assert sa.device_idle is None and 0 <= sb.device_idle < 1
     assert sb.slot_steps > sa.slot_steps and sb.kept_tokens == sa.kept_tokens
     assert sa.pages_held == sb.pages_held == 0
+
+
+def test_decode_weights_are_made_once_per_version(params_a, params_b):
+    """`generate` on a version's `DecodeWeights` (`prepare`) gives what it gives on the
+    params, bit for bit; `prepared` makes them once per (params, version) and drops the
+    old layout for a new one; `run` prepares each chunk's weights once and keeps nothing
+    after it."""
+    engine = Engine(SPEC, SAMPLED, slots=3, chunk=4, pad_id=0)
+    key = jax.random.key(2)
+    pages = [list(range(i * engine.row_pages, (i + 1) * engine.row_pages)) for i in range(3)]
+
+    def chunk(weights):
+        state = engine.init()
+        state = engine.prefill_insert(
+            params_a,
+            state,
+            PROMPTS[:1],
+            [0],
+            [0, 1, 2],
+            [0] * 3,
+            [0, 1, 2],
+            [0] * 3,
+            key=key,
+            pages=pages,
+        )
+        state, out = engine.generate(weights, state, version=1)
+        return jax.device_get(state.slots.cache), out
+
+    (cache_p, out_p), (cache_w, out_w) = chunk(params_a), chunk(engine.prepare(params_a))
+    for a, b in zip(
+        jax.tree.leaves((cache_p, out_p.tokens, out_p.logprobs)),
+        jax.tree.leaves((cache_w, out_w.tokens, out_w.logprobs)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    w = engine.prepared(params_a, 1)
+    assert engine.prepared(params_a, 1) is w and engine.prepare(w) is w
+    assert engine.prepared(params_a, 2) is not w and engine.prepared(params_b, 2) is not w
+    engine.drop_prepared()
+    assert engine._prepared is None
+    made = []
+    real = engine.prepare
+    engine.prepare = lambda p: (
+        real(p) if isinstance(p, DecodeWeights) else made.append(p) or real(p)
+    )
+    # Chunk 0 under A (version 1), the rest under B (version 2): two layouts made.
+    weights = lambda c: (params_a, 1) if c == 0 else (params_b, 2)  # noqa: E731
+    engine.run(params_a, PROMPTS, n=2, weights=weights)
+    assert [p is params_a for p in made] == [True, False] and engine._prepared is None
 
 
 def test_int8_kv_cache_stays_near_the_float_cache():

@@ -219,6 +219,7 @@ def test_stream_rows_are_the_engines_and_weights_swap_in_flight():
     for step in range(steps):
         version = step  # M = 1: one update per batch
         _, ro = stream.next_batch(lambda v=version: ((a, b)[v % 2], v))
+        assert engine._prepared is None  # the decode layout goes before the update
         assert ro.versions[ro.completion_mask].max() <= version
         assert check_staleness(ro.versions, ro.completion_mask, step, 1, 1) <= 1
         mixed |= any(

@@ -112,8 +112,13 @@ def test_plan_compiles_train_and_sampler_programs_for_v5e(tmp_path):
     # The stream's engine state (its rows in flight) stays beside the train step; the
     # engine's programs take it as an argument, with the optimizer state beside them.
     assert step["hbm_gb"]["resident"] == pytest.approx(plan["sampler_state_gb"])
+    # Of the weights, each engine program has beside it what the other takes: generate
+    # the view (prefill_insert's argument), prefill_insert the version's decode layout.
     gen = progs["generate"]
-    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"])
+    assert 0 < plan["decode_weights_gb"] and 0 < plan["weights_gb"]
+    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"] + plan["weights_gb"])
+    pre = progs["prefill_insert"]["hbm_gb"]["resident"]
+    assert pre == pytest.approx(plan["optimizer_gb"] + plan["decode_weights_gb"])
     # A step's 8 rows of 16 tokens: 128 / 72 steps of every slot; a prefill at most
     # once per generate call with new groups (here: fewer calls than one a chunk).
     assert gen["calls"] == pytest.approx(4 * 2 * 16 / 72)
@@ -684,8 +689,12 @@ def test_split_plan_runs_the_sides_at_once_and_adds_the_weight_push(monkeypatch)
     progs = {p["name"]: p for p in plan["programs"]}
     assert set(progs) == {"train_step", "prefill_insert", "generate"} and plan["fits"]
     # Nothing of the other side lives beside a program: the stream's engine state is on
-    # the sampler's chips, the optimizer state on the trainer's.
-    assert all(p["hbm_gb"]["resident"] == 0 for p in progs.values())
+    # the sampler's chips, the optimizer state on the trainer's. The sampler's chips hold
+    # the pushed view beside generate and its decode layout beside prefill_insert.
+    assert progs["train_step"]["hbm_gb"]["resident"] == 0
+    assert progs["generate"]["hbm_gb"]["resident"] == pytest.approx(plan["weights_gb"])
+    pre = progs["prefill_insert"]["hbm_gb"]["resident"]
+    assert pre == pytest.approx(plan["decode_weights_gb"])
     # A version's view (float32, the tiny model's every weight) whole on each sampler
     # chip (tensor 1), sent by 4 trainer chips to 4: each side moves one copy a chip.
     from rl_jax.models.load import resolve_spec
@@ -693,7 +702,7 @@ def test_split_plan_runs_the_sides_at_once_and_adds_the_weight_push(monkeypatch)
 
     weights = sum(int(np.prod(i.shape)) for i in param_layout(resolve_spec(cfg.model)).values())
     st, split = plan["step"], plan["step"]["split"]
-    assert split["push_gb"] * 1e9 == weights * 4
+    assert split["push_gb"] * 1e9 == weights * 4 == plan["weights_gb"] * 1e9
     assert split["push_s"] == pytest.approx(weights * 4 / (CHIPS["v5e"].ici_bandwidth / 2))
     train = progs["train_step"]["roofline_s"] * progs["train_step"]["calls"]
     sample = sum(progs[n]["roofline_s"] * progs[n]["calls"] for n in ("prefill_insert", "generate"))
@@ -937,9 +946,13 @@ def test_plan_compiles_the_engines_programs_where_the_trainer_samples_on_it(
     gen, pre = progs["generate"], progs["prefill_insert"]
     # The 8 rows of 16 tokens take 32 steps of the 4 slots; the 4 prompts one prefill.
     assert gen["calls"] == 32 and pre["calls"] == 1
-    # Nothing but the optimizer state beside the engine's programs (their state is an
-    # argument) and beside the train step (on_policy frees the engine's state).
-    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"])
+    # The optimizer state beside the engine's programs (their state is an argument), with
+    # the weights the other program takes; nothing beside the train step (on_policy
+    # frees the engine's state).
+    assert gen["hbm_gb"]["resident"] == pytest.approx(plan["optimizer_gb"] + plan["weights_gb"])
+    assert pre["hbm_gb"]["resident"] == pytest.approx(
+        plan["optimizer_gb"] + plan["decode_weights_gb"]
+    )
     assert progs["train_step"]["hbm_gb"]["resident"] == 0
     # One step of every slot, each attending on average to the prompt and half the
     # generation; bandwidth-bound on the weights and the slots' cache.

@@ -156,7 +156,8 @@ def plan_run(
     # the run's programs and the counting programs below compile at once.
     run = progs.step_programs(t.tp, t.tg)
     real = {name: _submit(fn, *args, **kw) for name, (fn, args, kw) in run.items()}
-    step = _Step(t, topology, progs, real, chip, headroom)
+    decode = run["generate"][1][0]  # the engine's DecodeWeights (abstract)
+    step = _Step(t, topology, progs, real, chip, headroom, decode)
     # XLA's cost analysis counts a while loop's body once. The programs scan over the
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
@@ -196,6 +197,7 @@ class _Step:
     real: dict  # program -> future of its `_compile`
     chip: Chip
     headroom: float
+    decode: Any  # the engine's DecodeWeights, abstract and laid out
 
     @property
     def split(self) -> bool:
@@ -211,15 +213,18 @@ class _Step:
         """Per chip: the state's params ("param"), the optimizer state ("opt"), the frozen
         reference ("ref", resident when the recipe has one), the engine's whole state
         ("sampler": laid out by its own constraints, known before compiling), its KV
-        cache ("kv"), the weights the engine runs ("weights", in the compute dtype) and,
-        in split mode, what a sampler chip receives of each version ("push": the view in
-        the engine's layout)."""
+        cache ("kv"), the weights the engine runs ("view", as its programs take them;
+        "weights", in the engine's layout and the compute dtype), their decode layout
+        ("decode", a version's `DecodeWeights`) and, in split mode, what a sampler chip
+        receives of each version ("push": the view in the engine's layout)."""
         params, opt = self.progs.state_shapes
         engine, spec = self.progs.engine, self.t.spec
         state = engine.abstract_state()
         view = _resharded(self.progs.plan.abstract_view(params), engine.param_shardings())
         param = _chip_bytes(params)
         return {
+            "view": _chip_bytes(self.progs.sampler_view()),
+            "decode": _chip_bytes(self.decode),
             "push": _chip_bytes(view) if self.split else 0,
             "param": param,
             "opt": _chip_bytes(opt),
@@ -275,7 +280,10 @@ class _Step:
         # The engine's programs run while the optimizer state (and the reference) stay resident
         # (the sampler's state is the programs' argument). The state the view is made from
         # stays too, unless the view is the state itself. The sampler's own chips (split
-        # mode) hold nothing beside the programs' arguments.
+        # mode) hold nothing of the trainer's. Of the weights, prefill_insert takes the
+        # view and generate the version's decode layout (`Engine.prepared`), each
+        # resident while the other runs (counted at every refill: an upper bound where a
+        # batch enters before its first chunk).
         view_of = 0 if self.progs.plan.identity else b["param"]
         beside = 0 if self.split else b["opt"] + b["ref"] + view_of
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
@@ -294,7 +302,7 @@ class _Step:
         prefill = self._report(
             "prefill_insert",
             engine.prefill_prompts * _prefill_flops(spec, tp - 1),
-            resident=beside,
+            resident=beside + b["decode"],
             calls=calls,
             cost=costs["prefill_insert"],
         )
@@ -303,7 +311,7 @@ class _Step:
         generate = self._report(
             "generate",
             slots * spec.flops_per_token(tp + (tg + 1) / 2),  # the prompt, half the generation
-            resident=beside,
+            resident=beside + b["view"],
             calls=steps,
             bytes_analytic=b["weights"] + kv_read,
             bytes_floor=b["weights"] + b["kv"] * _mean_filled(tp, tg) / cache_positions,
@@ -352,6 +360,8 @@ class _Step:
                 "prefill_prompts": engine.prefill_prompts,
             },
             "kv_cache_gb": b["kv"] / 1e9,
+            "weights_gb": b["view"] / 1e9,
+            "decode_weights_gb": b["decode"] / 1e9,
             "sampler_state_gb": b["sampler"] / 1e9,
             "optimizer_gb": b["opt"] / 1e9,
             "programs": programs,

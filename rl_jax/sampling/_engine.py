@@ -16,16 +16,18 @@ leaves its slot idle (compute used ~ mean length / max length of the batch). Her
 slot whose row ended takes the next row of the queue between chunks: with
 long-tailed lengths the slots stay busy (benchmarks/sampler.py --lengths longtail).
 
-Two compiled programs: `prefill_insert` prefills up to
+Three compiled programs: `prefill_insert` prefills up to
 `prefill_prompts` new prompts into a pool of prefixes (each prompt once, for all of
 its rows, in blocks of `prefill_block` prompts; blocks without a new prompt, and the
 whole prefill when a refill needs no new prompt, are skipped) and copies pool entries into
-the pages of the rows entering free slots (a scatter of their pages only); `generate` lays the
-weights out for the decode step and decodes every slot for a chunk of steps. Its
-result carries, besides the state, the chunk's new columns of every slot and the
-slots' end flags: the host reads that one small output per chunk (`ChunkOut`) and
-assembles the rows itself, so collecting ended rows costs no program and no
-transfer of whole rows. `init` is a fill of empty buffers (no model code).
+the pages of the rows entering free slots (a scatter of their pages only); `prepare`
+lays a version's weights out for the decode step (`DecodeWeights`: stacked, fused,
+packed for the platform's kernels), once per version in a host loop (`prepared`);
+`generate` decodes every slot for a chunk of steps on them. Its result carries,
+besides the state, the chunk's new columns of every slot and the slots' end flags:
+the host reads that one small output per chunk (`ChunkOut`) and assembles the rows
+itself, so collecting ended rows costs no program and no transfer of whole rows.
+`init` is a fill of empty buffers (no model code).
 
 The KV cache is paged (`rl_jax.kernels.xla.PagedKV`): N pages of `page_size`
 positions, which rows own through their page tables (`SamplerState.pages`). A row's
@@ -52,8 +54,8 @@ count (tests/test_engine.py). Weights are an argument of `generate`: rows in fli
 the KV cache earlier weights wrote (PipelineRL's in-flight update), and every
 token records the version that sampled it.
 
-Compiles: `generate` once per chunk size; `prefill_insert` once per prompt length
-bucket (the host loop prefills each prompt in its own bucket). With `fixed_shapes`
+Compiles: `generate` once per chunk size; `prepare` once; `prefill_insert` once per
+prompt length bucket (the host loop prefills each prompt in its own bucket). With `fixed_shapes`
 (the trainer's engines) every prompt is prefilled at `prompt_len`: one program,
 whatever the prompts' lengths.
 """
@@ -150,6 +152,14 @@ class ChunkOut:
     lengths: np.ndarray
     finish: np.ndarray
     truncated: np.ndarray
+
+
+class DecodeWeights(NamedTuple):
+    """Weights in the decode step's layout (`Engine.prepare`): stacked over layers, the
+    projections fused, laid out by the platform's kernels. `generate` takes them as
+    they are; made from params, they cost a pass over the weights."""
+
+    tree: dict
 
 
 class PendingChunk(NamedTuple):
@@ -270,6 +280,7 @@ class Engine(Decoder):
             )
         self._last_bucket = self.prompt_len
         self._clock: _Timeline | None = None  # a run's timeline (`run(timeline=True)`)
+        self._prepared: tuple | None = None  # (params, version, DecodeWeights): `prepared`
         if kv_quant not in KV_QUANT:
             raise ConfigError(
                 f"engine kv_quant={kv_quant!r}: one of {', '.join(map(str, KV_QUANT))}"
@@ -300,6 +311,7 @@ class Engine(Decoder):
             rows = {k: batch_sharding(mesh, 2 if k in _COLUMNS else 1) for k in _COLUMNS}
             rows.update({k: batch_sharding(mesh, 1) for k in ("start", *_SLOT_VALUES)})
             pin = {"out_shardings": (state_sh, rows, NamedSharding(mesh, PartitionSpec()))}
+        self._prepare = jax.jit(self._prepare_impl, compiler_options=opts)
         self._generate = jax.jit(
             self._generate_impl,
             static_argnames=("steps",),
@@ -376,9 +388,10 @@ class Engine(Decoder):
     def programs(self, params) -> dict[str, tuple[Callable, tuple, dict]]:
         """{name: (jitted program, abstract arguments, static arguments)} of
         `prefill_insert` (a whole prefill of `prefill_prompts` prompts at `prompt_len`,
-        and rows into every slot) and `generate` (a chunk), for `params` (abstract arrays)
-        and laid out as the verbs lay out theirs: `rl_jax.plan` compiles them ahead of
-        time for hardware this host does not have."""
+        and rows into every slot) and `generate` (a chunk, on the `DecodeWeights` of
+        `params`), for `params` (abstract arrays) and laid out as the verbs lay out
+        theirs: `rl_jax.plan` compiles them ahead of time for hardware this host does
+        not have."""
         P, S, Tp = self.prefill_prompts, self.slots, self.prompt_len
 
         def arr(shape, dtype=jnp.int32):  # rows over the batch axes; scalars replicated
@@ -396,12 +409,31 @@ class Engine(Decoder):
                 (params, state, *prefill, *rows, arr(key.shape, key.dtype)),
                 {"bucket": Tp},
             ),
-            "generate": (self._generate, (params, state, arr(()), arr(())), {"steps": self.chunk}),
+            "generate": (
+                self._generate,
+                (self.abstract_decode_weights(params), state, arr(()), arr(())),
+                {"steps": self.chunk},
+            ),
         }
+
+    def abstract_decode_weights(self, params) -> DecodeWeights:
+        """The `DecodeWeights` `prepare` makes of abstract `params`, with the layout it
+        gives them (its compiled program's: the layout propagates from the params')."""
+        shapes = jax.eval_shape(self._prepare, params)
+        if self.mesh is None:
+            return shapes
+        out = self._prepare.lower(params).compile().output_shardings
+        return jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, out
+        )
 
     def compile_counts(self) -> dict[str, int]:
         """Executables compiled so far per program (a test of bounded compiles)."""
-        fns = {"prefill_insert": self._prefill_insert, "generate": self._generate}
+        fns = {
+            "prefill_insert": self._prefill_insert,
+            "generate": self._generate,
+            "prepare": self._prepare,
+        }
         return {name: fn._cache_size() for name, fn in fns.items()}
 
     @property
@@ -600,9 +632,16 @@ class Engine(Decoder):
         rows = {k: put(getattr(s, k), v) for k, v in fresh.items()}
         return EngineState(slots=dataclasses.replace(s, cache=cache, **rows), pool=pool)
 
-    def _generate_impl(self, params, state: EngineState, version, refill_at, *, steps: int):
+    def _prepare_impl(self, params) -> DecodeWeights:
+        return DecodeWeights(
+            decode_weights(self.spec, dict(params), self.positions, ops=self.decode_ops)
+        )
+
+    def _generate_impl(
+        self, weights: DecodeWeights, state: EngineState, version, refill_at, *, steps: int
+    ):
         ops = self.decode_ops
-        weights = decode_weights(self.spec, dict(params), self.positions, ops=ops)
+        weights = weights.tree
         typed = dataclasses.replace(state.slots, keys=jax.random.wrap_key_data(state.slots.keys))
         slots, rows, ran = self._over_rows(
             lambda w, s, v, r, *, manual: self._chunk(ops, w, s, v, r, steps, manual=manual),
@@ -746,9 +785,34 @@ class Engine(Decoder):
             bucket=self._last_bucket,
         )
 
+    def prepare(self, params: Params | Transformer | DecodeWeights) -> DecodeWeights:
+        """`params` in the decode step's layout: a pass over the weights (read and
+        written) that `generate` makes itself when given params, at every call. A host
+        loop prepares each version of its weights once and passes the `DecodeWeights`
+        to each of that version's chunks; they hold a second copy of the weights in the
+        compute dtype while it keeps them."""
+        if isinstance(params, DecodeWeights):
+            return params
+        return self._prepare(self._as_params(params))
+
+    def prepared(self, params: Params | Transformer, version: int) -> DecodeWeights:
+        """`prepare` of `params` once per weights version: the engine keeps the last
+        version's `DecodeWeights` (and a reference to `params`) until the version or
+        the params object changes (the old layout dropped before the new one is made),
+        or `drop_prepared`."""
+        held = self._prepared
+        if held is None or held[0] is not params or held[1] != version:
+            self._prepared = None
+            self._prepared = (params, int(version), self.prepare(params))
+        return self._prepared[2]
+
+    def drop_prepared(self) -> None:
+        """Forget the kept `DecodeWeights` (their memory goes with the last reference)."""
+        self._prepared = None
+
     def generate(
         self,
-        params: Params | Transformer,
+        params: Params | Transformer | DecodeWeights,
         state: EngineState,
         *,
         version: int = 0,
@@ -756,14 +820,16 @@ class Engine(Decoder):
     ) -> tuple[EngineState, ChunkOut]:
         """`chunk` decode steps of every slot, fewer if every slot ends first, or once
         `refill_at` rows have ended in it (time to refill their slots); tokens sampled
-        here carry `version`. Returns the state (`state` is donated) and the chunk's
-        `ChunkOut` (one small device-to-host read): `dispatch`, then `read`."""
+        here carry `version`. `params`: the weights, or the `DecodeWeights` `prepare`
+        made of them (else it makes them for this call). Returns the state (`state` is
+        donated) and the chunk's `ChunkOut` (one small device-to-host read): `dispatch`,
+        then `read`."""
         state, pending = self.dispatch(params, state, version=version, refill_at=refill_at)
         return state, self.read(pending)
 
     def dispatch(
         self,
-        params: Params | Transformer,
+        params: Params | Transformer | DecodeWeights,
         state: EngineState,
         *,
         version: int = 0,
@@ -775,8 +841,9 @@ class Engine(Decoder):
         at = self.slots + 1 if refill_at is None else int(refill_at)
         if self._clock:
             self._clock.dispatched()
+        weights = self.prepare(params)
         state, rows, steps = self._generate(
-            self._as_params(params), state, np.int32(version), np.int32(at), steps=self.chunk
+            weights, state, np.int32(version), np.int32(at), steps=self.chunk
         )
         return state, PendingChunk(rows, steps)
 
@@ -857,24 +924,28 @@ class Engine(Decoder):
         state = self.init()
         self._clock = clock
         chunk, pending = 0, None
-        while loop.slots.queue or loop.slots.busy() or pending is not None:
-            params, version = weights(chunk)  # this chunk's weights prefill its new rows too
-            state = loop.slots.refill(params, state)
-            queued = None
-            if loop.slots.busy():
-                at = refill_min if loop.slots.queue else None
-                state, out = self.dispatch(params, state, version=version, refill_at=at)
-                queued = (out, loop.slots.held())
-                chunk += 1
-                if clock:
-                    clock.watch(out.steps)
-            if pending is not None:
-                loop.collect(self.read(pending[0]), pending[1])
-            pending = queued
-            if not overlap and pending is not None:
-                loop.collect(self.read(pending[0]), pending[1])
-                pending = None
-        self._clock = None
+        try:
+            while loop.slots.queue or loop.slots.busy() or pending is not None:
+                params, version = weights(chunk)  # this chunk's weights prefill its new rows
+                state = loop.slots.refill(params, state)
+                queued = None
+                if loop.slots.busy():
+                    at = refill_min if loop.slots.queue else None
+                    prepared = self.prepared(params, version)
+                    state, out = self.dispatch(prepared, state, version=version, refill_at=at)
+                    queued = (out, loop.slots.held())
+                    chunk += 1
+                    if clock:
+                        clock.watch(out.steps)
+                if pending is not None:
+                    loop.collect(self.read(pending[0]), pending[1])
+                pending = queued
+                if not overlap and pending is not None:
+                    loop.collect(self.read(pending[0]), pending[1])
+                    pending = None
+        finally:
+            self._clock = None
+            self.drop_prepared()  # the run's weights are the caller's again
         return chunk
 
 

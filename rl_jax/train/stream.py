@@ -235,10 +235,13 @@ class EngineStream:
         return self.busy() or self.book.can_admit()
 
     def next_batch(self, weights: Callable[[], Weights]) -> tuple[list, Rollouts]:
-        """Decode until a batch can be formed (colocated: the trainer waits)."""
+        """Decode until a batch can be formed (colocated: the trainer waits). The
+        engine's decode layout of the weights goes with it: the trainer's update needs
+        the memory, and the next chunk decodes with the next version."""
         while True:
             got = self.take()
             if got is not None:
+                self.engine.drop_prepared()
                 return got
             if not self.step(weights):
                 raise DeadlineError(
@@ -282,7 +285,8 @@ class EngineStream:
         with self.cond:
             refill = bool(slots.queue) or self.book.can_admit()
         at = self.refill_min if refill else None
-        self.state, out = engine.generate(params, self.state, version=version, refill_at=at)
+        weights = engine.prepared(params, version)  # once per version
+        self.state, out = engine.generate(weights, self.state, version=version, refill_at=at)
         self.chunks += 1
         self._collect(out)
         return True
