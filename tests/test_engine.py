@@ -100,7 +100,8 @@ def test_paged_reference_equals_the_kernels(monkeypatch, reads):
 
 
 def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
-    """Bit for bit: a row's numbers depend on its key, prompt and weights only. (With
+    """Bit for bit: a row's numbers depend on its key, prompt and weights only, not on
+    the slot count, the refill order or the rows a call inserts. (With
     the prompts prefilled at a varying prompt count they did not: XLA:CPU's prefill
     matmuls round differently for 1 and 4 prompts, ~1e-6 in the log-probs; so
     the prefill always takes whole blocks of `prefill_block` prompts.)"""
@@ -112,6 +113,9 @@ def test_same_rollouts_whatever_the_slot_count_and_refill_order(params_a):
         )[0]
         for slots, shuffled in ((2, False), (3, True), (8, True))
     }
+    # Rows inserted one a call (the default for 8 slots) or all 8 in one.
+    whole = Engine(SPEC, SAMPLED, slots=8, chunk=3, pad_id=0, insert_rows=8)
+    runs["whole"] = whole.run(params_a, PROMPTS, n=3, seed=9, order=order)[0]
     first = runs[(2, False)]
     for out in runs.values():
         _assert_same(out, first, exact=True)
@@ -328,7 +332,7 @@ def test_decode_weights_are_made_once_per_version(params_a, params_b):
     params, bit for bit; `prepared` makes them once per (params, version) and drops the
     old layout for a new one; `run` prepares each chunk's weights once and keeps nothing
     after it."""
-    engine = Engine(SPEC, SAMPLED, slots=3, chunk=4, pad_id=0)
+    engine = Engine(SPEC, SAMPLED, slots=3, chunk=4, pad_id=0, insert_rows=3)
     key = jax.random.key(2)
     pages = [list(range(i * engine.row_pages, (i + 1) * engine.row_pages)) for i in range(3)]
 
@@ -475,3 +479,10 @@ def test_engine_errors():
             Engine(SPEC, GREEDY, slots=2, page_size=12)
     with pytest.raises(ValueError, match="pages: a list of 1 to 2 page ids in"):
         engine.prefill_insert({}, engine.init(), [], [], [0], [0], [0], [0], key=None, pages=[[9]])
+    with pytest.raises(ValueError, match="insert_rows=-1: need at least 1"):
+        Engine(SPEC, GREEDY, slots=2, insert_rows=-1)
+    # A call inserts up to insert_rows rows (the default: a sixteenth of the slots, 1).
+    with pytest.raises(ValueError, match=r"up to 1 rows per batch shard \(insert_rows=1 "):
+        engine.prefill_insert(
+            {}, engine.init(), [], [], [0, 1], [0, 0], [0, 1], [0, 0], key=None, pages=[[0], [1]]
+        )

@@ -213,9 +213,11 @@ class Decoder:
         """Rows over the batch axes; scalars (ndim 0) replicated."""
         return batch_sharding(self.mesh, ndim).spec if ndim else PartitionSpec()
 
-    def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array]:
+    def _put_rows(self, *arrays: np.ndarray) -> list[jax.Array | np.ndarray]:
+        """Row arrays laid out over the mesh's batch axes (without a mesh, as they are:
+        a jitted call moves numpy arguments itself, faster than a dispatch each)."""
         if self.mesh is None:
-            return [jax.numpy.asarray(a) for a in arrays]
+            return list(arrays)
         return [jax.device_put(a, batch_sharding(self.mesh, a.ndim)) for a in arrays]
 
     # ---- the compiled loop's pieces -------------------------------------------------------

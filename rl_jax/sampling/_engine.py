@@ -216,6 +216,10 @@ class Engine(Decoder):
     count); default a full table for every slot, so that a free slot can always take
     a row. Fewer make rows wait for pages (`SlotBook`); each shard must hold one
     longest row's.
+    insert_rows: rows one prefill_insert call puts into slots, in whole batch shards
+    (each shard takes its share): its gathers and scatters run over these, not over
+    every slot; more rows take more calls. Default: a sixteenth of the slots (a
+    refill's rows), at least one per shard; `for_batch`: every slot.
     kv_quant: "int8" keeps keys and values in int8, a float32 scale per position and
     kv head (`xla.PagedKV`; XLA's paged reference reads it, on every platform); None
     (default) keeps them in the compute dtype. Its log-prob drift:
@@ -235,6 +239,7 @@ class Engine(Decoder):
         fixed_shapes: bool = False,
         page_size: int | None = None,
         kv_pages: int | None = None,
+        insert_rows: int | None = None,
         kv_quant: str | None = None,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
@@ -267,6 +272,10 @@ class Engine(Decoder):
         self.prefill_prompts = round_up(int(prefill_prompts), self.shards)
         block = round_up(int(prefill_block or self.prefill_prompts), self.shards)
         self.prefill_block = min(block, self.prefill_prompts)
+        rows = int(insert_rows or -(-self.slots // 16))
+        if rows < 1:
+            raise ConfigError(f"engine insert_rows={insert_rows}: need at least 1")
+        self.insert_rows = min(round_up(rows, self.shards), self.slots)
         # A pool of one prefill: a new prompt enters once an earlier one's rows all
         # have (rows of pooled prompts can always enter, so the queue always moves).
         self.pool_size = self.prefill_prompts
@@ -346,6 +355,7 @@ class Engine(Decoder):
             prompt_len=prompt_len,
             prefill_prompts=max(1, prompts),
             fixed_shapes=True,
+            insert_rows=round_up(max(1, prompts * (n or cfg.n)), shards),
             mesh=mesh,
             **kw,
         )
@@ -388,11 +398,11 @@ class Engine(Decoder):
     def programs(self, params) -> dict[str, tuple[Callable, tuple, dict]]:
         """{name: (jitted program, abstract arguments, static arguments)} of
         `prefill_insert` (a whole prefill of `prefill_prompts` prompts at `prompt_len`,
-        and rows into every slot) and `generate` (a chunk, on the `DecodeWeights` of
+        and `insert_rows` rows into slots) and `generate` (a chunk, on the `DecodeWeights` of
         `params`), for `params` (abstract arrays) and laid out as the verbs lay out
         theirs: `rl_jax.plan` compiles them ahead of time for hardware this host does
         not have."""
-        P, S, Tp = self.prefill_prompts, self.slots, self.prompt_len
+        P, Tp = self.prefill_prompts, self.prompt_len
 
         def arr(shape, dtype=jnp.int32):  # rows over the batch axes; scalars replicated
             sh = None if self.mesh is None else NamedSharding(self.mesh, self._row_spec(len(shape)))
@@ -400,8 +410,9 @@ class Engine(Decoder):
 
         key = jax.eval_shape(jax.random.key, 0)
         state = self.abstract_state()
-        # take, source, row id, group id, limit, page table of every slot
-        rows = (arr((S,), jnp.bool_), *(arr((S,)) for _ in range(4)), arr((S, self.row_pages)))
+        # slot, source, row id, group id, limit and page table of each insert entry
+        I = self.insert_rows
+        rows = (*(arr((I,)) for _ in range(5)), arr((I, self.row_pages)))
         prefill = (arr((P, Tp)), arr((P,)), arr((P,)), arr((), jnp.bool_))
         return {
             "prefill_insert": (
@@ -529,19 +540,20 @@ class Engine(Decoder):
         lens_p,
         into_p,
         prefill,
-        take_s,
-        source_s,
-        row_ids_s,
-        group_ids_s,
-        limits_s,
-        pages_s,
+        slot_i,
+        source_i,
+        row_ids_i,
+        group_ids_i,
+        limits_i,
+        pages_i,
         key,
         *,
         bucket: int,
     ) -> EngineState:
         """If `prefill`: prompts [P] into pool entries into_p (Q: padding, dropped). Then
-        slot s, where take_s[s], takes pool entry source_s[s] as a new row, its prompt's
-        keys and values copied into its pages pages_s[s] [R]."""
+        each of the I insert entries (S: none) puts a new row into slot slot_i[i]: pool
+        entry source_i[i]'s prompt, its keys and values copied into its pages pages_i[i]
+        [R] (entries in blocks per batch shard, each into its shard's slots)."""
         cfg, ops = self.cfg, self.decode_ops
         S, Q = self.slots, self.pool_size
 
@@ -586,48 +598,49 @@ class Engine(Decoder):
         pool = jax.lax.cond(prefill, fill, lambda p: p, state.pool)
 
         s = state.slots
-        kv_start_s = _take_vector(pool.kv_start, source_s)
-        # Each taken row's prompt from its first real token (position 0) on: its pages
-        # hold positions, not the pool's left-padded slots. [L, S, K, W, hd]
+        kv_start_i = _take_vector(pool.kv_start, source_i)
+        # Each entering row's prompt from its first real token (position 0) on: its
+        # pages hold positions, not the pool's left-padded slots. [L, I, K, W, hd]
         W = self.prefix_slots
-        at = jnp.minimum(kv_start_s[:, None] + jnp.arange(W), W - 1)[None, :, None, :, None]
-        k, v = (jnp.take_along_axis(x.take(source_s, axis=1), at, axis=3) for x in pool.cache)
-        cache = ops.write_prompt(s.cache, k, v, pages_s, take_s, layout=self._paged_layout())
+        at = jnp.minimum(kv_start_i[:, None] + jnp.arange(W), W - 1)[None, :, None, :, None]
+        k, v = (jnp.take_along_axis(x.take(source_i, axis=1), at, axis=3) for x in pool.cache)
+        layout = self._paged_layout()
+        cache = ops.write_prompt(s.cache, k, v, pages_i, slot_i < S, layout=layout)
         cache = self._cache_layout(cache)
+        I = slot_i.shape[0]
         if self.interrupt:
-            interrupt_at = interrupt_lengths(key, row_ids_s, cfg.interrupt_lo, cfg.interrupt_hi)
+            interrupt_at = interrupt_lengths(key, row_ids_i, cfg.interrupt_lo, cfg.interrupt_hi)
         else:
-            interrupt_at = jnp.full((S,), _NO_INTERRUPT, jnp.int32)
-        prompts = pool.prompt_tokens[source_s]
-        zeros = jnp.zeros((S,), jnp.int32)
+            interrupt_at = jnp.full((I,), _NO_INTERRUPT, jnp.int32)
+        prompts = pool.prompt_tokens[source_i]
+        zeros = jnp.zeros((I,), jnp.int32)
         Tg = self.gen_len
         fresh = {
             "prompt_tokens": prompts,
-            "kv_start": kv_start_s,
-            "tokens": jnp.full((S, Tg), self.pad_id, jnp.int32),
-            "logprobs": jnp.zeros((S, Tg), jnp.float32),
-            "versions": jnp.full((S, Tg), -1, jnp.int32),
-            "injected": jnp.zeros((S, Tg), bool),
+            "kv_start": kv_start_i,
+            "tokens": jnp.full((I, Tg), self.pad_id, jnp.int32),
+            "logprobs": jnp.zeros((I, Tg), jnp.float32),
+            "versions": jnp.full((I, Tg), -1, jnp.int32),
+            "injected": jnp.zeros((I, Tg), bool),
             "last_token": prompts[:, -1],
             "step": zeros,
-            "limit": limits_s,
-            "done": jnp.zeros((S,), bool),
+            "limit": limits_i,
+            "done": jnp.zeros((I,), bool),
             "finish": zeros + int(FinishReason.RUNNING),
-            "truncated": jnp.zeros((S,), bool),
+            "truncated": jnp.zeros((I,), bool),
             "lengths": zeros,
             "phase": zeros + THINK,
             "phase_pos": zeros,
             "interrupt_at": interrupt_at,
-            "keys": jax.random.key_data(row_keys(key, row_ids_s)),
-            "group_ids": group_ids_s,
-            "row_ids": row_ids_s,
-            "real": jnp.ones((S,), bool),
-            "pages": pages_s,
+            "keys": jax.random.key_data(row_keys(key, row_ids_i)),
+            "group_ids": group_ids_i,
+            "row_ids": row_ids_i,
+            "real": jnp.ones((I,), bool),
+            "pages": pages_i,
         }
 
-        def put(old, x):
-            mask = take_s.reshape((S,) + (1,) * (x.ndim - 1))
-            return self._rows(jnp.where(mask, x.astype(old.dtype), old))
+        def put(old, x):  # entry i into slot slot_i[i]; S: dropped
+            return self._rows(old.at[slot_i].set(x.astype(old.dtype), mode="drop"))
 
         rows = {k: put(getattr(s, k), v) for k, v in fresh.items()}
         return EngineState(slots=dataclasses.replace(s, cache=cache, **rows), pool=pool)
@@ -748,9 +761,11 @@ class Engine(Decoder):
             not 0 < len(p) <= R or not all(0 <= i < N for i in p) for p in pages
         ):
             raise ValueError(f"pages: a list of 1 to {R} page ids in [0, {N}) for each row")
-        table = np.full((S, R), N, np.int32)  # N: no page
-        for s, p in zip(slots, pages, strict=True):
-            table[s, : len(p)] = p
+        entry = self._insert_entries(slots)
+        I = self.insert_rows
+        table = np.full((I, R), N, np.int32)  # N: no page
+        for e, p in zip(entry, pages, strict=True):
+            table[e, : len(p)] = p
         prompt_pt = np.full((P, self.prompt_len), self.pad_id, np.int32)
         lens_p = np.ones((P,), np.int32)
         into_p = np.full((P,), Q, np.int32)  # padding prompts go past the pool: dropped
@@ -763,11 +778,11 @@ class Engine(Decoder):
             prompt_pt[:, self.prompt_len - packed.shape[1] :] = packed
             lens_p[:] = lens
             into_p[: len(into)] = into
-        take = np.zeros((S,), bool)
-        source_s, row_s, group_s = (np.zeros((S,), np.int32) for _ in range(3))
-        limit_s = np.ones((S,), np.int32)
-        take[slots] = True
-        source_s[slots], row_s[slots], group_s[slots], limit_s[slots] = (
+        slot_i = np.full((I,), S, np.int32)  # S: no row
+        source_i, row_i, group_i = (np.zeros((I,), np.int32) for _ in range(3))
+        limit_i = np.ones((I,), np.int32)
+        slot_i[entry], source_i[entry], row_i[entry], group_i[entry], limit_i[entry] = (
+            slots,
             sources,
             row_ids,
             group_ids,
@@ -780,10 +795,26 @@ class Engine(Decoder):
             state,
             *self._put_rows(prompt_pt, lens_p, into_p),
             np.bool_(bool(prompts)),
-            *self._put_rows(take, source_s, row_s, group_s, limit_s, table),
+            *self._put_rows(slot_i, source_i, row_i, group_i, limit_i, table),
             key,
             bucket=self._last_bucket,
         )
+
+    def _insert_entries(self, slots: Sequence[int]) -> np.ndarray:
+        """The insert entry of each row entering `slots`: entries come in one block of
+        insert_rows / shards per batch shard, a row in its slot's shard's block."""
+        per, width = self.insert_rows // self.shards, self.slots // self.shards
+        shard = np.asarray(slots, np.int64) // width
+        entry = np.empty((len(slots),), np.int64)
+        for sh in np.unique(shard):
+            at = np.flatnonzero(shard == sh)
+            if len(at) > per:
+                raise ValueError(
+                    f"insert takes up to {per} rows per batch shard (insert_rows="
+                    f"{self.insert_rows} over {self.shards} shards), got {len(at)} on shard {sh}"
+                )
+            entry[at] = sh * per + np.arange(len(at))
+        return entry
 
     def prepare(self, params: Params | Transformer | DecodeWeights) -> DecodeWeights:
         """`params` in the decode step's layout: a pass over the weights (read and

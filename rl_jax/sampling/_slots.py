@@ -156,10 +156,12 @@ class SlotBook:
         prompts they need prefilled (at most a prefill's, of one length bucket, while
         pool entries are free: a prompt's KV depends only on it and its bucket). A row
         whose prompt cannot enter now lets later rows of pooled prompts pass; a row
-        whose pages no free slot's shard has stops the pick (it enters first, later)."""
+        whose pages no free slot's shard has stops the pick (it enters first, later),
+        as does one whose shard took a call's rows (`Engine.insert_rows`)."""
         eng, book = self.engine, self.pages
         open_slots = [int(s) for s in free]
         spare = {book.shard(s): book.free(s) for s in open_slots}
+        quota = {sh: eng.insert_rows // eng.shards for sh in spare}  # a call's rows per shard
         taken, slots, new, bucket = [], [], [], None
         skipped = False
         for at, r in enumerate(self.queue):
@@ -174,7 +176,8 @@ class SlotBook:
                     skipped = True
                     continue
             need = self.need(r)
-            slot = next((s for s in open_slots if spare[book.shard(s)] >= need), None)
+            fits = (s for s in open_slots if spare[book.shard(s)] >= need and quota[book.shard(s)])
+            slot = next(fits, None)
             if slot is None:
                 break
             if fresh:
@@ -182,6 +185,7 @@ class SlotBook:
                 new.append(g)
             open_slots.remove(slot)
             spare[book.shard(slot)] -= need
+            quota[book.shard(slot)] -= 1
             taken.append(at)
             slots.append(slot)
         if skipped:
@@ -194,8 +198,9 @@ class SlotBook:
 
     def refill(self, params, state: EngineState) -> EngineState:
         """Fill free slots from the queue: one prefill_insert call per set of new prompts
-        (one, unless prompts of several buckets or over a prefill's count enter), with
-        the rows whose prompts are pooled, each with the pages it needs."""
+        (one, unless prompts of several buckets or over a prefill's count enter, or more
+        rows than a call inserts), with the rows whose prompts are pooled, each with the
+        pages it needs."""
         while self.queue:
             free = np.flatnonzero(self.slot_row < 0)
             if not len(free):

@@ -79,13 +79,15 @@ def engine_shape(sampling, *, rows: int, shards: int) -> dict[str, int]:
     plan's of them): its slots (sampling.engine_slots, else `rows`, in whole batch
     shards), decode steps per generate call (sampling.decode_chunk, else to the end),
     prompts per prefill (a refill's new prompts in one call) and per prefill block
-    (`PREFILL_BLOCK`), as `Engine` takes them."""
+    (`PREFILL_BLOCK`) and rows per insert (every slot: a batch enters in one call, as
+    the plan counts it), as `Engine` takes them."""
     slots = -(-(sampling.engine_slots or rows) // shards) * shards
     return {
         "slots": slots,
         "chunk": sampling.decode_chunk or sampling.max_new_tokens,
         "prefill_prompts": -(-slots // sampling.n),
         "prefill_block": PREFILL_BLOCK,
+        "insert_rows": slots,
     }
 
 
