@@ -222,10 +222,11 @@ class _Step:
         state = engine.abstract_state()
         view = _resharded(self.progs.plan.abstract_view(params), engine.param_shardings())
         param = _chip_bytes(params)
+        taken = _chip_bytes(self.progs.sampler_view())  # split: the view in the engine's layout
         return {
-            "view": _chip_bytes(self.progs.sampler_view()),
+            "view": taken,
             "decode": _chip_bytes(self.decode),
-            "push": _chip_bytes(view) if self.split else 0,
+            "push": taken if self.split else 0,
             "param": param,
             "opt": _chip_bytes(opt),
             "ref": param if self.progs.passes.ref else 0,
@@ -839,10 +840,9 @@ def _decode_bytes(chip, analytic, flops, roofline, bytes_analytic, bytes_floor) 
     """A decode program's roofline from the bytes a step must read.
 
     XLA's bytes of a decode call count the loop body once plus what runs once per call
-    (the weights' re-layout, the draws of every column), which for a large model is
-    twice the weights again, and see nothing of a Pallas kernel's reads: per token, the
-    bytes the step must read (the weights and the cache the platform's attention reads:
-    on TPU a row's filled pages) are the bound."""
+    (the draws of every column, the chunk's columns out), and see nothing of a Pallas
+    kernel's reads: per token, the bytes the step must read (the weights and the cache
+    the platform's attention reads: on TPU a row's filled pages) are the bound."""
     out = {"bytes_analytic": float(bytes_analytic)}
     if bytes_floor:
         out["bytes_floor"] = float(bytes_floor)

@@ -55,9 +55,9 @@ the KV cache earlier weights wrote (PipelineRL's in-flight update), and every
 token records the version that sampled it.
 
 Compiles: `generate` once per chunk size; `prepare` once; `prefill_insert` once per
-prompt length bucket (the host loop prefills each prompt in its own bucket). With `fixed_shapes`
-(the trainer's engines) every prompt is prefilled at `prompt_len`: one program,
-whatever the prompts' lengths.
+prompt length bucket (the host loop prefills each prompt in its own bucket). With
+`fixed_shapes` (the trainer's engines) every prompt is prefilled at `prompt_len`: one
+program, whatever the prompts' lengths.
 """
 
 from __future__ import annotations
@@ -398,10 +398,10 @@ class Engine(Decoder):
     def programs(self, params) -> dict[str, tuple[Callable, tuple, dict]]:
         """{name: (jitted program, abstract arguments, static arguments)} of
         `prefill_insert` (a whole prefill of `prefill_prompts` prompts at `prompt_len`,
-        and `insert_rows` rows into slots) and `generate` (a chunk, on the `DecodeWeights` of
-        `params`), for `params` (abstract arrays) and laid out as the verbs lay out
-        theirs: `rl_jax.plan` compiles them ahead of time for hardware this host does
-        not have."""
+        and `insert_rows` rows into slots) and `generate` (a chunk, on the
+        `DecodeWeights` of `params`), for `params` (abstract arrays) and laid out as the
+        verbs lay out theirs: `rl_jax.plan` compiles them ahead of time for hardware this
+        host does not have."""
         P, Tp = self.prefill_prompts, self.prompt_len
 
         def arr(shape, dtype=jnp.int32):  # rows over the batch axes; scalars replicated
