@@ -1,7 +1,7 @@
 """The kernel registry (rl_jax.kernels): platform from the mesh's devices, every op of
-a platform against the portable reference (`xla`), and the forward scanned over layers."""
+a platform against the portable reference (`xla`), and the train step's layer loop
+(rolled or unrolled)."""
 
-import dataclasses
 import functools
 import types
 from pathlib import Path
@@ -120,7 +120,7 @@ def test_cpu_attention_equals_the_reference(dtype):
     np.testing.assert_allclose(np.asarray(cached, np.float32), want, atol=tol, rtol=tol)
 
 
-def _train_step_text(num_layers: int) -> str:
+def _train_step_text(num_layers: int, scan_layers: bool) -> str:
     spec = resolve_spec(
         ModelConfig(
             preset="tiny",
@@ -129,6 +129,7 @@ def _train_step_text(num_layers: int) -> str:
             intermediate_size=48,
             num_heads=4,
             num_kv_heads=2,
+            scan_layers=scan_layers,
         )
     )
     params = init_params(spec, jax.random.key(0))
@@ -160,27 +161,19 @@ def _train_step_text(num_layers: int) -> str:
     return step.lower(params, tx.init(params), batch).as_text()
 
 
-def test_train_step_scans_over_layers():
-    """The train step's program does not grow with depth: 2 and 4 layers lower to the
-    same matmuls (one layer body inside a while loop, forward and backward)."""
-    two, four = _train_step_text(2), _train_step_text(4)
-    assert four.count("stablehlo.while") >= 2
-    dots = [t.count("stablehlo.dot_general") for t in (two, four)]
-    assert dots[0] == dots[1], dots
-
-
-def test_scanned_forward_has_no_copy_per_layer():
-    """The model's forward traces one layer: its jaxpr holds one scan of length L."""
-    from rl_jax.models import Transformer
-
-    spec = resolve_spec(ModelConfig(preset="tiny", num_layers=4))
-    for s in (spec, dataclasses.replace(spec, scan_layers=True)):
-        params = init_params(s, jax.random.key(0))
-        jaxpr = jax.make_jaxpr(lambda p, t, s=s: Transformer(s, p)(t)[0])(
-            params, jnp.ones((1, 4), jnp.int32)
-        )
-        scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-        assert len(scans) == 1 and scans[0].params["length"] == 4
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_train_step_program_grows_with_depth_only_unrolled(scan_layers):
+    """model.scan_layers=true: the train step's program does not grow with depth, 2 and 4
+    layers lower to the same matmuls (one layer body inside a while loop, forward and
+    backward); false: each layer more adds the same matmuls, and no loop."""
+    two, three, four = (_train_step_text(n, scan_layers) for n in (2, 3, 4))
+    dots = [t.count("stablehlo.dot_general") for t in (two, three, four)]
+    if scan_layers:
+        assert four.count("stablehlo.while") >= 2
+        assert dots[0] == dots[2], dots
+    else:
+        assert "stablehlo.while" not in four
+        assert dots[2] - dots[1] == dots[1] - dots[0] > 0, dots
 
 
 def _flash_case(case: str):

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from rl_jax.config import ConfigError, MeshConfig, ModelConfig
 from rl_jax.kernels import xla
 from rl_jax.models import (
     PRESETS,
+    Transformer,
     build_model,
     init_params,
     layers,
@@ -221,6 +223,30 @@ def test_chunked_scanned_rematerialized_gradient_equals_plain(model, remat):
         np.testing.assert_allclose(flat3[name], flat0[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_scan_layers_chooses_a_rolled_or_an_unrolled_layer_loop(model):
+    """model.scan_layers=true: the forward's layers are one `scan` of L iterations, both
+    in the forward and the backward; false: no loop at all, every layer in the program."""
+
+    def loops(m):
+        def loss(params):
+            out = Transformer(m.spec, params)(TOKS)[0]
+            return out.sum()
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(model_params(m))
+        return [e.params["length"] for e in _equations(jaxpr.jaxpr) if e.primitive.name == "scan"]
+
+    rolled = build_model(SPEC.replace(scan_layers=True), params=model_params(model))
+    assert loops(rolled) == [SPEC.num_layers] * 2
+    assert loops(model) == []
+
+
+def _equations(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _equations(sub)
+
+
 def test_blockwise_attention_equals_dense_in_the_model(model):
     """model.attention=blockwise (block 4 of T = 11) computes the dense forward's numbers:
     packed segments and left padding included."""
@@ -262,7 +288,7 @@ def test_auto_logprob_chunks_only_big_logits():
 def test_chunked_logprob_gradient_never_holds_the_whole_logits():
     """The backward of chunked log-probs recomputes each chunk's logits: its scratch
     memory is a chunk's [B, c, V] float32 blocks, not the whole [B, T, V] ones."""
-    from rl_jax.models import Transformer, logprobs_from_hidden
+    from rl_jax.models import logprobs_from_hidden
 
     spec = small_spec(vocab_size=4096)
     params = jax.tree.map(
@@ -429,10 +455,10 @@ def test_eight_devices_match_one(model):
     want = np.asarray(_logprobs(model, TOKS)[0])
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     many = build_model(SPEC, mesh=mesh, rules_preset="fsdp_tp", seed=1)
-    q = many.layers[0].q[...]
+    q = many.layers.q[...]
     assert len(q.sharding.device_set) == 8
     # initialized in place: each device holds only its (embed/fsdp, heads/tensor) block
-    assert q.addressable_shards[0].data.shape == (16, 2, 8)
+    assert q.addressable_shards[0].data.shape == (SPEC.num_layers, 16, 2, 8)
     got = np.asarray(_logprobs(many, TOKS, chunk=4)[0])
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -440,16 +466,14 @@ def test_eight_devices_match_one(model):
 @pytest.mark.devices(8)
 def test_model_from_replicated_weights_without_a_mesh(model):
     # A data-parallel trainer's weights sit on every device; a Transformer made from
-    # them without a mesh (HF export, scoring) keeps each layer where its stack is.
+    # them without a mesh (HF export, scoring) keeps them where they are.
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from rl_jax.models import Transformer
 
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1))
     rep = jax.device_put(model_params(model), NamedSharding(mesh, P()))
     copy = Transformer(SPEC, rep)
-    assert copy.layers[0].q[...].sharding.device_set == set(mesh.devices.flat)
+    assert copy.layers.q[...].sharding.device_set == set(mesh.devices.flat)
     np.testing.assert_allclose(
         np.asarray(_logprobs(copy, TOKS)[0]), np.asarray(_logprobs(model, TOKS)[0]), atol=1e-6
     )

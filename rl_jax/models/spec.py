@@ -65,7 +65,7 @@ class ModelSpec:
     remat: str = "none"
     attention: str = "auto"
     attention_block: int = 512
-    scan_layers: bool = False
+    scan_layers: bool = False  # the layers as one rolled loop (`transformer.over_layers`)
     value_head: bool = False
     logprob_chunk: int = -1
     # Special tokens as the checkpoint declares them (-1 / () = none); export
@@ -407,6 +407,18 @@ _REQUIRED = (
 )
 
 
+# model.scan_layers=auto rolls the layer loop from this depth up: an unrolled program's
+# compile grows with depth (SmolLM2's 30-layer gradient compiled in 141 s rolled against
+# 527-582 s unrolled), a rolled one costs each step (the bench preset's 4-layer CPU train
+# step, 17%: docs/results/performance.md).
+SCAN_FROM_LAYERS = 8
+
+
+def scan_layers(knob: str, num_layers: int) -> bool:
+    """`model.scan_layers` (auto, true, false) for a model of `num_layers` layers."""
+    return num_layers >= SCAN_FROM_LAYERS if knob == "auto" else knob == "true"
+
+
 def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> ModelSpec:
     """Every dimension resolved: the base `fields` (from `source`: a checkpoint, a preset),
     then `cfg`'s explicit fields override (rl_jax.models.load.resolve_spec picks the base)."""
@@ -448,7 +460,7 @@ def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> M
         remat=cfg.remat,
         attention=cfg.attention,
         attention_block=cfg.attention_block,
-        scan_layers=cfg.scan_layers,
+        scan_layers=scan_layers(cfg.scan_layers, fields["num_layers"]),
         value_head=bool(cfg.value_head),  # null: rl_jax.config.resolved fills it from the loss
         logprob_chunk=cfg.logprob_chunk,
     )

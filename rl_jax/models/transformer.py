@@ -2,11 +2,9 @@
 
 Parameters are laid out by `param_layout` with per-layer weights stacked,
 [L, ...], under the logical axis `layers`: loaders, exporters and `init_params`
-speak that layout. Every forward scans over the stacked layers (`lax.scan`), so
-compile time does not grow with depth. `spec.scan_layers` only chooses how the
-module stores them: stacked, or as one array per layer (a forward then stacks
-them, a copy); an NNX state, hence an orbax checkpoint of it, depends on it, and
-`model_params` always gives the stacked layout.
+speak that layout, and the module stores them so. Every forward runs its layers
+through `over_layers`: one rolled `lax.scan` under `spec.scan_layers` (compile time
+independent of depth), otherwise unrolled in the program (a faster step).
 
 The one forward, with its entry points (trainer and sampler call these; neither
 re-implements a layer):
@@ -29,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,17 +257,7 @@ class Transformer(nnx.Module):
         def wrap(name):
             return nnx.Param(params[name], logical_axes=lay[name].logical_axes)
 
-        layer_names = [n for n in LAYER_PARAMS if n in lay]
-        if spec.scan_layers:
-            self.layers = _Layers({n: wrap(n) for n in layer_names})
-        else:
-            per_layer = _split_layers(spec, {n: params[n] for n in layer_names}, mesh, rules)
-            self.layers = nnx.List(
-                [
-                    _Layers({n: nnx.Param(p[n], logical_axes=lay[n].logical_axes[1:]) for n in p})
-                    for p in per_layer
-                ]
-            )
+        self.layers = _Layers({n: wrap(n) for n in LAYER_PARAMS if n in lay})
         for name in lay:
             if name not in LAYER_PARAMS:
                 setattr(self, name, wrap(name))
@@ -289,22 +277,8 @@ class Transformer(nnx.Module):
     # ---- forward -------------------------------------------------------------------------
 
     def layer_params(self) -> dict[str, jax.Array]:
-        """Per-layer weights stacked [L, ...] (a copy when layers are stored apart)."""
-        if self.spec.scan_layers:
-            return {
-                n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)
-            }
-        return _stack_layers(self.layer_list())
-
-    def layer_list(self) -> list[dict[str, jax.Array]]:
-        """One dict of weights per layer."""
-        if self.spec.scan_layers:
-            stacked = self.layer_params()
-            return [{n: a[i] for n, a in stacked.items()} for i in range(self.spec.num_layers)]
-        return [
-            {n: getattr(lay, n)[...] for n in LAYER_PARAMS if hasattr(lay, n)}
-            for lay in self.layers
-        ]
+        """Per-layer weights stacked [L, ...]."""
+        return {n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)}
 
     @property
     def kernels(self) -> Kernels:
@@ -349,7 +323,7 @@ class Transformer(nnx.Module):
                 q, k, v = _block_qkv(p, x, rope, **ctx)
                 return _block_out(p, x, attend(q, k, v), **ctx)[0], None
 
-            x, _ = jax.lax.scan(_maybe_remat(spec, body), x, self.layer_params())
+            x, _ = over_layers(spec, body, x, self.layer_params())
             return x, None
         S = cache.max_len
         mask = attention_mask(
@@ -376,7 +350,7 @@ class Transformer(nnx.Module):
             return (_block_out(p, x, a, **ctx)[0], ck, cv), None
 
         xs = (self.layer_params(), jnp.arange(spec.num_layers))
-        (x, ck, cv), _ = jax.lax.scan(_maybe_remat(spec, body_cached), (x, *cache), xs)
+        (x, ck, cv), _ = over_layers(spec, body_cached, (x, *cache), xs)
         return x, KVCache(ck, cv)
 
     def shared_prefix(
@@ -425,7 +399,7 @@ class Transformer(nnx.Module):
             xc, sc = _block_out(p, xc, ac, valid=valid_bt, **ctx)
             return (xp, xc), (None if sp is None else sp + sc)
 
-        (xp, xc), stats = jax.lax.scan(_maybe_remat(spec, body), (xp, xc), self.layer_params())
+        (xp, xc), stats = over_layers(spec, body, (xp, xc), self.layer_params())
         if with_router:
             if stats is None:
                 raise ValueError("with_router: this model has no router (a dense MLP)")
@@ -579,12 +553,32 @@ REMAT_POLICIES = {
 
 
 def _maybe_remat(spec: ModelSpec, body: Callable) -> Callable:
-    """A layer scan's body under `model.remat`; loops traced in it count once per layer
-    in a plan (`loops.layer_body`)."""
+    """A layer's body under `model.remat`; loops traced in it count once per layer in a
+    plan (`loops.layer_body`)."""
     body = loops.layer_body(body)
     if spec.remat == "none":
         return body
     return jax.checkpoint(body, policy=REMAT_POLICIES[spec.remat])
+
+
+def over_layers(spec: ModelSpec, body: Callable, carry: Any, xs: Any) -> tuple[Any, Any]:
+    """`body(carry, x) -> (carry, y)` over the leading (layer) axis of `xs`, as
+    `jax.lax.scan` returns it, each layer under `model.remat`.
+
+    `spec.scan_layers`: one rolled loop (`jax.lax.scan`): the program, hence its compile
+    time, does not grow with depth, but the backward keeps each layer's residuals in
+    stacked [L, ...] buffers, which the loop fills and reads back (the bench preset's CPU
+    train step: 17% slower than unrolled, docs/results/performance.md). Otherwise the
+    layers are unrolled in the program, each on a static slice of the stacked weights.
+    """
+    body = _maybe_remat(spec, body)
+    if spec.scan_layers:
+        return jax.lax.scan(body, carry, xs)
+    ys = []
+    for i in range(spec.num_layers):
+        carry, y = body(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def _block_qkv(
@@ -682,36 +676,6 @@ def build_model(
     return Transformer(spec, params, mesh=mesh, rules=rules)
 
 
-def _split_layers(
-    spec: ModelSpec, stacked: dict[str, jax.Array], mesh: Mesh | None, rules: Rules
-) -> list[dict[str, jax.Array]]:
-    """Stacked [L, ...] weights -> one dict per layer, each slice placed in its own shards."""
-    lay = param_layout(spec)
-    L = spec.num_layers
-
-    def take(p):
-        return [{n: a[i] for n, a in p.items()} for i in range(L)]
-
-    if mesh is None:
-        # Each slice where its stack is (the default device for host arrays; every
-        # device of a replicated stack, e.g. a trainer's data-parallel weights).
-        return jax.jit(take)(stacked)
-
-    def sharding(name):
-        shape, axes = lay[name].shape[1:], lay[name].logical_axes[1:]
-        return NamedSharding(mesh, fit_spec(logical_to_spec(axes, rules), shape, mesh))
-
-    out_sh = [{n: sharding(n) for n in stacked} for _ in range(L)]
-    return jax.jit(take, out_shardings=out_sh)(stacked)
-
-
-@jax.jit
-def _stack_layers(per_layer: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """Every weight name stacked [L, ...] in one compiled call. (Eager `jnp.stack`
-    compiles once per name and shape: 12 compiles, ~1.1 s at the bench preset.)"""
-    return {n: jnp.stack([p[n] for p in per_layer]) for n in per_layer[0]}
-
-
 def model_params(model: Transformer) -> dict[str, jax.Array]:
     """Flat name -> array view of a model's parameters (names of `param_layout`)."""
     out = model.layer_params()
@@ -727,9 +691,6 @@ def host_params(model: Transformer) -> dict[str, np.ndarray]:
     for name in param_layout(model.spec):
         if name not in LAYER_PARAMS:
             out[name] = np.asarray(jax.device_get(getattr(model, name)[...]))
-        elif model.spec.scan_layers:
-            out[name] = np.asarray(jax.device_get(getattr(model.layers, name)[...]))
         else:
-            per_layer = [getattr(lay, name)[...] for lay in model.layers]
-            out[name] = np.stack([np.asarray(jax.device_get(a)) for a in per_layer])
+            out[name] = np.asarray(jax.device_get(getattr(model.layers, name)[...]))
     return out

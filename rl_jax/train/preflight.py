@@ -156,9 +156,10 @@ def _without_long_prompts(cfg: RunConfig, task: Task, tokenizer: Any) -> Task:
 
 
 def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
-    """sampling.max_prompt_len, or for 0 (auto) the longest prompt of the task in tokens
-    rounded up to sampling.length_bucket. Lazily read datasets (tfds) are measured only for
-    auto; an explicit limit is then checked as prompts are sampled."""
+    """The width the engine pads prompts to: the longest prompt of the task in tokens
+    rounded up to sampling.length_bucket, at most an explicit sampling.max_prompt_len.
+    Lazily read datasets (tfds) are measured only for auto (0); under an explicit limit
+    they take the limit, checked as prompts are sampled."""
     limit, bucket = cfg.sampling.max_prompt_len, cfg.sampling.length_bucket
     lazy = not isinstance(task.train, list)
     if limit and lazy:
@@ -175,7 +176,10 @@ def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
             f"({where}, as rendered for the model); set sampling.max_prompt_len="
             f"{-(-longest // bucket) * bucket} or 0 (auto)"
         )
-    return limit or max(bucket, -(-longest // bucket) * bucket)
+    # The engine pads every prompt to this width: the data's longest prompt, not a cap
+    # above it that no prompt reaches (those columns would be computed and masked).
+    width = max(bucket, -(-longest // bucket) * bucket)
+    return min(limit, width) if limit else width
 
 
 def schedule_warnings(cfg: RunConfig) -> list[str]:

@@ -159,9 +159,7 @@ def completion_forward(
     up to the platform's sequence tile (`Kernels.seq_tile`: 16 on TPU). Equal
     to one forward over each whole row up to float32 rounding.
     """
-    # A view of the stacked parameters as they are (stored stacked: no per-layer split).
-    view = dataclasses.replace(spec, scan_layers=True)
-    model = Transformer(view, params, mesh=mesh, rules=rules)
+    model = Transformer(spec, params, mesh=mesh, rules=rules)
     tp, tg = batch.prompt_len, batch.mask.shape[1]
     B = batch.num_rows
     G = batch.group_size if group_size is None else group_size
