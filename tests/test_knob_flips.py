@@ -43,7 +43,6 @@ ENUMS = {
     "model.tie_embeddings": model_cfg.TIE_CHOICES,
     "model.norm_topk_prob": model_cfg.NORM_TOPK_CHOICES,
     "model.remat": model_cfg.REMAT_CHOICES,
-    "model.scan_layers": model_cfg.SCAN_CHOICES,
     "model.attention": model_cfg.ATTENTION_CHOICES,
     "sampling.length_control": sampling_cfg.LENGTH_CONTROL,
     "loss.name": loss_cfg.loss_names(),

@@ -18,7 +18,6 @@ TIE_CHOICES = ("auto", "true", "false")
 NORM_TOPK_CHOICES = ("auto", "true", "false")
 ATTENTION_CHOICES = ("auto", "dense", "blockwise")
 REMAT_CHOICES = ("none", "full", "save_dots")
-SCAN_CHOICES = ("auto", "true", "false")
 # Booleans of configs written before remat had policies.
 _REMAT_BOOLS = {"false": "none", "true": "full"}
 
@@ -87,12 +86,12 @@ class ModelConfig:
         "auto (blockwise when a forward has more than 1024 keys)",
     )
     attention_block: int = knob(512, help="key slots per block of blockwise attention")
-    scan_layers: str = knob(
-        "auto",
+    scan_layers: bool | None = knob(
+        None,
         help="the forward's layers as one rolled loop (true: lax.scan, compile time "
         "independent of depth; the backward's residuals go through stacked buffers) or "
         "unrolled in the program (false: a faster step, compile time grows with depth); "
-        "auto: rolled from 8 layers up",
+        "null: rolled from 8 layers up",
     )
     value_head: bool | None = knob(
         None,
@@ -115,8 +114,6 @@ class ModelConfig:
         object.__setattr__(self, "norm_topk_prob", str(self.norm_topk_prob).lower())
         check_choice("model", "norm_topk_prob", self.norm_topk_prob, NORM_TOPK_CHOICES)
         object.__setattr__(self, "remat", remat_policy(self.remat))
-        object.__setattr__(self, "scan_layers", str(self.scan_layers).lower())
-        check_choice("model", "scan_layers", self.scan_layers, SCAN_CHOICES)
         check_model(self, resolved=False)
 
 

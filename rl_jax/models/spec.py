@@ -407,16 +407,17 @@ _REQUIRED = (
 )
 
 
-# model.scan_layers=auto rolls the layer loop from this depth up: an unrolled program's
+# model.scan_layers unset rolls the layer loop from this depth up: an unrolled program's
 # compile grows with depth (SmolLM2's 30-layer gradient compiled in 141 s rolled against
-# 527-582 s unrolled), a rolled one costs each step (the bench preset's 4-layer CPU train
-# step, 17%: docs/results/performance.md).
+# 527-582 s unrolled on CPU; libtpu took 73 s against 210 s for the bench preset's 4
+# layers), a rolled one costs each step (the bench preset's CPU train step, 14-17%):
+# docs/results/performance.md, "The RL step from dda6763".
 SCAN_FROM_LAYERS = 8
 
 
-def scan_layers(knob: str, num_layers: int) -> bool:
-    """`model.scan_layers` (auto, true, false) for a model of `num_layers` layers."""
-    return num_layers >= SCAN_FROM_LAYERS if knob == "auto" else knob == "true"
+def scan_layers(knob: bool | None, num_layers: int) -> bool:
+    """`model.scan_layers` (true, false, or None: from the depth) for `num_layers` layers."""
+    return num_layers >= SCAN_FROM_LAYERS if knob is None else bool(knob)
 
 
 def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> ModelSpec:
