@@ -43,6 +43,7 @@ ENUMS = {
     "model.tie_embeddings": model_cfg.TIE_CHOICES,
     "model.norm_topk_prob": model_cfg.NORM_TOPK_CHOICES,
     "model.remat": model_cfg.REMAT_CHOICES,
+    "model.scan_layers": ["auto", True, False],
     "model.attention": model_cfg.ATTENTION_CHOICES,
     "sampling.length_control": sampling_cfg.LENGTH_CONTROL,
     "loss.name": loss_cfg.loss_names(),
@@ -127,7 +128,7 @@ def _kind(key: str) -> tuple[type, bool]:
     t = typing.get_type_hints(cls)[name]
     if isinstance(t, types.UnionType):
         args = [a for a in typing.get_args(t) if a is not type(None)]
-        return args[0], True
+        return args[0], len(args) < len(typing.get_args(t))
     return typing.get_origin(t) or t, False
 
 

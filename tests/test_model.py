@@ -240,15 +240,18 @@ def test_scan_layers_chooses_a_rolled_or_an_unrolled_layer_loop(model):
     assert loops(model) == []
 
 
-def test_scan_layers_unset_rolls_the_loop_of_deep_models_only():
+def test_scan_layers_auto_rolls_the_loop_of_deep_models_only():
     from rl_jax.models.spec import SCAN_FROM_LAYERS
 
-    def rolled(layers, knob=None):
+    def rolled(layers, knob="auto"):
         return small_spec(num_layers=layers, scan_layers=knob).scan_layers
 
     assert rolled(SCAN_FROM_LAYERS) and not rolled(SCAN_FROM_LAYERS - 1)
     assert rolled(2, True) and not rolled(SCAN_FROM_LAYERS, False)
     assert resolve_spec(ModelConfig(preset="qwen3-8b")).scan_layers
+    assert small_spec(scan_layers="FALSE").scan_layers is False
+    with pytest.raises(ConfigError, match="model.scan_layers='maybe': must be true, false"):
+        small_spec(scan_layers="maybe")
 
 
 def _equations(jaxpr):

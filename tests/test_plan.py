@@ -12,9 +12,12 @@ from rl_jax.knobs import ConfigError
 from rl_jax.plan.chips import CHIPS, parse_topology
 
 ROOT = Path(__file__).resolve().parents[1]
+# A tiny model planned as the real ones are: its layers one rolled loop (a model of 8
+# layers or more rolls them unless told not to: model.scan_layers).
 TINY = [
     "model.preset=tiny",
     "model.num_layers=2",
+    "model.scan_layers=true",
     "model.hidden_size=64",
     "model.intermediate_size=128",
     "data.prompts_per_batch=4",

@@ -28,6 +28,16 @@ def remat_policy(value) -> str:
     return _REMAT_BOOLS.get(name, name)
 
 
+def _scan_layers(value) -> bool | str:
+    """`model.scan_layers` as true, false or "auto" (a bool stays a bool, as run ids hash it)."""
+    if isinstance(value, bool):
+        return value
+    name = str(value).lower()
+    if name not in ("auto", "true", "false"):
+        raise ConfigError(f"model.scan_layers={value!r}: must be true, false or auto")
+    return {"true": True, "false": False}.get(name, name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     preset: str = knob(
@@ -86,12 +96,12 @@ class ModelConfig:
         "auto (blockwise when a forward has more than 1024 keys)",
     )
     attention_block: int = knob(512, help="key slots per block of blockwise attention")
-    scan_layers: bool | None = knob(
-        None,
+    scan_layers: str | bool = knob(
+        "auto",
         help="the forward's layers as one rolled loop (true: lax.scan, compile time "
         "independent of depth; the backward's residuals go through stacked buffers) or "
         "unrolled in the program (false: a faster step, compile time grows with depth); "
-        "null: rolled from 8 layers up",
+        "auto: rolled from 8 layers up",
     )
     value_head: bool | None = knob(
         None,
@@ -114,6 +124,7 @@ class ModelConfig:
         object.__setattr__(self, "norm_topk_prob", str(self.norm_topk_prob).lower())
         check_choice("model", "norm_topk_prob", self.norm_topk_prob, NORM_TOPK_CHOICES)
         object.__setattr__(self, "remat", remat_policy(self.remat))
+        object.__setattr__(self, "scan_layers", _scan_layers(self.scan_layers))
         check_model(self, resolved=False)
 
 

@@ -407,7 +407,7 @@ _REQUIRED = (
 )
 
 
-# model.scan_layers unset rolls the layer loop from this depth up: an unrolled program's
+# model.scan_layers=auto rolls the layer loop from this depth up: an unrolled program's
 # compile grows with depth (SmolLM2's 30-layer gradient compiled in 141 s rolled against
 # 527-582 s unrolled on CPU; libtpu took 73 s against 210 s for the bench preset's 4
 # layers), a rolled one costs each step (the bench preset's CPU train step, 14-17%):
@@ -415,9 +415,9 @@ _REQUIRED = (
 SCAN_FROM_LAYERS = 8
 
 
-def scan_layers(knob: bool | None, num_layers: int) -> bool:
-    """`model.scan_layers` (true, false, or None: from the depth) for `num_layers` layers."""
-    return num_layers >= SCAN_FROM_LAYERS if knob is None else bool(knob)
+def scan_layers(knob: bool | str, num_layers: int) -> bool:
+    """`model.scan_layers` (true, false, or "auto": from the depth) for `num_layers` layers."""
+    return num_layers >= SCAN_FROM_LAYERS if knob == "auto" else bool(knob)
 
 
 def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> ModelSpec:
