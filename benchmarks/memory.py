@@ -163,7 +163,7 @@ def worker(steps: int, overrides: list[str]) -> None:
     times: list[float] = []
     t = [time.perf_counter()]
 
-    def hook(tr) -> None:
+    def hook(trainer) -> None:
         now = time.perf_counter()
         times.append(now - t[0])
         t[0] = now

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         kept = slot_steps = 0
         for version in range(a.steps):
             g = slice(version * P, (version + 1) * P)
-            ro, _ = batch.run(
+            rollouts, _ = batch.run(
                 params,
                 prompts[g],
                 n=G,
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
                 row_ids=np.arange(g.start * G, g.stop * G),
                 max_new_tokens=limits[g].reshape(-1),
             )
-            kept += int(ro.completion_mask.sum())
-            slot_steps += P * G * int(ro.lengths.max())  # a wave decodes to its longest row
+            kept += int(rollouts.completion_mask.sum())
+            slot_steps += P * G * int(rollouts.lengths.max())  # a wave decodes to its longest row
         return kept, slot_steps
 
     def stream(seed: int) -> tuple[int, int]:

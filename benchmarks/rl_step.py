@@ -171,10 +171,10 @@ def rl_worker(a) -> int:
     st = {"resume": time.perf_counter(), "first": True, "counters": trainer.counters.as_dict()}
     first_counts: dict = {}
 
-    def hook(tr) -> None:
+    def hook(trainer) -> None:
         now = time.perf_counter()
-        row = _last_row(tr.run.metrics_path)
-        c = tr.counters.as_dict()
+        row = _last_row(trainer.run.metrics_path)
+        c = trainer.counters.as_dict()
         rec = {
             "step_s": now - st["resume"],
             "loop_step_s": row.get("time/step_s"),
@@ -190,14 +190,14 @@ def rl_worker(a) -> int:
         st["counters"] = c
         if st["first"]:
             st["first"] = False
-            first_counts.update(tr.compile_counts())
+            first_counts.update(trainer.compile_counts())
             rec.update(
                 first=True,
                 init_s=init_s,
                 startup_s=now - _T0,
                 compile_counts=first_counts,
-                rows=int(tr.P * tr.G),
-                new_tokens=int(tr.cfg.sampling.max_new_tokens),
+                rows=int(trainer.prompts_per_batch * trainer.samples_per_prompt),
+                new_tokens=int(trainer.cfg.sampling.max_new_tokens),
             )
         emit(rec)
         if wait_command() == "stop":

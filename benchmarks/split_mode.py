@@ -90,7 +90,7 @@ def worker(a) -> int:
     trim_heap_after_compiles()
     cfg = load_recipe("scalerl", overrides(a, a.worker))
     with tempfile.TemporaryDirectory() as root:
-        tr = RLTrainer(cfg, run_root=root, quiet=True)
+        trainer = RLTrainer(cfg, run_root=root, quiet=True)
         stamps: list[float] = [time.perf_counter()]
         waits: list[float] = []
 
@@ -98,8 +98,8 @@ def worker(a) -> int:
             stamps.append(time.perf_counter())
             waits.append(_last_row(t.run.metrics_path).get("time/sample_s", 0.0))
 
-        tr.step_hooks.append(hook)
-        tr.run_loop()
+        trainer.step_hooks.append(hook)
+        trainer.run_loop()
         w = a.warmup
         steps = [b - s for s, b in zip(stamps[w:], stamps[w + 1 :], strict=False)]
         rec = {
@@ -108,13 +108,13 @@ def worker(a) -> int:
             "mean_step_s": round((stamps[-1] - stamps[w]) / len(steps), 4),
             "first_steps_s": round(stamps[w] - stamps[0], 3),
             "wait_for_rollouts_s": round(statistics.median(waits[w:]), 4),
-            "sampler_devices": len(tr.sample_mesh.devices.flat),
-            "trainer_devices": len(tr.mesh.devices.flat),
+            "sampler_devices": len(trainer.sample_mesh.devices.flat),
+            "trainer_devices": len(trainer.mesh.devices.flat),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
-        if tr.split_sampler is not None:
-            rec["overlap_s"] = round(tr.split_sampler.overlap_s(), 3)
-            rec["sampler_busy_s"] = round(tr.split_sampler.busy_s, 3)
+        if trainer.split_sampler is not None:
+            rec["overlap_s"] = round(trainer.split_sampler.overlap_s(), 3)
+            rec["sampler_busy_s"] = round(trainer.split_sampler.busy_s, 3)
     emit(rec)
     return 0
 

@@ -19,10 +19,10 @@ import jax
 from rl_jax.config import ModelConfig, TrainConfig
 from rl_jax.models import resolve_spec
 from rl_jax.train.optim import make_optimizer
-from rl_jax.train.params import ParamPlan, tree_bytes
+from rl_jax.train.params import ParamFormat, tree_bytes
 
 
-def measure(plan: ParamPlan, spec, tx) -> dict:
+def measure(plan: ParamFormat, spec, tx) -> dict:
     state = plan.abstract_state(spec)
     opt = jax.eval_shape(lambda s: plan.init_optimizer(tx, s), state)
     view = 0 if plan.identity else tree_bytes(jax.eval_shape(plan.view, state))
@@ -47,10 +47,10 @@ def main() -> None:
     tx, _ = make_optimizer(TrainConfig(), prompts_per_batch=1, samples_per_prompt=1)
     targets = tuple(t for t in args.targets.split(",") if t)
     settings = {
-        "full_fp32_master": ParamPlan(param_dtype="bfloat16", precision="fp32_master"),
-        "full_fp32_moments": ParamPlan(param_dtype="bfloat16", precision="fp32_moments"),
-        "full_pure_bf16": ParamPlan(param_dtype="bfloat16", precision="pure"),
-        f"lora_r{args.rank}_fp32_master": ParamPlan(
+        "full_fp32_master": ParamFormat(param_dtype="bfloat16", precision="fp32_master"),
+        "full_fp32_moments": ParamFormat(param_dtype="bfloat16", precision="fp32_moments"),
+        "full_pure_bf16": ParamFormat(param_dtype="bfloat16", precision="pure"),
+        f"lora_r{args.rank}_fp32_master": ParamFormat(
             param_dtype="bfloat16",
             precision="fp32_master",
             lora_rank=args.rank,

@@ -16,7 +16,7 @@ from rl_jax.models import init_params, resolve_spec
 from rl_jax.runs import read_jsonl
 from rl_jax.sharding import get_rules
 from rl_jax.train.loop import RLTrainer
-from rl_jax.train.params import LORA_KEY, ParamPlan, check_lora, tree_bytes
+from rl_jax.train.params import LORA_KEY, ParamFormat, check_lora, tree_bytes
 from rl_jax.train.step import assemble_batch, make_train_step, put_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
@@ -39,7 +39,7 @@ def _spec(**kw):
 
 
 def _plan(rank=4, alpha=8.0, targets=ALL, **kw):
-    return ParamPlan(lora_rank=rank, lora_scale=alpha / rank, lora_targets=targets, **kw)
+    return ParamFormat(lora_rank=rank, lora_scale=alpha / rank, lora_targets=targets, **kw)
 
 
 def _state(spec, plan, seed=0):
@@ -88,8 +88,8 @@ def test_the_view_is_w_plus_alpha_over_r_times_ab():
     "plan",
     [
         _plan(param_dtype="bfloat16", targets=("q", "o", "down")),
-        ParamPlan(param_dtype="bfloat16", precision="fp32_master"),
-        ParamPlan(param_dtype="bfloat16", precision="pure"),
+        ParamFormat(param_dtype="bfloat16", precision="fp32_master"),
+        ParamFormat(param_dtype="bfloat16", precision="pure"),
     ],
     ids=["lora", "fp32_master", "pure"],
 )
@@ -137,7 +137,7 @@ def test_updates_reach_only_the_adapters_and_their_optimizer_state_is_small():
     weights, state = _state(spec, plan)
     before = jax.tree.map(np.asarray, state)
     opt = plan.init_optimizer(tx, state)
-    full = ParamPlan()
+    full = ParamFormat()
     full_opt = full.init_optimizer(tx, full.init_state(weights, key=None, mesh=None))
     # Adam's two moments per trained weight: of q and v's adapters only.
     lora_bytes, full_bytes = tree_bytes(opt), tree_bytes(full_opt)
@@ -226,7 +226,8 @@ def test_a_lora_run_learns_with_a_frozen_base_and_a_small_optimizer_state(lora_r
     assert np.mean(mass[-3:]) > np.mean(mass[:3]), mass
     for k, v in base.items():
         np.testing.assert_array_equal(np.asarray(tr.params[k]), v, err_msg=k)
-    full = ParamPlan(param_dtype=tr.parts.plan.param_dtype, precision=tr.parts.plan.precision)
+    fmt = tr.parts.param_format
+    full = ParamFormat(param_dtype=fmt.param_dtype, precision=fmt.precision)
     weights = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in base.items()}
     full_opt = jax.eval_shape(lambda w: full.init_optimizer(tr.parts.tx, w), weights)
     print("optimizer bytes: lora", tree_bytes(tr.state.opt_state), "full", tree_bytes(full_opt))
@@ -238,7 +239,7 @@ def test_a_lora_run_learns_with_a_frozen_base_and_a_small_optimizer_state(lora_r
 
 def test_the_sampler_runs_the_merged_weights(lora_run):
     _, tr, base, sampled = lora_run
-    merged = tr.parts.plan.view(tr.params)
+    merged = tr.parts.param_format.view(tr.params)
     last = sampled[-1]
     assert set(last) == set(base)
     for k in base:  # the sampler's copy is merged by a compiled view: float32 rounding apart
@@ -289,7 +290,7 @@ def test_convert_exports_the_merged_weights(lora_run, tmp_path, capsys):
     from rl_jax.models import model_params
 
     got = model_params(model)
-    merged = tr.parts.plan.view(tr.params)
+    merged = tr.parts.param_format.view(tr.params)
     for k in merged:
         np.testing.assert_allclose(
             np.asarray(got[k]), np.asarray(merged[k]), rtol=1e-6, atol=1e-6, err_msg=k
@@ -346,7 +347,7 @@ def test_the_train_view_has_the_views_values_and_float32_gradients(rank):
     plan = (
         _plan(rank=rank, targets=("q", "v"), param_dtype="bfloat16")
         if rank
-        else ParamPlan(param_dtype="bfloat16", precision="fp32_master")
+        else ParamFormat(param_dtype="bfloat16", precision="fp32_master")
     )
     _, state = _state(spec, plan)
     view, tv = plan.view(state), plan.train_view(state)

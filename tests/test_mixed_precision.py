@@ -18,7 +18,7 @@ from rl_jax.models import init_params, resolve_spec
 from rl_jax.runs import read_jsonl
 from rl_jax.sharding import get_rules
 from rl_jax.train.loop import RLTrainer
-from rl_jax.train.params import ParamPlan
+from rl_jax.train.params import ParamFormat
 from rl_jax.train.step import assemble_batch, make_train_step, put_batch
 
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
@@ -69,7 +69,7 @@ def _run(param_dtype, compute_dtype, precision, tx_name, steps=3):
     tx = _TX[tx_name]()
     # Every run starts from the same weights: the init rounded to bfloat16.
     w0 = init_params(_spec("bfloat16", "float32"), jax.random.key(0))
-    plan = ParamPlan(param_dtype=param_dtype, precision=precision)
+    plan = ParamFormat(param_dtype=param_dtype, precision=precision)
     state = plan.init_state({k: v.astype(param_dtype) for k, v in w0.items()}, key=None, mesh=None)
     start = {k: np.asarray(v, np.float32) for k, v in state.items()}
     opt = plan.init_optimizer(tx, state)
@@ -126,7 +126,7 @@ def test_bf16_compute_on_float32_masters_updates_as_float32_does():
 def test_bf16_weights_with_float32_compute_get_the_float32_gradient():
     """A bfloat16 view of float32 masters, computed in float32: the first update is the
     float32 run's exactly. The gradient of each weight's uses (prompt and completion
-    streams, tied embedding and head) is added in float32 (ParamPlan.train_view); added
+    streams, tied embedding and head) is added in float32 (ParamFormat.train_view); added
     in bfloat16 it was 0.25% off, with signs flipped where the uses cancel (an Adam update
     2.2% off). Later updates differ by the bfloat16 view, which cannot hold the masters'
     1e-6 steps (measured 0.80% and 1.17% at steps 2 and 3)."""
@@ -192,14 +192,14 @@ BF16_RUN = [
 def test_a_bf16_run_on_float32_masters_learns_on_policy(tmp_path):
     cfg = load_recipe("scalerl", [*BF16_RUN, f"out_dir={tmp_path}", "name=bf16"])
     tr = RLTrainer(cfg, quiet=True)
-    assert tr.parts.plan.precision == "fp32_master"
+    assert tr.parts.param_format.precision == "fp32_master"
     assert all(v.dtype == jnp.float32 for v in tr.params.values())
     sampled = [tr.sampler_weights()[0]]
     tr.step_hooks.append(lambda t: sampled.append(t.sampler_weights()[0]))
     tr.run_loop()
     # The sampler runs the bfloat16 copy of the masters, the loss the same copy.
     assert all(v.dtype == jnp.bfloat16 for v in sampled[-1].values())
-    view = tr.parts.plan.view(tr.params)
+    view = tr.parts.param_format.view(tr.params)
     for k in view:
         np.testing.assert_array_equal(np.asarray(sampled[-1][k]), np.asarray(view[k]), err_msg=k)
     # P(even first digit), what the verifier rewards (measured: 0.0781, then 0.0882 ..

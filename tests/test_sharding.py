@@ -136,7 +136,7 @@ def test_optimizer_state_is_sharded_as_its_weights(grad_accum):
     from rl_jax.models import init_params, resolve_spec
     from rl_jax.models.transformer import param_shardings
     from rl_jax.train.optim import make_optimizer
-    from rl_jax.train.params import ParamPlan
+    from rl_jax.train.params import ParamFormat
     from rl_jax.train.parts import init_opt_state
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
@@ -145,7 +145,7 @@ def test_optimizer_state_is_sharded_as_its_weights(grad_accum):
     weights = jax.jit(init_params, static_argnums=0, out_shardings=shardings)(
         spec, jax.random.key(0)
     )
-    plan = ParamPlan(param_dtype="bfloat16", precision="fp32_master")
+    plan = ParamFormat(param_dtype="bfloat16", precision="fp32_master")
     state = plan.init_state(weights, key=jax.random.key(1), mesh=mesh)
     tx, _ = make_optimizer(
         TrainConfig(grad_accum=grad_accum), prompts_per_batch=4, samples_per_prompt=2

@@ -31,9 +31,6 @@ EXCEPTIONS = {
     "models/hf.py:hf_config_from_spec": (
         "the inverse key-by-key table of spec_fields_from_hf_config" + _NOT_YET
     ),
-    "models/transformer.py:Transformer.__call__": (
-        "the model's forward (embed, scanned or unrolled layers, head, MoE aux)" + _NOT_YET
-    ),
     "sampling/_engine.py:Engine": (
         "the continuous-batching engine's state machine (verbs, compiled programs, host "
         "loop); splitting it is #47 item 1/5 work" + _NOT_YET
@@ -48,9 +45,6 @@ EXCEPTIONS = {
     ),
     "sampling/_engine.py:Engine.prefill_insert": (
         "the host side of prefill_insert (bucketing, block padding, page hand-out)" + _NOT_YET
-    ),
-    "sampling/_state.py:advance": (
-        "one decode step's state update (stop ids, limits, versions, log-probs)" + _NOT_YET
     ),
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "

@@ -128,10 +128,10 @@ def test_kl_in_reward_trains_every_recipe(recipe, tmp_path, monkeypatch):
             "train.lr=0.01",
         ],
     )
-    tr = RLTrainer(cfg, quiet=True)
-    summary = tr.run_loop()
+    trainer = RLTrainer(cfg, quiet=True)
+    summary = trainer.run_loop()
     assert summary["steps"] == 2
-    rows = [r for r in read_jsonl(tr.run.metrics_path) if "train/reward" in r]
+    rows = [r for r in read_jsonl(trainer.run.metrics_path) if "train/reward" in r]
     assert len(rows) == 2 and calls
     kl_seen, moved = 0.0, 0.0
     for kind, c, rewards, groups, kw, adv in calls:
@@ -140,7 +140,7 @@ def test_kl_in_reward_trains_every_recipe(recipe, tmp_path, monkeypatch):
         kl_seen = max(kl_seen, float(kl_b.max()))
         if kind == "adv":
             # The advantages are those of r - kl_coef * sum_t KL_t.
-            args = (c, groups, kw["valid_b"], tr.P)
+            args = (c, groups, kw["valid_b"], trainer.prompts_per_batch)
             expect = _group_adv(np.asarray(rewards, np.float64) - KL_COEF * kl_b, *args)
             np.testing.assert_allclose(adv, expect, rtol=1e-5, atol=1e-5)
             moved = max(moved, float(np.abs(expect - _group_adv(rewards, *args)).max()))

@@ -33,8 +33,8 @@ def _cfg(tmp_path, *extra):
     return load_recipe("scalerl", [*BASE, f"out_dir={tmp_path}", *extra])
 
 
-def _params(tr):
-    return {k: np.asarray(jax.device_get(v)) for k, v in tr.params.items()}
+def _params(trainer):
+    return {k: np.asarray(jax.device_get(v)) for k, v in trainer.params.items()}
 
 
 @pytest.mark.devices(8)
@@ -81,7 +81,7 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
     """PipelineRL-k's bound in optimizer steps: 2 micro-batches of one step each batch
     (train.grad_accum) keep as many batches in flight and the same schedule."""
     k = 2
-    tr = RLTrainer(
+    trainer = RLTrainer(
         _cfg(
             tmp_path,
             "name=pipe",
@@ -95,28 +95,28 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
         ),
         quiet=True,
     )
-    assert batches_in_flight(tr.cfg) == k + 1  # W batches untrained at once
+    assert batches_in_flight(trainer.cfg) == k + 1  # W batches untrained at once
     seen, compiled = [], []
-    tr.step_hooks.append(lambda t: seen.append(t.compile_counts()))
-    tr.step_hooks.append(lambda t: compiled.append(len(xla.records)))
+    trainer.step_hooks.append(lambda t: seen.append(t.compile_counts()))
+    trainer.step_hooks.append(lambda t: compiled.append(len(xla.records)))
     xla = _XlaCompiles()
     with jax.log_compiles(True), xla:
-        summary = tr.run_loop()
+        summary = trainer.run_loop()
     # No XLA compile between step 1's end and step 5's (hooks run before the final
     # evaluation, which compiles its own programs).
     assert compiled[0] > 0 and compiled[-1] == compiled[0], "\n".join(xla.records[compiled[0] :])
     hist = {int(s): n for s, n in summary["staleness_hist"].items()}
     assert max(hist) <= k  # never more than k optimizer steps behind the oldest token
     assert max(hist) >= 1  # and batches really were in flight across updates
-    rows = read_jsonl(tr.run.metrics_path)
+    rows = read_jsonl(trainer.run.metrics_path)
     assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
     # The logged learning rate is the schedule's at the update that produced the row.
     lrs = [(r["step"], r["train/lr"]) for r in rows if "train/lr" in r]
     assert len(lrs) == 5
     for step, lr in lrs:
-        np.testing.assert_allclose(lr, float(tr.lr_schedule(step - 1)), rtol=1e-6)
+        np.testing.assert_allclose(lr, float(trainer.lr_schedule(step - 1)), rtol=1e-6)
     # nothing compiles after the first step (weights swap in without recompiling)
-    final = tr.compile_counts()
+    final = trainer.compile_counts()
     assert seen[0]["train_step"] == 1
     for name, n in seen[0].items():
         # The engine's state comes back from `generate` with row specs P(None, None)
@@ -127,12 +127,12 @@ def test_pipeline_staleness_bound_and_no_recompiles(tmp_path, micro):
     evals = {k: n for k, n in final.items() if k.startswith("eval_")}
     assert evals and set(evals.values()) == {1}, evals  # the final evaluation, once each
     # The stream: batches of complete groups, slots kept busy, drained at the end.
-    assert not tr.in_flight
+    assert not trainer.in_flight
     assert all(0 < r["train/slot_occupancy"] <= 1 for r in rows if "train/loss" in r)
 
 
 def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
-    tr = RLTrainer(
+    trainer = RLTrainer(
         _cfg(
             tmp_path,
             "name=nan",
@@ -147,12 +147,12 @@ def test_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path):
         quiet=True,
     )
     with pytest.raises(NonFiniteError, match="consecutive updates had NaN/Inf"):
-        tr.run_loop()
-    rows = read_jsonl(tr.run.metrics_path)
+        trainer.run_loop()
+    rows = read_jsonl(trainer.run.metrics_path)
     assert [r["train/nonfinite"] for r in rows][-2:] == [1.0, 1.0]
-    assert tr.ckpt.steps() == [tr.step]
+    assert trainer.ckpt.steps() == [trainer.step]
     # skipped updates left the parameters finite
-    assert all(np.isfinite(v).all() for v in _params(tr).values())
+    assert all(np.isfinite(v).all() for v in _params(trainer).values())
 
 
 class _XlaCompiles(logging.Handler):
@@ -235,7 +235,7 @@ def test_sigkill_resume_repeats_the_uninterrupted_run(tmp_path):
 @pytest.mark.devices(8)
 def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_path):
     k = 2
-    tr = RLTrainer(
+    trainer = RLTrainer(
         _cfg(
             tmp_path,
             "name=split",
@@ -249,29 +249,29 @@ def test_split_mode_samples_on_its_own_devices_within_the_staleness_bound(tmp_pa
         ),
         quiet=True,
     )
-    assert tr.split
+    assert trainer.split
     # The stream's engine, its cache, lives on the sampler's devices.
-    assert set(tr.parts.engine.mesh.devices.flat) == set(tr.sample_mesh.devices.flat)
-    sample_devs = set(tr.sample_mesh.devices.flat)
-    train_devs = set(tr.mesh.devices.flat)
+    assert set(trainer.parts.engine.mesh.devices.flat) == set(trainer.sample_mesh.devices.flat)
+    sample_devs = set(trainer.sample_mesh.devices.flat)
+    train_devs = set(trainer.mesh.devices.flat)
     assert len(sample_devs) == 4 and len(train_devs) == 4 and not sample_devs & train_devs
     # The sampler's copy of the weights lives on its own devices, resharded from the trainer's.
-    params, version = tr.sampler_weights()
+    params, version = trainer.sampler_weights()
     assert all(set(a.sharding.device_set) <= sample_devs for a in params.values())
-    assert all(set(a.sharding.device_set) <= train_devs for a in tr.params.values())
-    summary = tr.run_loop()
+    assert all(set(a.sharding.device_set) <= train_devs for a in trainer.params.values())
+    summary = trainer.run_loop()
     assert summary["version"] == 5
     hist = {int(s): n for s, n in summary["staleness_hist"].items()}
     assert max(hist) <= k
-    rows = read_jsonl(tr.run.metrics_path)
+    rows = read_jsonl(trainer.run.metrics_path)
     assert len([r for r in rows if "train/loss" in r]) == 5
     assert all(r["train/staleness_max"] <= k for r in rows if "train/staleness_max" in r)
     # The sampler thread kept decoding while the trainer trained.
-    worker = tr.split_sampler
+    worker = trainer.split_sampler
     assert len(worker.train_intervals) == 5
     assert worker.overlap_s() > 0
     # The final evaluation ran on the sampler's devices with the final weights.
-    assert tr.sampler_weights()[1] == tr.version == 5
+    assert trainer.sampler_weights()[1] == trainer.version == 5
 
 
 @pytest.mark.devices(8)
@@ -326,7 +326,7 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
     started = []
 
     def hook(t):
-        started.append((t.step, _started(t.split_sampler, t.P)))
+        started.append((t.step, _started(t.split_sampler, t.prompts_per_batch)))
         if t.step == 3:
             raise Crash  # after the checkpoint at step 2
 
@@ -350,13 +350,13 @@ def test_split_mode_drains_at_checkpoints_and_resumes(tmp_path):
 
 @pytest.mark.devices(8)
 def test_split_mode_sampler_failure_reaches_the_trainer(tmp_path):
-    tr = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
+    trainer = RLTrainer(_split_cfg(tmp_path, "train.steps=2", "checkpoint.every=0"), quiet=True)
 
     def broken(*a, **k):
         raise ValueError("decode exploded")
 
-    tr.parts.engine.generate = broken
+    trainer.parts.engine.generate = broken
     with pytest.raises(RuntimeError, match="sampler thread failed") as err:
-        tr.run_loop()
+        trainer.run_loop()
     assert "decode exploded" in str(err.value.__cause__)
-    assert not tr.split_sampler._thread.is_alive()
+    assert not trainer.split_sampler._thread.is_alive()

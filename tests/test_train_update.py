@@ -1,6 +1,6 @@
 """One step's M updates as one jitted `lax.scan` (make_update) equal M separate calls of
 the single-minibatch step (make_train_step) on the same minibatches, with or without a
-ParamPlan (float32 masters, LoRA)."""
+ParamFormat (float32 masters, LoRA)."""
 
 import dataclasses
 
@@ -13,7 +13,7 @@ import pytest
 from rl_jax.config import LossConfig, ModelConfig
 from rl_jax.models import init_params, resolve_spec
 from rl_jax.sharding import get_rules
-from rl_jax.train.params import LORA_KEY, ParamPlan
+from rl_jax.train.params import LORA_KEY, ParamFormat
 from rl_jax.train.step import (
     assemble_batch,
     make_logprob_fn,
@@ -123,7 +123,7 @@ def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
     trained part, exactly as M calls of make_train_step with the same plan."""
     spec, _, _, _ = setup
     spec = dataclasses.replace(spec, param_dtype="bfloat16")
-    plan = ParamPlan(
+    plan = ParamFormat(
         param_dtype="bfloat16",
         precision="fp32_master",
         lora_rank=2,

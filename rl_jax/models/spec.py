@@ -408,9 +408,8 @@ _REQUIRED = (
 
 
 # model.scan_layers=auto rolls the layer loop from this depth up: an unrolled program's
-# compile grows with depth (SmolLM2's 30-layer gradient compiled in 141 s rolled against
-# 527-582 s unrolled on CPU; libtpu took 73 s against 210 s for the bench preset's 4
-# layers), a rolled one costs each step (the bench preset's CPU train step, 14-17%):
+# compile grows with depth (on libtpu even more than on CPU), a rolled one costs each
+# step (zero-filled stacked residuals, written and read back). What each costs, measured:
 # docs/results/performance.md, "The RL step from dda6763".
 SCAN_FROM_LAYERS = 8
 

@@ -325,10 +325,15 @@ class Transformer(nnx.Module):
 
             x, _ = over_layers(spec, body, x, self.layer_params())
             return x, None
-        S = cache.max_len
+        return self._cached(x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs)
+
+    def _cached(self, x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs):
+        """The layers over a cache: each writes its keys and values at cache_index and
+        attends over the whole cache (`__call__` with a cache)."""
+        spec, ctx, T = self.spec, self._layer_context(), x.shape[1]
         mask = attention_mask(
             T,
-            S,
+            cache.max_len,
             cache_index=cache_index,
             segment_ids_bt=segment_ids_bt,
             kv_valid_bs=kv_valid_bs,
@@ -567,9 +572,9 @@ def over_layers(spec: ModelSpec, body: Callable, carry: Any, xs: Any) -> tuple[A
 
     `spec.scan_layers`: one rolled loop (`jax.lax.scan`): the program, hence its compile
     time, does not grow with depth, but the backward keeps each layer's residuals in
-    stacked [L, ...] buffers, which the loop fills and reads back (the bench preset's CPU
-    train step: 17% slower than unrolled, docs/results/performance.md). Otherwise the
-    layers are unrolled in the program, each on a static slice of the stacked weights.
+    stacked [L, ...] buffers, which the loop zero-fills, writes and reads back. Otherwise
+    the layers are unrolled in the program, each on a static slice of the stacked weights
+    (`benchmarks/layer_loop.py` measures both).
     """
     body = _maybe_remat(spec, body)
     if spec.scan_layers:

@@ -22,7 +22,7 @@ from rl_jax.plan.chips import Chip
 from rl_jax.sampling._decoder import round_up
 from rl_jax.train.accounting import TRAIN_PASSES, extra_forwards, forward_flops, sampler_rows
 from rl_jax.train.evaluation import engine_shape
-from rl_jax.train.params import ParamPlan, tree_bytes
+from rl_jax.train.params import ParamFormat, tree_bytes
 
 
 def _itemsize(dtype: str) -> int:
@@ -147,7 +147,7 @@ def _state_bytes(spec: Any, cfg: Any, ways: int) -> tuple[float, float, float, f
     """Per chip (the state split `ways` = fsdp x tensor ways): the trainer's state, its
     optimizer moments, its gradients, and the sampler's view of it (0 when the view is
     the state itself)."""
-    plan = ParamPlan.from_config(cfg, spec)
+    plan = ParamFormat.from_config(cfg, spec)
     state = plan.abstract_state(spec)  # shapes only
     trained = sum(x.size for x in jax.tree.leaves(plan.split(state)[0]))
     params = tree_bytes(state) / ways

@@ -220,7 +220,7 @@ class _Step:
         params, opt = self.progs.state_shapes
         engine, spec = self.progs.engine, self.t.spec
         state = engine.abstract_state()
-        view = _resharded(self.progs.plan.abstract_view(params), engine.param_shardings())
+        view = _resharded(self.progs.param_format.abstract_view(params), engine.param_shardings())
         param = _chip_bytes(params)
         taken = _chip_bytes(self.progs.sampler_view())  # split: the view in the engine's layout
         return {
@@ -285,7 +285,7 @@ class _Step:
         # view and generate the version's decode layout (`Engine.prepared`), each
         # resident while the other runs (counted at every refill: an upper bound where a
         # batch enters before its first chunk).
-        view_of = 0 if self.progs.plan.identity else b["param"]
+        view_of = 0 if self.progs.param_format.identity else b["param"]
         beside = 0 if self.split else b["opt"] + b["ref"] + view_of
         # Every RL step's P x n rows, each up to gen_len tokens, decode S at a time in
         # the engine's slots (full occupancy: the least it takes). A generate call runs

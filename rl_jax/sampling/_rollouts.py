@@ -59,13 +59,13 @@ def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
     """One Rollouts of the groups (rollouts, group index), renumbered 0..len-1.
 
     Prompt arrays are left-padded and completion arrays right-padded to the widest."""
-    tp = max(ro.prompt_tokens.shape[1] for ro, _ in groups)
-    tg = max(ro.completion_tokens.shape[1] for ro, _ in groups)
+    tp = max(rollouts.prompt_tokens.shape[1] for rollouts, _ in groups)
+    tg = max(rollouts.completion_tokens.shape[1] for rollouts, _ in groups)
     parts: dict[str, list] = {}
-    for new_g, (ro, g) in enumerate(groups):
+    for new_g, (rollouts, g) in enumerate(groups):
         rows = slice(g * G, (g + 1) * G)
-        for f in dataclasses.fields(ro):
-            v = getattr(ro, f.name)[rows]
+        for f in dataclasses.fields(rollouts):
+            v = getattr(rollouts, f.name)[rows]
             if f.name.startswith("prompt_"):
                 v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
             elif v.ndim == 2:

@@ -88,14 +88,8 @@ def advance(
     per_row = t.ndim == 1
     active = ~state.done
     injecting = active & (state.phase == INJECT)
-    if interrupt_ids:
-        ids = jnp.asarray(interrupt_ids, jnp.int32)
-        forced = ids[jnp.clip(state.phase_pos, 0, len(interrupt_ids) - 1)]
-        token = jnp.where(injecting, forced, sampled_b)
-    else:
-        token = sampled_b
+    token = _token(state, sampled_b, active, injecting, interrupt_ids, pad_id)
     sampled = active & ~injecting
-    token = jnp.where(active, token, pad_id).astype(jnp.int32)
 
     def put(buf, value):
         if per_row:  # a row at the end of its buffer (done) writes nothing
@@ -110,27 +104,9 @@ def advance(
     lengths = state.lengths + active.astype(jnp.int32)
 
     is_stop = sampled & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
-    phase, pos = state.phase, state.phase_pos + active.astype(jnp.int32)
-    think, answer = active & (phase == THINK), active & (phase == ANSWER)
-    stop_think = think & is_stop
-    stop_answer = answer & is_stop
-    budget_out = answer & ~is_stop & (pos >= answer_budget)
-    if interrupt:
-        start_inject = think & ~is_stop & (lengths >= state.interrupt_at)
-        end_inject = injecting & (pos >= len(interrupt_ids))
-    else:
-        start_inject = end_inject = jnp.zeros_like(active)
-    ended = stop_think | stop_answer | budget_out
-    out_of_room = active & ~ended & (lengths >= state.limit)
-
-    new_phase = jnp.where(start_inject, INJECT, jnp.where(end_inject, ANSWER, phase))
-    new_pos = jnp.where(start_inject | end_inject, 0, pos)
-    reason = jnp.select(
-        [stop_think, stop_answer | budget_out, out_of_room & (phase == THINK)],
-        [int(FinishReason.STOP), int(FinishReason.INTERRUPTED), int(FinishReason.LENGTH)],
-        int(FinishReason.INTERRUPTED),
+    now_done, reason, cut, new_phase, new_pos = _transitions(
+        state, active, injecting, is_stop, lengths, answer_budget, interrupt, len(interrupt_ids)
     )
-    now_done = ended | out_of_room
     return dataclasses.replace(
         state,
         tokens=tokens,
@@ -141,8 +117,43 @@ def advance(
         step=t + active.astype(jnp.int32) if per_row else t + 1,
         done=state.done | now_done,
         finish=jnp.where(now_done, reason, state.finish).astype(jnp.int32),
-        truncated=state.truncated | budget_out | out_of_room,
+        truncated=state.truncated | cut,
         lengths=lengths,
         phase=new_phase.astype(jnp.int32),
         phase_pos=new_pos.astype(jnp.int32),
     )
+
+
+def _token(state, sampled_b, active, injecting, interrupt_ids, pad_id):
+    """Each row's token this step: the draw, the injected text's next token, or padding."""
+    token = sampled_b
+    if interrupt_ids:
+        ids = jnp.asarray(interrupt_ids, jnp.int32)
+        forced = ids[jnp.clip(state.phase_pos, 0, len(interrupt_ids) - 1)]
+        token = jnp.where(injecting, forced, sampled_b)
+    return jnp.where(active, token, pad_id).astype(jnp.int32)
+
+
+def _transitions(state, active, injecting, is_stop, lengths, answer_budget, interrupt, n_inject):
+    """A step's phase changes (think -> inject -> answer) and endings: (rows that end,
+    their FinishReason, rows cut short, the new phase, the new position in it)."""
+    phase, pos = state.phase, state.phase_pos + active.astype(jnp.int32)
+    think, answer = active & (phase == THINK), active & (phase == ANSWER)
+    stop_think = think & is_stop
+    stop_answer = answer & is_stop
+    budget_out = answer & ~is_stop & (pos >= answer_budget)
+    if interrupt:
+        start_inject = think & ~is_stop & (lengths >= state.interrupt_at)
+        end_inject = injecting & (pos >= n_inject)
+    else:
+        start_inject = end_inject = jnp.zeros_like(active)
+    ended = stop_think | stop_answer | budget_out
+    out_of_room = active & ~ended & (lengths >= state.limit)
+    new_phase = jnp.where(start_inject, INJECT, jnp.where(end_inject, ANSWER, phase))
+    new_pos = jnp.where(start_inject | end_inject, 0, pos)
+    reason = jnp.select(
+        [stop_think, stop_answer | budget_out, out_of_room & (phase == THINK)],
+        [int(FinishReason.STOP), int(FinishReason.INTERRUPTED), int(FinishReason.LENGTH)],
+        int(FinishReason.INTERRUPTED),
+    )
+    return ended | out_of_room, reason, budget_out | out_of_room, new_phase, new_pos

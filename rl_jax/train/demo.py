@@ -54,8 +54,8 @@ def _greedy_eval(trainer, problems):
     )
 
     def evaluate(params) -> float:
-        ro, _ = engine.run(params, prompts, n=1)
-        texts = [tok.decode(ro.completion(b)) for b in range(ro.num_rows)]
+        rollouts, _ = engine.run(params, prompts, n=1)
+        texts = [tok.decode(rollouts.completion(b)) for b in range(rollouts.num_rows)]
         return float(score_batch(trainer.correct_fn, texts, answers).mean())
 
     return evaluate

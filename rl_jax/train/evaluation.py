@@ -172,16 +172,16 @@ def evaluate_policy(
     results), score them with the 0/1 verifier `correct_fn`, and return
     (`pass_metrics`, the rollouts)."""
     prompt_ids = [tokenizer.encode(p.prompt) for p in problems]
-    ro, _ = engine.run(params, prompt_ids, n=k, key=key, version=version)
-    texts = [tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
-    answers = [problems[g].answer for g in ro.group_ids]
+    rollouts, _ = engine.run(params, prompt_ids, n=k, key=key, version=version)
+    texts = [tokenizer.decode(rollouts.completion(b)) for b in range(rollouts.num_rows)]
+    answers = [problems[g].answer for g in rollouts.group_ids]
     correct = score_batch(correct_fn, texts, answers).reshape(len(problems), -1)
     tasks = [task_of(p) for p in problems]
     metrics = pass_metrics(
         correct > 0.5,
-        lengths_pk=ro.lengths.reshape(len(problems), k),
-        truncated_pk=ro.truncated.reshape(len(problems), k),
+        lengths_pk=rollouts.lengths.reshape(len(problems), k),
+        truncated_pk=rollouts.truncated.reshape(len(problems), k),
         difficulty_p=[p.meta.get("difficulty", "all") for p in problems],
         task_p=tasks if any(tasks) else None,
     )
-    return metrics, ro
+    return metrics, rollouts

@@ -126,8 +126,8 @@ class RLTrainer:
     sample_mesh = property(lambda self: self.parts.sample_mesh)
     split = property(lambda self: self.parts.split)
     lr_schedule = property(lambda self: self.parts.lr_schedule)
-    P = property(lambda self: self.parts.P)
-    G = property(lambda self: self.parts.G)
+    prompts_per_batch = property(lambda self: self.parts.prompts_per_batch)
+    samples_per_prompt = property(lambda self: self.parts.samples_per_prompt)
 
     def set_initial_params(self, host_params: dict) -> None:
         """Start from these weights (e.g. a supervised warm-up) instead of the random init:
@@ -147,11 +147,11 @@ class RLTrainer:
             k: jax.device_put(np.asarray(host_params[k], v.dtype), v.sharding)
             for k, v in params.items()
         }
-        params = p.plan.init_state(params, key=adapter_key(p.cfg), mesh=p.mesh)
+        params = p.param_format.init_state(params, key=adapter_key(p.cfg), mesh=p.mesh)
         self.weights.reset()
         self.state = self.state.replace(
             params=params,
-            opt_state=init_opt_state(p.tx, p.mesh, params, p.plan),
+            opt_state=init_opt_state(p.tx, p.mesh, params, p.param_format),
             ref_params=None if self.state.ref_params is None else copy_params(params),
         )
 

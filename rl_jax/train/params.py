@@ -2,7 +2,7 @@
 
 The trainer's state (`params`, checkpointed as it is) is a dict by `param_layout`
 name, plus, with LoRA, `"lora": {target: {"a": [L, d_in, r], "b": [L, r, d_out]}}`
-(the LM head's adapters have no L). `ParamPlan.view` turns it into the model's
+(the LM head's adapters have no L). `ParamFormat.view` turns it into the model's
 weights: every weight in `model.param_dtype`, adapters merged as
 W + (alpha / r) A B. The train step differentiates the loss through the view, so
 the sampler, the log-prob passes and the loss all see one function of the state.
@@ -79,7 +79,7 @@ def check_lora(spec: ModelSpec, targets: tuple[str, ...], rank: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamPlan:
+class ParamFormat:
     """How a run's weights are held (see the module doc); pure functions of the state."""
 
     param_dtype: str = "float32"
@@ -89,7 +89,7 @@ class ParamPlan:
     lora_targets: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, spec: ModelSpec) -> ParamPlan:
+    def from_config(cls, cfg: RunConfig, spec: ModelSpec) -> ParamFormat:
         lora = cfg.lora
         if not lora.enabled:
             return cls(param_dtype=spec.param_dtype, precision=cfg.train.precision)

@@ -31,7 +31,7 @@ from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
 from rl_jax.train.accounting import Passes, decode_chunk, passes, policy_steps, sampler_rows
 from rl_jax.train.evaluation import correctness_fn, make_engine, make_eval_sampler
 from rl_jax.train.optim import make_optimizer
-from rl_jax.train.params import ParamPlan
+from rl_jax.train.params import ParamFormat
 from rl_jax.train.preflight import task_and_prompt_len
 from rl_jax.train.step import abstract_batch, make_logprob_fn, make_update, make_value_fn
 
@@ -57,7 +57,7 @@ class Programs:
     mesh: Mesh  # the trainer's
     sample_mesh: Mesh  # the sampler's: the same mesh unless split
     spec: ModelSpec
-    plan: ParamPlan  # what the state's params hold and the weights the model runs (`view`)
+    param_format: ParamFormat  # what the state's params hold, the weights the model runs (`view`)
     tx: Any  # optax.GradientTransformation
     lr_schedule: Any  # optax schedule: version -> learning rate
     lr_at: Any  # the schedule, jitted (one program for the logged learning rate)
@@ -75,15 +75,15 @@ class Programs:
         return self.sample_mesh is not self.mesh
 
     @property
-    def P(self) -> int:
+    def prompts_per_batch(self) -> int:  # P
         return self.cfg.data.prompts_per_batch
 
     @property
-    def G(self) -> int:
+    def samples_per_prompt(self) -> int:  # G, a group's rows
         return self.cfg.sampling.n
 
     @property
-    def M(self) -> int:
+    def updates_per_batch(self) -> int:  # M
         return self.cfg.train.updates_per_batch
 
     @property
@@ -103,7 +103,12 @@ class Programs:
         critic's, over the whole batch) where the recipe takes them (`passes`), and the
         engine's "prefill_insert" and "generate"."""
         params, opt = self.state_shapes
-        runs, P, G, M = self.passes, self.P, self.G, self.M
+        runs, P, G, M = (
+            self.passes,
+            self.prompts_per_batch,
+            self.samples_per_prompt,
+            self.updates_per_batch,
+        )
         batch = functools.partial(abstract_batch, self.mesh, G=G, tp=tp, tg=tg)
         mbs = batch(
             P // M, old=runs.keep_old, ref=runs.ref, critic=runs.critic, stack=minibatches or M
@@ -120,7 +125,7 @@ class Programs:
         """The weights the engine runs, as abstract arrays: the state's view where the
         trainer lays it out, or in split mode pushed into the engine's layout on the
         sampler's devices (`SamplerWeights`)."""
-        view = self.plan.abstract_view(self.state_shapes[0])
+        view = self.param_format.abstract_view(self.state_shapes[0])
         if not self.split:
             return view
         to = self.engine.param_shardings()
@@ -148,7 +153,7 @@ class SamplerWeights:
 
     def __init__(self, parts: Parts):
         self.parts = parts
-        self._view = jax.jit(parts.plan.view)
+        self._view = jax.jit(parts.param_format.view)
         self._viewed: tuple[Any, int] | None = None  # (view, version)
         self._pushed: tuple[Any, int] | None = None  # split mode: (sampler copy, version)
 
@@ -162,7 +167,7 @@ class SamplerWeights:
         self._viewed = None
 
     def policy(self, params, version: int):
-        if self.parts.plan.identity:
+        if self.parts.param_format.identity:
             return params
         if self._viewed is None or self._viewed[1] != version:
             self._viewed = None  # the old copy goes before the new one is made
@@ -197,7 +202,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     # What the trainer holds (float32 masters, LoRA adapters) and the weights the model
     # runs (`plan.view`): rl_jax.train.params. Laid out as the programs take it (a
     # loaded checkpoint's weights already are: then nothing moves).
-    plan = programs.plan
+    plan = programs.param_format
     params = plan.init_state(weights, key=adapter_key(cfg), mesh=mesh)
     del weights  # the weights cast into the state are not kept beside it
     params = jax.device_put(params, _shardings(programs.state_shapes[0]))
@@ -235,7 +240,7 @@ def build_programs(
     sizes); `tokenizer` gives it its stop and pad ids."""
     if cfg.loss.advantage == "gae" and not spec.value_head:
         raise ConfigError("loss.advantage='gae' trains a critic: set model.value_head=true")
-    plan = ParamPlan.from_config(cfg, spec)
+    plan = ParamFormat.from_config(cfg, spec)
     tx, lr_schedule = make_optimizer(
         cfg.train,
         prompts_per_batch=cfg.data.prompts_per_batch,
@@ -250,7 +255,7 @@ def build_programs(
         mesh=mesh,
         sample_mesh=sample_mesh,
         spec=spec,
-        plan=plan,
+        param_format=plan,
         tx=tx,
         lr_schedule=lr_schedule,
         # Evaluated eagerly, the schedule's dozen jnp ops compile one by one (~0.45 s).
@@ -262,7 +267,7 @@ def build_programs(
 
 
 def _jitted(
-    cfg: RunConfig, spec: ModelSpec, mesh: Mesh, rules, plan: ParamPlan, tx, state_shardings
+    cfg: RunConfig, spec: ModelSpec, mesh: Mesh, rules, plan: ParamFormat, tx, state_shardings
 ) -> dict[str, Any]:
     """The trainer's programs, jitted for the state of `state_shardings` ((params,
     optimizer state)): the update (`make_update`: a batch's minibatch updates in one
@@ -322,9 +327,9 @@ def adapter_key(cfg: RunConfig) -> jax.Array:
     return jax.random.fold_in(jax.random.key(cfg.train.seed), 0x10A)
 
 
-def init_opt_state(tx, mesh: Mesh, params, plan: ParamPlan):
+def init_opt_state(tx, mesh: Mesh, params, plan: ParamFormat):
     """Optimizer state of the plan's trained part on the mesh: moments sharded as their
-    weights, scalars such as Adam's count replicated (`ParamPlan.optimizer_shardings`)."""
+    weights, scalars such as Adam's count replicated (`ParamFormat.optimizer_shardings`)."""
     init = functools.partial(plan.init_optimizer, tx)
     return jax.jit(init, out_shardings=plan.optimizer_shardings(tx, params, mesh))(params)
 

@@ -32,7 +32,7 @@ from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
 
 def row_ids(parts: Parts, step: int, n_prompts: int) -> np.ndarray:
     # Distinct per (step, row) so every draw of the run is its own stream.
-    return (step * 1_000_003 + np.arange(n_prompts * parts.G)) % (2**31 - 1)
+    return (step * 1_000_003 + np.arange(n_prompts * parts.samples_per_prompt)) % (2**31 - 1)
 
 
 def sample_key(parts: Parts) -> jax.Array:
@@ -46,23 +46,25 @@ def prompt_ids(parts: Parts, problems) -> list[list[int]]:
 def generate(parts: Parts, params, version: int, step: int, problems) -> Rollouts:
     """All rows of `problems` sampled to the end with one policy (synchronous modes),
     on the run's engine."""
-    ro, _ = parts.engine.run(
+    rollouts, _ = parts.engine.run(
         params,
         prompt_ids(parts, problems),
-        n=parts.G,
+        n=parts.samples_per_prompt,
         key=sample_key(parts),
         version=version,
         row_ids=row_ids(parts, step, len(problems)),
     )
-    return ro
+    return rollouts
 
 
-def account_sampling(parts: Parts, state: TrainerState, ro: Rollouts) -> TrainerState:
-    tp = ro.prompt_mask.sum(axis=1)[:: parts.G]  # [P] (a group's rows share the prompt)
+def account_sampling(parts: Parts, state: TrainerState, rollouts: Rollouts) -> TrainerState:
+    tp = rollouts.prompt_mask.sum(axis=1)[
+        :: parts.samples_per_prompt
+    ]  # [P] (a group's rows share the prompt)
     return state.count(
         prompt_tokens=int(tp.sum()),
-        generated_tokens=int(ro.lengths.sum()),
-        sampler_flops=forward_flops(parts.spec, tp, ro.lengths, parts.G),
+        generated_tokens=int(rollouts.lengths.sum()),
+        sampler_flops=forward_flops(parts.spec, tp, rollouts.lengths, parts.samples_per_prompt),
     )
 
 
@@ -77,16 +79,16 @@ def dynamic_rollout(
     but not kept still enter the pass-rate history here (the kept ones do in
     `train_on`), so No-Positive-Resampling and the interference histogram see every
     scored group once. `weights`: the sampler's copy of `state`'s policy."""
-    P, G = parts.P, parts.G
+    P, G = parts.prompts_per_batch, parts.samples_per_prompt
     kept: list[tuple[Rollouts, int, Any, np.ndarray]] = []  # (rollouts, group, problem, raw [G])
     spare: list[tuple[Rollouts, int, Any, np.ndarray]] = []
     for r in range(parts.cfg.data.max_resample_rounds):
         batch = prompts.draw()
-        ro = generate(parts, weights, state.version, state.step * 64 + r, batch)
-        state = account_sampling(parts, state, ro)
-        sc = score(parts, ro, batch)
+        rollouts = generate(parts, weights, state.version, state.step * 64 + r, batch)
+        state = account_sampling(parts, state, rollouts)
+        sc = score(parts, rollouts, batch)
         for g, zv in enumerate(sc.zero_var):
-            (spare if zv else kept).append((ro, g, batch[g], sc.raw[g * G : (g + 1) * G]))
+            (spare if zv else kept).append((rollouts, g, batch[g], sc.raw[g * G : (g + 1) * G]))
         if len(kept) >= P:
             break
     fill = max(0, P - len(kept))
@@ -95,8 +97,8 @@ def dynamic_rollout(
     if dropped:
         prompts.record([d[2].id for d in dropped], np.stack([d[3] for d in dropped]))
     state = state.count(rollouts=(r + 1) * P * G - P * G)
-    ro = concat_groups([(c[0], c[1]) for c in chosen], G)
-    return state, ro, [c[2] for c in chosen]
+    rollouts = concat_groups([(c[0], c[1]) for c in chosen], G)
+    return state, rollouts, [c[2] for c in chosen]
 
 
 # ---- score --------------------------------------------------------------------------------
@@ -110,22 +112,22 @@ class Scores:
     zero_var: np.ndarray  # [P] bool: groups whose shaped rewards are all equal
 
 
-def score(parts: Parts, ro: Rollouts, problems) -> Scores:
-    texts = [parts.tokenizer.decode(ro.completion(b)) for b in range(ro.num_rows)]
-    answers = [problems[g].answer for g in ro.group_ids]
+def score(parts: Parts, rollouts: Rollouts, problems) -> Scores:
+    texts = [parts.tokenizer.decode(rollouts.completion(b)) for b in range(rollouts.num_rows)]
+    answers = [problems[g].answer for g in rollouts.group_ids]
     raw = score_batch(parts.reward_fn, texts, answers)
     shaped = shape_rewards(
         raw,
         cfg=parts.cfg.rewards,
         reward_fn=parts.reward_fn,
         completions=texts,
-        lengths=ro.lengths,
+        lengths=rollouts.lengths,
     )
     # `zero_variance_groups` is the one definition: on the rewards the advantages read,
     # so exactly the groups whose advantages are all zero.
     zv, _ = zero_variance_groups(
         jnp.asarray(shaped, jnp.float32),
-        jnp.asarray(ro.group_ids.astype(np.int32), jnp.int32),
+        jnp.asarray(rollouts.group_ids.astype(np.int32), jnp.int32),
         num_groups=len(problems),
     )
     return Scores(texts=texts, raw=raw, shaped=shaped, zero_var=np.asarray(zv))
@@ -151,7 +153,7 @@ def _policy_logprobs(parts: Parts, state: TrainerState, host, P: int, *, old: bo
     [j B / M, (j + 1) B / M), so [M, B / M, Tg] flattens back to the batch's order."""
     if not old and state.ref_params is None:
         return None, None
-    stacked = put_minibatches(host, parts.mesh, num_minibatches=parts.M, groups=P)
+    stacked = put_minibatches(host, parts.mesh, num_minibatches=parts.updates_per_batch, groups=P)
 
     def logprobs(params) -> np.ndarray | None:
         if params is None:
@@ -162,21 +164,23 @@ def _policy_logprobs(parts: Parts, state: TrainerState, host, P: int, *, old: bo
     return logprobs(state.params if old else None), logprobs(state.ref_params)
 
 
-def advantages(parts: Parts, state: TrainerState, ro: Rollouts, scores: Scores, keep_p) -> Batch:
+def advantages(
+    parts: Parts, state: TrainerState, rollouts: Rollouts, scores: Scores, keep_p
+) -> Batch:
     """The old policy's and the reference's log-probs and the critic's values, all taken
     before this batch's first update, then the advantages (with the KL in the reward,
     they need the first two)."""
-    cfg, P, G = parts.cfg, len(keep_p), parts.G
+    cfg, P, G = parts.cfg, len(keep_p), parts.samples_per_prompt
     keep_b = np.repeat(keep_p, G)
-    loss_mask = ro.completion_mask & keep_b[:, None]
-    group_b = ro.group_ids.astype(np.int32)
+    loss_mask = rollouts.completion_mask & keep_b[:, None]
+    group_b = rollouts.group_ids.astype(np.int32)
     host = assemble_batch(
-        ro.prompt_tokens,
-        ro.prompt_mask,
-        ro.completion_tokens,
-        ro.lengths,
+        rollouts.prompt_tokens,
+        rollouts.prompt_mask,
+        rollouts.completion_tokens,
+        rollouts.lengths,
         loss_mask,
-        ro.logprobs,
+        rollouts.logprobs,
         np.zeros(P * G, np.float32),  # the advantages, set below
         group_b,
     )
@@ -256,12 +260,12 @@ def update(
 ) -> tuple[TrainerState, dict[str, float]]:
     """The step's M optimizer updates, one per minibatch of P / M prompts, in one jitted
     program; `oldest` is the policy version of the batch's oldest token."""
-    M = parts.M
+    M = parts.updates_per_batch
     host = dict(batch.host)
     for k, v in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
         if v is not None:
             host[k] = v.astype(np.float32)
-    P = len(host["group_ids"]) // parts.G
+    P = len(host["group_ids"]) // parts.samples_per_prompt
     stacked = put_minibatches(host, parts.mesh, num_minibatches=M, groups=P)
     hist = dict(state.staleness_hist)
     for j in range(M):  # in optimizer steps, as `check_staleness` counts them
@@ -279,27 +283,39 @@ def update(
 
 
 def train_on(
-    parts: Parts, state: TrainerState, prompts: PromptSource, ro: Rollouts, problems, scores: Scores
+    parts: Parts,
+    state: TrainerState,
+    prompts: PromptSource,
+    rollouts: Rollouts,
+    problems,
+    scores: Scores,
 ) -> tuple[TrainerState, dict[str, float]]:
     """Advantages and M updates on one scored batch of P prompts x G samples (its pass
     rates recorded in `prompts`' curriculum); returns the new state and the step's
     metrics."""
     t0 = time.perf_counter()
-    P, G = len(problems), parts.G
+    P, G = len(problems), parts.samples_per_prompt
     prompts.record([p.id for p in problems], scores.raw.reshape(P, G))
     keep_p = ~scores.zero_var if parts.cfg.data.zero_variance_filter else np.ones(P, bool)
-    versions = np.where(ro.completion_mask, ro.versions, np.iinfo(np.int32).max)
-    oldest = int(versions.min()) if ro.completion_mask.any() else state.version
+    versions = np.where(rollouts.completion_mask, rollouts.versions, np.iinfo(np.int32).max)
+    oldest = int(versions.min()) if rollouts.completion_mask.any() else state.version
     ga = parts.cfg.train.grad_accum
     if keep_p.any():
         if parts.cfg.train.off_policy == "pipeline":
             k = parts.cfg.train.off_policy_k
-            check_staleness(ro.versions, ro.completion_mask, state.version, parts.M, k, ga)
-        batch = advantages(parts, state, ro, scores, keep_p)
+            check_staleness(
+                rollouts.versions,
+                rollouts.completion_mask,
+                state.version,
+                parts.updates_per_batch,
+                k,
+                ga,
+            )
+        batch = advantages(parts, state, rollouts, scores, keep_p)
         state, metrics = update(parts, state, batch, oldest)
-        tp = ro.prompt_mask.sum(axis=1)[::G]
+        tp = rollouts.prompt_mask.sum(axis=1)[::G]
         state = state.count(
-            trainer_flops=step_flops(parts.spec, parts.cfg, tp, ro.lengths)["trainer_flops"]
+            trainer_flops=step_flops(parts.spec, parts.cfg, tp, rollouts.lengths)["trainer_flops"]
         )
         info = batch.info
     else:
@@ -307,23 +323,23 @@ def train_on(
         metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
     state = state.count(rollouts=P * G, prompts=P)
     staleness = float(steps_behind(state.version - 1, oldest, ga)) if keep_p.any() else 0.0
-    metrics.update(_batch_metrics(parts, state, prompts.curriculum, ro, scores, staleness))
+    metrics.update(_batch_metrics(parts, state, prompts.curriculum, rollouts, scores, staleness))
     metrics["time/train_s"] = time.perf_counter() - t0
     metrics.update({f"adv/{k}": float(np.asarray(v)) for k, v in info.items() if np.ndim(v) == 0})
     return state, metrics
 
 
 def _batch_metrics(
-    parts, state, curriculum, ro: Rollouts, scores: Scores, staleness: float
+    parts, state, curriculum, rollouts: Rollouts, scores: Scores, staleness: float
 ) -> dict:
     return {
         "train/reward": float(scores.shaped.mean()),
         "train/pass@1": float((scores.raw > 0).mean()),
         # Zero-variance groups (dropped from the loss with data.zero_variance_filter).
         "train/zero_variance_frac": float(scores.zero_var.mean()),
-        "train/response_len": float(ro.lengths.mean()),
-        "train/truncation_rate": float(ro.truncated.mean()),
-        "train/interrupted_frac": float((ro.injected_mask.any(axis=1)).mean()),
+        "train/response_len": float(rollouts.lengths.mean()),
+        "train/truncation_rate": float(rollouts.truncated.mean()),
+        "train/interrupted_frac": float((rollouts.injected_mask.any(axis=1)).mean()),
         "train/staleness_max": staleness,
         "train/lr": float(parts.lr_at(max(state.version - 1, 0) // parts.cfg.train.grad_accum)),
         "train/retired_prompts": float(getattr(curriculum, "num_retired", 0)),
@@ -337,7 +353,7 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
     """pass@k on the validation prompts with `params` (the sampler's copy of the policy)."""
     t0 = time.perf_counter()
     k = parts.cfg.eval.k
-    m, ro = evaluate_policy(
+    m, rollouts = evaluate_policy(
         parts.eval_sampler,
         params,
         parts.val_problems,
@@ -348,7 +364,9 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
         version=state.version,
     )
     state = state.count(
-        eval_flops=forward_flops(parts.spec, ro.prompt_mask.sum(axis=1)[::k], ro.lengths, k),
+        eval_flops=forward_flops(
+            parts.spec, rollouts.prompt_mask.sum(axis=1)[::k], rollouts.lengths, k
+        ),
         eval_device_seconds=(time.perf_counter() - t0) * jax.device_count(),
     )
     m["time/eval_s"] = time.perf_counter() - t0
@@ -358,13 +376,13 @@ def evaluate(parts: Parts, state: TrainerState, params) -> tuple[TrainerState, d
 # ---- batches of rows ----------------------------------------------------------------------
 
 
-def rows_of(ro: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:
+def rows_of(rollouts: Rollouts, lo: int, hi: int, group_offset: int) -> Rollouts:
     """Rows [lo, hi) of a Rollouts, group ids renumbered from 0."""
-    if lo == 0 and hi == ro.num_rows:
-        return ro
+    if lo == 0 and hi == rollouts.num_rows:
+        return rollouts
     fields = {}
-    for f in dataclasses.fields(ro):
-        v = getattr(ro, f.name)
+    for f in dataclasses.fields(rollouts):
+        v = getattr(rollouts, f.name)
         fields[f.name] = v[lo:hi] if isinstance(v, np.ndarray) and v.ndim >= 1 else v
     fields["group_ids"] = fields["group_ids"] - group_offset
-    return dataclasses.replace(ro, **fields)
+    return dataclasses.replace(rollouts, **fields)

@@ -37,7 +37,7 @@ from rl_jax.models.transformer import dtype_of
 from rl_jax.runs.storage import is_remote, join, open_store
 from rl_jax.sharding import get_rules
 from rl_jax.train.checkpoint import CHECKSUMS, META_DIGEST, _short, seal_meta, state_checksums
-from rl_jax.train.params import LORA_KEY, ParamPlan, lora_dims
+from rl_jax.train.params import LORA_KEY, ParamFormat, lora_dims
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def load_run_params(
     that does not restore or does not match its checksum (DamagedCheckpoint)."""
     shardings = param_shardings(spec, mesh, get_rules(rules_preset, purpose=purpose))
     layout = param_layout(spec)
-    plan = ParamPlan.from_config(ck.cfg, spec)
+    plan = ParamFormat.from_config(ck.cfg, spec)
     meta = verified_meta(ck)
     ckptr = ocp.PyTreeCheckpointer()
     stored_params = _stored_params(ck, ckptr, layout)

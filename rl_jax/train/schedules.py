@@ -15,11 +15,11 @@
   split           pipeline with the engine on the sampler's own devices, decoding in
                   a background thread while the rest train (`rl_jax.train.split`).
 
-A schedule is `(tr, state, bar) -> state`: it threads the trainer's state
-(`TrainerState`, plain data) through the phases and returns the last. `tr` (the
+A schedule is `(trainer, state, bar) -> state`: it threads the trainer's state
+(`TrainerState`, plain data) through the phases and returns the last. `trainer` (the
 `RLTrainer`) gives it what lives outside the state: the run's parts, the prompts
-(`tr.prompts`, a `PromptSource`), the sampler's copy of a state's policy
-(`tr.sampler_weights`) and `tr.finish_step`, which logs a trained batch, runs
+(`trainer.prompts`, a `PromptSource`), the sampler's copy of a state's policy
+(`trainer.sampler_weights`) and `trainer.finish_step`, which logs a trained batch, runs
 hooks, evaluates and checkpoints when due, and returns the state with the step
 advanced. The stream of groups in flight is the pipeline schedules' own.
 """
@@ -38,32 +38,37 @@ from rl_jax.train.state import Pending, TrainerState
 from rl_jax.train.stream import trainer_stream
 
 
-def on_policy(tr, state: TrainerState, bar) -> TrainerState:
+def on_policy(trainer, state: TrainerState, bar) -> TrainerState:
     """PPO-off-policy with k = 1: every batch is sampled with the weights that train on it."""
-    return ppo_off_policy(tr, state, bar, k=1)
+    return ppo_off_policy(trainer, state, bar, k=1)
 
 
-def ppo_off_policy(tr, state: TrainerState, bar, *, k: int | None = None) -> TrainerState:
-    cfg, parts = tr.cfg, tr.parts
+def ppo_off_policy(trainer, state: TrainerState, bar, *, k: int | None = None) -> TrainerState:
+    cfg, parts = trainer.cfg, trainer.parts
     k = cfg.train.off_policy_k if k is None else k
     while state.step < cfg.train.steps:
         if not state.pending:
             # The whole group of k batches with the current weights, before any update.
             t0 = time.perf_counter()
-            weights, version = tr.sampler_weights(state)
+            weights, version = trainer.sampler_weights(state)
             if cfg.data.dynamic_sampling:
-                state, ro, problems = phases.dynamic_rollout(parts, state, tr.prompts, weights)
+                state, rollouts, problems = phases.dynamic_rollout(
+                    parts, state, trainer.prompts, weights
+                )
                 batches = [problems]
             else:
                 n = min(k, cfg.train.steps - state.step)
-                batches = [tr.prompts.draw() for _ in range(n)]
+                batches = [trainer.prompts.draw() for _ in range(n)]
                 flat = [p for b in batches for p in b]
-                ro = phases.generate(parts, weights, version, state.step, flat)
-                state = phases.account_sampling(parts, state, ro)
-            rows, sample_s = parts.P * parts.G, time.perf_counter() - t0
+                rollouts = phases.generate(parts, weights, version, state.step, flat)
+                state = phases.account_sampling(parts, state, rollouts)
+            rows, sample_s = (
+                parts.prompts_per_batch * parts.samples_per_prompt,
+                time.perf_counter() - t0,
+            )
             pending = tuple(
                 Pending(
-                    phases.rows_of(ro, i * rows, (i + 1) * rows, i * parts.P),
+                    phases.rows_of(rollouts, i * rows, (i + 1) * rows, i * parts.prompts_per_batch),
                     problems=b,
                     sample_s=sample_s if i == 0 else 0.0,
                 )
@@ -74,57 +79,57 @@ def ppo_off_policy(tr, state: TrainerState, bar, *, k: int | None = None) -> Tra
         # The rest of the group stays pending: no checkpoint until it is trained.
         state = state.replace(pending=state.pending[1:])
         t1 = time.perf_counter()
-        state, m = _train(tr, state, head.rollouts, head.problems)
-        state = _finish(tr, state, m, head.sample_s, t1, bar, in_flight=bool(state.pending))
+        state, m = _train(trainer, state, head.rollouts, head.problems)
+        state = _finish(trainer, state, m, head.sample_s, t1, bar, in_flight=bool(state.pending))
     return state
 
 
-def pipeline(tr, state: TrainerState, bar) -> TrainerState:
+def pipeline(trainer, state: TrainerState, bar) -> TrainerState:
     """PipelineRL-k as a continuous stream on the engine (rl_jax.train.stream): the
     trainer takes the next B_p complete groups; the groups in flight continue with the
     new weights. The stream starts empty (a fresh run, or resumed: nothing in flight)."""
-    cfg, parts = tr.cfg, tr.parts
-    stream = trainer_stream(parts, tr.prompts, state.step)
+    cfg, parts = trainer.cfg, trainer.parts
+    stream = trainer_stream(parts, trainer.prompts, state.step)
     while state.step < cfg.train.steps:
         t0 = time.perf_counter()
         # Groups only for steps before the next checkpoint: the stream drains there.
-        stream.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
+        stream.allow(min(cfg.train.steps, trainer.next_boundary(state.step)))
         if stream.idle:  # drained (the start, a checkpoint): counted afresh, as on resume
             stream.count_afresh()
-        problems, ro = stream.next_batch(functools.partial(tr.sampler_weights, state))
-        state = phases.account_sampling(parts, state, ro)
+        problems, rollouts = stream.next_batch(functools.partial(trainer.sampler_weights, state))
+        state = phases.account_sampling(parts, state, rollouts)
         sample_s, t1 = time.perf_counter() - t0, time.perf_counter()
-        state, m = _train(tr, state, ro, problems)
+        state, m = _train(trainer, state, rollouts, problems)
         stream.trained()
         m["train/slot_occupancy"] = stream.occupancy  # since the stream last drained
-        state = _finish(tr, state, m, sample_s, t1, bar, in_flight=not stream.idle)
+        state = _finish(trainer, state, m, sample_s, t1, bar, in_flight=not stream.idle)
     return state
 
 
-def split(tr, state: TrainerState, bar) -> TrainerState:
+def split(trainer, state: TrainerState, bar) -> TrainerState:
     """PipelineRL-k with the sampler on its own devices (rl_jax.train.split): the stream
     on the engine decodes in `SplitStream`'s thread while the trainer trains."""
-    cfg, parts = tr.cfg, tr.parts
-    stream = trainer_stream(parts, tr.prompts, state.step)
-    worker = SplitStream(stream, weights=tr.sampler_weights(state))
-    tr.split_sampler = worker  # for step hooks (tests, tools)
+    cfg, parts = trainer.cfg, trainer.parts
+    stream = trainer_stream(parts, trainer.prompts, state.step)
+    worker = SplitStream(stream, weights=trainer.sampler_weights(state))
+    trainer.split_sampler = worker  # for step hooks (tests, tools)
     try:
-        worker.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
+        worker.allow(min(cfg.train.steps, trainer.next_boundary(state.step)))
         while state.step < cfg.train.steps:
             t0 = time.perf_counter()
-            step, problems, ro = worker.take()
+            step, problems, rollouts = worker.take()
             assert step == state.step, (step, state.step)
-            state = phases.account_sampling(parts, state, ro)
+            state = phases.account_sampling(parts, state, rollouts)
             wait_s, t1 = time.perf_counter() - t0, time.perf_counter()
-            state, m = _train(tr, state, ro, problems)
+            state, m = _train(trainer, state, rollouts, problems)
             # Push before `trained`: a group admitted after it samples with these
             # weights (the staleness bound in rl_jax.train.split relies on it).
-            worker.push(tr.sampler_weights(state))
+            worker.push(trainer.sampler_weights(state))
             worker.trained()
             worker.train_intervals.append((t1, time.perf_counter()))
             # sample_s: the wait for rollouts
-            state = _finish(tr, state, m, wait_s, t1, bar, in_flight=not stream.idle)
-            worker.allow(min(cfg.train.steps, tr.next_boundary(state.step)))
+            state = _finish(trainer, state, m, wait_s, t1, bar, in_flight=not stream.idle)
+            worker.allow(min(cfg.train.steps, trainer.next_boundary(state.step)))
     finally:
         worker.close()
     return state
@@ -134,20 +139,20 @@ def split(tr, state: TrainerState, bar) -> TrainerState:
 SCHEDULES = {"on_policy": on_policy, "ppo_off_policy": ppo_off_policy, "pipeline": pipeline}
 
 
-def _train(tr, state: TrainerState, ro: Rollouts, problems) -> tuple[TrainerState, dict]:
+def _train(trainer, state: TrainerState, rollouts: Rollouts, problems) -> tuple[TrainerState, dict]:
     """score -> advantages -> update on one batch: (new state, step metrics)."""
     t0 = time.perf_counter()
-    tr.weights.drop_view()  # the update makes a new version: its memory goes to the update
-    scores = phases.score(tr.parts, ro, problems)
-    tr.log_samples(state.step + 1, problems, scores)
+    trainer.weights.drop_view()  # the update makes a new version: its memory goes to the update
+    scores = phases.score(trainer.parts, rollouts, problems)
+    trainer.log_samples(state.step + 1, problems, scores)
     score_s = time.perf_counter() - t0
-    state, m = phases.train_on(tr.parts, state, tr.prompts, ro, problems, scores)
+    state, m = phases.train_on(trainer.parts, state, trainer.prompts, rollouts, problems, scores)
     m["time/score_s"] = score_s
     return state, m
 
 
-def _finish(tr, state, m: dict, sample_s: float, t1: float, bar, *, in_flight: bool):
+def _finish(trainer, state, m: dict, sample_s: float, t1: float, bar, *, in_flight: bool):
     m["time/sample_s"] = sample_s
     m["time/step_s"] = time.perf_counter() - t1 + sample_s
     state = state.count(device_seconds=m["time/step_s"] * jax.device_count())
-    return tr.finish_step(state, m, bar, in_flight=in_flight)
+    return trainer.finish_step(state, m, bar, in_flight=in_flight)

@@ -25,7 +25,7 @@ from rl_jax.models.moe import RouterStats, aux_losses
 from rl_jax.runtime import xla_options
 from rl_jax.sampling._decoder import round_up
 from rl_jax.sharding import batch_sharding
-from rl_jax.train.params import ParamPlan
+from rl_jax.train.params import ParamFormat
 
 Params = dict[str, jax.Array]
 
@@ -283,7 +283,7 @@ def _step_fn(
     num_groups: int,
     max_tokens: int,
     temperature: float,
-    plan: ParamPlan | None = None,
+    plan: ParamFormat | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
     update on one minibatch, not jitted (make_train_step and make_update compile it).
@@ -305,7 +305,7 @@ def _step_fn(
         max_tokens=max_tokens,
         temperature=temperature,
     )
-    plan = ParamPlan(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
+    plan = ParamFormat(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def step(params: Params, opt_state, batch: TrainBatch):
         trained, frozen = plan.split(params)
@@ -356,7 +356,7 @@ def make_train_step(
     max_tokens: int,
     temperature: float,
     state_shardings: tuple[Any, Any] | None = None,
-    plan: ParamPlan | None = None,
+    plan: ParamFormat | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics): one update
     on one minibatch (see _step_fn); state donated."""
@@ -385,7 +385,7 @@ def make_update(
     max_tokens: int,
     temperature: float,
     state_shardings: tuple[Any, Any] | None = None,
-    plan: ParamPlan | None = None,
+    plan: ParamFormat | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """jit(update)(params, opt_state, batches) -> (params, opt_state, metrics [M]).
 
@@ -491,7 +491,7 @@ def make_logprob_fn(
     mesh: Mesh | None,
     *,
     temperature: float,
-    plan: ParamPlan | None = None,
+    plan: ParamFormat | None = None,
 ):
     """jit(fn)(params, batch) -> logp (old or reference policy; no gradient); params as
     make_train_step's.
@@ -516,7 +516,7 @@ def make_logprob_fn(
     return jax.jit(fn, compiler_options=compiler_options(mesh))
 
 
-def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamPlan | None = None):
+def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamFormat | None = None):
     """jit(fn)(params, batch) -> critic values [B, Tg] before the updates (PPO's GAE)."""
     view = plan.view if plan is not None else (lambda p: p)
 
