@@ -33,8 +33,9 @@ class SamplingConfig:
     max_new_tokens: int = knob(32, help="generation budget per row")
     max_prompt_len: int = knob(
         0,
-        help="longest prompt in tokens, checked against the data at start (0 = auto: the "
-        "longest rendered prompt of the data, rounded up to length_bucket)",
+        help="longest prompt in tokens: longer ones are dropped at start; the engine pads "
+        "prompts to the data's longest, rounded up to length_bucket, at most this (0 = "
+        "auto: no limit; lazily read datasets are padded to an explicit limit)",
     )
     length_bucket: int = knob(
         16, help="prompt/generation lengths are rounded up to a multiple of this"

@@ -329,7 +329,7 @@ def trainer_stream(parts, prompts, first_step: int) -> EngineStream:
     from rl_jax.train import phases
     from rl_jax.train.accounting import batches_in_flight
 
-    P, G = parts.P, parts.G
+    P, G = parts.prompts_per_batch, parts.samples_per_prompt
     drawn: dict[int, tuple[list, list[list[int]]]] = {}  # step -> (problems, prompt ids)
 
     def source(g: int):
