@@ -3,7 +3,7 @@
 backward, on a preset's model. One JSON line.
 
     python benchmarks/layer_loop.py [--preset bench] [--rows 64] [--tokens 72]
-        [--repeats 12] [--topology v5e:2x2]
+        [--repeats 12] [--topology v5e:2x2] [--smoke]
 
 On this machine's CPU: both programs compiled, then timed alternately (`--repeats`
 calls each, one at a time), with their compile seconds and XLA's temporaries.
@@ -41,7 +41,7 @@ def _grad_fn(spec, rows: int, tokens: int):
     return jax.jit(jax.value_and_grad(loss)), toks
 
 
-def _programs(preset: str, rows: int, tokens: int):
+def _programs(preset: str):
     from rl_jax.config.model import ModelConfig
     from rl_jax.models import resolve_spec
 
@@ -79,7 +79,7 @@ def _cpu(specs: dict, rows: int, tokens: int, repeats: int) -> dict:
             out[name]["times"].append(time.perf_counter() - t)
     for rec in out.values():
         times = rec.pop("times")
-        rec.update(median_s=round(median(times), 4), min_s=round(min(times), 4))
+        rec.update(median_s=round(median(times), 6), min_s=round(min(times), 6))
     return out
 
 
@@ -118,8 +118,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=72)
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--topology", default="", help="also compile for this TPU topology")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one call each (tests)")
     a = p.parse_args()
-    specs = _programs(a.preset, a.rows, a.tokens)
+    if a.smoke:  # tests: the tiny preset, a few rows, one call each
+        a.preset, a.rows, a.tokens, a.repeats = "tiny", 4, 8, 1
+    specs = _programs(a.preset)
     rec = {
         "preset": a.preset,
         "layers": specs["rolled"].num_layers,

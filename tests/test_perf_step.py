@@ -161,6 +161,16 @@ def test_rl_step_benchmark_smoke(tmp_path):
     assert 0 < r["flops_fraction"] < 1.5
 
 
+def test_layer_loop_benchmark_smoke():
+    r = _benchmark("layer_loop.py", timeout=300)
+    assert r["preset"] == "tiny" and set(r["cpu"]) == {"rolled", "unrolled"}
+    for loop in r["cpu"].values():
+        assert loop["min_s"] > 0 and loop["compile_s"] > 0 and loop["temp_mb"] > 0, r
+    assert r["rolled_over_unrolled"] == pytest.approx(
+        r["cpu"]["rolled"]["min_s"] / r["cpu"]["unrolled"]["min_s"], rel=1e-2
+    )
+
+
 @pytest.mark.slow
 def test_split_mode_benchmark_smoke():
     # Two placements: colocated_1 is the plain one-device run that rl_step's smoke times.

@@ -58,13 +58,12 @@ def generate(parts: Parts, params, version: int, step: int, problems) -> Rollout
 
 
 def account_sampling(parts: Parts, state: TrainerState, rollouts: Rollouts) -> TrainerState:
-    tp = rollouts.prompt_mask.sum(axis=1)[
-        :: parts.samples_per_prompt
-    ]  # [P] (a group's rows share the prompt)
+    G = parts.samples_per_prompt
+    tp = rollouts.prompt_mask.sum(axis=1)[::G]  # [P] (a group's rows share the prompt)
     return state.count(
         prompt_tokens=int(tp.sum()),
         generated_tokens=int(rollouts.lengths.sum()),
-        sampler_flops=forward_flops(parts.spec, tp, rollouts.lengths, parts.samples_per_prompt),
+        sampler_flops=forward_flops(parts.spec, tp, rollouts.lengths, G),
     )
 
 
@@ -302,15 +301,8 @@ def train_on(
     ga = parts.cfg.train.grad_accum
     if keep_p.any():
         if parts.cfg.train.off_policy == "pipeline":
-            k = parts.cfg.train.off_policy_k
-            check_staleness(
-                rollouts.versions,
-                rollouts.completion_mask,
-                state.version,
-                parts.updates_per_batch,
-                k,
-                ga,
-            )
+            k, M = parts.cfg.train.off_policy_k, parts.updates_per_batch
+            check_staleness(rollouts.versions, rollouts.completion_mask, state.version, M, k, ga)
         batch = advantages(parts, state, rollouts, scores, keep_p)
         state, metrics = update(parts, state, batch, oldest)
         tp = rollouts.prompt_mask.sum(axis=1)[::G]

@@ -62,13 +62,11 @@ def ppo_off_policy(trainer, state: TrainerState, bar, *, k: int | None = None) -
                 flat = [p for b in batches for p in b]
                 rollouts = phases.generate(parts, weights, version, state.step, flat)
                 state = phases.account_sampling(parts, state, rollouts)
-            rows, sample_s = (
-                parts.prompts_per_batch * parts.samples_per_prompt,
-                time.perf_counter() - t0,
-            )
+            P, sample_s = parts.prompts_per_batch, time.perf_counter() - t0
+            rows = P * parts.samples_per_prompt
             pending = tuple(
                 Pending(
-                    phases.rows_of(rollouts, i * rows, (i + 1) * rows, i * parts.prompts_per_batch),
+                    phases.rows_of(rollouts, i * rows, (i + 1) * rows, i * P),
                     problems=b,
                     sample_s=sample_s if i == 0 else 0.0,
                 )
