@@ -20,10 +20,6 @@ EXCEPTIONS = {
         "grid expansion (axes, constraints, budgets, per-run configs), an error message per "
         "failure" + _NOT_YET
     ),
-    "kernels/tpu.py:flash_attention": (
-        "the splash-attention wrapper: segment-id mask, padding, layout and the shard_map "
-        "over the mesh in one traced function" + _NOT_YET
-    ),
     "models/hf.py:spec_fields_from_hf_config": (
         "a flat key-by-key mapping of HF config.json (4.x and 5.x spellings) to ModelSpec "
         "fields: a table more than logic" + _NOT_YET

@@ -102,20 +102,7 @@ def flash_attention(
     # Pads past S are hidden by causality when no real query reaches them.
     hide_pad = pad and offset + T > S
     segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None or hide_pad
-    arrays = ()
-    if segments:
-        q_seg = mask.q_segment_bt if mask.q_segment_bt is not None else jnp.zeros((B, T), jnp.int32)
-        kv_seg = mask.kv_segment_bs
-        kv_seg = kv_seg if kv_seg is not None else jnp.zeros((B, S), jnp.int32)
-        kv_seg = kv_seg.astype(jnp.int32)
-        if mask.kv_valid_bs is not None:
-            kv_seg = jnp.where(mask.kv_valid_bs.astype(bool), kv_seg, HIDDEN)
-        q_seg = jnp.broadcast_to(q_seg.astype(jnp.int32), (B, T))
-        kv_seg = jnp.broadcast_to(kv_seg, (B, S))
-        arrays = (
-            jnp.pad(q_seg, ((0, 0), (0, q_pad))),
-            jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=HIDDEN),
-        )
+    arrays = _segment_ids(mask, B, T, S, q_pad, pad) if segments else ()
     # Scaled in float32, then in q's dtype: splash scales nothing itself.
     q = (q_bthk.astype(jnp.float32) * scale).astype(q_bthk.dtype)
     q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, H, T, hd]
@@ -130,24 +117,47 @@ def flash_attention(
             return jax.vmap(kernel)(q, k, v, segment_ids=ids)
         return jax.vmap(kernel)(q, k, v)
 
-    # Inside a shard_map already (manual axes), the arrays are this device's.
-    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
-    if layout is not None and layout.mesh.size > 1 and not manual:
-        batch, heads = layout.q[0], layout.q[2] if len(layout.q) > 2 else None
-        kv_heads = layout.kv[1] if len(layout.kv) > 1 else None
-        if heads != kv_heads:  # split only where q's groups stay with their kv head
-            heads = None
-        q_spec = PartitionSpec(batch, heads, None, None)
-        kv_spec = PartitionSpec(batch, heads, None, None)
-        local = jax.shard_map(
-            local,
-            mesh=layout.mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, *(PartitionSpec(batch, None) for _ in arrays)),
-            out_specs=q_spec,
-            check_vma=False,
-        )
-    out = local(q, k, v, *arrays)  # [B, H, Tp, hd]
+    out = _per_device(local, layout, len(arrays))(q, k, v, *arrays)  # [B, H, Tp, hd]
     return out[:, :, :T].transpose(0, 2, 1, 3).astype(q_bthk.dtype)
+
+
+def _segment_ids(mask: xla.AttentionMask, B: int, T: int, S: int, q_pad: int, pad: int):
+    """Splash's segment ids of `mask`, padded: (queries [B, T + q_pad], keys [B, S + pad]);
+    a pad key, or one `mask.kv_valid_bs` hides, is in a segment no query is in."""
+    q_seg = mask.q_segment_bt if mask.q_segment_bt is not None else jnp.zeros((B, T), jnp.int32)
+    kv_seg = mask.kv_segment_bs
+    kv_seg = kv_seg if kv_seg is not None else jnp.zeros((B, S), jnp.int32)
+    kv_seg = kv_seg.astype(jnp.int32)
+    if mask.kv_valid_bs is not None:
+        kv_seg = jnp.where(mask.kv_valid_bs.astype(bool), kv_seg, HIDDEN)
+    q_seg = jnp.broadcast_to(q_seg.astype(jnp.int32), (B, T))
+    kv_seg = jnp.broadcast_to(kv_seg, (B, S))
+    return (
+        jnp.pad(q_seg, ((0, 0), (0, q_pad))),
+        jnp.pad(kv_seg, ((0, 0), (0, pad)), constant_values=HIDDEN),
+    )
+
+
+def _per_device(local, layout: xla.AttentionLayout | None, n_arrays: int):
+    """`local(q, k, v, *segment arrays)` under `jax.shard_map` over `layout`'s mesh (batch
+    and, where q's groups stay with their kv head, heads split), or as is: without a
+    layout, on one device, or inside a shard_map already (the arrays are this device's)."""
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if layout is None or layout.mesh.size == 1 or manual:
+        return local
+    batch, heads = layout.q[0], layout.q[2] if len(layout.q) > 2 else None
+    kv_heads = layout.kv[1] if len(layout.kv) > 1 else None
+    if heads != kv_heads:  # split only where q's groups stay with their kv head
+        heads = None
+    q_spec = PartitionSpec(batch, heads, None, None)
+    kv_spec = PartitionSpec(batch, heads, None, None)
+    return jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, *(PartitionSpec(batch, None) for _ in range(n_arrays))),
+        out_specs=q_spec,
+        check_vma=False,
+    )
 
 
 # ---- the one-token decode step -----------------------------------------------------------
