@@ -13,9 +13,6 @@ MAX_CLASS, MAX_FUNCTION = 300, 60
 # "module path under rl_jax:qualified name" -> why it stays over the limit for now.
 _NOT_YET = "; not split yet (issue #47)"
 EXCEPTIONS = {
-    "grid/driver.py:Driver._run": (
-        "the grid driver's launch/poll/retry/early-stop loop over one local state" + _NOT_YET
-    ),
     "grid/expand.py:expand": (
         "grid expansion (axes, constraints, budgets, per-run configs), an error message per "
         "failure" + _NOT_YET

@@ -283,6 +283,34 @@ class Driver:
         open_store(self.root).write_json(
             PLAN_FILE, {"grid": self.spec.name, "runs": plan_rows(self.plans)}
         )
+        queue, active = self._triage(st)
+        n_done = sum(r.status == "done" for r in st.runs.values())
+        self._say(
+            f"{len(self.plans)} runs: {n_done} done, {len(active)} running, {len(queue)} to run"
+            f" on {self.backend.name}"
+        )
+        last_check = time.time()
+        while queue or active:
+            if self._interrupted:
+                self._interrupt(st, active)
+                raise KeyboardInterrupt
+            self._reap(st, active, queue)
+            self._launch(st, active, queue)
+            if self.early_stop is not None and time.time() - last_check >= self.early_stop_every_s:
+                last_check = time.time()
+                self._check_early_stop(st, active)
+            time.sleep(self.poll_s)
+        st.save()
+        counts: dict[str, int] = {}
+        for p in self.plans:
+            s = st.runs[p.run_id].status
+            counts[s] = counts.get(s, 0) + 1
+        self._say("finished: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+        return counts
+
+    def _triage(self, st: GridState) -> tuple[list[RunPlan], list[Active]]:
+        """Each run's status at start: done, left stopped or failed, followed (still
+        running under a driver that was killed) or queued; (queue, followed)."""
         queue: list[RunPlan] = []
         active: list[Active] = []
         for p in self.plans:
@@ -304,60 +332,46 @@ class Driver:
                 rec.status = "pending"
                 queue.append(p)
         st.save()
-        n_done = sum(r.status == "done" for r in st.runs.values())
-        self._say(
-            f"{len(self.plans)} runs: {n_done} done, {len(active)} running, {len(queue)} to run"
-            f" on {self.backend.name}"
-        )
-        last_check = time.time()
-        while queue or active:
-            if self._interrupted:
-                self._interrupt(st, active)
-                raise KeyboardInterrupt
-            for a in list(active):
-                finished, rc = self._poll(a)
-                if not finished:
-                    continue
-                active.remove(a)
-                if rc == BUSY and not is_done(self.runs, a.plan):
-                    # Someone else holds the run: follow it rather than count a failure.
-                    active.append(Active(plan=a.plan, attempt=a.attempt, handle=None))
-                    continue
-                self._finish(st, a, rc, queue)
+        return queue, active
+
+    def _reap(self, st: GridState, active: list[Active], queue: list[RunPlan]) -> None:
+        """Record the runs of `active` that ended (a retry goes back on `queue`)."""
+        for a in list(active):
+            finished, rc = self._poll(a)
+            if not finished:
+                continue
+            active.remove(a)
+            if rc == BUSY and not is_done(self.runs, a.plan):
+                # Someone else holds the run: follow it rather than count a failure.
+                active.append(Active(plan=a.plan, attempt=a.attempt, handle=None))
+                continue
+            self._finish(st, a, rc, queue)
+            st.save()
+
+    def _launch(self, st: GridState, active: list[Active], queue: list[RunPlan]) -> None:
+        """Start the queued runs the backend has room for."""
+        for p in list(queue):
+            if not self.backend.can_start(p, [a.plan for a in active]):
+                continue
+            queue.remove(p)
+            rec = st.record(p.run_id, p.name)
+            if is_done(self.runs, p):
+                rec.status = "done"
                 st.save()
-            for p in list(queue):
-                if not self.backend.can_start(p, [a.plan for a in active]):
-                    continue
-                queue.remove(p)
-                rec = st.record(p.run_id, p.name)
-                if is_done(self.runs, p):
-                    rec.status = "done"
-                    st.save()
-                    continue
-                rec.launches += 1
-                rec.status = "running"
-                st.save()  # before the launch: a crash here costs one attempt, never a rerun
-                rd = run_dir(self.runs, p)
-                cmd = self.backend.command(p, recipe=self.recipe, grid_dir=self.root)
-                handle = self.backend.start(
-                    p,
-                    guard_argv(rd, rec.launches, cmd),
-                    self._log_path(p, rec.launches),
-                    self._log_url(p, rec.launches) if is_remote(self.root) else None,
-                )
-                active.append(Active(plan=p, attempt=rec.launches, handle=handle))
-                self._say(f"start    {p.name} (attempt {rec.launches})")
-            if self.early_stop is not None and time.time() - last_check >= self.early_stop_every_s:
-                last_check = time.time()
-                self._check_early_stop(st, active)
-            time.sleep(self.poll_s)
-        st.save()
-        counts: dict[str, int] = {}
-        for p in self.plans:
-            s = st.runs[p.run_id].status
-            counts[s] = counts.get(s, 0) + 1
-        self._say("finished: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-        return counts
+                continue
+            rec.launches += 1
+            rec.status = "running"
+            st.save()  # before the launch: a crash here costs one attempt, never a rerun
+            rd = run_dir(self.runs, p)
+            cmd = self.backend.command(p, recipe=self.recipe, grid_dir=self.root)
+            handle = self.backend.start(
+                p,
+                guard_argv(rd, rec.launches, cmd),
+                self._log_path(p, rec.launches),
+                self._log_url(p, rec.launches) if is_remote(self.root) else None,
+            )
+            active.append(Active(plan=p, attempt=rec.launches, handle=handle))
+            self._say(f"start    {p.name} (attempt {rec.launches})")
 
     def _check_early_stop(self, st: GridState, active: list[Active]) -> None:
         from rl_jax.runs.atomic import read_jsonl
