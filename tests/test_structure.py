@@ -36,9 +36,6 @@ EXCEPTIONS = {
         "the prefill+insert program body (its pool and block scans) traced as one program"
         + _NOT_YET
     ),
-    "sampling/_engine.py:Engine.prefill_insert": (
-        "the host side of prefill_insert (bucketing, block padding, page hand-out)" + _NOT_YET
-    ),
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"

@@ -745,6 +745,24 @@ class Engine(Decoder):
         shard_pages - 1; at least `pages_needed` of its prompt and limit, which the
         caller keeps from every other live row: `SlotBook` does). A prompt's KV
         depends only on it and on its bucket. `state` is donated."""
+        lim = self._check_insert(prompts, into, slots, sources, row_ids, group_ids, pages, limits)
+        rows = self._row_arrays(slots, sources, row_ids, group_ids, lim, pages)
+        prefill = self._prompt_arrays(prompts, into)  # sets the bucket
+        if self._clock:
+            self._clock.dispatched()
+        return self._prefill_insert(
+            self._as_params(params),
+            state,
+            *self._put_rows(*prefill),
+            np.bool_(bool(prompts)),
+            *self._put_rows(*rows),
+            key,
+            bucket=self._last_bucket,
+        )
+
+    def _check_insert(self, prompts, into, slots, sources, row_ids, group_ids, pages, limits):
+        """`prefill_insert`'s arguments checked (ValueError naming what is wrong); the rows'
+        limits ([m], cfg.max_new_tokens where not given)."""
         P, Q, S = self.prefill_prompts, self.pool_size, self.slots
         if len(prompts) > P or len(into) != len(prompts):
             raise ValueError(f"prefill takes 0 to {P} prompts with a pool entry each")
@@ -764,11 +782,12 @@ class Engine(Decoder):
             not 0 < len(p) <= R or not all(0 <= i < N for i in p) for p in pages
         ):
             raise ValueError(f"pages: a list of 1 to {R} page ids in [0, {N}) for each row")
-        entry = self._insert_entries(slots)
-        I = self.insert_rows
-        table = np.full((I, R), N, np.int32)  # N: no page
-        for e, p in zip(entry, pages, strict=True):
-            table[e, : len(p)] = p
+        return lim
+
+    def _prompt_arrays(self, prompts, into) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prefill's host arrays: prompts [P, prompt_len] left-padded in the bucket of
+        the longest, their lengths [P] and pool entries [P] (past the pool: padding)."""
+        P, Q = self.prefill_prompts, self.pool_size
         prompt_pt = np.full((P, self.prompt_len), self.pad_id, np.int32)
         lens_p = np.ones((P,), np.int32)
         into_p = np.full((P,), Q, np.int32)  # padding prompts go past the pool: dropped
@@ -781,7 +800,18 @@ class Engine(Decoder):
             prompt_pt[:, self.prompt_len - packed.shape[1] :] = packed
             lens_p[:] = lens
             into_p[: len(into)] = into
-        slot_i = np.full((I,), S, np.int32)  # S: no row
+        return prompt_pt, lens_p, into_p
+
+    def _row_arrays(self, slots, sources, row_ids, group_ids, lim, pages) -> tuple:
+        """The insert's host arrays, one entry per insert row (`_insert_entries`): slot
+        (S: no row), source, row id, group id, limit, and its page table [I, R] (N: no
+        page)."""
+        I, R, N, S = self.insert_rows, self.row_pages, self.shard_pages, self.slots
+        entry = self._insert_entries(slots)
+        table = np.full((I, R), N, np.int32)
+        for e, p in zip(entry, pages, strict=True):
+            table[e, : len(p)] = p
+        slot_i = np.full((I,), S, np.int32)
         source_i, row_i, group_i = (np.zeros((I,), np.int32) for _ in range(3))
         limit_i = np.ones((I,), np.int32)
         slot_i[entry], source_i[entry], row_i[entry], group_i[entry], limit_i[entry] = (
@@ -791,17 +821,7 @@ class Engine(Decoder):
             group_ids,
             lim,
         )
-        if self._clock:
-            self._clock.dispatched()
-        return self._prefill_insert(
-            self._as_params(params),
-            state,
-            *self._put_rows(prompt_pt, lens_p, into_p),
-            np.bool_(bool(prompts)),
-            *self._put_rows(slot_i, source_i, row_i, group_i, limit_i, table),
-            key,
-            bucket=self._last_bucket,
-        )
+        return slot_i, source_i, row_i, group_i, limit_i, table
 
     def _insert_entries(self, slots: Sequence[int]) -> np.ndarray:
         """The insert entry of each row entering `slots`: entries come in one block of
