@@ -273,6 +273,25 @@ def test_auto_prompt_len_fits_the_longest_rendered_prompt(qwen_tokenizer_dir, tm
     assert limit % bucket == 0 and longest <= limit < longest + bucket
 
 
+def test_an_explicit_prompt_limit_caps_the_padding_width_it_does_not_set_it(
+    qwen_tokenizer_dir, tmp_path
+):
+    """The engine pads prompts to the data's longest (in whole length buckets), at most an
+    explicit sampling.max_prompt_len: a limit far above the data pads nothing more."""
+    from rl_jax.train.preflight import prompt_len_limit
+
+    f = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    tok = HFTokenizer.from_dir(qwen_tokenizer_dir)
+    base = ["data.source=file", f"data.path={f}", "data.val_size=1"]
+    task = build_task(load_recipe("grpo", base).data, tokenizer=tok, verifier="numeric")
+    longest = max(len(tok.encode(p.prompt)) for p in [*task.train, *task.val])
+    auto = prompt_len_limit(load_recipe("grpo", base), task, tok)
+    far = prompt_len_limit(load_recipe("grpo", [*base, "sampling.max_prompt_len=4096"]), task, tok)
+    assert far == auto and auto < 4096
+    tight = load_recipe("grpo", [*base, f"sampling.max_prompt_len={longest}"])
+    assert prompt_len_limit(tight, task, tok) == longest  # the limit caps the rounded width
+
+
 # ---- logged samples and `rl-jax samples` -----------------------------------------------
 
 
