@@ -103,12 +103,8 @@ class Programs:
         critic's, over the whole batch) where the recipe takes them (`passes`), and the
         engine's "prefill_insert" and "generate"."""
         params, opt = self.state_shapes
-        runs, P, G, M = (
-            self.passes,
-            self.prompts_per_batch,
-            self.samples_per_prompt,
-            self.updates_per_batch,
-        )
+        runs, M = self.passes, self.updates_per_batch
+        P, G = self.prompts_per_batch, self.samples_per_prompt
         batch = functools.partial(abstract_batch, self.mesh, G=G, tp=tp, tg=tg)
         mbs = batch(
             P // M, old=runs.keep_old, ref=runs.ref, critic=runs.critic, stack=minibatches or M
