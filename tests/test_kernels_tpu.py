@@ -141,6 +141,46 @@ def test_tpu_meshes_get_splash_and_counting_programs_the_reference(monkeypatch):
     with loops.unrolled():
         tpu.flash_attention(q, k, v, mask, scale=0.25, block=128)
     assert len(calls) == 2
+    assert all(kw["bytes_per_flop"] > 0 for kw in calls)  # splash's, for the plan's bytes
+
+
+def test_splash_bytes_per_flop_by_hand():
+    """256 causal queries over 256 keys in blocks of 128: 3 block pairs of 4 x 128 x 128 x
+    64 FLOPs, at each a key and a value block (2 x 128 x 64 x 2 bytes), and per query block
+    the queries and the output (as many) and the log-sum-exp (128 x 128 x 4); segment ids
+    add 8 x 128 x 4 a pair and 128 x 128 x 4 a query block."""
+    flops = 3 * 4 * 128 * 128 * 64
+    plain = 3 * 32_768 + 2 * (32_768 + 65_536)
+    assert tpu._bytes_per_flop(256, 256, 0, 128, 128, 64, 2, False) == plain / flops
+    segments = plain + 3 * 4_096 + 2 * 65_536
+    assert tpu._bytes_per_flop(256, 256, 0, 128, 128, 64, 2, True) == segments / flops
+    # Above the ridge of every TPU the plan knows (v5p: 459e12 / 2.765e12 = 166 FLOPs a
+    # byte) at the model's 512-slot blocks and ScaleRL's lengths: compute-bound.
+    assert 1 / tpu._bytes_per_flop(15_360, 15_360, 0, 512, 512, 128, 2, True) > 166
+
+
+def test_the_counting_trace_records_splash_bytes_for_its_loops():
+    """A counting trace of splash's gradient (forward and backward, one loop key) records
+    the kernel's bytes per FLOP for the key; xla's attention, which runs as that loop,
+    records none."""
+    q, k, v, _, mask, _ = _case("padded")
+
+    def grad(fn):
+        with loops.counting() as count:
+            jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, mask, scale=0.25, block=128)))).lower(
+                q, k, v
+            )
+        return count
+
+    splash, plain = grad(tpu.flash_attention), grad(xla.flash_attention)
+    assert plain.fused == {} and splash.trips == plain.trips
+    (key,) = splash.trips
+    T, S, hd = q.shape[1], k.shape[2], q.shape[3]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None
+    bq, bkv = tpu._block(128, T), tpu._block(128, S)
+    want = tpu._bytes_per_flop(T, S, int(mask.offset), bq, bkv, hd, itemsize, segments)
+    assert splash.fused == {key: want}
 
 
 def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):

@@ -371,6 +371,18 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     assert got["train_step"][0] == pytest.approx(truth[0], rel=0.01)
 
 
+def test_a_loop_counts_its_iterations_and_a_fused_kernels_at_its_bytes():
+    """n iterations of a loop whose peeled body costs (10 FLOPs, 100 bytes): n - 1 more
+    bodies; as a fused kernel's stand-in at 0.5 bytes a FLOP, n x (10, 5) in place of the
+    stand-in's (10, 100)."""
+    from rl_jax.plan import _programs as pp
+
+    body = np.array([10.0, 100.0])
+    np.testing.assert_array_equal(pp._iterations(body, 5, None), [40.0, 400.0])
+    np.testing.assert_array_equal(pp._iterations(body, 5, 0.5), [40.0, 25.0 - 100.0])
+    np.testing.assert_array_equal(pp._iterations(body, 1, 0.5), [0.0, 5.0 - 100.0])
+
+
 def _tiny_attention() -> tuple[int, int]:
     from rl_jax.config import load_recipe, resolved
     from rl_jax.models.load import resolve_spec

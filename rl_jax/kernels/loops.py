@@ -18,6 +18,13 @@ A loop's key is (name, trip count, inside a layer body): every loop of one key d
 together (an attention's forward and backward, full remat's second forward), and a
 loop inside a layer (`layer_body`) counts once per layer.
 
+A loop whose run on the target platform is one fused kernel (splash attention on TPU:
+the counting program holds its XLA stand-in) says so with `bytes_per_flop`: the HBM
+bytes the kernel moves per FLOP of the loop, at most. XLA's bytes of the stand-in's
+body count every block of scores it writes and reads back, which the kernel keeps on
+chip; the plan counts such a body's bytes as its FLOPs times this ratio instead
+(`Count.fused`).
+
 Rules: a loop over blocks or chunks that must stay rolled goes through `scan`; a
 `jax.custom_vjp` whose backward calls `scan` takes `mode()` as a static argument and
 passes it on, because its backward is traced after the mode's context is left.
@@ -45,6 +52,7 @@ class Count:
 
     twice: frozenset
     trips: dict = dataclasses.field(default_factory=dict)
+    fused: dict = dataclasses.field(default_factory=dict)  # key -> bytes per FLOP, at most
 
 
 class Mode(NamedTuple):
@@ -97,11 +105,19 @@ def layer_body(fn: Callable) -> Callable:
 
 
 def scan(
-    body: Callable, init: Any, xs: Any, *, name: str, mode: Mode | None = None
+    body: Callable,
+    init: Any,
+    xs: Any,
+    *,
+    name: str,
+    mode: Mode | None = None,
+    bytes_per_flop: float | None = None,
 ) -> tuple[Any, Any]:
     """`jax.lax.scan(body, init, xs)` (xs required: its leading axis is the trip count),
     run as `mode` (default: the mode in effect) says. Counting: the carry after the
-    peeled iterations and their outputs, the last repeated to the trip count."""
+    peeled iterations and their outputs, the last repeated to the trip count.
+    `bytes_per_flop`: the loop runs as a fused kernel moving at most this many HBM
+    bytes per FLOP (recorded for its key, the largest of its loops')."""
     m = _mode if mode is None else mode
     if m.how == "run":
         return _lax_scan(body, init, xs)
@@ -110,6 +126,8 @@ def scan(
     n = jax.tree.leaves(xs)[0].shape[0]
     key = (name, n, m.in_layer)
     m.count.trips[key] = n
+    if bytes_per_flop is not None:
+        m.count.fused[key] = max(m.count.fused.get(key, 0.0), float(bytes_per_flop))
     # The carry and the iteration's inputs opaque to XLA, as in the rolled loop: a peeled
     # iteration costs what any iteration of the loop costs, not the first over a carry
     # known to be zeros or one whose constant block indices fold its masks away.

@@ -14,7 +14,9 @@ wires it. It has no FLOPs that XLA's cost analysis sees either (splash attaches 
 `pl.CostEstimate`), so the programs `rl-jax plan` counts FLOPs from (`loops` modes
 "counting" and "unrolled") take `xla.flash_attention`, which computes the same
 (query block, key block) pairs; the run's programs (mode "run", and with them the
-plan's memory numbers) take splash.
+plan's memory numbers) take splash. The stand-in's HBM bytes are not splash's: it
+writes each pair's block of scores and reads it back, where splash keeps it in VMEM,
+so it tells the count how many bytes splash moves per FLOP (`_bytes_per_flop`).
 
 Rows that see no key at all (a left-padded prompt's pads) are the one difference:
 `xla.flash_attention` gives them the mean of all S values, splash a finite average
@@ -90,13 +92,16 @@ def flash_attention(
     attention: blocks of `block` slots rounded to a multiple of 128 and clamped to the
     sequence, T and S padded to them and the padding dropped. `interpret`: run the
     kernel in Pallas's interpreter (any backend: the CPU tests)."""
-    if loops.mode().how != "run":  # a plan's FLOP counting: see the module's note
-        return xla.flash_attention(
-            q_bthk, k_bksh, v_bksh, mask, scale=scale, block=block, layout=layout
-        )
     B, T = q_bthk.shape[:2]
     S = k_bksh.shape[2]
     bq, bkv = _block(block, T), _block(block, S)
+    if loops.mode().how != "run":  # a plan's FLOP counting: see the module's note
+        segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None
+        hd, itemsize = q_bthk.shape[3], jnp.dtype(q_bthk.dtype).itemsize
+        fused = _bytes_per_flop(T, S, int(mask.offset), bq, bkv, hd, itemsize, segments)
+        return xla.flash_attention(
+            q_bthk, k_bksh, v_bksh, mask, scale=scale, block=block, bytes_per_flop=fused
+        )
     q_pad, pad = -T % bq, -S % bkv
     offset = int(mask.offset)
     # Pads past S are hidden by causality when no real query reaches them.
@@ -119,6 +124,25 @@ def flash_attention(
 
     out = _per_device(local, layout, len(arrays))(q, k, v, *arrays)  # [B, H, Tp, hd]
     return out[:, :, :T].transpose(0, 2, 1, 3).astype(q_bthk.dtype)
+
+
+def _bytes_per_flop(
+    T: int, S: int, offset: int, bq: int, bkv: int, hd: int, itemsize: int, segments: bool
+) -> float:
+    """HBM bytes per FLOP of splash's forward over T queries at key slots offset .. and
+    S keys, from its block specs: for each query head, at every (query block, key block)
+    pair causality shows, the key and value blocks (and the keys' segment ids, 8
+    sublanes of int32); once per query block, the queries, the output, the queries'
+    segment ids and the log-sum-exp (128 lanes of 32 bits each); over 4 x bq x bkv x hd
+    FLOPs a pair. The backward's two kernels read as many blocks per pair (the dq
+    kernel: keys and values; the dkv kernel: queries and output gradients) over 6 and
+    8 x bq x bkv x hd FLOPs: the forward's ratio bounds the three."""
+    nq, nk = -(-T // bq), -(-S // bkv)
+    pairs = sum(min(nk, (offset + min((i + 1) * bq, T) - 1) // bkv + 1) for i in range(nq))
+    per_pair = 2 * bkv * hd * itemsize + (8 * bkv * 4 if segments else 0)
+    per_query_block = 2 * bq * hd * itemsize + bq * LANES * 4 * (2 if segments else 1)
+    moved = pairs * per_pair + nq * per_query_block
+    return moved / (pairs * 4 * bq * bkv * hd)
 
 
 def _segment_ids(mask: xla.AttentionMask, B: int, T: int, S: int, q_pad: int, pad: int):

@@ -809,6 +809,7 @@ def flash_attention(
     block: int = 512,
     einsum=einsum_f32,
     layout: AttentionLayout | None = None,
+    bytes_per_flop: float | None = None,
 ) -> jax.Array:
     """`attention` with the mask described (`AttentionMask`), queries and keys taken
     `block` slots at a time: an online softmax forward (flash attention) and a backward
@@ -819,7 +820,8 @@ def flash_attention(
     [B, H, block, block] block of scores alive. Equal to `attention` with `mask`'s
     dense form up to float32 rounding, also for rows that see no key (a uniform
     average of all S values, as there). `layout`: unused (XLA partitions this itself).
-    [B, T, H, hd]."""
+    `bytes_per_flop`: a plan's counting program stands in for a fused kernel moving
+    this many HBM bytes per FLOP (`loops.scan`). [B, T, H, hd]."""
     del layout
     B, T, H, hd = q_bthk.shape
     K, S = k_bksh.shape[1], k_bksh.shape[2]
@@ -830,7 +832,7 @@ def flash_attention(
     q = jnp.pad(q_bthk, ((0, 0), (0, q_pad), (0, 0), (0, 0))).reshape(B, T + q_pad, K, H // K, hd)
     m = mask.padded(pad, q_pad)
     arrays = (m.kv_valid_bs, m.q_segment_bt, m.kv_segment_bs)
-    args = (int(m.offset), T, S, scale, block, einsum, loops.mode())
+    args = (int(m.offset), T, S, scale, block, einsum, loops.mode(), bytes_per_flop)
     out = _flash(q, k, v, arrays, *args)
     return out[:, :T].reshape(B, T, H, hd).astype(q_bthk.dtype)
 
@@ -861,12 +863,12 @@ def _set_rows(a, x, i, block):
     return jax.lax.dynamic_update_slice_in_dim(a, x, i * block, axis=3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _flash(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
-    return _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused):
+    return _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused)[0]
 
 
-def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
+def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused):
     B, Tq, K, R, hd = q.shape
 
     def body(carry, ij):
@@ -892,7 +894,9 @@ def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
         jnp.zeros((B, K, R, Tq, hd), jnp.float32),
     )
     pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
-    (m, l, acc), _ = loops.scan(body, init, pairs, name="flash_attention", mode=mode)
+    (m, l, acc), _ = loops.scan(
+        body, init, pairs, name="flash_attention", mode=mode, bytes_per_flop=fused
+    )
     # A row that sees no key (m stays MASK_VALUE) averages all S values, as `attention`'s
     # uniform softmax does; the blocks causality skips would have been part of it.
     none = m <= MASK_VALUE
@@ -903,7 +907,7 @@ def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode):
     return out.transpose(0, 3, 1, 2, 4), (q, k, v, arrays, out, m, l)
 
 
-def _flash_bwd(offset, T, S, scale, block, einsum, mode, res, d_out):
+def _flash_bwd(offset, T, S, scale, block, einsum, mode, fused, res, d_out):
     q, k, v, arrays, out, m, l = res
     do_stat = d_out.astype(jnp.float32).transpose(0, 2, 3, 1, 4)  # [B, K, R, Tq, hd], as out
     # Row sums of dP * P, one per query: softmax's backward without P whole.
@@ -934,7 +938,9 @@ def _flash_bwd(offset, T, S, scale, block, einsum, mode, res, d_out):
 
     init = tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
     pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
-    (dq, dk, dv), _ = loops.scan(body, init, pairs, name="flash_attention", mode=mode)
+    (dq, dk, dv), _ = loops.scan(
+        body, init, pairs, name="flash_attention", mode=mode, bytes_per_flop=fused
+    )
     # Rows that see no key: out = the mean of the S values, so each value gets 1 / S of
     # their output gradient.
     d_mean = jnp.where(none[..., None], do_stat, 0.0).sum(axis=(2, 3)) / S  # [B, K, hd]

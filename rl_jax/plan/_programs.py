@@ -541,15 +541,17 @@ def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_me
     The layer and minibatch scans: unrolled. Blocks and chunks (`rl_jax.kernels.loops`):
     peeled, one iteration; a loop key's body costs the difference with the 1-layer
     program that runs that key's loops twice (one more compile per key), and counts
-    (trip count - 1) more times, per layer for loops inside a layer."""
+    (trip count - 1) more times, per layer for loops inside a layer. A key that runs
+    as a fused kernel (`Count.fused`) counts all its iterations at the kernel's bytes
+    per FLOP instead of its stand-in's bytes."""
     meshes = dict(sample_mesh=sample_mesh)
-    one, trips = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs, **meshes)
+    one, counts = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs, **meshes)
     two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs, **meshes)
     # Every counting program is submitted before any is waited for (`compile_jobs`).
-    keys = sorted({k for t in trips.values() for k, n in t.items() if n > 1})
+    keys = sorted({k for c in counts.values() for k, n in c.trips.items() if n > 1})
     twice = {}
     for key in keys:
-        names = tuple(p for p in one if key in trips[p])
+        names = tuple(p for p in one if key in counts[p].trips)
         args = (cfg, spec, mesh, rules, 1, (key,), tp, tg, names)
         twice[key], _ = _peeled_costs(*args, **meshes)
     one, c2 = _results(one), _results(two)
@@ -557,9 +559,17 @@ def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_me
     for key in keys:
         _, n, in_layer = key
         for p, c in _results(twice[key]).items():
-            body = (n - 1) * _increment(c, one[p])
-            c1[p], c2[p] = c1[p] + body, c2[p] + (2 if in_layer else 1) * body
+            more = _iterations(_increment(c, one[p]), n, counts[p].fused.get(key))
+            c1[p], c2[p] = c1[p] + more, c2[p] + (2 if in_layer else 1) * more
     return c1, c2
+
+
+def _iterations(body: np.ndarray, n: int, bytes_per_flop: float | None) -> np.ndarray:
+    """(FLOPs, bytes) that a loop's n iterations add to a program holding one of them
+    peeled, whose cost is `body`: n - 1 more bodies; for a fused kernel's stand-in, n
+    bodies at the kernel's `bytes_per_flop` in place of the stand-in's one."""
+    run = body if bytes_per_flop is None else np.array([body[0], bytes_per_flop * body[0]])
+    return n * run - body
 
 
 def _results(futures: dict) -> dict:
@@ -567,25 +577,25 @@ def _results(futures: dict) -> dict:
 
 
 def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs, *, sample_mesh=None):
-    """({program: future of (FLOPs, bytes)}, {program: {loop key: trip count}}) of
-    `programs` built with `layers` layers and one minibatch, scans unrolled, loops peeled
-    (the keys in `twice` run two iterations). The trip counts are known once the programs
-    are traced, before they compile."""
+    """({program: future of (FLOPs, bytes)}, {program: its `loops.Count`}) of `programs`
+    built with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys
+    in `twice` run two iterations). The counts (trip counts, fused kernels' bytes per
+    FLOP) are known once the programs are traced, before they compile."""
     s = dataclasses.replace(spec, num_layers=layers)
-    costs, trips = {}, {}
+    costs, counts = {}, {}
     options = COUNTING_OPTIONS.get(mesh_platform(mesh), {})
 
     def compile_(name, fn, *args, **kw):
         with loops.counting(twice) as count:
             costs[name] = _submit(fn, *args, then=_cost, options=options, **kw)
-        trips[name] = count.trips
+        counts[name] = count
 
     with _unrolled_scans():
         progs = _programs(cfg, s, mesh, rules, tp, sample_mesh=sample_mesh)
         for name, (fn, args, kw) in progs.step_programs(tp, tg, minibatches=1).items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
-    return costs, trips
+    return costs, counts
 
 
 def _cost(done, times: int = 1) -> tuple[float, float]:
