@@ -24,18 +24,6 @@ EXCEPTIONS = {
     "models/hf.py:hf_config_from_spec": (
         "the inverse key-by-key table of spec_fields_from_hf_config" + _NOT_YET
     ),
-    "sampling/_engine.py:Engine": (
-        "the continuous-batching engine's state machine (verbs, compiled programs, host "
-        "loop); splitting it is #47 item 1/5 work" + _NOT_YET
-    ),
-    "sampling/_engine.py:Engine.__init__": (
-        "the engine's geometry (slots, pages, buckets, shardings) set and checked in one "
-        "place" + _NOT_YET
-    ),
-    "sampling/_engine.py:Engine._prefill_insert_impl": (
-        "the prefill+insert program body (its pool and block scans) traced as one program"
-        + _NOT_YET
-    ),
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"

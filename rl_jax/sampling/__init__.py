@@ -13,14 +13,8 @@ them with `rl_jax.models.token_logprobs(..., temperature=logprob_temperature(t))
 
 from rl_jax.sampling._decoder import pack_prompts
 from rl_jax.sampling._dist import logprob_temperature, sample_logits
-from rl_jax.sampling._engine import (
-    ChunkOut,
-    DecodeWeights,
-    Engine,
-    EngineState,
-    Prefix,
-    RunStats,
-)
+from rl_jax.sampling._engine import ChunkOut, Engine, RunStats
+from rl_jax.sampling._engine_programs import DecodeWeights, EngineState, Prefix
 from rl_jax.sampling._rollouts import FinishReason, Rollouts, concat_groups
 from rl_jax.sampling._state import SamplerState
 

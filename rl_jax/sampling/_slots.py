@@ -24,7 +24,8 @@ from rl_jax.kernels.xla import pages_needed
 from rl_jax.sampling._decoder import round_up
 
 if TYPE_CHECKING:
-    from rl_jax.sampling._engine import ChunkOut, Engine, EngineState
+    from rl_jax.sampling._engine import ChunkOut, Engine
+    from rl_jax.sampling._engine_programs import EngineState
 
 # A row's columns, as `generate` returns them for a chunk: dtype and the value of a
 # column the row has not reached (None: the engine's pad id).
