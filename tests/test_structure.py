@@ -17,13 +17,6 @@ EXCEPTIONS = {
         "grid expansion (axes, constraints, budgets, per-run configs), an error message per "
         "failure" + _NOT_YET
     ),
-    "models/hf.py:spec_fields_from_hf_config": (
-        "a flat key-by-key mapping of HF config.json (4.x and 5.x spellings) to ModelSpec "
-        "fields: a table more than logic" + _NOT_YET
-    ),
-    "models/hf.py:hf_config_from_spec": (
-        "the inverse key-by-key table of spec_fields_from_hf_config" + _NOT_YET
-    ),
     "losses/_api.py:policy_loss": (
         "the loss API's one entry point: a 17-line keyword signature and its 47-line reference "
         "docstring (formula, every keyword, every metric); the body is 32 lines of named steps"

@@ -106,8 +106,58 @@ def _ids(value, key: str, where: str) -> tuple[int, ...]:
     return tuple(_int({key: v}, key, where) for v in values)
 
 
+# ModelSpec fields that config.json holds one to one, both ways: (field, key).
+_SIZES = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("intermediate_size", "intermediate_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"),
+)
+_MOE_SIZES = (
+    ("num_experts_per_tok", "num_experts_per_tok"),
+    ("moe_intermediate_size", "moe_intermediate_size"),
+)
+_LLAMA3_ROPE = (  # RopeScaling field, rope_scaling key, how it reads
+    ("factor", "factor", _float),
+    ("low_freq_factor", "low_freq_factor", _float),
+    ("high_freq_factor", "high_freq_factor", _float),
+    ("original_max_position", "original_max_position_embeddings", _int),
+)
+
+
 def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json") -> dict:
     """ModelSpec fields (architecture level) from an HF config dict, 4.x or 5.x spelling."""
+    arch = _architecture(cfg, where)
+    H = _int(cfg, "num_attention_heads", where)
+    has = lambda key: cfg.get(key) not in (None, 0)  # noqa: E731 - absent, null or 0: default
+    token = lambda key: -1 if cfg.get(key) is None else _int(cfg, key, where)  # noqa: E731
+    theta, scaling = _rope(cfg, where)
+    fields: dict[str, Any] = dict(
+        architecture=arch,
+        **{field: _int(cfg, key, where) for field, key in _SIZES},
+        num_kv_heads=_int(cfg, "num_key_value_heads", where) if has("num_key_value_heads") else H,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=(
+            _int(cfg, "max_position_embeddings", where) if has("max_position_embeddings") else 2048
+        ),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=token("bos_token_id"),
+        eos_token_ids=_ids(cfg.get("eos_token_id"), "eos_token_id", where),
+        pad_token_id=token("pad_token_id"),
+    )
+    if cfg.get("head_dim"):
+        fields["head_dim"] = _int(cfg, "head_dim", where)
+    if cfg.get("model_type") == MOE_MODEL_TYPE or MOE_CLASS in (cfg.get("architectures") or []):
+        fields.update(_moe_fields(cfg, fields["num_layers"], where))
+    return fields
+
+
+def _architecture(cfg: Mapping[str, Any], where: str) -> str:
+    """rl_jax's architecture of an HF config; what it cannot load refused."""
     model_type = cfg.get("model_type")
     classes = cfg.get("architectures") or []
     arch = ARCH_BY_MODEL_TYPE.get(model_type) or next(
@@ -127,53 +177,25 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
     if cfg.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    # 5.x: rope_parameters holds theta and scaling; 4.x: rope_theta + rope_scaling.
+    return arch
+
+
+def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """Rotary theta and scaling. 5.x: rope_parameters holds both; 4.x: rope_theta and
+    rope_scaling."""
     rope = dict(cfg.get("rope_parameters") or {})
     rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    theta = _float({"rope_theta": theta}, "rope_theta", where)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "default":
-        scaling = None
-    elif rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=_float(rope, "factor", f"{where} rope_scaling"),
-            low_freq_factor=_float(rope, "low_freq_factor", f"{where} rope_scaling"),
-            high_freq_factor=_float(rope, "high_freq_factor", f"{where} rope_scaling"),
-            original_max_position=_int(
-                rope, "original_max_position_embeddings", f"{where} rope_scaling"
-            ),
-        )
-    else:
+        return theta, None
+    if rope_type != "llama3":
         raise CheckpointError(
             f"{where}: rope_type={rope_type!r} is not supported (supported: default, llama3)"
         )
-    H = _int(cfg, "num_attention_heads", where)
-    has = lambda key: cfg.get(key) not in (None, 0)  # noqa: E731 - absent, null or 0: default
-    fields: dict[str, Any] = dict(
-        architecture=arch,
-        vocab_size=_int(cfg, "vocab_size", where),
-        hidden_size=_int(cfg, "hidden_size", where),
-        intermediate_size=_int(cfg, "intermediate_size", where),
-        num_layers=_int(cfg, "num_hidden_layers", where),
-        num_heads=H,
-        num_kv_heads=_int(cfg, "num_key_value_heads", where) if has("num_key_value_heads") else H,
-        rope_theta=_float({"rope_theta": theta}, "rope_theta", where),
-        rope_scaling=scaling,
-        max_position=(
-            _int(cfg, "max_position_embeddings", where) if has("max_position_embeddings") else 2048
-        ),
-        rms_norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        bos_token_id=-1 if cfg.get("bos_token_id") is None else _int(cfg, "bos_token_id", where),
-        eos_token_ids=_ids(cfg.get("eos_token_id"), "eos_token_id", where),
-        pad_token_id=-1 if cfg.get("pad_token_id") is None else _int(cfg, "pad_token_id", where),
-    )
-    if cfg.get("head_dim"):
-        fields["head_dim"] = _int(cfg, "head_dim", where)
-    if model_type == MOE_MODEL_TYPE or MOE_CLASS in classes:
-        fields.update(_moe_fields(cfg, fields["num_layers"], where))
-    return fields
+    at = f"{where} rope_scaling"
+    return theta, RopeScaling(**{field: read(rope, key, at) for field, key, read in _LLAMA3_ROPE})
 
 
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
@@ -198,8 +220,7 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
         )
     return dict(
         num_experts=E,
-        num_experts_per_tok=_int(cfg, "num_experts_per_tok", where),
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size", where),
+        **{field: _int(cfg, key, where) for field, key in _MOE_SIZES},
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
     )
 
@@ -210,14 +231,11 @@ def spec_fields_from_hf_dir(path: str | Path) -> dict:
 
 def hf_config_from_spec(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     """config.json in the transformers 4.x spelling (5.x reads it too)."""
+    eos = spec.eos_token_ids
     cfg: dict[str, Any] = {
         "architectures": [HF_CLASS[spec.architecture]],
         "model_type": spec.architecture,
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
+        **{key: getattr(spec, field) for field, key in _SIZES},
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "hidden_act": "silu",
@@ -229,57 +247,59 @@ def hf_config_from_spec(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         "use_cache": True,
         "bos_token_id": spec.bos_token_id if spec.bos_token_id >= 0 else None,
-        "eos_token_id": (
-            None
-            if not spec.eos_token_ids
-            else spec.eos_token_ids[0]
-            if len(spec.eos_token_ids) == 1
-            else list(spec.eos_token_ids)
-        ),
+        "eos_token_id": (None if not eos else eos[0] if len(eos) == 1 else list(eos)),
         "pad_token_id": spec.pad_token_id if spec.pad_token_id >= 0 else None,
     }
     if spec.rope_scaling is not None:
         r = spec.rope_scaling
         cfg["rope_scaling"] = {
             "rope_type": "llama3",
-            "factor": r.factor,
-            "low_freq_factor": r.low_freq_factor,
-            "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_position,
+            **{key: getattr(r, field) for field, key, _ in _LLAMA3_ROPE},
         }
+    cfg.update(_bias_keys(spec))
+    if spec.is_moe:
+        cfg.update(_moe_keys(spec))
+    return cfg
+
+
+def _bias_keys(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's spelling of the attention's biases and norms (what has none refused)."""
+    out: dict[str, Any] = {}
     if spec.architecture == "qwen2":
         if not spec.qkv_bias or spec.o_bias:
             raise CheckpointError("qwen2 checkpoints have q/k/v biases and no o_proj bias")
-        cfg["use_sliding_window"] = False
+        out["use_sliding_window"] = False
     else:
         if spec.qkv_bias != spec.o_bias:
             raise CheckpointError(
                 f"{spec.architecture}: attention_bias covers q/k/v and o together; "
                 f"got qkv_bias={spec.qkv_bias} o_bias={spec.o_bias}"
             )
-        cfg["attention_bias"] = spec.qkv_bias
+        out["attention_bias"] = spec.qkv_bias
     if spec.architecture == "llama":
-        cfg["mlp_bias"] = False
+        out["mlp_bias"] = False
     if spec.qk_norm != (spec.architecture == "qwen3"):
         raise CheckpointError(f"{spec.architecture}: qk_norm={spec.qk_norm} has no HF spelling")
-    if spec.is_moe:
-        if spec.architecture != "qwen3":
-            raise CheckpointError(
-                f"a mixture of experts exports as Qwen3-MoE (model.architecture=qwen3); "
-                f"model.architecture={spec.architecture} with experts has no HF spelling"
-            )
-        cfg.update(
-            architectures=[MOE_CLASS],
-            model_type=MOE_MODEL_TYPE,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            norm_topk_prob=spec.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            use_sliding_window=False,
+    return out
+
+
+def _moe_keys(spec: ModelSpec) -> dict[str, Any]:
+    """Qwen3-MoE's config.json keys of a mixture of experts (other architectures refused)."""
+    if spec.architecture != "qwen3":
+        raise CheckpointError(
+            f"a mixture of experts exports as Qwen3-MoE (model.architecture=qwen3); "
+            f"model.architecture={spec.architecture} with experts has no HF spelling"
         )
-    return cfg
+    return dict(
+        architectures=[MOE_CLASS],
+        model_type=MOE_MODEL_TYPE,
+        num_experts=spec.num_experts,
+        **{key: getattr(spec, field) for field, key in _MOE_SIZES},
+        norm_topk_prob=spec.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+    )
 
 
 # ---- tensor names and layouts ------------------------------------------------------------------
