@@ -290,9 +290,61 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
     Raises ConfigError (exit 2) for unknown keys, constraints no run satisfies,
     and a budget smaller than one step.
     """
-    base_cfg = load_recipe(spec.recipe)
-    known = set(all_keys())
+    recipe = load_recipe(spec.recipe)
     constraints = [Constraint(c) for c in spec.constraints]
+    owners = _owners(spec, constraints, extra)
+    base_ov = [format_override(k, v) for k, v in spec.base] + list(extra)
+    end_only = "checkpoint.every" not in owners and not any(
+        o.split("=", 1)[0].strip() == "checkpoint.every" for o in base_ov
+    )
+    base_cfg = _apply(recipe, base_ov, f"grid {spec.name!r} base")
+
+    plans: list[RunPlan] = []
+    dropped: list[str] = []
+    too_small: list[str] = []
+    for combo in itertools.product(*(a.points for a in spec.axes)):
+        pairs = [kv for p in combo for kv in p.overrides]
+        labels = tuple((a.name, p.label) for a, p in zip(spec.axes, combo, strict=True))
+        group = "_".join(p.label for p in combo) or "base"
+        where = f"grid {spec.name!r} run {group}"
+        for seed in spec.seeds:
+            point = pairs + [(k, seed) for k in spec.seed_keys]
+            cfg = _with_values(base_cfg, point, where)
+            per_step = step_compute(cfg, spec.budget)
+            steps, derived = _derived(spec, cfg, per_step, end_only)
+            failed = [c.text for c in constraints if not c(_constraint_env(cfg, combo, steps))]
+            if failed:
+                dropped.append(f"{group} (fails {failed[0]!r})")
+                continue
+            if steps < 1:
+                too_small.append(f"{group}: one step is {per_step[spec.budget.unit]:g}")
+                continue
+            cfg = _with_values(cfg, derived, where)
+            overrides = tuple(base_ov + [format_override(k, v) for k, v in point + derived])
+            rid = run_id(cfg)
+            summary = "_".join([p.label for p in combo] + [f"s{seed}"])
+            plans.append(
+                RunPlan(
+                    index=len(plans),
+                    name=f"{summary}-{rid}",
+                    run_id=rid,
+                    group=group,
+                    labels=labels,
+                    seed=seed,
+                    overrides=overrides,
+                    config=cfg,
+                    step_compute=per_step,
+                )
+            )
+    _check_plans(spec, plans, dropped, too_small)
+    return plans
+
+
+def _owners(spec: GridSpec, constraints: list[Constraint], extra: Sequence[str]) -> dict:
+    """{config key: what sets it (an axis, "seed_keys", or the spec field it is derived
+    from)}; unknown keys, a key two owners set and an `extra` override that fights an
+    owner refused."""
+    known = set(all_keys())
     var_names = {k for a in spec.axes for p in a.points for k, _ in p.vars}
     for c in constraints:
         c.check_names(known | set(ALIASES) | var_names)
@@ -329,81 +381,59 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
         k = item.split("=", 1)[0].strip()
         if k in owners:
             raise ConfigError(f"override {item!r} fights grid {spec.name!r} {owners[k]!r}")
+    return owners
 
-    base_ov = [format_override(k, v) for k, v in spec.base] + list(extra)
-    end_only = "checkpoint.every" not in owners and not any(
-        o.split("=", 1)[0].strip() == "checkpoint.every" for o in base_ov
-    )
-    base_cfg = _apply(base_cfg, base_ov, f"grid {spec.name!r} base")
 
-    plans: list[RunPlan] = []
-    dropped: list[str] = []
-    too_small: list[str] = []
-    for combo in itertools.product(*(a.points for a in spec.axes)):
-        pairs = [kv for p in combo for kv in p.overrides]
-        labels = tuple((a.name, p.label) for a, p in zip(spec.axes, combo, strict=True))
-        group = "_".join(p.label for p in combo) or "base"
-        where = f"grid {spec.name!r} run {group}"
-        for seed in spec.seeds:
-            point = pairs + [(k, seed) for k in spec.seed_keys]
-            try:
-                cfg = with_values(base_cfg, point)
-            except ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from e
-            per_step = step_compute(cfg, spec.budget)
-            derived: list[tuple[str, Any]] = []
-            if spec.budget is not None:
-                per = per_step[spec.budget.unit]
-                if math.isnan(per):
-                    raise ConfigError(
-                        f"grid {spec.name!r}: budget unit {spec.budget.unit!r} needs the model's"
-                        " FLOPs per token (rl_jax.models.spec), not in this build; use rollouts"
-                        " or generated_tokens"
-                    )
-                steps = int(math.floor(spec.budget.amount / per + 1e-9))
-                derived.append(("train.steps", steps))
-            else:
-                steps = cfg.train.steps
-            if spec.evals_per_run:
-                derived.append(("eval.every", max(1, steps // spec.evals_per_run)))
-            if spec.checkpoints_per_run:
-                derived.append(("checkpoint.every", max(1, steps // spec.checkpoints_per_run)))
-            elif end_only:
-                # No checkpoints_per_run: one checkpoint at the end, whatever the recipe's
-                # interval (a shipped recipe checkpoints for runs launched by hand).
-                derived.append(("checkpoint.every", 0))
-            env = dict(flatten(resolved(cfg)))  # constraints see the loss's own defaults
-            env.update({k: f(cfg) for k, f in ALIASES.items()})
-            env["M"] = steps
-            for p in combo:
-                env.update(dict(p.vars))
-            failed = [c.text for c in constraints if not c(env)]
-            if failed:
-                dropped.append(f"{group} (fails {failed[0]!r})")
-                continue
-            if steps < 1:
-                too_small.append(f"{group}: one step is {per_step[spec.budget.unit]:g}")
-                continue
-            try:
-                cfg = with_values(cfg, derived)
-            except ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from e
-            overrides = tuple(base_ov + [format_override(k, v) for k, v in point + derived])
-            rid = run_id(cfg)
-            summary = "_".join([p.label for p in combo] + [f"s{seed}"])
-            plans.append(
-                RunPlan(
-                    index=len(plans),
-                    name=f"{summary}-{rid}",
-                    run_id=rid,
-                    group=group,
-                    labels=labels,
-                    seed=seed,
-                    overrides=overrides,
-                    config=cfg,
-                    step_compute=per_step,
-                )
+def _with_values(cfg: RunConfig, pairs: Sequence[tuple[str, Any]], where: str) -> RunConfig:
+    try:
+        return with_values(cfg, pairs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _derived(
+    spec: GridSpec, cfg: RunConfig, per_step: dict[str, float], end_only: bool
+) -> tuple[int, list[tuple[str, Any]]]:
+    """A run's steps (from the budget, else its config) and the keys derived from the
+    spec: train.steps, eval.every, checkpoint.every."""
+    derived: list[tuple[str, Any]] = []
+    if spec.budget is not None:
+        per = per_step[spec.budget.unit]
+        if math.isnan(per):
+            raise ConfigError(
+                f"grid {spec.name!r}: budget unit {spec.budget.unit!r} needs the model's"
+                " FLOPs per token (rl_jax.models.spec), not in this build; use rollouts"
+                " or generated_tokens"
             )
+        steps = int(math.floor(spec.budget.amount / per + 1e-9))
+        derived.append(("train.steps", steps))
+    else:
+        steps = cfg.train.steps
+    if spec.evals_per_run:
+        derived.append(("eval.every", max(1, steps // spec.evals_per_run)))
+    if spec.checkpoints_per_run:
+        derived.append(("checkpoint.every", max(1, steps // spec.checkpoints_per_run)))
+    elif end_only:
+        # No checkpoints_per_run: one checkpoint at the end, whatever the recipe's
+        # interval (a shipped recipe checkpoints for runs launched by hand).
+        derived.append(("checkpoint.every", 0))
+    return steps, derived
+
+
+def _constraint_env(cfg: RunConfig, combo, steps: int) -> dict[str, Any]:
+    """What a constraint sees: every resolved knob (the loss's own defaults too), the
+    aliases, M (the run's steps) and the axis points' variables."""
+    env = dict(flatten(resolved(cfg)))
+    env.update({k: f(cfg) for k, f in ALIASES.items()})
+    env["M"] = steps
+    for p in combo:
+        env.update(dict(p.vars))
+    return env
+
+
+def _check_plans(spec: GridSpec, plans: list, dropped: list[str], too_small: list[str]) -> None:
+    """The expansion's errors: a budget under one step, every run dropped, two runs of
+    one config."""
     if too_small:
         b = spec.budget
         raise ConfigError(
@@ -425,4 +455,3 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
             f"grid {spec.name!r}: axis points {dup} resolve to the same config; an axis sets a"
             " knob to the value another point already gives it"
         )
-    return plans
