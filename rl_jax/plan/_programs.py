@@ -534,7 +534,9 @@ def _increment(more, fewer) -> np.ndarray:
     return np.array([d[0], max(d[1], 0.0)])
 
 
-def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_mesh=None):
+def _depth_costs(
+    cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_mesh=None, bodies=None
+):
     """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
     one minibatch, every iteration of its scans and loops counted.
 
@@ -543,7 +545,9 @@ def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_me
     program that runs that key's loops twice (one more compile per key), and counts
     (trip count - 1) more times, per layer for loops inside a layer. A key that runs
     as a fused kernel (`Count.fused`) counts all its iterations at the kernel's bytes
-    per FLOP instead of its stand-in's bytes."""
+    per FLOP instead of its stand-in's bytes. `bodies`: a dict to fill with
+    {(program, loop key): (one iteration's (FLOPs, bytes), the kernel's bytes per FLOP)}
+    (benchmarks/train_step_flops.py)."""
     meshes = dict(sample_mesh=sample_mesh)
     one, counts = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs, **meshes)
     two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs, **meshes)
@@ -559,7 +563,10 @@ def _depth_costs(cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_me
     for key in keys:
         _, n, in_layer = key
         for p, c in _results(twice[key]).items():
-            more = _iterations(_increment(c, one[p]), n, counts[p].fused.get(key))
+            body, ratio = _increment(c, one[p]), counts[p].fused.get(key)
+            if bodies is not None:
+                bodies[p, key] = body, ratio
+            more = _iterations(body, n, ratio)
             c1[p], c2[p] = c1[p] + more, c2[p] + (2 if in_layer else 1) * more
     return c1, c2
 
