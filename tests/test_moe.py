@@ -2,6 +2,7 @@
 its dispatch (no dense [tokens, experts, ...] arrays), the engine's decode step against
 the trainer's forward, specs, presets and FLOPs, router losses and metrics."""
 
+import dataclasses
 import functools
 
 import jax
@@ -149,6 +150,13 @@ def test_published_presets_count_their_parameters():
     assert a22b.num_params() / 1e9 == pytest.approx(235.1, abs=0.3)
     active = (a3b.flops_per_token(0) / 2 + a3b.vocab_size * a3b.hidden_size) / 1e9
     assert 3.3 <= active < 3.4  # "3.3B activated", the embedding counted
+    # Qwen2-MoE, a shared expert beside the routed ones: Qwen1.5-MoE-A2.7B 14.3B, 2.7B
+    # active; Qwen2-57B-A14B 57.4B, 14B active (the model cards').
+    for name, total, act in (("qwen1.5-moe-a2.7b", 14.3, 2.7), ("qwen2-57b-a14b", 57.4, 14.2)):
+        spec = resolve_spec(ModelConfig(preset=name))
+        assert spec.num_params() / 1e9 == pytest.approx(total, abs=0.05)
+        active = (spec.flops_per_token(0) / 2 + spec.vocab_size * spec.hidden_size) / 1e9
+        assert active == pytest.approx(act, abs=0.05)
     # A dense spec's accounting is untouched by the new fields.
     dense = resolve_spec(ModelConfig(preset="qwen3-8b"))
     assert not dense.is_moe and dense.num_params() / 1e9 == pytest.approx(8.19, abs=0.01)
@@ -167,6 +175,13 @@ def test_expert_knobs_override_a_dense_preset_and_bad_ones_are_refused():
         resolve_spec(ModelConfig(preset="tiny-moe", num_experts_per_tok=5))
     with pytest.raises(ConfigError, match="model.norm_topk_prob"):
         ModelConfig(norm_topk_prob="maybe")
+    shared = resolve_spec(ModelConfig(preset="tiny-moe", shared_expert_intermediate_size=32))
+    assert shared.shared_expert_intermediate_size == 32
+    # Its weights: 3 x D x Fs and the gate's D a layer, all active.
+    extra = shared.num_layers * (3 * shared.hidden_size * 32 + shared.hidden_size)
+    assert shared.num_params() - resolve_spec(ModelConfig(preset="tiny-moe")).num_params() == extra
+    with pytest.raises(ConfigError, match="model.shared_expert_intermediate_size=32 needs"):
+        resolve_spec(ModelConfig(preset="tiny", shared_expert_intermediate_size=32))
 
 
 # ---- the forward, the engine -------------------------------------------------------------
@@ -200,6 +215,29 @@ def test_engine_decodes_the_sparse_mlp_as_the_trainer_scores_it(params, temperat
     tp = out.prompt_tokens.shape[1]
     m = out.completion_mask
     np.testing.assert_allclose(out.logprobs[m], logp[:, tp - 1 : -1][m], atol=1e-4)
+
+
+def test_engine_decodes_a_shared_expert_as_the_trainer_scores_it():
+    """With a shared expert (Qwen2-MoE) beside the routed ones: the engine's decode step
+    and the trainer's forward give each sampled token the same log-prob, and the shared
+    expert is in both (the tokens differ without it)."""
+    spec = dataclasses.replace(SPEC, shared_expert_intermediate_size=32)
+    params = _params(1, spec)
+    assert params["shared_gate"].shape == (2, 64, 32)
+    assert params["shared_expert_gate"].shape == (2, 64)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=10, length_bucket=8, max_prompt_len=16)
+    engine = Engine(spec, cfg, slots=3, chunk=4, pad_id=0)
+    out, _ = engine.run(params, PROMPTS, n=1, seed=3)
+    model = Transformer(spec, params)
+    seqs = _sequences(out)
+    logp = np.asarray(
+        jax.jit(lambda *a: token_logprobs(model, a[0], a[2], kv_valid_bt=a[1])[0])(*seqs)
+    )
+    tp, m = out.prompt_tokens.shape[1], out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], logp[:, tp - 1 : -1][m], atol=1e-4)
+    without = {k: v for k, v in params.items() if not k.startswith("shared")}
+    plain = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0).run(without, PROMPTS, n=1, seed=3)[0]
+    assert not np.array_equal(plain.completion_tokens, out.completion_tokens)
 
 
 def test_shared_prefix_router_stats_count_valid_tokens_only(params):
@@ -238,12 +276,14 @@ def test_shared_prefix_router_stats_count_valid_tokens_only(params):
 # ---- HF checkpoints: parity with transformers' Qwen3MoeForCausalLM -------------------------
 
 
-def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False):
-    """A random Qwen3-MoE as transformers builds and saves it (weights scaled up, so the
-    router's choices and the norms matter)."""
+def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False, shared=0):
+    """A random Qwen3-MoE (`shared`: a Qwen2-MoE with a shared expert of that width) as
+    transformers builds and saves it (weights scaled up, so the router's choices, the
+    shared expert's gate and the norms matter)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
+    family = transformers.Qwen2MoeConfig if shared else transformers.Qwen3MoeConfig
+    cfg = family(
         vocab_size=48,
         hidden_size=32,
         intermediate_size=64,
@@ -254,16 +294,16 @@ def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=tie,
+        **({"shared_expert_intermediate_size": shared} if shared else {"head_dim": 16}),
     )
     torch.manual_seed(experts * 10 + top_k)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    d = tmp_path_factory.mktemp(f"qwen3moe_{experts}_{top_k}_{norm}")
+    d = tmp_path_factory.mktemp(f"moe_{experts}_{top_k}_{norm}_{shared}")
     model.save_pretrained(d)
     return d, model
 
@@ -307,6 +347,38 @@ def test_qwen3_moe_loads_and_exports_with_transformers_logits(
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("experts,top_k,norm", [(4, 1, False), (8, 2, True), (16, 4, False)])
+def test_qwen2_moe_with_a_shared_expert_loads_and_exports_with_transformers_logits(
+    experts, top_k, norm, tmp_path_factory
+):
+    """Qwen2-MoE: Qwen2's attention (q/k/v biases) and a shared expert beside the routed
+    ones, every token through it, its output scaled by a sigmoid gate."""
+    import torch
+    import transformers
+
+    from rl_jax.models.hf import export_hf, load_hf
+
+    d, hf_model = _hf_moe(tmp_path_factory, experts=experts, top_k=top_k, norm=norm, shared=40)
+    want = _hf_logprobs(hf_model)
+    ours = load_hf(d)
+    spec = ours.spec
+    assert (spec.architecture, spec.num_experts, spec.shared_expert_intermediate_size) == (
+        "qwen2",
+        experts,
+        40,
+    )
+    assert spec.qkv_bias and not spec.o_bias and not spec.qk_norm
+    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    out = export_hf(ours, tmp_path_factory.mktemp("export"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen2MoeForCausalLM"
+    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+    # The spec counts every parameter transformers has, the shared expert's among them.
+    assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
 
 
 def test_qwen3_moe_configs_with_dense_layers_are_refused():
@@ -473,10 +545,14 @@ def test_lora_on_the_experts_is_refused_by_name(capsys, monkeypatch):
 
 
 @pytest.mark.devices(8)
-def test_sharded_forward_and_gradients_equal_one_devices(params):
+@pytest.mark.parametrize("shared", [0, 32])
+def test_sharded_forward_and_gradients_equal_one_devices(params, shared):
     """On a data 2 x fsdp 2 x tensor 2 mesh each batch shard dispatches its own tokens and
     each tensor shard holds half of every expert's width: the log-probs, the router's
-    statistics and the gradients are one device's."""
+    statistics and the gradients are one device's (with a shared expert too, which XLA
+    partitions as a dense MLP)."""
+    spec = SPEC.replace(shared_expert_intermediate_size=shared)
+    params = _params(1, spec) if shared else params
     from rl_jax.config import MeshConfig
     from rl_jax.models import param_shardings
     from rl_jax.sharding import get_rules, make_mesh
@@ -495,14 +571,16 @@ def test_sharded_forward_and_gradients_equal_one_devices(params):
     )
 
     def loss(p, mesh):
-        model = Transformer(SPEC.replace(scan_layers=True), p, mesh=mesh, rules=rules)
+        model = Transformer(spec.replace(scan_layers=True), p, mesh=mesh, rules=rules)
         _, xc, stats = model.shared_prefix(*args, group_size=G, with_router=True)
         lp = model.logits(xc).astype(jnp.float32)
         return jnp.mean(jax.nn.log_softmax(lp)[..., 0]) + 0.1 * stats.z.sum(), stats
 
     one = jax.jit(jax.value_and_grad(lambda p: loss(p, None), has_aux=True))(params)
-    placed = jax.device_put(params, param_shardings(SPEC, mesh, rules))
+    placed = jax.device_put(params, param_shardings(spec, mesh, rules))
     assert placed["expert_gate"].sharding.spec[1:4] == ("fsdp", None, "tensor")
+    if shared:
+        assert placed["shared_gate"].sharding.spec[1:3] == ("fsdp", "tensor")
     many = jax.jit(jax.value_and_grad(lambda p: loss(p, mesh), has_aux=True))(placed)
     (l1, s1), g1 = one
     (l8, s8), g8 = many

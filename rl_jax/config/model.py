@@ -75,6 +75,11 @@ class ModelConfig:
     moe_intermediate_size: int = knob(
         0, help="each expert's MLP width (0 = from preset/checkpoint)"
     )
+    shared_expert_intermediate_size: int = knob(
+        0,
+        help="the width of a shared expert every token goes through beside its k, gated by "
+        "a sigmoid (Qwen2-MoE); 0 = from preset/checkpoint, where 0 is none",
+    )
     norm_topk_prob: str = knob(
         "auto",
         help=f"renormalize the k chosen experts' router probabilities to sum to 1 (Qwen3-MoE), "
@@ -139,7 +144,12 @@ DIMENSIONS = (
     "head_dim",
     "max_position",
 )
-EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+EXPERTS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def check_model(m, *, resolved: bool) -> None:
@@ -189,4 +199,10 @@ def _check_experts(m, *, resolved: bool) -> None:
         raise ConfigError(
             f"model.moe_intermediate_size={Fe} must be > 0 with model.num_experts={E} "
             "(each expert's MLP width)"
+        )
+    Fs = m.shared_expert_intermediate_size
+    if resolved and Fs and not E:
+        raise ConfigError(
+            f"model.shared_expert_intermediate_size={Fs} needs experts (model.num_experts > 0): "
+            "a shared expert sits beside a mixture of experts' routed ones"
         )

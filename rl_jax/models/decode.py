@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from rl_jax.kernels.xla import Decode, PagedKV, Pages
 from rl_jax.models.layers import rms_norm, rope_angles, rope_table
-from rl_jax.models.moe import moe_mlp
+from rl_jax.models.moe import SHARED_EXPERT, moe_mlp, shared_expert
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
 
@@ -55,8 +55,9 @@ def decode_weights(
         }
         if spec.is_moe:  # the router stays float32 (rl_jax.models.moe.route)
             w["router"] = p["router"]
-            for name in ("expert_gate", "expert_up", "expert_down"):
-                w[name] = p[name].astype(cdt)
+            for name in ("expert_gate", "expert_up", "expert_down", *SHARED_EXPERT):
+                if name in p:
+                    w[name] = p[name].astype(cdt)
         else:
             w["gate_up"] = jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt)
             w["down"] = p["down"].astype(cdt)
@@ -143,7 +144,7 @@ def decode_step(
 
 def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode) -> jax.Array:
     """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp`, its
-    grouped matmuls the platform's (`ops.grouped_matmul`)."""
+    grouped matmuls the platform's (`ops.grouped_matmul`), and its `shared_expert`."""
 
     def at(name):
         return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
@@ -159,4 +160,6 @@ def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode) -> ja
         norm_topk_prob=spec.norm_topk_prob,
         grouped_matmul=ops.grouped_matmul,
     )
+    if spec.shared_expert_intermediate_size:
+        out = out + shared_expert(h, {name: at(name) for name in SHARED_EXPERT})
     return out

@@ -44,11 +44,15 @@ class CheckpointError(ConfigError):
     """A checkpoint does not match what the model needs (names the tensor/shape/field)."""
 
 
-ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Qwen3 with a sparse MLP: Qwen3-MoE (its attention is Qwen3's).
-MOE_MODEL_TYPE, MOE_CLASS = "qwen3_moe", "Qwen3MoeForCausalLM"
-ARCH_BY_CLASS = {v: k for k, v in HF_CLASS.items()} | {MOE_CLASS: "qwen3"}
+# A family with a sparse MLP, (model_type, class): Qwen3-MoE (Qwen3's attention, no shared
+# expert) and Qwen2-MoE (Qwen2's attention, a shared expert beside the routed ones).
+MOE_HF = {
+    "qwen3": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+}
+ARCH_BY_MODEL_TYPE = {a: a for a in HF_CLASS} | {t: a for a, (t, _) in MOE_HF.items()}
+ARCH_BY_CLASS = {c: a for a, c in HF_CLASS.items()} | {c: a for a, (_, c) in MOE_HF.items()}
 # A model directory's tokenizer: the fast tokenizer and its settings, the chat template
 # where transformers 5 writes it, the slow tokenizers' vocabularies. Copied as they are by
 # an export, so every field transformers reads travels.
@@ -151,7 +155,9 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
     )
     if cfg.get("head_dim"):
         fields["head_dim"] = _int(cfg, "head_dim", where)
-    if cfg.get("model_type") == MOE_MODEL_TYPE or MOE_CLASS in (cfg.get("architectures") or []):
+    moe_types = {t for t, _ in MOE_HF.values()}
+    moe_classes = {c for _, c in MOE_HF.values()}
+    if cfg.get("model_type") in moe_types or moe_classes & set(cfg.get("architectures") or []):
         fields.update(_moe_fields(cfg, fields["num_layers"], where))
     return fields
 
@@ -199,10 +205,11 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None
 
 
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
-    """A Qwen3-MoE config's expert fields. transformers 5 writes `num_experts` as
-    `num_local_experts`. Every layer must be sparse: layer i is when
+    """A Qwen3-MoE or Qwen2-MoE config's expert fields. transformers 5 writes
+    `num_experts` as `num_local_experts`. Every layer must be sparse: layer i is when
     (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (every published
-    Qwen3-MoE); a mix of dense and sparse layers would not stack into one scan."""
+    Qwen3-MoE and Qwen2-MoE); a mix of dense and sparse layers would not stack into one
+    scan."""
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"
     E = _int(cfg, key, where, 0)
     if not E:
@@ -222,6 +229,7 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
         num_experts=E,
         **{field: _int(cfg, key, where) for field, key in _MOE_SIZES},
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, 0),
     )
 
 
@@ -284,21 +292,27 @@ def _bias_keys(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _moe_keys(spec: ModelSpec) -> dict[str, Any]:
-    """Qwen3-MoE's config.json keys of a mixture of experts (other architectures refused)."""
-    if spec.architecture != "qwen3":
+    """config.json's keys of a mixture of experts: Qwen3-MoE (model.architecture=qwen3, no
+    shared expert) or Qwen2-MoE (qwen2, with one); what has no HF spelling refused."""
+    shared = spec.shared_expert_intermediate_size
+    if spec.architecture not in MOE_HF or bool(shared) != (spec.architecture == "qwen2"):
         raise CheckpointError(
-            f"a mixture of experts exports as Qwen3-MoE (model.architecture=qwen3); "
-            f"model.architecture={spec.architecture} with experts has no HF spelling"
+            "a mixture of experts exports as Qwen3-MoE (model.architecture=qwen3, no shared "
+            "expert) or Qwen2-MoE (qwen2, model.shared_expert_intermediate_size > 0); "
+            f"model.architecture={spec.architecture} with "
+            f"shared_expert_intermediate_size={shared} has no HF spelling"
         )
+    model_type, cls = MOE_HF[spec.architecture]
     return dict(
-        architectures=[MOE_CLASS],
-        model_type=MOE_MODEL_TYPE,
+        architectures=[cls],
+        model_type=model_type,
         num_experts=spec.num_experts,
         **{key: getattr(spec, field) for field, key in _MOE_SIZES},
         norm_topk_prob=spec.norm_topk_prob,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         use_sliding_window=False,
+        **({"shared_expert_intermediate_size": shared} if shared else {}),
     )
 
 
@@ -371,14 +385,36 @@ def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
         "up": _Conv(p + "mlp.up_proj.weight", T, T, (F, D)),
         "down": _Conv(p + "mlp.down_proj.weight", T, T, (D, F)),
     }
-    if spec.is_moe:  # Qwen3-MoE: per-expert tensors (what transformers saves and loads)
-        E, Fe = spec.num_experts, spec.moe_intermediate_size
-        x = p + "mlp.experts.{j}."
-        table["router"] = _Conv(p + "mlp.gate.weight", T, T, (E, D))
-        table["expert_gate"] = _Conv(x + "gate_proj.weight", T, T, (Fe, D), experts=E)
-        table["expert_up"] = _Conv(x + "up_proj.weight", T, T, (Fe, D), experts=E)
-        table["expert_down"] = _Conv(x + "down_proj.weight", T, T, (D, Fe), experts=E)
+    if spec.is_moe:
+        table.update(_moe_layout(spec, p))
     return {n: table[n] for n in param_layout(spec) if n in table}
+
+
+def _moe_layout(spec: ModelSpec, p: str) -> dict[str, _Conv]:
+    """A mixture of experts' tensors (layer prefix `p`): the router, one tensor per
+    expert (what transformers saves and loads), Qwen2-MoE's shared expert and its gate."""
+    D, E, Fe = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    Fs, x, sh = (
+        spec.shared_expert_intermediate_size,
+        p + "mlp.experts.{j}.",
+        p + "mlp.shared_expert.",
+    )
+    T = lambda a: a.T  # noqa: E731
+    return {
+        "router": _Conv(p + "mlp.gate.weight", T, T, (E, D)),
+        "expert_gate": _Conv(x + "gate_proj.weight", T, T, (Fe, D), experts=E),
+        "expert_up": _Conv(x + "up_proj.weight", T, T, (Fe, D), experts=E),
+        "expert_down": _Conv(x + "down_proj.weight", T, T, (D, Fe), experts=E),
+        "shared_gate": _Conv(sh + "gate_proj.weight", T, T, (Fs, D)),
+        "shared_up": _Conv(sh + "up_proj.weight", T, T, (Fs, D)),
+        "shared_down": _Conv(sh + "down_proj.weight", T, T, (D, Fs)),
+        "shared_expert_gate": _Conv(
+            p + "mlp.shared_expert_gate.weight",
+            lambda a: a.reshape(D),
+            lambda a: a.reshape(1, D),
+            (1, D),
+        ),
+    }
 
 
 # ---- reading -----------------------------------------------------------------------------------

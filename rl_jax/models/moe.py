@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from rl_jax.kernels.xla import grouped_matmul as xla_grouped_matmul
 from rl_jax.kernels.xla import matmul
+from rl_jax.models.layers import swiglu
 from rl_jax.sharding.rules import Rules, fit_spec, logical_to_spec
 
 
@@ -117,6 +118,20 @@ def moe_mlp(
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
     valid_n = None if valid is None else valid.reshape(-1)
     return out.reshape(*lead, D), router_stats(logits, experts, valid_n)
+
+
+# A shared expert's parameters (`shared_expert`), per layer.
+SHARED_EXPERT = ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")
+
+
+def shared_expert(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """A layer's shared expert of h [..., D] (already normed) in h's dtype: a SwiGLU MLP
+    every token goes through, scaled by sigmoid(h . shared_expert_gate) (transformers'
+    Qwen2MoeSparseMoeBlock adds it to the routed experts' sum)."""
+    dt, lead, D = h.dtype, h.shape[:-1], h.shape[-1]
+    wg, wu, wd = (p[n].astype(dt) for n in ("shared_gate", "shared_up", "shared_down"))
+    gate = matmul(h.reshape(-1, D), p["shared_expert_gate"].astype(dt)[:, None])
+    return swiglu(h, wg, wu, wd) * jax.nn.sigmoid(gate).reshape(*lead, 1)
 
 
 def aux_losses(stats: RouterStats, *, num_experts: int, top_k: int) -> dict[str, jax.Array]:

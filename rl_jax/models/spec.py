@@ -59,6 +59,9 @@ class ModelSpec:
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0  # Fe
     norm_topk_prob: bool = False  # the k chosen probabilities renormalized to sum to 1
+    # A shared expert of this width beside the routed ones (Qwen2-MoE): every token goes
+    # through it, its output scaled by a sigmoid gate [D, 1]. 0: none.
+    shared_expert_intermediate_size: int = 0  # Fs
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     fp32_lm_head: bool = False
@@ -84,9 +87,11 @@ class ModelSpec:
 
     @property
     def active_mlp_width(self) -> int:
-        """The MLP width a token goes through: F, or k experts' k x Fe."""
+        """The MLP width a token goes through: F, or k experts' k x Fe (and a shared
+        expert's Fs)."""
         if self.is_moe:
-            return self.num_experts_per_tok * self.moe_intermediate_size
+            k, Fe = self.num_experts_per_tok, self.moe_intermediate_size
+            return k * Fe + self.shared_expert_intermediate_size
         return self.intermediate_size
 
     def replace(self, **changes: Any) -> ModelSpec:
@@ -104,9 +109,10 @@ class ModelSpec:
             self.head_dim,
         )
         attention = D * H * hd + 2 * D * K * hd + H * hd * D
-        if self.is_moe:  # the router, and the k experts a token goes through
+        if self.is_moe:  # the router, the k experts a token goes through, the shared one
             E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
-            return attention + D * E + k * 3 * D * Fe
+            Fs = self.shared_expert_intermediate_size
+            return attention + D * E + k * 3 * D * Fe + (3 * D * Fs + D if Fs else 0)
         return attention + 3 * D * F
 
     def num_params(self) -> int:
@@ -308,6 +314,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         for size, D, F, Fe, L, H in (
             ("30b-a3b", 2048, 6144, 768, 48, 32),
             ("235b-a22b", 4096, 12288, 1536, 94, 64),
+        )
+    },
+    # Qwen2-MoE (Qwen2MoeForCausalLM): Qwen2's attention, every layer sparse, top k of E
+    # experts and a shared expert every token goes through; the chosen probabilities not
+    # renormalized. `intermediate_size` is the family's dense width (unused).
+    **{
+        name: dict(
+            architecture="qwen2",
+            vocab_size=151936,
+            hidden_size=D,
+            intermediate_size=F,
+            num_layers=L,
+            num_heads=H,
+            num_kv_heads=K,
+            head_dim=128,
+            rope_theta=1000000.0,
+            max_position=max_position,
+            rms_norm_eps=1e-6,
+            tie_embeddings=False,
+            num_experts=E,
+            num_experts_per_tok=k,
+            moe_intermediate_size=Fe,
+            shared_expert_intermediate_size=Fs,
+            norm_topk_prob=False,
+        )
+        for name, D, F, L, H, K, E, k, Fe, Fs, max_position in (
+            ("qwen1.5-moe-a2.7b", 2048, 5632, 24, 16, 16, 60, 4, 1408, 5632, 8192),
+            ("qwen2-57b-a14b", 3584, 18944, 28, 28, 4, 64, 8, 2560, 20480, 32768),
         )
     },
     # The CPU demo model with a sparse MLP: 4 experts of width F / 2, each token through 2

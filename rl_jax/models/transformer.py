@@ -46,7 +46,7 @@ from rl_jax.models.layers import (
     rope_table,
     swiglu,
 )
-from rl_jax.models.moe import RouterStats, moe_mlp, sharded_moe_mlp
+from rl_jax.models.moe import RouterStats, moe_mlp, sharded_moe_mlp, shared_expert
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
@@ -82,6 +82,10 @@ LAYER_PARAMS = (
     "expert_gate",
     "expert_up",
     "expert_down",
+    "shared_gate",
+    "shared_up",
+    "shared_down",
+    "shared_expert_gate",
 )
 
 
@@ -108,6 +112,11 @@ def param_layout(spec: ModelSpec) -> dict[str, ParamInfo]:
         lay["expert_down"] = ParamInfo(
             (L, E, Fe, D), ("layers", "expert", "mlp", "embed"), "normal"
         )
+        if Fs := spec.shared_expert_intermediate_size:  # beside them: Qwen2-MoE's shared one
+            lay["shared_gate"] = ParamInfo((L, D, Fs), ("layers", "embed", "mlp"), "normal")
+            lay["shared_up"] = ParamInfo((L, D, Fs), ("layers", "embed", "mlp"), "normal")
+            lay["shared_down"] = ParamInfo((L, Fs, D), ("layers", "mlp", "embed"), "normal")
+            lay["shared_expert_gate"] = ParamInfo((L, D), ("layers", None), "normal")
     else:
         lay["gate"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
         lay["up"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
@@ -640,6 +649,8 @@ def _block_out(
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
     if spec.is_moe:
         m, stats = sparse_mlp(h, p, valid)
+        if spec.shared_expert_intermediate_size:
+            m = m + shared_expert(h, p)
         return constrain(x + m, ("batch", "seq", "embed")), stats
     m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
     return constrain(x + m, ("batch", "seq", "embed")), None
