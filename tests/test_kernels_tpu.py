@@ -1,6 +1,7 @@
 """The TPU kernels (`rl_jax.kernels.tpu`): splash attention against the portable
 `xla.flash_attention`, in Pallas's interpreter on this CPU, and compiled for a v5e."""
 
+import functools
 import re
 
 import jax
@@ -321,3 +322,72 @@ def test_engine_generate_compiles_the_paged_kernel_for_v5e(no_compilation_cache)
     whole = re.findall(rf"= bf16\[{K},{L},{N},64,128\]{{[^}}]*}} copy\(", text)
     assert not whole, whole
     assert "tpu_custom_call" not in generate(jax.devices()[:4])[1].as_text()
+
+
+# ---- megablox: the grouped matmul of a mixture of experts ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "M,D,N,sizes",
+    [(40, 24, 20, (10, 0, 18, 9)), (300, 64, 200, (100, 150, 50)), (5, 8, 8, (2, 3))],
+    ids=["rows_past_the_groups", "three_row_tiles", "fewer_rows_than_a_tile"],
+)
+def test_megablox_grouped_matmul_equals_xla_in_values_and_gradients(M, D, N, sizes):
+    """megablox's gmm / tgmm in Pallas's interpreter against `xla.grouped_matmul`
+    (ragged_dot), float32: values and both gradients to rounding; rows past the groups
+    zero, an empty group, M not a multiple of the row tile."""
+    rng = np.random.default_rng(M)
+    G = len(sizes)
+    x = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(G, D, N)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+    g = jnp.asarray(sizes, jnp.int32)
+
+    def run(fn):
+        loss = lambda x, w: jnp.sum(fn(x, w, g) * ct)  # noqa: E731
+        return jax.jit(lambda x, w: (fn(x, w, g), jax.grad(loss, (0, 1))(x, w)))(x, w)
+
+    got, (gx, gw) = run(functools.partial(tpu.grouped_matmul, interpret=True))
+    want, (wx, ww) = run(xla.grouped_matmul)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[sum(sizes) :], 0.0)
+    np.testing.assert_allclose(gx, wx, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(gw, ww, atol=1e-4, rtol=1e-5)
+    assert kernels.for_platform("tpu").grouped_matmul is tpu.grouped_matmul
+    with loops.counting():  # a plan's counting programs take XLA's, whose FLOPs it sees
+        jax.jit(lambda x, w: tpu.grouped_matmul(x, w, g)).lower(x, w)
+
+
+@pytest.mark.devices(8)
+def test_megablox_in_the_moe_shard_map_equals_one_device():
+    """The sparse MLP on data 2 x fsdp 2 x tensor 2 with megablox (interpreted) as its
+    grouped matmul: the output, the router statistics and the gradients of the router,
+    the experts and the rows equal one device's with XLA's."""
+    from rl_jax.config import MeshConfig
+    from rl_jax.models.moe import moe_mlp, sharded_moe_mlp
+    from rl_jax.sharding import get_rules, make_mesh
+
+    mesh, rules = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), get_rules("fsdp_tp")
+    rng = np.random.default_rng(0)
+    N, T, D, E, Fe = 8, 6, 32, 4, 16
+    h = jnp.asarray(rng.normal(size=(N, T, D)), jnp.float32)
+    shapes = [(D, E), (E, D, Fe), (E, D, Fe), (E, Fe, D)]
+    ws = tuple(jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in shapes)
+    gmm = functools.partial(tpu.grouped_matmul, interpret=True)
+
+    def loss(ws, h, sharded):
+        kw = dict(top_k=2, norm_topk_prob=True)
+        if sharded:
+            out, st = sharded_moe_mlp(mesh, rules, h, ws, None, grouped_matmul=gmm, **kw)
+        else:
+            out, st = moe_mlp(h, *ws, grouped_matmul=xla.grouped_matmul, **kw)
+        return jnp.sum(jnp.sin(out)) + 0.1 * st.z, st
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (l8, s8), g8 = jax.jit(lambda ws, h: grad(ws, h, True))(ws, h)
+    (l1, s1), g1 = jax.jit(lambda ws, h: grad(ws, h, False))(ws, h)
+    np.testing.assert_allclose(l8, l1, rtol=1e-5)
+    for a, b in zip(s8, s1, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

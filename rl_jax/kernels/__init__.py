@@ -44,9 +44,11 @@ Implementations:
   scheduler otherwise defers what only a metric reads), and the decode step in C++
   kernels (XLA FFI; `cpu.Decode`, where `cpu.available()`).
 * `tpu` (`tpu.py`): `flash_attention` as the Pallas TPU splash attention, run per
-  device under `shard_map` (`layout`); the tests compare it with `xla` in Pallas's
-  interpreter on CPU. `decode`: `tpu.Decode`, XLA's ops with the paged cache read
-  by the Pallas paged attention kernel. Its other ops are `xla`'s. A further Pallas
+  device under `shard_map` (`layout`), and `grouped_matmul` as the megablox grouped
+  matmul (the model calls it per device); the tests compare both with `xla` in
+  Pallas's interpreter on CPU. `decode`: `tpu.Decode`, XLA's ops with the paged cache
+  read by the Pallas paged attention kernel (its MoE matmuls XLA's ragged_dot). Its
+  other ops are `xla`'s. A further Pallas
   kernel (ragged paged attention for `attention_cached`) registers here the same way.
 * `gpu`: not registered yet; it gets `xla`.
 
@@ -163,6 +165,11 @@ register(
     decode=cpu.decode_ops,
     together=cpu.together,
 )
-register("tpu", flash_attention=tpu.flash_attention, decode=tpu.decode_ops)
+register(
+    "tpu",
+    flash_attention=tpu.flash_attention,
+    grouped_matmul=tpu.grouped_matmul,
+    decode=tpu.decode_ops,
+)
 
 __all__ = ["OPS", "PLATFORMS", "SEQUENCE_TILE", "Kernels", "for_mesh", "for_platform", "register"]

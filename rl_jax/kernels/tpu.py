@@ -1,5 +1,7 @@
 """TPU kernels: `flash_attention` as the Pallas TPU splash attention
-(`jax.experimental.pallas.ops.tpu.splash_attention`), registered for meshes of TPUs.
+(`jax.experimental.pallas.ops.tpu.splash_attention`), `grouped_matmul` as the Pallas TPU
+megablox grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`), registered for
+meshes of TPUs.
 
 The mask maps onto splash's as follows: causality with its offset (query t at key slot
 offset + t) is the static `CausalMask((T, S), offset)`, whose fully hidden blocks the
@@ -32,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as paged
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -268,6 +271,71 @@ def paged_attention(
     else:
         out = call()
     return out.reshape(B, K, R, hd).astype(jnp.float32)
+
+
+# Megablox's tiles: rows (at most; fewer rows take one tile of their multiple of 8), and
+# the contraction and output widths (a remainder is masked in the kernel).
+GMM_ROWS, GMM_TILE = 128, 128
+
+
+def grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool = False
+) -> jax.Array:
+    """`xla.grouped_matmul` (rows of x [M, D] in consecutive groups, group g times w[g],
+    [G, D, N]; rows past sum(group_sizes) zero; [M, N] in x's dtype) with megablox's
+    kernels: `gmm` forward, `gmm` against w transposed for the rows' gradient, `tgmm`
+    for the weights' (each expert's own rows). M is padded to whole tiles of rows. A
+    Pallas call has no sharding rule: the model calls it per device (under `shard_map`,
+    `rl_jax.models.moe.sharded_moe_mlp`). A plan's counting programs (`loops` modes
+    "counting" and "unrolled") take `xla.grouped_matmul`, whose FLOPs XLA counts.
+    `interpret`: Pallas's interpreter (the CPU tests)."""
+    if loops.mode().how != "run":
+        return xla.grouped_matmul(x, w, group_sizes)
+    return _gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), interpret)
+
+
+def _gmm_tiling(M: int) -> tuple[int, int]:
+    """(rows per tile, M padded to whole tiles)."""
+    tm = min(GMM_ROWS, -(-M // 8) * 8)
+    return tm, -(-M // tm) * tm
+
+
+def _gmm_rows(f, x, w, group_sizes, interpret, **kw):
+    """f(x padded to whole tiles, ...), its rows past the groups zero, cut to x's rows."""
+    M = x.shape[0]
+    tm, padded = _gmm_tiling(M)
+    xp = jnp.pad(x, ((0, padded - M), (0, 0)))
+    tiling = (tm, GMM_TILE, GMM_TILE)
+    out = f(xp, w, group_sizes, x.dtype, tiling, interpret=interpret, **kw)[:M]
+    inside = jnp.arange(M) < jnp.sum(group_sizes)
+    return jnp.where(inside[:, None], out, jnp.zeros((), out.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(x, w, group_sizes, interpret):
+    return _gmm_rows(gmm, x, w, group_sizes, interpret)
+
+
+def _gmm_fwd(x, w, group_sizes, interpret):
+    return _gmm(x, w, group_sizes, interpret), (x, w, group_sizes)
+
+
+def _gmm_bwd(interpret, res, dy):
+    x, w, group_sizes = res
+    dx = _gmm_rows(gmm, dy, w, group_sizes, interpret, transpose_rhs=True)
+    M = x.shape[0]
+    tm, padded = _gmm_tiling(M)
+    inside = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
+    xp, dyp = (jnp.pad(jnp.where(inside, a, 0), ((0, padded - M), (0, 0))) for a in (x, dy))
+    dw = tgmm(
+        xp.swapaxes(0, 1), dyp, group_sizes, w.dtype, (tm, GMM_TILE, GMM_TILE), interpret=interpret
+    )
+    # Under shard_map, summed over the axes the cotangent varies over and the primal
+    # does not, as `xla.grouped_matmul`'s backward sums them.
+    return xla.sum_to(dx, x).astype(x.dtype), xla.sum_to(dw, w).astype(w.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def decode_ops(platform: str, **conditions) -> Decode:

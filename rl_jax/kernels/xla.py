@@ -123,7 +123,7 @@ def _grouped_matmul_bwd(res, dy):
     # Under shard_map, a cotangent is summed over the mesh axes it varies over and its
     # primal does not (rows over the batch axes for dw, a split width for dx), as
     # autodiff's own transpose sums them.
-    return _sum_to(dx, x).astype(x.dtype), _sum_to(dw, w).astype(w.dtype), None
+    return sum_to(dx, x).astype(x.dtype), sum_to(dw, w).astype(w.dtype), None
 
 
 def _varying(x: jax.Array) -> frozenset:
@@ -132,7 +132,9 @@ def _varying(x: jax.Array) -> frozenset:
     return frozenset() if mat is None else frozenset(mat.varying)
 
 
-def _sum_to(ct: jax.Array, primal: jax.Array) -> jax.Array:
+def sum_to(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A custom backward's cotangent of `primal`, summed over the mesh axes it varies
+    over and `primal` does not (inside a shard_map; as it is outside one)."""
     extra = tuple(sorted(_varying(ct) - _varying(primal)))
     return jax.lax.psum(ct, extra) if extra else ct
 

@@ -190,6 +190,11 @@ def sharded_moe_mlp(
 
     row = P(b, None, None)
     in_specs = (row, P(), P(None, None, m), P(None, None, m), P(None, m, None), P(b, None))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(row, P()))(
-        h, *weights, valid
+    # check_vma=False: a Pallas kernel (megablox on TPU) declares no varying axes for
+    # its outputs. Autodiff then sums each replicated input's cotangent over the axes
+    # its spec leaves out (the weights' over the batch shards, the rows' over a split
+    # width), as the varying-axes check would (tests/test_kernels_tpu.py).
+    shard = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=(row, P()), check_vma=False
     )
+    return shard(h, *weights, valid)
