@@ -134,7 +134,8 @@ def _varying(x: jax.Array) -> frozenset:
 
 def sum_to(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """A custom backward's cotangent of `primal`, summed over the mesh axes it varies
-    over and `primal` does not (inside a shard_map; as it is outside one)."""
+    over and `primal` does not (inside a shard_map that tracks varying axes; elsewhere
+    unchanged)."""
     extra = tuple(sorted(_varying(ct) - _varying(primal)))
     return jax.lax.psum(ct, extra) if extra else ct
 
