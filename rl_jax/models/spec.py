@@ -171,246 +171,83 @@ class ModelSpec:
 # ---- presets -------------------------------------------------------------------------
 
 # Architecture-level fields only; precision and execution switches come from the
-# ModelConfig. `head_dim` appears only where it is not D / H.
-PRESETS: dict[str, dict[str, Any]] = {
+# ModelConfig. One row a preset: (name, architecture, V, D, F, L, H, K, rope theta, max
+# position, RMSNorm eps, tied embeddings), then what it sets beside them: `head_dim`
+# only where it is not D / H; a mixture of experts' fields (`intermediate_size` then is
+# the family's dense width, unused); Llama 3's rotary scaling.
+_QWEN3 = dict(head_dim=128)
+_QWEN3_MOE = dict(head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+
+
+def _llama3(factor: float) -> dict[str, Any]:  # Llama 3.1 / 3.2's rotary scaling
+    return dict(
+        rope_scaling=RopeScaling(
+            factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
+        )
+    )
+
+
+def _qwen2_moe(E: int, k: int, Fe: int, Fs: int) -> dict[str, Any]:
+    # Qwen2-MoE: a shared expert beside the top k of E, the k probabilities as they are.
+    return dict(
+        num_experts=E,
+        num_experts_per_tok=k,
+        moe_intermediate_size=Fe,
+        shared_expert_intermediate_size=Fs,
+        norm_topk_prob=False,
+    )
+
+
+_PRESET_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "rope_theta",
+    "max_position",
+    "rms_norm_eps",
+    "tie_embeddings",
+)
+# fmt: off
+_PRESET_ROWS = (
     # CPU demo: a character-level arithmetic model that learns in minutes on 2 cores.
-    "tiny": dict(
-        architecture="qwen2",
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=10000.0,
-        max_position=512,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-    ),
-    # The reference benchmark model.
-    "bench": dict(
-        architecture="qwen2",
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=10000.0,
-        max_position=2048,
-        rms_norm_eps=1e-6,
-        tie_embeddings=False,
-    ),
-    "smollm2-135m": dict(
-        architecture="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        rope_theta=100000.0,
-        max_position=8192,
-        rms_norm_eps=1e-5,
-        tie_embeddings=True,
-    ),
-    "qwen2.5-0.5b": dict(
-        architecture="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        rope_theta=1000000.0,
-        max_position=32768,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-    ),
-    "qwen3-0.6b": dict(
-        architecture="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_layers=28,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        max_position=40960,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(  # Qwen2.5-*-Instruct's config.json (the base model's allows 131072)
-        architecture="qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        rope_theta=1000000.0,
-        max_position=32768,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        architecture="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        rope_theta=1000000.0,
-        max_position=32768,
-        rms_norm_eps=1e-6,
-        tie_embeddings=False,
-    ),
-    **{
-        f"qwen3-{size}": dict(
-            architecture="qwen3",
-            vocab_size=151936,
-            hidden_size=D,
-            intermediate_size=F,
-            num_layers=L,
-            num_heads=H,
-            num_kv_heads=8,
-            head_dim=128,
-            rope_theta=1000000.0,
-            max_position=40960,
-            rms_norm_eps=1e-6,
-            tie_embeddings=tie,
-        )
-        for size, D, F, L, H, tie in (
-            ("1.7b", 2048, 6144, 28, 16, True),
-            ("4b", 2560, 9728, 36, 32, True),
-            ("8b", 4096, 12288, 36, 32, False),
-            ("14b", 5120, 17408, 40, 40, False),
-            ("32b", 5120, 25600, 64, 64, False),
-        )
-    },
-    # Qwen3-MoE (Qwen3MoeForCausalLM): every layer sparse, 128 experts, top 8, the chosen
-    # probabilities renormalized; `intermediate_size` is the family's dense width (unused).
-    **{
-        f"qwen3-{size}": dict(
-            architecture="qwen3",
-            vocab_size=151936,
-            hidden_size=D,
-            intermediate_size=F,
-            num_layers=L,
-            num_heads=H,
-            num_kv_heads=4,
-            head_dim=128,
-            rope_theta=1000000.0,
-            max_position=40960,
-            rms_norm_eps=1e-6,
-            tie_embeddings=False,
-            num_experts=128,
-            num_experts_per_tok=8,
-            moe_intermediate_size=Fe,
-            norm_topk_prob=True,
-        )
-        for size, D, F, Fe, L, H in (
-            ("30b-a3b", 2048, 6144, 768, 48, 32),
-            ("235b-a22b", 4096, 12288, 1536, 94, 64),
-        )
-    },
-    # Qwen2-MoE (Qwen2MoeForCausalLM): Qwen2's attention, every layer sparse, top k of E
-    # experts and a shared expert every token goes through; the chosen probabilities not
-    # renormalized. `intermediate_size` is the family's dense width (unused).
-    **{
-        name: dict(
-            architecture="qwen2",
-            vocab_size=151936,
-            hidden_size=D,
-            intermediate_size=F,
-            num_layers=L,
-            num_heads=H,
-            num_kv_heads=K,
-            head_dim=128,
-            rope_theta=1000000.0,
-            max_position=max_position,
-            rms_norm_eps=1e-6,
-            tie_embeddings=False,
-            num_experts=E,
-            num_experts_per_tok=k,
-            moe_intermediate_size=Fe,
-            shared_expert_intermediate_size=Fs,
-            norm_topk_prob=False,
-        )
-        for name, D, F, L, H, K, E, k, Fe, Fs, max_position in (
-            ("qwen1.5-moe-a2.7b", 2048, 5632, 24, 16, 16, 60, 4, 1408, 5632, 8192),
-            ("qwen2-57b-a14b", 3584, 18944, 28, 28, 4, 64, 8, 2560, 20480, 32768),
-        )
-    },
+    ("tiny", "qwen2", 64, 128, 384, 4, 4, 2, 1e4, 512, 1e-6, True, {}),
+    ("bench", "qwen2", 512, 256, 688, 4, 4, 2, 1e4, 2048, 1e-6, False, {}),  # the benchmarks'
+    ("smollm2-135m", "llama", 49152, 576, 1536, 30, 9, 3, 1e5, 8192, 1e-5, True, {}),
+    ("qwen2.5-0.5b", "qwen2", 151936, 896, 4864, 24, 14, 2, 1e6, 32768, 1e-6, True, {}),
+    ("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 1e6, 40960, 1e-6, True, _QWEN3),
+    # Qwen2.5-*-Instruct's config.json (the base model's allows 131072)
+    ("qwen2.5-1.5b", "qwen2", 151936, 1536, 8960, 28, 12, 2, 1e6, 32768, 1e-6, True, {}),
+    ("qwen2.5-7b", "qwen2", 152064, 3584, 18944, 28, 28, 4, 1e6, 32768, 1e-6, False, {}),
+    ("qwen3-1.7b", "qwen3", 151936, 2048, 6144, 28, 16, 8, 1e6, 40960, 1e-6, True, _QWEN3),
+    ("qwen3-4b", "qwen3", 151936, 2560, 9728, 36, 32, 8, 1e6, 40960, 1e-6, True, _QWEN3),
+    ("qwen3-8b", "qwen3", 151936, 4096, 12288, 36, 32, 8, 1e6, 40960, 1e-6, False, _QWEN3),
+    ("qwen3-14b", "qwen3", 151936, 5120, 17408, 40, 40, 8, 1e6, 40960, 1e-6, False, _QWEN3),
+    ("qwen3-32b", "qwen3", 151936, 5120, 25600, 64, 64, 8, 1e6, 40960, 1e-6, False, _QWEN3),
+    # Qwen3-MoE: every layer sparse, 128 experts, top 8, the chosen probabilities renormalized.
+    ("qwen3-30b-a3b", "qwen3", 151936, 2048, 6144, 48, 32, 4, 1e6, 40960, 1e-6, False,
+     dict(_QWEN3_MOE, moe_intermediate_size=768)),
+    ("qwen3-235b-a22b", "qwen3", 151936, 4096, 12288, 94, 64, 4, 1e6, 40960, 1e-6, False,
+     dict(_QWEN3_MOE, moe_intermediate_size=1536)),
+    ("qwen1.5-moe-a2.7b", "qwen2", 151936, 2048, 5632, 24, 16, 16, 1e6, 8192, 1e-6, False,
+     _qwen2_moe(60, 4, 1408, 5632)),
+    ("qwen2-57b-a14b", "qwen2", 151936, 3584, 18944, 28, 28, 4, 1e6, 32768, 1e-6, False,
+     _qwen2_moe(64, 8, 2560, 20480)),
     # The CPU demo model with a sparse MLP: 4 experts of width F / 2, each token through 2
     # (as many MLP FLOPs per token as tiny's), Qwen3-MoE's layout so it exports.
-    "tiny-moe": dict(
-        architecture="qwen3",
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        rope_theta=10000.0,
-        max_position=512,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=192,
-        norm_topk_prob=True,
-    ),
-    "llama3.2-3b": dict(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_layers=28,
-        num_heads=24,
-        num_kv_heads=8,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-        ),
-        max_position=131072,
-        rms_norm_eps=1e-5,
-        tie_embeddings=True,
-    ),
-    "llama3.1-8b": dict(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-        ),
-        max_position=131072,
-        rms_norm_eps=1e-5,
-        tie_embeddings=False,
-    ),
-    "llama3.2-1b": dict(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-        ),
-        max_position=131072,
-        rms_norm_eps=1e-5,
-        tie_embeddings=True,
-    ),
+    ("tiny-moe", "qwen3", 64, 128, 384, 4, 4, 2, 1e4, 512, 1e-6, True,
+     dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True)),
+    ("llama3.2-3b", "llama", 128256, 3072, 8192, 28, 24, 8, 5e5, 131072, 1e-5, True, _llama3(32.0)),
+    ("llama3.1-8b", "llama", 128256, 4096, 14336, 32, 32, 8, 5e5, 131072, 1e-5, False,
+     _llama3(8.0)),
+    ("llama3.2-1b", "llama", 128256, 2048, 8192, 16, 32, 8, 5e5, 131072, 1e-5, True, _llama3(32.0)),
+)
+# fmt: on
+PRESETS: dict[str, dict[str, Any]] = {
+    row[0]: dict(zip(_PRESET_FIELDS, row[1:-1], strict=True), **row[-1]) for row in _PRESET_ROWS
 }
 
 
