@@ -827,6 +827,34 @@ def test_search_tries_every_remat_policy_and_only_the_waves_the_trainer_keeps():
     assert len(keys) == len(set(keys))
 
 
+def test_search_micro_batches_are_per_optimizer_step_coarser_than_the_recipes_too():
+    """A recipe already in 8 micro-batches of one optimizer step (train.updates_per_batch
+    = train.grad_accum = 8, as scalerl_8b's 48): the search tries every count of
+    micro-batches per step dividing its prompts, fewer than the recipe's too, each with
+    the one optimizer step per batch (steps x m minibatches, m accumulated)."""
+    from rl_jax.config import load_recipe, resolved
+    from rl_jax.plan._search import apply, candidates, overrides
+
+    knobs = [*TINY, "data.prompts_per_batch=8", "train.updates_per_batch=8"]
+    cfg = resolved(load_recipe("scalerl", [*knobs, "train.grad_accum=8"]))
+    cands = candidates(cfg, 4, num_heads=4)
+    assert {c["micro"] for c in cands} == {1, 2, 4, 8}
+    for c in cands:
+        t = apply(cfg, c).train
+        assert (t.updates_per_batch, t.grad_accum) == (c["micro"], c["micro"])
+    two = next(c for c in cands if c["micro"] == 2)
+    assert "train.updates_per_batch=2" in overrides(cfg, two)
+    assert "train.grad_accum=2" in overrides(cfg, two)
+    # Two optimizer steps per batch: 2 x m minibatches, m accumulated into each step.
+    steps = resolved(load_recipe("scalerl", [*knobs, "train.grad_accum=4"]))
+    for c in candidates(steps, 4, num_heads=4):
+        t = apply(steps, c).train
+        assert (t.updates_per_batch, t.grad_accum) == (2 * c["micro"], c["micro"])
+    # An accumulation that spans batches (grad_accum not dividing the minibatches) stays.
+    spans = resolved(load_recipe("scalerl", [*TINY, "train.grad_accum=3"]))
+    assert {c["micro"] for c in candidates(spans, 4, num_heads=4)} == {3}
+
+
 def test_search_tries_fewer_engine_slots_than_rows_in_flight():
     """The engine's slots (sampling.engine_slots): a slot for every row in flight (0)
     and that many split 2, 4 or 8 ways, in whole slots per batch shard; the estimate of

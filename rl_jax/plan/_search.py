@@ -6,10 +6,11 @@ Dimensions, each a knob the trainer has:
                 heads and is at most 8, the chips one host's interconnect joins)
   remat         model.remat none, save_dots or full: each layer's activations kept,
                 only its weight matmuls' outputs kept, or only its input kept
-  micro-batches the recipe's minibatches each split in m, any m dividing them
-                (train.updates_per_batch x m with train.grad_accum x m: the same
-                optimizer steps from smaller programs), where a micro-batch's rows
-                still split over the mesh's batch shards
+  micro-batches m per optimizer step, any m dividing its prompts
+                (train.updates_per_batch = steps x m, train.grad_accum = m: the
+                recipe's optimizer steps from programs of more or fewer rows, coarser
+                than the recipe's own too), where a micro-batch's rows still split
+                over the mesh's batch shards
   waves         PipelineRL only (train.pipeline_waves): W, batches untrained at once
                 on the stream (W x B_p groups in flight, W x B_p x n engine slots
                 unless sampling.engine_slots); a smaller W bounds staleness tighter.
@@ -65,7 +66,7 @@ DIMENSIONS = ("mesh", "remat", "micro", "waves", "slots", "sampler")
 
 def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any]]:
     """Every combination of the dimensions above that the recipe's batch allows."""
-    P, M = cfg.data.prompts_per_batch, cfg.train.updates_per_batch
+    P, U, A = cfg.data.prompts_per_batch, cfg.train.updates_per_batch, cfg.train.grad_accum
     meshes = [
         ({"data": d, "fsdp": f, "tensor": t}, n)
         for n in _samplers(cfg, chips)
@@ -74,13 +75,25 @@ def candidates(cfg: RunConfig, chips: int, num_heads: int) -> list[dict[str, Any
         for d in _divisors((chips - n) // t)
         for f in [(chips - n) // t // d]
     ]
-    micro = _divisors(P // M) if P % M == 0 else [1]
+    steps = U // A  # optimizer steps per batch
+    micro = _divisors(P // steps) if U % A == 0 and P % steps == 0 else [A]
     cands = [
         {"mesh": mesh, "remat": remat, "micro": m, "waves": w, "slots": 0, "sampler": n}
         for (mesh, n), remat, m in itertools.product(meshes, REMAT, micro)
         for w in _waves(cfg)
     ]
     return [{**c, "slots": s} for c in cands if _trains(cfg, c) for s in _slots(cfg, c)]
+
+
+_MICRO_KNOBS = ("updates_per_batch", "grad_accum")
+
+
+def _micro_knobs(cfg: RunConfig, m: int) -> tuple[int, int]:
+    """(train.updates_per_batch, train.grad_accum) of m micro-batches per optimizer step,
+    as many optimizer steps per batch as the recipe's; a recipe whose accumulation spans
+    batches (grad_accum not dividing its minibatches) keeps its own."""
+    U, A = cfg.train.updates_per_batch, cfg.train.grad_accum
+    return (U // A * m, m) if U % A == 0 else (U, A)
 
 
 def _samplers(cfg: RunConfig, chips: int) -> list[int]:
@@ -128,15 +141,14 @@ def _waves(cfg: RunConfig) -> list[int]:
 def overrides(cfg: RunConfig, cand: dict[str, Any]) -> list[str]:
     """The `key=value` overrides that make `cfg` a candidate's run (`apply` as a command
     line: `rl-jax plan RECIPE <these> --topology T` plans the same run). Micro-batches
-    set two knobs: m x the minibatches and m x the accumulation."""
+    set two knobs: the optimizer steps x m minibatches, m accumulated into each step."""
     m, mesh = cand["micro"], cand["mesh"]
     out = [f"mesh.{axis}={mesh[axis]}" for axis in ("data", "fsdp", "tensor")]
     if cand["sampler"] or cfg.mesh.sampler_devices:
         out.append(f"mesh.sampler_devices={cand['sampler']}")
     out += [
         f"model.remat={cand['remat']}",
-        f"train.updates_per_batch={cfg.train.updates_per_batch * m}",
-        f"train.grad_accum={cfg.train.grad_accum * m}",
+        *(f"train.{k}={v}" for k, v in zip(_MICRO_KNOBS, _micro_knobs(cfg, m), strict=True)),
     ]
     if cand["waves"]:
         out.append(f"train.pipeline_waves={cand['waves']}")
@@ -151,8 +163,7 @@ def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
     m = cand["micro"]
     train = dataclasses.replace(
         cfg.train,
-        updates_per_batch=cfg.train.updates_per_batch * m,
-        grad_accum=cfg.train.grad_accum * m,
+        **dict(zip(_MICRO_KNOBS, _micro_knobs(cfg, m), strict=True)),
         **({"pipeline_waves": cand["waves"]} if cand["waves"] else {}),
     )
     slots = cand.get("slots", 0)
