@@ -545,14 +545,13 @@ def test_lora_on_the_experts_is_refused_by_name(capsys, monkeypatch):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("shared", [0, 32])
-def test_sharded_forward_and_gradients_equal_one_devices(params, shared):
+def test_sharded_forward_and_gradients_equal_one_devices():
     """On a data 2 x fsdp 2 x tensor 2 mesh each batch shard dispatches its own tokens and
     each tensor shard holds half of every expert's width: the log-probs, the router's
-    statistics and the gradients are one device's (with a shared expert too, which XLA
-    partitions as a dense MLP)."""
-    spec = SPEC.replace(shared_expert_intermediate_size=shared)
-    params = _params(1, spec) if shared else params
+    statistics and the gradients are one device's. With a shared expert beside the
+    routed ones, which XLA partitions as a dense MLP."""
+    spec = SPEC.replace(shared_expert_intermediate_size=32)
+    params = _params(1, spec)
     from rl_jax.config import MeshConfig
     from rl_jax.models import param_shardings
     from rl_jax.sharding import get_rules, make_mesh
@@ -579,8 +578,7 @@ def test_sharded_forward_and_gradients_equal_one_devices(params, shared):
     one = jax.jit(jax.value_and_grad(lambda p: loss(p, None), has_aux=True))(params)
     placed = jax.device_put(params, param_shardings(spec, mesh, rules))
     assert placed["expert_gate"].sharding.spec[1:4] == ("fsdp", None, "tensor")
-    if shared:
-        assert placed["shared_gate"].sharding.spec[1:3] == ("fsdp", "tensor")
+    assert placed["shared_gate"].sharding.spec[1:3] == ("fsdp", "tensor")
     many = jax.jit(jax.value_and_grad(lambda p: loss(p, mesh), has_aux=True))(placed)
     (l1, s1), g1 = one
     (l8, s8), g8 = many
