@@ -200,12 +200,7 @@ def _qwen2_moe(E: int, k: int, Fe: int, Fs: int) -> dict[str, Any]:
 
 _PRESET_FIELDS = (
     "architecture",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
+    *DIMENSIONS[:6],  # vocab_size .. num_kv_heads
     "rope_theta",
     "max_position",
     "rms_norm_eps",
