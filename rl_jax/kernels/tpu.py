@@ -30,6 +30,7 @@ zero when their output's is.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -140,8 +141,8 @@ def _bytes_per_flop(
     FLOPs a pair. The backward's two kernels read as many blocks per pair (the dq
     kernel: keys and values; the dkv kernel: queries and output gradients) over 6 and
     8 x bq x bkv x hd FLOPs: the forward's ratio bounds the three."""
-    nq, nk = -(-T // bq), -(-S // bkv)
-    pairs = sum(min(nk, (offset + min((i + 1) * bq, T) - 1) // bkv + 1) for i in range(nq))
+    nq = -(-T // bq)
+    pairs = len(xla.causal_pairs(T, -(-S // bkv) * bkv, offset, bq, bkv)[0])
     per_pair = 2 * bkv * hd * itemsize + (8 * bkv * 4 if segments else 0)
     per_query_block = 2 * bq * hd * itemsize + bq * LANES * 4 * (2 if segments else 1)
     moved = pairs * per_pair + nq * per_query_block
@@ -294,21 +295,25 @@ def grouped_matmul(
     return _gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), interpret)
 
 
-def _gmm_tiling(M: int) -> tuple[int, int]:
-    """(rows per tile, M padded to whole tiles)."""
+def _gmm_layout(M: int, group_sizes: jax.Array) -> tuple[tuple[int, int, int], Any, Any]:
+    """Megablox's tiling of M rows, and of an array of M rows: its rows padded with zeros
+    to whole tiles, its rows past the groups zeroed too (`rows`); which rows are inside
+    the groups ([M, 1])."""
     tm = min(GMM_ROWS, -(-M // 8) * 8)
-    return tm, -(-M // tm) * tm
+    inside = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
+
+    def rows(a):
+        return jnp.pad(jnp.where(inside, a, 0), ((0, -(-M // tm) * tm - M), (0, 0)))
+
+    return (tm, GMM_TILE, GMM_TILE), rows, inside
 
 
 def _gmm_rows(f, x, w, group_sizes, interpret, **kw):
-    """f(x padded to whole tiles, ...), its rows past the groups zero, cut to x's rows."""
+    """f(x in whole tiles, ...) cut to x's rows, those past the groups zero."""
     M = x.shape[0]
-    tm, padded = _gmm_tiling(M)
-    xp = jnp.pad(x, ((0, padded - M), (0, 0)))
-    tiling = (tm, GMM_TILE, GMM_TILE)
-    out = f(xp, w, group_sizes, x.dtype, tiling, interpret=interpret, **kw)[:M]
-    inside = jnp.arange(M) < jnp.sum(group_sizes)
-    return jnp.where(inside[:, None], out, jnp.zeros((), out.dtype))
+    tiling, rows, inside = _gmm_layout(M, group_sizes)
+    out = f(rows(x), w, group_sizes, x.dtype, tiling, interpret=interpret, **kw)[:M]
+    return jnp.where(inside, out, jnp.zeros((), out.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -323,13 +328,8 @@ def _gmm_fwd(x, w, group_sizes, interpret):
 def _gmm_bwd(interpret, res, dy):
     x, w, group_sizes = res
     dx = _gmm_rows(gmm, dy, w, group_sizes, interpret, transpose_rhs=True)
-    M = x.shape[0]
-    tm, padded = _gmm_tiling(M)
-    inside = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
-    xp, dyp = (jnp.pad(jnp.where(inside, a, 0), ((0, padded - M), (0, 0))) for a in (x, dy))
-    dw = tgmm(
-        xp.swapaxes(0, 1), dyp, group_sizes, w.dtype, (tm, GMM_TILE, GMM_TILE), interpret=interpret
-    )
+    tiling, rows, _ = _gmm_layout(x.shape[0], group_sizes)
+    dw = tgmm(rows(x).swapaxes(0, 1), rows(dy), group_sizes, w.dtype, tiling, interpret=interpret)
     # Under shard_map, summed over the axes the cotangent varies over and the primal
     # does not, as `xla.grouped_matmul`'s backward sums them.
     return xla.sum_to(dx, x).astype(x.dtype), xla.sum_to(dw, w).astype(w.dtype), None

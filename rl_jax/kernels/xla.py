@@ -776,16 +776,20 @@ class AttentionMask(NamedTuple):
         )
 
 
-def causal_pairs(T: int, S: int, offset: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+def causal_pairs(
+    T: int, S: int, offset: int, block: int, kv_block: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The (query block i, key block j) pairs causality lets see each other, the ones
     `flash_attention` computes: query block i (queries i * block ..) sees key blocks
-    0 .. j_i, the block of its last query's slot offset + t; S keys (a multiple of
-    `block`). (i [n], j [n]) int32, each query block's pairs in key order."""
-    nq, nk = -(-T // block), S // block
+    0 .. j_i, the block of its last query's slot offset + t; S keys in blocks of
+    `kv_block` (default `block`; S a multiple of it). (i [n], j [n]) int32, each query
+    block's pairs in key order."""
+    kb = kv_block or block
+    nq, nk = -(-T // block), S // kb
     pairs = [
         (i, j)
         for i in range(nq)
-        for j in range(min(nk, (offset + min((i + 1) * block, T) - 1) // block + 1))
+        for j in range(min(nk, (offset + min((i + 1) * block, T) - 1) // kb + 1))
     ]
     i, j = np.asarray(pairs, np.int32).T
     return i, j
