@@ -155,9 +155,8 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
     )
     if cfg.get("head_dim"):
         fields["head_dim"] = _int(cfg, "head_dim", where)
-    moe_types = {t for t, _ in MOE_HF.values()}
-    moe_classes = {c for _, c in MOE_HF.values()}
-    if cfg.get("model_type") in moe_types or moe_classes & set(cfg.get("architectures") or []):
+    moe = {name for pair in MOE_HF.values() for name in pair}  # model types and classes
+    if moe & {cfg.get("model_type"), *(cfg.get("architectures") or [])}:
         fields.update(_moe_fields(cfg, fields["num_layers"], where))
     return fields
 
