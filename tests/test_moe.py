@@ -320,6 +320,22 @@ def _hf_logprobs(model, toks=HF_TOKENS):
     return lp.gather(-1, torch.tensor(toks[:, 1:, None]))[..., 0].numpy()
 
 
+def _same_logprobs_and_round_trip(ours, want, cls: str, tmp_path_factory) -> None:
+    """`ours` gives transformers' log-probs `want` (1e-4), and its export loads in
+    transformers as `cls` with the same log-probs."""
+    import torch
+    import transformers
+
+    from rl_jax.models.hf import export_hf
+
+    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    out = export_hf(ours, tmp_path_factory.mktemp("export"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == cls
+    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize(
     "experts,top_k,norm", [(4, 1, False), (4, 2, True), (8, 2, False), (8, 1, True)]
@@ -327,10 +343,8 @@ def _hf_logprobs(model, toks=HF_TOKENS):
 def test_qwen3_moe_loads_and_exports_with_transformers_logits(
     experts, top_k, norm, tmp_path_factory
 ):
-    import torch
-    import transformers
 
-    from rl_jax.models.hf import export_hf, load_hf
+    from rl_jax.models.hf import load_hf
 
     d, hf_model = _hf_moe(tmp_path_factory, experts=experts, top_k=top_k, norm=norm)
     want = _hf_logprobs(hf_model)
@@ -341,12 +355,7 @@ def test_qwen3_moe_loads_and_exports_with_transformers_logits(
         top_k,
         norm,
     )
-    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
-    np.testing.assert_allclose(got, want, atol=1e-4)
-    out = export_hf(ours, tmp_path_factory.mktemp("export"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(back).__name__ == "Qwen3MoeForCausalLM"
-    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+    _same_logprobs_and_round_trip(ours, want, "Qwen3MoeForCausalLM", tmp_path_factory)
 
 
 @pytest.mark.parity
@@ -356,10 +365,8 @@ def test_qwen2_moe_with_a_shared_expert_loads_and_exports_with_transformers_logi
 ):
     """Qwen2-MoE: Qwen2's attention (q/k/v biases) and a shared expert beside the routed
     ones, every token through it, its output scaled by a sigmoid gate."""
-    import torch
-    import transformers
 
-    from rl_jax.models.hf import export_hf, load_hf
+    from rl_jax.models.hf import load_hf
 
     d, hf_model = _hf_moe(tmp_path_factory, experts=experts, top_k=top_k, norm=norm, shared=40)
     want = _hf_logprobs(hf_model)
@@ -371,12 +378,7 @@ def test_qwen2_moe_with_a_shared_expert_loads_and_exports_with_transformers_logi
         40,
     )
     assert spec.qkv_bias and not spec.o_bias and not spec.qk_norm
-    got = jax.jit(lambda t: token_logprobs(ours, t)[0][:, :-1])(jnp.asarray(HF_TOKENS))
-    np.testing.assert_allclose(got, want, atol=1e-4)
-    out = export_hf(ours, tmp_path_factory.mktemp("export"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(back).__name__ == "Qwen2MoeForCausalLM"
-    np.testing.assert_allclose(_hf_logprobs(back), want, atol=1e-4)
+    _same_logprobs_and_round_trip(ours, want, "Qwen2MoeForCausalLM", tmp_path_factory)
     # The spec counts every parameter transformers has, the shared expert's among them.
     assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
 
