@@ -378,9 +378,9 @@ def test_megablox_in_the_moe_shard_map_equals_one_device():
     def loss(ws, h, sharded):
         kw = dict(top_k=2, norm_topk_prob=True)
         if sharded:
-            out, st = sharded_moe_mlp(mesh, rules, h, ws, None, grouped_matmul=gmm, **kw)
+            out, st, _ = sharded_moe_mlp(mesh, rules, h, ws, None, grouped_matmul=gmm, **kw)
         else:
-            out, st = moe_mlp(h, *ws, grouped_matmul=xla.grouped_matmul, **kw)
+            out, st, _ = moe_mlp(h, *ws, grouped_matmul=xla.grouped_matmul, **kw)
         return jnp.sum(jnp.sin(out)) + 0.1 * st.z, st
 
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)

@@ -43,9 +43,10 @@ def _params(seed, spec=SPEC, scale=3.0):
     return {k: v if k in norms else v * scale for k, v in p.items()}
 
 
-def _reference_moe(h, router, wg, wu, wd, *, top_k, norm_topk_prob):
+def _reference_moe(h, router, wg, wu, wd, *, top_k, norm_topk_prob, experts=None):
     """Token by token, as transformers' Qwen3MoeSparseMoeBlock reads: softmax over all
-    experts, top k, renormalized or not, SwiGLU of each chosen expert, weighted sum."""
+    experts, top k (or `experts` [N, k] given: routing replay), renormalized or not,
+    SwiGLU of each chosen expert, weighted sum."""
     h, router = np.asarray(h, np.float64), np.asarray(router, np.float64)
     wg, wu, wd = (np.asarray(w, np.float64) for w in (wg, wu, wd))
     out = np.zeros_like(h)
@@ -53,7 +54,7 @@ def _reference_moe(h, router, wg, wu, wd, *, top_k, norm_topk_prob):
         z = x @ router
         p = np.exp(z - z.max())
         p /= p.sum()
-        top = np.argsort(-p, kind="stable")[:top_k]
+        top = np.argsort(-p, kind="stable")[:top_k] if experts is None else experts[n]
         w = p[top] / (p[top].sum() if norm_topk_prob else 1.0)
         for e, we in zip(top, w, strict=True):
             g, u = x @ wg[e], x @ wu[e]
@@ -69,14 +70,27 @@ def test_sparse_mlp_equals_the_per_token_reference(E, k, norm):
     router = jax.random.normal(keys[1], (D, E))
     wg, wu = (jax.random.normal(kk, (E, D, F)) * 0.3 for kk in keys[2:4])
     wd = jax.random.normal(keys[4], (E, F, D)) * 0.3
-    out, stats = jax.jit(
-        functools.partial(moe_mlp, top_k=k, norm_topk_prob=norm),
-    )(h, router, wg, wu, wd)
+    mlp = jax.jit(functools.partial(moe_mlp, top_k=k, norm_topk_prob=norm))
+    out, stats, chosen = mlp(h, router, wg, wu, wd)
     want = _reference_moe(h, router, wg, wu, wd, top_k=k, norm_topk_prob=norm)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     # Statistics: every token counted once, k assignments each.
     assert float(stats.tokens) == N and float(stats.load.sum()) == N * k
     np.testing.assert_allclose(float(stats.prob.sum()), N, rtol=1e-5)
+    # Routing replay: its own choice gives the same output; other experts (the next k
+    # of each token's ranking) give the reference's output with those experts, weighted
+    # by this router's probabilities of them.
+    again, _, same = mlp(h, router, wg, wu, wd, experts=chosen)
+    np.testing.assert_array_equal(same, chosen)
+    np.testing.assert_allclose(again, out, rtol=1e-6, atol=1e-6)
+    ranked = np.argsort(-np.asarray(h @ router), axis=1, kind="stable")
+    others = np.roll(ranked, -1, axis=1)[:, :k].astype(np.uint8)  # a recorded dtype
+    replayed, stats, used = mlp(h, router, wg, wu, wd, experts=others)
+    np.testing.assert_array_equal(used, others)
+    want = _reference_moe(h, router, wg, wu, wd, top_k=k, norm_topk_prob=norm, experts=others)
+    np.testing.assert_allclose(replayed, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(replayed, out, atol=1e-3)
+    np.testing.assert_array_equal(stats.load, np.bincount(others.ravel(), minlength=E))
 
 
 def test_dispatch_builds_nothing_of_tokens_by_experts_by_width():
@@ -94,7 +108,7 @@ def test_dispatch_builds_nothing_of_tokens_by_experts_by_width():
     )
 
     def loss(*a):
-        out, _ = moe_mlp(*a, top_k=k, norm_topk_prob=True)
+        out, _, _ = moe_mlp(*a, top_k=k, norm_topk_prob=True)
         return jnp.sum(out)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
@@ -238,6 +252,98 @@ def test_engine_decodes_a_shared_expert_as_the_trainer_scores_it():
     without = {k: v for k, v in params.items() if not k.startswith("shared")}
     plain = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0).run(without, PROMPTS, n=1, seed=3)[0]
     assert not np.array_equal(plain.completion_tokens, out.completion_tokens)
+
+
+def _replay_logprobs(spec, params, out, routes):
+    """The trainer's log-probs of a Rollouts' completions (its step's forward), routing
+    each token as `routes` says (None: its own router's top k)."""
+    from rl_jax.sharding import get_rules
+    from rl_jax.train.step import assemble_batch, completion_forward, put_batch
+
+    host = assemble_batch(
+        out.prompt_tokens,
+        out.prompt_mask,
+        out.completion_tokens,
+        out.lengths,
+        out.completion_mask,
+        out.logprobs,
+        np.zeros(out.num_rows),
+        out.group_ids,
+    )
+    if routes is not None:
+        host["routes"] = routes
+    rules = get_rules("fsdp_tp")
+    fwd = jax.jit(lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0])
+    return np.asarray(fwd(params, put_batch(host, None)))
+
+
+def _fed(out) -> np.ndarray:
+    """[B, Tp + Tg] the tokens a sampler fed through the model: the prompt's and the
+    completion's but its last."""
+    tp, tg = out.prompt_tokens.shape[1], out.completion_tokens.shape[1]
+    fed = np.concatenate([out.prompt_mask, np.arange(tg) < out.lengths[:, None] - 1], axis=1)
+    fed[:, tp - 1] = True
+    return fed
+
+
+def test_the_engine_records_the_routes_the_trainer_replays(params):
+    """`record_routes`: the experts of every token the engine fed (prompts in the prefill
+    pool, completions step by step over chunks and refills) are the ones the trainer's
+    full forward routes it to (float32: no rounding flips), in `Rollouts.routes`'
+    columns; replaying them gives the trainer's log-probs unchanged. A dense model has
+    nothing to record."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10, length_bucket=8, max_prompt_len=16)
+    engine = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0, record_routes=True)
+    out, _ = engine.run(params, PROMPTS, n=2, seed=5)
+    L, k = SPEC.num_layers, SPEC.num_experts_per_tok
+    tp, tg = out.prompt_tokens.shape[1], out.completion_tokens.shape[1]
+    assert out.routes.shape == (6, tp + tg, L, k) and out.routes.dtype == np.uint8
+    tokens, valid, positions = _sequences(out)
+    model = Transformer(SPEC, params)
+    _, _, own = jax.jit(lambda *a: model(a[0], a[2], kv_valid_bs=a[1], record_routes=True))(
+        tokens, valid, positions
+    )
+    fed = _fed(out)
+    assert fed.sum() > 6 * tp // 2
+    got, want = np.sort(out.routes, axis=-1), np.sort(np.asarray(own), axis=-1)
+    np.testing.assert_array_equal(got[fed], want[fed])
+    assert not out.routes[~fed].any()
+    # Without a mixture of experts: refused. Without recording: no routes.
+    plain, _ = Engine(SPEC, cfg, slots=3, chunk=4, pad_id=0).run(params, PROMPTS, n=2, seed=5)
+    assert plain.routes is None
+    np.testing.assert_array_equal(plain.completion_tokens, out.completion_tokens)
+    m = out.completion_mask
+    replayed = _replay_logprobs(SPEC, params, out, out.routes)
+    np.testing.assert_allclose(replayed[m], _replay_logprobs(SPEC, params, out, None)[m], atol=1e-6)
+    dense = SPEC.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    with pytest.raises(ConfigError, match="no router"):
+        Engine(dense, cfg, slots=3, record_routes=True)
+
+
+def test_routing_replay_removes_the_mismatch_of_flipped_routes():
+    """In bfloat16 the engine's decode and the trainer's forward round differently, and
+    some near-tied router choices flip between them: replaying the sampler's routes
+    brings the trainer's log-probs closer to the sampler's (docs/moe.md has the
+    measurement beside a dense model's)."""
+    spec = SPEC.replace(compute_dtype="bfloat16")
+    params = init_params(spec, jax.random.key(0))  # not scaled: near ties
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 64, rng.integers(4, 16))) for _ in range(8)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
+    engine = Engine(spec, cfg, slots=8, chunk=8, pad_id=0, record_routes=True)
+    out, _ = engine.run(params, prompts, n=4, seed=1)
+    tokens, valid, positions = _sequences(out)
+    model = Transformer(spec, params)
+    _, _, own = jax.jit(lambda *a: model(a[0], a[2], kv_valid_bs=a[1], record_routes=True))(
+        tokens, valid, positions
+    )
+    fed = _fed(out)
+    flipped = ~np.all(np.sort(out.routes, -1) == np.sort(np.asarray(own), -1), axis=-1)[fed]
+    assert flipped.sum() > 0
+    m = out.completion_mask
+    without = np.abs(_replay_logprobs(spec, params, out, None) - out.logprobs)[m]
+    replay = np.abs(_replay_logprobs(spec, params, out, out.routes) - out.logprobs)[m]
+    assert replay.mean() < without.mean() and replay.max() < without.max()
 
 
 def test_shared_prefix_router_stats_count_valid_tokens_only(params):
@@ -460,8 +566,9 @@ MOE_RUN = [
 def test_rl_jax_train_runs_a_tiny_moe_on_the_engine_with_router_terms(tmp_path, capsys):
     """`rl-jax train` on the CPU demo task's arithmetic prompts with a tiny MoE (the
     trainer tests' verifier, so a random policy's groups disagree): three on-policy
-    steps sampled on the engine, whose log-probs the trainer reproduces (ratios 1), the
-    router's loss terms in the loss, its metrics in every row."""
+    steps sampled on the engine, whose log-probs the trainer reproduces (ratios 1) while
+    replaying the engine's routes (`model.routing_replay`), the router's loss terms in
+    the loss, its metrics in every row."""
     import json
     import sys
     from pathlib import Path
@@ -472,6 +579,7 @@ def test_rl_jax_train_runs_a_tiny_moe_on_the_engine_with_router_terms(tmp_path, 
     from rl_jax.cli import main
 
     args = [*train_even_first.TINY_RUN, *MOE_RUN, f"out_dir={tmp_path}", "name=moe"]
+    args.append("model.routing_replay=true")
     assert main(["train", "scalerl", *args]) == 0, capsys.readouterr().err
     rows = [json.loads(x) for x in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]  # the step rows (not the evaluation's)
@@ -491,15 +599,16 @@ def test_rl_jax_train_runs_a_tiny_moe_on_the_engine_with_router_terms(tmp_path, 
     assert json.loads(curve[-1])["step"] == 3
 
 
-def test_router_losses_on_a_dense_model_are_refused_before_training(capsys, monkeypatch):
+@pytest.mark.parametrize("knob", ["loss.router_aux_coef=0.01", "model.routing_replay=true"])
+def test_router_knobs_on_a_dense_model_are_refused_before_training(capsys, monkeypatch, knob):
     import rl_jax.train.loop as loop
     from rl_jax.cli import main
 
     monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("reached the trainer"))
-    rc = main(["train", "grpo", "loss.router_aux_coef=0.01"])
+    rc = main(["train", "grpo", knob])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert "loss.router_aux_coef=0.01" in err and "mixture-of-experts" in err
+    assert knob.replace("true", "True") in err and "mixture-of-experts" in err
 
 
 def test_load_balancing_loss_pulls_the_router_toward_balance():
@@ -513,7 +622,7 @@ def test_load_balancing_loss_pulls_the_router_toward_balance():
     w = [jax.random.normal(kk, s) * 0.1 for kk, s in zip(keys[2:], shapes, strict=True)]
 
     def balance(r):
-        _, stats = moe_mlp(h, r, *w, top_k=1, norm_topk_prob=False)
+        _, stats, _ = moe_mlp(h, r, *w, top_k=1, norm_topk_prob=False)
         stats = jax.tree.map(lambda a: a[None], stats)  # one layer
         return aux_losses(stats, num_experts=E, top_k=1)["load_balance"]
 
@@ -571,24 +680,33 @@ def test_sharded_forward_and_gradients_equal_one_devices():
         jnp.ones((P_ * G, tc), bool).at[:, 4:].set(False),
     )
 
-    def loss(p, mesh):
+    # Replayed routes (routing replay): each token's k distinct experts, at random.
+    L, E, k = spec.num_layers, spec.num_experts, spec.num_experts_per_tok
+    pick = rng.random((P_ * tp + P_ * G * tc, L, E)).argsort(-1)[..., :k].astype(np.uint8)
+    routes = (pick[: P_ * tp].reshape(P_, tp, L, k), pick[P_ * tp :].reshape(P_ * G, tc, L, k))
+
+    def loss(p, mesh, routes):
         model = Transformer(spec.replace(scan_layers=True), p, mesh=mesh, rules=rules)
-        _, xc, stats = model.shared_prefix(*args, group_size=G, with_router=True)
+        _, xc, stats = model.shared_prefix(*args, group_size=G, with_router=True, routes=routes)
         lp = model.logits(xc).astype(jnp.float32)
         return jnp.mean(jax.nn.log_softmax(lp)[..., 0]) + 0.1 * stats.z.sum(), stats
 
-    one = jax.jit(jax.value_and_grad(lambda p: loss(p, None), has_aux=True))(params)
     placed = jax.device_put(params, param_shardings(spec, mesh, rules))
     assert placed["expert_gate"].sharding.spec[1:4] == ("fsdp", None, "tensor")
     assert placed["shared_gate"].sharding.spec[1:3] == ("fsdp", "tensor")
-    many = jax.jit(jax.value_and_grad(lambda p: loss(p, mesh), has_aux=True))(placed)
-    (l1, s1), g1 = one
-    (l8, s8), g8 = many
-    np.testing.assert_allclose(l8, l1, rtol=1e-5)
-    for a, b in zip(s8, s1, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5)
-    for name in g1:
-        np.testing.assert_allclose(g8[name], g1[name], atol=1e-5, rtol=1e-4, err_msg=name)
+    for given in (None, routes):
+        grad = jax.value_and_grad(loss, has_aux=True)
+        (l1, s1), g1 = jax.jit(lambda p, r: grad(p, None, r))(params, given)  # noqa: B023
+        (l8, s8), g8 = jax.jit(lambda p, r: grad(p, mesh, r))(placed, given)  # noqa: B023
+        np.testing.assert_allclose(l8, l1, rtol=1e-5)
+        for a, b in zip(s8, s1, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5)
+        for name in g1:
+            np.testing.assert_allclose(g8[name], g1[name], atol=1e-5, rtol=1e-4, err_msg=name)
+    # The replayed experts are the ones used: each layer's load counts them (valid tokens).
+    for layer in range(L):
+        used = np.concatenate([routes[0][..., layer, :].ravel(), routes[1][:, :4, layer].ravel()])
+        np.testing.assert_array_equal(s8.load[layer], np.bincount(used, minlength=E))
 
 
 def test_a_tpu_program_multiplies_each_token_through_its_experts_once(no_compilation_cache):
@@ -715,15 +833,17 @@ def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cac
 @pytest.mark.parametrize("axes", [(8, 1), (4, 2)], ids=["data8", "data4_tensor2"])
 def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes):
     """The engine's prefill (the model's forward, its sparse MLP per batch shard) and
-    decode on a mesh: one device's rollouts."""
+    decode on a mesh: one device's rollouts, and the routes it records."""
     from rl_jax.config import MeshConfig
     from rl_jax.sharding import make_mesh
 
     data, tensor = axes
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=8, length_bucket=8, max_prompt_len=16)
     mesh = make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor, rules="fsdp_tp"))
-    one, _ = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0).run(params, PROMPTS, n=3, seed=9)
-    many = Engine(SPEC, cfg, slots=8, chunk=3, pad_id=0, mesh=mesh)
+    kw = dict(slots=8, chunk=3, pad_id=0, record_routes=True)
+    one, _ = Engine(SPEC, cfg, **kw).run(params, PROMPTS, n=3, seed=9)
+    many = Engine(SPEC, cfg, **kw, mesh=mesh)
     got, _ = many.run(many.reshard(params), PROMPTS, n=3, seed=9)
     np.testing.assert_array_equal(got.completion_tokens, one.completion_tokens)
     np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(np.sort(got.routes, -1), np.sort(one.routes, -1))

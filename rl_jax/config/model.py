@@ -85,6 +85,12 @@ class ModelConfig:
         help=f"renormalize the k chosen experts' router probabilities to sum to 1 (Qwen3-MoE), "
         f"one of {NORM_TOPK_CHOICES} (auto = from preset/checkpoint)",
     )
+    routing_replay: bool = knob(
+        False,
+        help="the trainer routes each token to the experts the sampler chose for it "
+        "(recorded in prefill and decode), so the importance ratio measures only the "
+        "weights' change, not routing flips; mixture of experts only: docs/moe.md",
+    )
     param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
     compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
     fp32_lm_head: bool = knob(False, help="final norm and LM head in float32 (ScaleRL)")

@@ -93,18 +93,17 @@ def decode_step(
     *,
     ops: Decode,
     constrain=lambda x, logical: x,
-) -> tuple[jax.Array, PagedKV]:
-    """Feed one token per row [B]; float32 logits [B, V] and the cache.
+    record_routes: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Feed one token per row [B]; float32 logits [B, V], the cache and, `record_routes`
+    (a mixture of experts), each row's experts [B, L, k] int32.
 
     Row b's token goes to its position positions_b[b] in the pages of its table
     (`pages`; where pages.live[b]), and it attends to its positions 0 ..
     positions_b[b]. ops: the platform's decode ops (`Kernels.decode_ops`), which laid
     out `w` (decode_weights) and `cache`. `constrain(x, logical axes)` pins the
-    residual stream's layout.
-    """
-    cdt = jnp.dtype(spec.compute_dtype)
-    eps = spec.rms_norm_eps
-    B = tokens_b.shape[0]
+    residual stream's layout."""
+    cdt, eps, B = jnp.dtype(spec.compute_dtype), spec.rms_norm_eps, tokens_b.shape[0]
     H, K, hd, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     stack = w["layers"]
     qk_norm = (stack["q_norm"], stack["k_norm"]) if spec.qk_norm else None
@@ -128,29 +127,32 @@ def decode_step(
         )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
+        experts = None
         if spec.is_moe:
-            x = x + _moe(spec, stack, x, i, ops=ops)
+            m, experts = _moe(spec, stack, x, i, ops=ops)
+            x = x + m
         else:
             act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
             x = ops.residual_dense(x, act, stack["down"], i)
-        return (constrain(x, ("batch", "embed")), cache), None
+        return (constrain(x, ("batch", "embed")), cache), experts
 
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(spec.num_layers))
+    (x, cache), routes = jax.lax.scan(layer, (x, cache), jnp.arange(spec.num_layers))
     logits = ops.logits(
         x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
     )
-    return logits, cache
+    return (logits, cache, jnp.moveaxis(routes, 0, 1)) if record_routes else (logits, cache)
 
 
-def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode) -> jax.Array:
+def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode):
     """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp`, its
-    grouped matmuls the platform's (`ops.grouped_matmul`), and its `shared_expert`."""
+    grouped matmuls the platform's (`ops.grouped_matmul`), and its `shared_expert`;
+    and each row's experts [B, k]."""
 
     def at(name):
         return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
 
     h = rms_norm(x_bd, at("mlp_norm"), spec.rms_norm_eps)
-    out, _ = moe_mlp(
+    out, _, experts = moe_mlp(
         h,
         at("router"),
         at("expert_gate"),
@@ -162,4 +164,4 @@ def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode) -> ja
     )
     if spec.shared_expert_intermediate_size:
         out = out + shared_expert(h, {name: at(name) for name in SHARED_EXPERT})
-    return out
+    return out, experts

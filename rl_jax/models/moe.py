@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -48,20 +49,41 @@ class RouterStats(NamedTuple):
 
 
 def route(
-    x_nd: jax.Array, router_de: jax.Array, *, top_k: int, norm_topk_prob: bool
+    x_nd: jax.Array,
+    router_de: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    experts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logits [N, E] float32, chosen experts [N, k] int32, their weights [N, k] float32).
 
     The router runs in float32 whatever the compute dtype (a bf16 router flips near-tied
     choices between two forwards that round differently: the trainer's and the
     sampler's). Weights are the chosen softmax probabilities, renormalized to sum to 1
-    with `norm_topk_prob` (transformers' Qwen3MoeTopKRouter)."""
+    with `norm_topk_prob` (transformers' Qwen3MoeTopKRouter).
+
+    `experts` [N, k] (routing replay): these experts instead of the top k, weighted by
+    this router's probabilities of them (the router still learns through the weights)."""
     logits = matmul(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, top_k)
+    else:
+        experts = experts.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, experts.astype(jnp.int32), weights
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The narrowest integer dtype that holds expert ids 0 .. num_experts - 1: what the
+    sampler records a token's experts in (routing replay; `Rollouts.routes`)."""
+    for dt in (np.uint8, np.int16):
+        if num_experts <= np.iinfo(dt).max + 1:
+            return np.dtype(dt)
+    return np.dtype(np.int32)
 
 
 def router_stats(logits_ne: jax.Array, experts_nk: jax.Array, valid_n: jax.Array | None):
@@ -95,16 +117,22 @@ def moe_mlp(
     top_k: int,
     norm_topk_prob: bool,
     valid: jax.Array | None = None,
+    experts: jax.Array | None = None,
     grouped_matmul: Callable = xla_grouped_matmul,
-) -> tuple[jax.Array, RouterStats]:
-    """The sparse MLP of h [..., D] (already normed) in h's dtype, and its RouterStats.
+) -> tuple[jax.Array, RouterStats, jax.Array]:
+    """The sparse MLP of h [..., D] (already normed) in h's dtype, its RouterStats and
+    each token's experts [..., k] int32.
 
     router_de [D, E]; gate/up [E, D, Fe], down [E, Fe, D]. valid [...] (h's leading
-    shape): the tokens the stats count (every token is computed)."""
+    shape): the tokens the stats count (every token is computed). experts [..., k]:
+    route each token to these (routing replay; `route`)."""
     lead, D = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, D)
     N, E = x.shape[0], router_de.shape[-1]
-    logits, experts, weights = route(x, router_de, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    given = None if experts is None else experts.reshape(N, top_k)
+    logits, experts, weights = route(
+        x, router_de, top_k=top_k, norm_topk_prob=norm_topk_prob, experts=given
+    )
     flat = experts.reshape(-1)  # [N k], assignment a = token a // k
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
@@ -117,7 +145,8 @@ def moe_mlp(
     y = jnp.take(ys, back, axis=0).reshape(N, top_k, D)
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
     valid_n = None if valid is None else valid.reshape(-1)
-    return out.reshape(*lead, D), router_stats(logits, experts, valid_n)
+    stats = router_stats(logits, experts, valid_n)
+    return out.reshape(*lead, D), stats, experts.reshape(*lead, top_k)
 
 
 # A shared expert's parameters (`shared_expert`), per layer.
@@ -160,13 +189,14 @@ def sharded_moe_mlp(
     h: jax.Array,
     weights: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
     valid: jax.Array | None,
+    experts: jax.Array | None = None,
     **kw,
-) -> tuple[jax.Array, RouterStats]:
-    """`moe_mlp` of h [N, T, D] on a mesh: each batch shard routes, sorts and multiplies
-    its own tokens (its rows of N, over the axes `batch` maps to), each expert's MLP width
-    split over the axes `mlp` maps to (Megatron-style: a partial down projection summed
-    over them); the experts' weights are gathered whole along every other axis, as FSDP
-    gathers a dense MLP's.
+) -> tuple[jax.Array, RouterStats, jax.Array]:
+    """`moe_mlp` of h [N, T, D] (replaying `experts` [N, T, k] if given) on a mesh: each
+    batch shard routes, sorts and multiplies its own tokens (its rows of N, over the axes
+    `batch` maps to), each expert's MLP width split over the axes `mlp` maps to
+    (Megatron-style: a partial down projection summed over them); the experts' weights
+    are gathered whole along every other axis, as FSDP gathers a dense MLP's.
 
     (XLA's SPMD partitioner does not split a grouped matmul's ragged rows: left to it,
     every chip would multiply every token of the batch through its experts.)"""
@@ -179,22 +209,26 @@ def sharded_moe_mlp(
     if set(b_axes) & set(m_axes):
         m_axes, m = (), None
     valid = jnp.ones((N, T), bool) if valid is None else valid
+    replay = experts is not None
 
-    def local(h, router, wg, wu, wd, valid):
-        out, stats = moe_mlp(h, router, wg, wu, wd, valid=valid, **kw)
+    def local(h, router, wg, wu, wd, valid, *given):
+        out, stats, chosen = moe_mlp(
+            h, router, wg, wu, wd, valid=valid, experts=given[0] if given else None, **kw
+        )
         if m_axes:
             out = jax.lax.psum(out, m_axes)
         if b_axes:
             stats = jax.tree.map(lambda s: jax.lax.psum(s, b_axes), stats)
-        return out, stats
+        return out, stats, chosen
 
     row = P(b, None, None)
     in_specs = (row, P(), P(None, None, m), P(None, None, m), P(None, m, None), P(b, None))
+    in_specs += (row,) * replay
     # check_vma=False: a Pallas kernel (megablox on TPU) declares no varying axes for
     # its outputs. Autodiff then sums each replicated input's cotangent over the axes
     # its spec leaves out (the weights' over the batch shards, the rows' over a split
     # width), as the varying-axes check would (tests/test_kernels_tpu.py).
     shard = jax.shard_map(
-        local, mesh=mesh, in_specs=in_specs, out_specs=(row, P()), check_vma=False
+        local, mesh=mesh, in_specs=in_specs, out_specs=(row, P(), row), check_vma=False
     )
-    return shard(h, *weights, valid)
+    return shard(h, *weights, valid, *((experts,) if replay else ()))

@@ -303,7 +303,8 @@ class Transformer(nnx.Module):
         kv_valid_bs: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | int | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        record_routes: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """Residual stream after the last layer, [B, T, D] (compute dtype), and the cache.
 
         positions_bt: RoPE positions per row (default 0..T-1); give per-row
@@ -314,6 +315,8 @@ class Transformer(nnx.Module):
         cache, cache_index: write this call's keys/values into slots
           cache_index .. cache_index + T - 1 (dynamic scalar) and attend over
           the cache (prefill, decode); the returned cache holds the new entries.
+        record_routes (a mixture of experts): a third result, each token's experts
+          [B, T, L, k] int32 (what routing replay replays; `shared_prefix`).
         """
         spec = self.spec
         B, T = tokens_bt.shape
@@ -330,15 +333,20 @@ class Transformer(nnx.Module):
 
             def body(x, p):
                 q, k, v = _block_qkv(p, x, rope, **ctx)
-                return _block_out(p, x, attend(q, k, v), **ctx)[0], None
+                x, moe = _block_out(p, x, attend(q, k, v), **ctx)
+                return x, (moe[1] if record_routes else None)
 
-            x, _ = over_layers(spec, body, x, self.layer_params())
-            return x, None
-        return self._cached(x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs)
+            x, routes = over_layers(spec, body, x, self.layer_params())
+            out = (x, None)
+        else:
+            out = self._cached(x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs)
+            out, routes = out[:2], out[2]
+        return (*out, _token_major(routes)) if record_routes else out
 
     def _cached(self, x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs):
         """The layers over a cache: each writes its keys and values at cache_index and
-        attends over the whole cache (`__call__` with a cache)."""
+        attends over the whole cache (`__call__` with a cache); also each layer's chosen
+        experts [L, B, T, k] (None for a dense MLP)."""
         spec, ctx, T = self.spec, self._layer_context(), x.shape[1]
         mask = attention_mask(
             T,
@@ -361,11 +369,12 @@ class Transformer(nnx.Module):
             a = self.kernels.attention_cached(
                 q, k_all, v_all, mask, scale=spec.head_dim**-0.5, filled=filled
             )
-            return (_block_out(p, x, a, **ctx)[0], ck, cv), None
+            x, moe = _block_out(p, x, a, **ctx)
+            return (x, ck, cv), (None if moe is None else moe[1])
 
         xs = (self.layer_params(), jnp.arange(spec.num_layers))
-        (x, ck, cv), _ = over_layers(spec, body_cached, (x, *cache), xs)
-        return x, KVCache(ck, cv)
+        (x, ck, cv), routes = over_layers(spec, body_cached, (x, *cache), xs)
+        return x, KVCache(ck, cv), routes
 
     def shared_prefix(
         self,
@@ -378,6 +387,7 @@ class Transformer(nnx.Module):
         *,
         group_size: int,
         with_router: bool = False,
+        routes: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, ...]:
         """The forward over P prompts [P, Tp] and their B = P x G continuations [B, Tc]
         (rows [g * G, (g + 1) * G) continue prompt g): each prompt runs through the
@@ -388,7 +398,10 @@ class Transformer(nnx.Module):
         rounding. Continuation query j sits at slot Tp + j of the keys
         [prompt | continuation]; positions are the rows' own (RoPE).
         with_router (a mixture of experts): a third result, the router's RouterStats
-        of each layer ([L, ...]) over the valid prompt and continuation tokens."""
+        of each layer ([L, ...]) over the valid prompt and continuation tokens.
+        routes (routing replay; a mixture of experts): the experts each token is routed
+        to, (prompts [P, Tp, L, k], continuations [B, Tc, L, k]), e.g. the sampler's
+        (`Rollouts.routes`), in place of the router's top k."""
         spec, G = self.spec, group_size
         tp, tc = prompt_tokens_pt.shape[1], tokens_bt.shape[1]
         xp, xc = self.embed_tokens(prompt_tokens_pt), self.embed_tokens(tokens_bt)
@@ -401,19 +414,23 @@ class Transformer(nnx.Module):
         attend_c = self._attention(tc, tp + tc, offset=tp, kv_valid_bs=kv_valid)
         ctx = self._layer_context()
 
-        def body(carry, p):
+        def body(carry, xs):
             xp, xc = carry
+            p, ep, ec = xs if routes is not None else (xs, None, None)
             qp, kp, vp = _block_qkv(p, xp, rope_p, **ctx)
             qc, kc, vc = _block_qkv(p, xc, rope_c, **ctx)
             ap = attend_p(qp, kp, vp)
             k_all = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=2)
             v_all = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=2)
             ac = attend_c(qc, k_all, v_all)
-            xp, sp = _block_out(p, xp, ap, valid=prompt_valid_pt, **ctx)
-            xc, sc = _block_out(p, xc, ac, valid=valid_bt, **ctx)
-            return (xp, xc), (None if sp is None else sp + sc)
+            xp, mp = _block_out(p, xp, ap, valid=prompt_valid_pt, experts=ep, **ctx)
+            xc, mc = _block_out(p, xc, ac, valid=valid_bt, experts=ec, **ctx)
+            return (xp, xc), (None if mp is None else mp[0] + mc[0])
 
-        (xp, xc), stats = over_layers(spec, body, (xp, xc), self.layer_params())
+        xs = self.layer_params()
+        if routes is not None:  # [N, T, L, k] -> layers first
+            xs = (xs, *(jnp.moveaxis(r, 2, 0) for r in routes))
+        (xp, xc), stats = over_layers(spec, body, (xp, xc), xs)
         if with_router:
             if stats is None:
                 raise ValueError("with_router: this model has no router (a dense MLP)")
@@ -476,11 +493,10 @@ class Transformer(nnx.Module):
             sparse_mlp=self._sparse_mlp,
         )
 
-    def _sparse_mlp(
-        self, h: jax.Array, p: dict[str, jax.Array], valid: jax.Array | None
-    ) -> tuple[jax.Array, RouterStats]:
-        """A layer's mixture of experts on h [N, T, D] (normed), per batch shard on a mesh
-        (`sharded_moe_mlp`)."""
+    def _sparse_mlp(self, h, p, valid, experts=None) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """A layer's mixture of experts on h [N, T, D] (normed; p: the layer's weights,
+        valid [N, T] or None), per batch shard on a mesh (`sharded_moe_mlp`), with its
+        router's statistics and chosen (or replayed: `experts`) experts [N, T, k]."""
         spec = self.spec
         weights = tuple(p[n] for n in ("router", "expert_gate", "expert_up", "expert_down"))
         kw = dict(
@@ -489,8 +505,8 @@ class Transformer(nnx.Module):
             grouped_matmul=self.kernels.grouped_matmul,
         )
         if self.mesh is None or self.mesh.size == 1:
-            return moe_mlp(h, *weights, valid=valid, **kw)
-        return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, **kw)
+            return moe_mlp(h, *weights, valid=valid, experts=experts, **kw)
+        return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, experts, **kw)
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -595,6 +611,11 @@ def over_layers(spec: ModelSpec, body: Callable, carry: Any, xs: Any) -> tuple[A
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
+def _token_major(routes_lntk: jax.Array | None) -> jax.Array | None:
+    """Experts stacked over layers [L, N, T, k] as each token's [N, T, L, k]."""
+    return None if routes_lntk is None else jnp.moveaxis(routes_lntk, 0, 2)
+
+
 def _block_qkv(
     p: dict[str, jax.Array],
     x: jax.Array,
@@ -635,11 +656,12 @@ def _block_out(
     kernels: Kernels,
     sparse_mlp: Callable | None = None,
     valid: jax.Array | None = None,
-) -> tuple[jax.Array, RouterStats | None]:
+    experts: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[RouterStats, jax.Array] | None]:
     """The second half of a pre-norm block: x + o(a), then + the MLP of norm(.): SwiGLU,
-    or the sparse mixture of experts (`rl_jax.models.moe`) with its router's statistics
-    over the `valid` tokens [N, T] (None for a dense MLP). a: attention output
-    [N, T, H, hd]."""
+    or the sparse mixture of experts (`rl_jax.models.moe`), with its router's statistics
+    over the `valid` tokens [N, T] and each token's experts [N, T, k] (None for a dense
+    MLP); `experts` replays given ones. a: attention output [N, T, H, hd]."""
     N, T = a.shape[:2]
     dt = x.dtype
     o = kernels.dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
@@ -648,10 +670,10 @@ def _block_out(
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
     if spec.is_moe:
-        m, stats = sparse_mlp(h, p, valid)
+        m, stats, chosen = sparse_mlp(h, p, valid, experts)
         if spec.shared_expert_intermediate_size:
             m = m + shared_expert(h, p)
-        return constrain(x + m, ("batch", "seq", "embed")), stats
+        return constrain(x + m, ("batch", "seq", "embed")), (stats, chosen)
     m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
     return constrain(x + m, ("batch", "seq", "embed")), None
 

@@ -86,6 +86,8 @@ class Decoder:
     # comparisons. Read when the compiled functions are first traced.
     platform_attention = True
     platform_matmul = True
+    # Record each token's experts (a mixture of experts; routing replay): the engine's.
+    record_routes = False
 
     def __init__(
         self,
@@ -256,13 +258,14 @@ class Decoder:
     def _token_step(self, ops: Decode, weights, s: SamplerState, slot, u_b, version, *, manual):
         """One decode step of every row: feed `s.last_token` at its column `slot` [B] (its
         position slot - kv_start in its pages), draw from the logits with the uniforms
-        u_b [B] (None for greedy), and write the draw into the row state (`advance`)."""
+        u_b [B] (None for greedy), and write the draw into the row state (`advance`).
+        Also each row's experts in every layer [B, L, k] (`record_routes`; else None)."""
         cfg = self.cfg
         rows = (lambda x: x) if manual else self._rows
         constrain = (lambda x, logical: x) if manual else self._constrain
         # A row that ended writes nothing.
         pages = Pages(s.pages, ~s.done, None if manual else self._paged_layout())
-        logits_bv, cache = decode_step(
+        logits_bv, cache, *routes = decode_step(
             self.spec,
             weights,
             s.cache,
@@ -271,12 +274,13 @@ class Decoder:
             pages,
             ops=ops,
             constrain=constrain,
+            record_routes=self.record_routes,
         )
         tok, logp = sample_with_uniforms(
             logits_bv, u_b, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k
         )
         s = dataclasses.replace(s, cache=cache)
-        return advance(
+        s = advance(
             s,
             rows(tok),
             rows(logp),
@@ -287,6 +291,7 @@ class Decoder:
             interrupt=self.interrupt,
             pad_id=self.pad_id,
         )
+        return s, (routes[0] if routes else None)
 
 
 def to_host(tree):
@@ -321,4 +326,5 @@ def state_rollouts(r: Mapping[str, np.ndarray]) -> Rollouts:
         truncated=r["truncated"],
         group_ids=r["group_ids"],
         row_ids=r["row_ids"],
+        routes=r.get("routes"),
     )

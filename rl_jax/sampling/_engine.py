@@ -87,7 +87,9 @@ class ChunkOut:
     """What a `generate` call tells the host (numpy): the steps it ran, and for every
     slot its step at the chunk's start, the chunk's columns start .. start + chunk - 1
     ([S, chunk]; columns past the row's end are padding, past gen_len repeat the
-    last), and its end flags after the chunk ([S])."""
+    last), and its end flags after the chunk ([S]); with `record_routes`, the experts of
+    the tokens each step fed ([S, chunk, L, k]: column j of a row is its column
+    start + j's, the last prompt token's at column 0)."""
 
     steps: int
     start: np.ndarray
@@ -99,6 +101,7 @@ class ChunkOut:
     lengths: np.ndarray
     finish: np.ndarray
     truncated: np.ndarray
+    routes: np.ndarray | None = None
 
 
 class PendingChunk(NamedTuple):
@@ -166,6 +169,9 @@ class Engine(EnginePrograms):
     kv head (`xla.PagedKV`; XLA's paged reference reads it, on every platform); None
     (default) keeps them in the compute dtype. Its log-prob drift:
     docs/results/performance.md.
+    record_routes: a mixture of experts records the experts each token was routed to,
+    in prefill and decode, into `Rollouts.routes` (routing replay: the trainer routes
+    the same tokens to the same experts; `model.routing_replay`).
     """
 
     # The host's state between calls.
@@ -447,6 +453,7 @@ class _HostLoop:
         blank = self.slots.blank
         self.cols = {k: np.full((R, Tg), blank[k], dtype) for k, (dtype, _) in COLUMNS.items()}
         self.ends = {k: np.zeros((R,), np.int32) for k in ("lengths", "finish", "truncated")}
+        self.routes: np.ndarray | None = None  # [R, Tp + Tg, L, k] (record_routes)
 
     def collect(self, out: ChunkOut, rows: np.ndarray) -> None:
         """The rows the chunk ended into their buffers (`rows`: the slots' rows when
@@ -456,6 +463,11 @@ class _HostLoop:
             self.cols[k][ended.rows] = v
         for k in self.ends:
             self.ends[k][ended.rows] = getattr(ended, k)
+        if ended.routes is not None:
+            if self.routes is None:
+                R = len(self.row_ids)
+                self.routes = np.zeros((R, *ended.routes.shape[1:]), ended.routes.dtype)
+            self.routes[ended.rows] = ended.routes
 
     def rollouts(self) -> Rollouts:
         eng = self.engine
@@ -474,6 +486,7 @@ class _HostLoop:
                 "truncated": self.ends["truncated"].astype(bool),
                 "group_ids": np.arange(R, dtype=np.int32) // self.G,
                 "row_ids": self.row_ids.astype(np.int32),
+                **({} if self.routes is None else {"routes": self.routes}),
             }
         )
 

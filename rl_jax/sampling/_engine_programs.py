@@ -23,6 +23,7 @@ from rl_jax.kernels import loops
 from rl_jax.kernels.xla import Decode, PagedKV, pages_needed
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_weights
+from rl_jax.models.moe import route_dtype
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import KVCache, Transformer, dtype_of
 from rl_jax.runtime import xla_options
@@ -48,6 +49,9 @@ class Prefix:
     cache: KVCache  # k, v [L, Q, K, W, hd]: the prompt's keys at slots < prompt_len - 1
     prompt_tokens: jax.Array  # [Q, prompt_len] int32, left-padded
     kv_start: jax.Array  # [Q] int32 = prompt_len - prompt length
+    # [Q, prompt_len, L, k] each prompt token's experts (`record_routes`; else None);
+    # the last prompt token's come from the first decode step.
+    routes: jax.Array | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -230,6 +234,11 @@ class EngineGeometry(Decoder):
             pool=(L, self.pool_size, K, self.prefix_slots, hd),
             dtype=jnp.dtype(dt).name,
             key=(tuple(key_data.shape), jnp.dtype(key_data.dtype).name),
+            routes=(
+                (L, spec.num_experts_per_tok, route_dtype(spec.num_experts).name)
+                if self.record_routes
+                else None
+            ),
         )
 
     # ---- a call's host arguments ----------------------------------------------------------
@@ -326,14 +335,22 @@ class EngineBodies(EngineGeometry):
             slots = first + jnp.arange(bucket - 1)
             positions = jnp.maximum(slots[None, :] - kv_start[:, None], 0)
             kv_valid = jnp.arange(W)[None, :] >= kv_start[:, None]  # [P, W]
-            _, cache = model(
+            _, cache, *routes = model(
                 prompt_pt[:, first : Tp - 1],
                 positions,
                 kv_valid_bs=kv_valid,
                 cache=cache,
                 cache_index=first,
+                record_routes=self.record_routes,
             )
-        return Prefix(cache=cache, prompt_tokens=prompt_pt, kv_start=kv_start)
+        if not self.record_routes:
+            return Prefix(cache=cache, prompt_tokens=prompt_pt, kv_start=kv_start)
+        spec = self.spec
+        shape = (P, Tp, spec.num_layers, spec.num_experts_per_tok)
+        table = jnp.zeros(shape, route_dtype(spec.num_experts))
+        if bucket > 1:
+            table = table.at[:, first : Tp - 1].set(routes[0].astype(table.dtype))
+        return Prefix(cache=cache, prompt_tokens=prompt_pt, kv_start=kv_start, routes=table)
 
     def _prefill_insert_impl(
         self,
@@ -497,19 +514,29 @@ class EngineBodies(EngineGeometry):
         need = (refill_at * local + self.slots - 1) // self.slots
 
         def cond(c):
-            i, s = c
+            i, s, _ = c
             ended = jnp.sum(s.done & ~state.done)
             return (i < steps) & ~jnp.all(s.done) & (ended < need)
 
         def body(c):
-            i, s = c
+            i, s, routes = c
             u_b = None if greedy else jax.lax.dynamic_index_in_dim(u_bn, i, 1, False)
             slot_b = last_prompt_slot + s.step
-            return i + 1, self._token_step(ops, weights, s, slot_b, u_b, version, manual=manual)
+            s, got = self._token_step(ops, weights, s, slot_b, u_b, version, manual=manual)
+            if routes is not None:  # step i's fed tokens' experts: column step + i of a row
+                routes = routes.at[:, i].set(got.astype(routes.dtype))
+            return i + 1, s, routes
 
-        i, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        routes = None
+        if self.record_routes:  # [S, steps, L, k]
+            spec = self.spec
+            shape = (local, steps, spec.num_layers, spec.num_experts_per_tok)
+            routes = jnp.zeros(shape, route_dtype(spec.num_experts))
+        i, out, routes = jax.lax.while_loop(cond, body, (jnp.int32(0), state, routes))
         cols = jnp.minimum(state.step[:, None] + jnp.arange(steps), self.gen_len - 1)
         rows = {k: jnp.take_along_axis(getattr(out, k), cols, axis=1) for k in _COLUMNS}
+        if routes is not None:
+            rows["routes"] = routes
         rows.update({k: getattr(out, k) for k in _SLOT_VALUES}, start=state.step)
         return out, rows, self._all_devices_max(i, manual)
 
@@ -534,6 +561,7 @@ class EnginePrograms(EngineBodies):
         kv_pages: int | None = None,
         insert_rows: int | None = None,
         kv_quant: str | None = None,
+        record_routes: bool = False,
         mesh=None,
         eos_id: int | Sequence[int] | None = None,
         pad_id: int = 0,
@@ -551,6 +579,9 @@ class EnginePrograms(EngineBodies):
             interrupt_ids=interrupt_ids,
             rules=rules,
         )
+        if record_routes and not self.spec.is_moe:
+            raise ConfigError("engine record_routes: this model has no router (a dense MLP)")
+        self.record_routes = bool(record_routes)
         self._set_sizes(
             slots, chunk, prompt_len, prefill_prompts, prefill_block, insert_rows, fixed_shapes
         )
@@ -583,6 +614,8 @@ class EnginePrograms(EngineBodies):
         if state_sh is not None:
             rows = {k: batch_sharding(mesh, 2 if k in _COLUMNS else 1) for k in _COLUMNS}
             rows.update({k: batch_sharding(mesh, 1) for k in ("start", *_SLOT_VALUES)})
+            if self.record_routes:
+                rows["routes"] = batch_sharding(mesh, 4)
             pin = {"out_shardings": (state_sh, rows, NamedSharding(mesh, PartitionSpec()))}
         self._prepare = jax.jit(self._prepare_impl, compiler_options=opts)
         self._generate = jax.jit(
@@ -661,10 +694,14 @@ def _merge(pool: Prefix, new: Prefix, into_p) -> Prefix:
             for x, old in zip(new.cache, pool.cache, strict=True)
         )
     )
+    routes = None
+    if pool.routes is not None:
+        routes = jnp.where(got[:, None, None, None], new.routes[which], pool.routes)
     return Prefix(
         cache=cache,
         prompt_tokens=jnp.where(got[:, None], new.prompt_tokens[which], pool.prompt_tokens),
         kv_start=jnp.where(got, _take_vector(new.kv_start, which), pool.kv_start),
+        routes=routes,
     )
 
 
@@ -691,6 +728,7 @@ class _Empty(NamedTuple):
     pool: tuple  # the pool's cache shape (L, Q, K, W, hd)
     dtype: str  # the pool's dtype
     key: tuple  # a key's data (shape, dtype)
+    routes: tuple | None  # (L, k, dtype) of the pool's recorded experts (record_routes)
 
 
 def _empty_state(g: _Empty) -> EngineState:
@@ -724,6 +762,7 @@ def _empty_state(g: _Empty) -> EngineState:
         cache=KVCache(*(jnp.zeros(g.pool, g.dtype) for _ in range(2))),
         prompt_tokens=jnp.full((Q, Tp), pad, jnp.int32),
         kv_start=jnp.zeros((Q,), jnp.int32),
+        routes=None if g.routes is None else jnp.zeros((Q, Tp, *g.routes[:2]), g.routes[2]),
     )
     return EngineState(slots=slots, pool=pool)
 

@@ -41,6 +41,11 @@ class Rollouts:
     truncated: np.ndarray  # [B] bool: ended by a length limit, not a stop token
     group_ids: np.ndarray  # [B] int32 prompt index
     row_ids: np.ndarray  # [B] int32 ids the random keys were folded with
+    # [B, Tp + Tg, L, k] the experts each token was routed to in every layer (a mixture
+    # of experts sampled with routing replay: `Engine(record_routes=True)`), aligned with
+    # prompt_tokens + completion_tokens; the last column (a completion's last token is
+    # never fed) and padding are 0. None: not recorded.
+    routes: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -65,8 +70,14 @@ def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
     for new_g, (rollouts, g) in enumerate(groups):
         rows = slice(g * G, (g + 1) * G)
         for f in dataclasses.fields(rollouts):
-            v = getattr(rollouts, f.name)[rows]
-            if f.name.startswith("prompt_"):
+            v = getattr(rollouts, f.name)
+            if v is None:
+                continue
+            v = v[rows]
+            if f.name == "routes":  # [prompt | completion] columns, padded as each
+                at = rollouts.prompt_tokens.shape[1]
+                v = np.pad(v, ((0, 0), (tp - at, tg - (v.shape[1] - at)), (0, 0), (0, 0)))
+            elif f.name.startswith("prompt_"):
                 v = np.pad(v, ((0, 0), (tp - v.shape[1], 0)))
             elif v.ndim == 2:
                 fill = -1 if f.name == "versions" else 0
@@ -74,4 +85,6 @@ def concat_groups(groups: list[tuple[Rollouts, int]], G: int) -> Rollouts:
             if f.name == "group_ids":
                 v = np.full_like(v, new_g)
             parts.setdefault(f.name, []).append(v)
+    if len(parts.get("routes", ())) not in (0, len(groups)):
+        raise ValueError("concat_groups: some groups have routes (routing replay), some not")
     return Rollouts(**{k: np.concatenate(v) for k, v in parts.items()})

@@ -18,10 +18,12 @@ import collections
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import jax
 import numpy as np
 
 from rl_jax.kernels.xla import pages_needed
-from rl_jax.sampling._decoder import round_up
+from rl_jax.models.moe import route_dtype
+from rl_jax.sampling._decoder import round_up, to_host
 
 if TYPE_CHECKING:
     from rl_jax.sampling._engine import ChunkOut, Engine
@@ -88,13 +90,58 @@ class PageBook:
 
 class Ended(NamedTuple):
     """The rows a chunk ended ([E], in slot order), their columns ([E, gen_len], one
-    dict entry per `COLUMNS` name) and end values ([E])."""
+    dict entry per `COLUMNS` name) and end values ([E]); with `Engine.record_routes`,
+    each token's experts ([E, prompt_len + gen_len, L, k], as `Rollouts.routes`)."""
 
     rows: np.ndarray
     columns: dict[str, np.ndarray]
     lengths: np.ndarray
     finish: np.ndarray
     truncated: np.ndarray
+    routes: np.ndarray | None = None
+
+
+class _Routes:
+    """The experts an engine records (`Engine.record_routes`), on the host: each prompt's
+    from its prefill (taken from the pool as it is prefilled, read when a row of it
+    ends, kept until its rows all have) and each slot's decode steps' (from the chunks)."""
+
+    def __init__(self, engine: Engine, G: int):
+        spec, S = engine.spec, engine.slots
+        self.G, self.Tp = G, engine.prompt_len
+        self.cols = np.zeros(
+            (S, engine.gen_len, spec.num_layers, spec.num_experts_per_tok),
+            route_dtype(spec.num_experts),
+        )
+        self.prompts: dict[int, tuple[list, int]] = {}  # group -> ([its prefill's], index)
+        self.unended: dict[int, int] = {}  # group -> its rows not ended yet
+
+    def prefilled(self, state: EngineState, groups: list[int], into: list[int]) -> None:
+        """The new groups' prompts' experts, taken from the pool before a call reuses it."""
+        if groups:
+            held = [state.pool.routes[np.asarray(into)]]  # dispatched now, read later
+            for j, g in enumerate(groups):
+                self.prompts[g], self.unended[g] = (held, j), self.G
+
+    def ended(self, rows, slots, starts, lengths) -> np.ndarray:
+        """[E, prompt_len + gen_len, L, k] of the rows that ended in `slots`, their prompts
+        starting at column `starts` and `lengths` tokens generated: the prompt's tokens
+        but the last (its prefill's), then the tokens each decode step fed (the last
+        prompt token's first); 0 at padding and at the last token (never fed)."""
+        out = np.zeros((len(rows), self.Tp + self.cols.shape[1], *self.cols.shape[2:]))
+        out = out.astype(self.cols.dtype)
+        for i, (r, slot) in enumerate(zip(rows, slots, strict=True)):
+            g = int(r) // self.G
+            held, j = self.prompts[g]
+            if isinstance(held[0], jax.Array):
+                held[0] = np.asarray(to_host(held[0]))
+            out[i, : self.Tp - 1] = held[0][j, : self.Tp - 1]
+            out[i, self.Tp - 1 : -1] = self.cols[slot]
+            out[i, : starts[i]] = out[i, self.Tp - 1 + lengths[i] :] = 0
+            self.unended[g] -= 1
+            if not self.unended[g]:
+                del self.unended[g], self.prompts[g]
+        return out
 
 
 class SlotBook:
@@ -130,6 +177,7 @@ class SlotBook:
             pages_per_shard=engine.shard_pages,
         )
         self.cols = {k: np.empty((S, Tg), d) for k, (d, _) in COLUMNS.items()}  # [S, Tg]
+        self.routes = _Routes(engine, self.G) if engine.record_routes else None
         self.blank = {k: engine.pad_id if v is None else v for k, (_, v) in COLUMNS.items()}
         self.slot_steps = self.prefills = self.prefilled = 0
 
@@ -227,6 +275,9 @@ class SlotBook:
                 pages=pages,
                 limits=None if any(x is None for x in limits) else [int(x) for x in limits],
             )
+            if self.routes is not None:
+                self.routes.prefilled(state, new, into)
+                self.routes.cols[slots] = 0
             self.prefills += bool(new)
             self.prefilled += len(new)
             self.slot_row[slots] = rows
@@ -245,6 +296,10 @@ class SlotBook:
         (`collect`'s `rows`)."""
         return self.slot_row.copy()
 
+    def _routes(self, rows, slots, lengths) -> np.ndarray:
+        starts = [self.engine.prompt_len - len(self.prompt(int(r) // self.G)) for r in rows]
+        return self.routes.ended(rows, slots, starts, lengths)
+
     def collect(self, out: ChunkOut, rows: np.ndarray | None = None) -> Ended:
         """The chunk's columns into each slot's row; the rows that ended leave their
         slots and come back. `rows`: the slots' rows when the chunk was dispatched
@@ -258,13 +313,17 @@ class SlotBook:
         s_idx, c_idx = np.broadcast_to(held[:, None], cols.shape)[ok], cols[ok]
         for k in COLUMNS:
             self.cols[k][s_idx, c_idx] = getattr(out, k)[held][ok]
+        if self.routes is not None:
+            self.routes.cols[s_idx, c_idx] = out.routes[held][ok]
         ended = held[out.done[held]]
+        rows = self.slot_row[ended].copy()
         got = Ended(
-            rows=self.slot_row[ended].copy(),
+            rows=rows,
             columns={k: self.cols[k][ended] for k in COLUMNS},
             lengths=out.lengths[ended],
             finish=out.finish[ended],
             truncated=out.truncated[ended],
+            routes=None if self.routes is None else self._routes(rows, ended, out.lengths[ended]),
         )
         self.slot_row[ended] = -1
         for slot in ended:

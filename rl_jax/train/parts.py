@@ -25,6 +25,7 @@ from rl_jax.models import (
     param_shardings,
     resolve_spec,
 )
+from rl_jax.models.moe import route_dtype
 from rl_jax.rewards import from_config as reward_from_config
 from rl_jax.sampling import Engine
 from rl_jax.sharding import MeshConfig, get_rules, make_mesh, num_batch_shards
@@ -105,7 +106,14 @@ class Programs:
         params, opt = self.state_shapes
         runs, M = self.passes, self.updates_per_batch
         P, G = self.prompts_per_batch, self.samples_per_prompt
-        batch = functools.partial(abstract_batch, self.mesh, G=G, tp=tp, tg=tg)
+        batch = functools.partial(
+            abstract_batch,
+            self.mesh,
+            G=G,
+            tp=tp,
+            tg=tg,
+            routes=replayed_routes(self.cfg, self.spec),
+        )
         mbs = batch(
             P // M, old=runs.keep_old, ref=runs.ref, critic=runs.critic, stack=minibatches or M
         )
@@ -306,8 +314,17 @@ def run_engine(
         mesh=mesh,
         rows=sampler_rows(cfg),
         prompt_len=prompt_len,
+        record_routes=replayed_routes(cfg, spec) is not None,
         **shape,
     )
+
+
+def replayed_routes(cfg: RunConfig, spec: ModelSpec) -> tuple[int, int, Any] | None:
+    """(layers, experts per token, dtype) of the experts the engine records and the
+    trainer replays (`model.routing_replay`), or None."""
+    if not (cfg.model.routing_replay and spec.is_moe):
+        return None
+    return spec.num_layers, spec.num_experts_per_tok, route_dtype(spec.num_experts)
 
 
 def engine_sampling(cfg: RunConfig) -> SamplingConfig:

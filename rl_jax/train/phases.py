@@ -183,6 +183,8 @@ def advantages(
         np.zeros(P * G, np.float32),  # the advantages, set below
         group_b,
     )
+    if rollouts.routes is not None:  # routing replay: every forward of the batch routes so
+        host["routes"] = rollouts.routes
     runs = parts.passes
     kl_reward = runs.ref and cfg.loss.kl_in_reward
     full = put_batch(host, parts.mesh) if runs.critic else None

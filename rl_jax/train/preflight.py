@@ -264,16 +264,18 @@ def check_lora_targets(cfg: RunConfig) -> None:
 
 
 def check_router_losses(cfg: RunConfig) -> None:
-    """The router's loss terms need a router: a mixture-of-experts model."""
-    coefs = {k: getattr(cfg.loss, k) for k in ("router_aux_coef", "router_z_coef")}
-    on = [k for k, v in coefs.items() if v]
+    """The router's loss terms and routing replay need a router: a mixture-of-experts
+    model."""
+    knobs = {f"loss.{k}": getattr(cfg.loss, k) for k in ("router_aux_coef", "router_z_coef")}
+    knobs["model.routing_replay"] = cfg.model.routing_replay
+    on = [k for k, v in knobs.items() if v]
     if not on:
         return
     from rl_jax.models.load import resolve_spec
 
     if not resolve_spec(cfg.model).is_moe:
         raise ConfigError(
-            f"loss.{on[0]}={coefs[on[0]]} needs a mixture-of-experts model (model.num_experts "
+            f"{on[0]}={knobs[on[0]]} needs a mixture-of-experts model (model.num_experts "
             "> 0); this model's MLP is dense"
         )
 

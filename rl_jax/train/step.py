@@ -44,6 +44,9 @@ class TrainBatch:
     ref_logp: jax.Array | None = None  # [B, Tg]
     old_values: jax.Array | None = None  # [B, Tg] critic before this batch's updates (PPO)
     returns: jax.Array | None = None  # [B, Tg] GAE returns (PPO)
+    # [B, Tp + Tg, L, k] each token's experts as the sampler routed it (routing replay,
+    # `model.routing_replay`; Rollouts.routes): the forward routes every token so.
+    routes: jax.Array | None = None
     # Static: rows [g * G, (g + 1) * G) share one prompt (put_batch finds G), so the
     # forward runs each prompt once per G rows; 1 = every row whole.
     group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -185,11 +188,20 @@ def _completion_hidden(
     tile = model.kernels.seq_tile
     tc = round_up(max(tg - 1, 1), tile)
     arrays = (batch.tokens, batch.positions, batch.valid)
-    prompt = [jnp.pad(a[::G, :tp], ((0, 0), (-tp % tile, 0))) for a in arrays]
-    completion = [a[:, tp : tp + tc] for a in arrays]
-    if tc > tg:
-        completion = [jnp.pad(a, ((0, 0), (0, tc - tg))) for a in completion]
-    xp, xc, *stats = model.shared_prefix(*prompt, *completion, group_size=G, with_router=router)
+    routes = () if batch.routes is None else (batch.routes,)
+
+    def pad(a, before, after):  # columns, the second axis
+        return jnp.pad(a, ((0, 0), (before, after), *((0, 0),) * (a.ndim - 2)))
+
+    prompt = [pad(a[::G, :tp], -tp % tile, 0) for a in (*arrays, *routes)]
+    completion = [pad(a[:, tp : tp + tc], 0, max(tc - tg, 0)) for a in (*arrays, *routes)]
+    xp, xc, *stats = model.shared_prefix(
+        *prompt[:3],
+        *completion[:3],
+        group_size=G,
+        with_router=router,
+        routes=(prompt[3], completion[3]) if routes else None,
+    )
     last = jnp.repeat(xp[:, -1:], G, axis=0)  # the last prompt token predicts token 0
     return jnp.concatenate([last, xc[:, : tg - 1]], axis=1), (stats[0] if router else None)
 
@@ -453,13 +465,15 @@ def abstract_batch(
     old: bool,
     ref: bool,
     critic: bool,
+    routes: tuple[int, int, np.dtype] | None = None,
     stack: int | None = None,
 ) -> TrainBatch:
     """The TrainBatch `put_batch` makes of `groups` prompt groups of G rows, `tp` prompt
     and `tg` completion columns, as abstract arrays on `mesh` (`rl-jax plan` compiles the
     trainer's programs on these); `stack`: that many such minibatches on a leading axis,
     laid out as `put_minibatches` lays them out. old/ref/critic: the optional fields the
-    recipe's passes fill (`rl_jax.train.accounting.Passes`)."""
+    recipe's passes fill (`rl_jax.train.accounting.Passes`); routes: (layers, experts per
+    token, dtype) of the sampler's recorded experts (routing replay), or None."""
     rows, T = groups * G, tp + tg
 
     def arr(shape, dtype):
@@ -481,6 +495,7 @@ def abstract_batch(
         ref_logp=arr((rows, tg), f32) if ref else None,
         old_values=arr((rows, tg), f32) if critic else None,
         returns=arr((rows, tg), f32) if critic else None,
+        routes=None if routes is None else arr((rows, T, routes[0], routes[1]), routes[2]),
         group_size=G,
     )
 

@@ -310,6 +310,8 @@ class EngineStream:
                 truncated=bool(ended.truncated[i]),
                 row_ids=np.int32(self.prompts[g][2][s]),
             )
+            if ended.routes is not None:
+                row["routes"] = ended.routes[i]
             self.kept_tokens += int((~row["injected"][: row["lengths"]]).sum())
             self.rows.setdefault(g, {})[s] = row
             if len(self.rows[g]) == self.G:

@@ -1,0 +1,148 @@
+"""The sampler/trainer log-prob mismatch of a mixture of experts, with and without routing
+replay, beside dense models'; one JSON line.
+
+    python benchmarks/routing_replay.py [--seeds 3] [--experts 8] [--top-k 2] [--dtype bfloat16]
+
+The engine samples random prompts (temperature 1, 32 prompts x 4 rows, up to 32 new
+tokens) with the model in `--dtype`, recording each token's experts
+(`Engine(record_routes=True)`); the trainer then recomputes every kept token's log-prob
+with its step's forward (`completion_forward`), once routing each token itself and
+once replaying the sampler's routes (`model.routing_replay`). What is measured is the
+mismatch |log p_trainer - log p_sampler| per kept token (mean, 99th percentile, max),
+and the fraction of (token, layer) routings the two forwards choose differently
+("route_flips": the trainer's own top k against the recorded one, over every token the
+sampler fed).
+
+Models (random weights, 2 layers, width 64, 4 query / 2 kv heads, vocabulary 64): the
+mixture of `--experts` experts of width 48, top `--top-k`; "one_expert": the same code
+path with one expert of width k x 48 (no routing decision to flip); "dense": a dense
+SwiGLU of width k x 48 (the decode step's fused dense kernels). Each over `--seeds`
+weight draws; the statistics pool their tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import load_avg  # noqa: E402
+
+from rl_jax.config import ModelConfig, SamplingConfig  # noqa: E402
+from rl_jax.models import Transformer, init_params, resolve_spec  # noqa: E402
+from rl_jax.sampling import Engine  # noqa: E402
+from rl_jax.sharding import get_rules  # noqa: E402
+from rl_jax.train.step import assemble_batch, completion_forward, put_batch  # noqa: E402
+
+
+def models(experts: int, top_k: int, dtype: str) -> dict:
+    base = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, compute_dtype=dtype)
+    moe = dict(preset="tiny-moe", num_experts_per_tok=top_k, **base)
+    return {
+        "moe": resolve_spec(ModelConfig(num_experts=experts, moe_intermediate_size=48, **moe)),
+        "one_expert": resolve_spec(
+            ModelConfig(
+                num_experts=1, moe_intermediate_size=48 * top_k, **{**moe, "num_experts_per_tok": 1}
+            )
+        ),
+        "dense": resolve_spec(ModelConfig(preset="tiny", intermediate_size=48 * top_k, **base)),
+    }
+
+
+def trainer_logprobs(spec, params, out, routes) -> np.ndarray:
+    host = assemble_batch(
+        out.prompt_tokens,
+        out.prompt_mask,
+        out.completion_tokens,
+        out.lengths,
+        out.completion_mask,
+        out.logprobs,
+        np.zeros(out.num_rows),
+        out.group_ids,
+    )
+    if routes is not None:
+        host["routes"] = routes
+    rules = get_rules("fsdp_tp")
+    fwd = jax.jit(lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0])
+    return np.asarray(fwd(params, put_batch(host, None)))
+
+
+def route_flips(spec, params, out) -> tuple[int, int]:
+    """(token-layer routings the trainer's forward chooses differently, all of them) over
+    the tokens the sampler fed (prompts and completions but their last tokens)."""
+    tp, tg = out.prompt_tokens.shape[1], out.completion_tokens.shape[1]
+    tokens = np.concatenate([out.prompt_tokens, out.completion_tokens], axis=1)
+    valid = np.concatenate([out.prompt_mask, np.arange(tg) < out.lengths[:, None]], axis=1)
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    model = jax.jit(
+        lambda p, *a: Transformer(spec, p)(a[0], a[2], kv_valid_bs=a[1], record_routes=True)
+    )
+    own = np.asarray(model(params, tokens, valid, positions)[2])
+    fed = np.concatenate([out.prompt_mask, np.arange(tg) < out.lengths[:, None] - 1], axis=1)
+    fed[:, tp - 1] = True
+    same = np.all(np.sort(own, -1) == np.sort(out.routes, -1), axis=-1)  # [B, T, L]
+    return int((~same)[fed].sum()), int(same[fed].size)
+
+
+def stats(gaps: list[np.ndarray]) -> dict:
+    g = np.concatenate(gaps)
+    return {
+        "mean": float(g.mean()),
+        "p99": float(np.quantile(g, 0.99)),
+        "max": float(g.max()),
+        "tokens": int(g.size),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    load_start = load_avg()
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
+    gaps: dict[str, list] = {"moe": [], "moe_replay": [], "one_expert": [], "dense": []}
+    flips = [0, 0]
+    for name, spec in models(args.experts, args.top_k, args.dtype).items():
+        record = name == "moe"
+        for seed in range(args.seeds):
+            rng = np.random.default_rng(seed)
+            prompts = [list(rng.integers(3, 64, rng.integers(4, 16))) for _ in range(32)]
+            params = init_params(spec, jax.random.key(seed))
+            engine = Engine(spec, cfg, slots=32, chunk=8, pad_id=0, record_routes=record)
+            out, _ = engine.run(params, prompts, n=4, seed=seed)
+            m = out.completion_mask
+            gaps[name].append(np.abs(trainer_logprobs(spec, params, out, None) - out.logprobs)[m])
+            if record:
+                replay = trainer_logprobs(spec, params, out, out.routes)
+                gaps["moe_replay"].append(np.abs(replay - out.logprobs)[m])
+                got = route_flips(spec, params, out)
+                flips = [flips[0] + got[0], flips[1] + got[1]]
+    print(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "experts": args.experts,
+                "top_k": args.top_k,
+                "seeds": args.seeds,
+                "gap": {k: stats(v) for k, v in gaps.items()},
+                "route_flips": flips[0] / max(flips[1], 1),
+                "routings": flips[1],
+                "load_avg_1m_start": load_start,
+                "load_avg_1m_end": load_avg(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
