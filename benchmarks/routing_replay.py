@@ -16,8 +16,9 @@ sampler fed).
 Models (random weights, 2 layers, width 64, 4 query / 2 kv heads, vocabulary 64): the
 mixture of `--experts` experts of width 48, top `--top-k`; "one_expert": the same code
 path with one expert of width k x 48 (no routing decision to flip); "dense": a dense
-SwiGLU of width k x 48 (the decode step's fused dense kernels). Each over `--seeds`
-weight draws; the statistics pool their tokens.
+SwiGLU of width k x 48. Each over `--seeds` weight draws; the statistics pool their
+tokens. (In bfloat16 every decode step here runs XLA's ops: the CPU decode kernels take
+float32 only.)
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     load_start = load_avg()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
-    gaps: dict[str, list] = {"moe": [], "moe_replay": [], "one_expert": [], "dense": []}
+    gaps: dict[str, list] = {k: [] for k in ("moe", "moe_replay", "one_expert", "dense")}
     flips = [0, 0]
     for name, spec in models(args.experts, args.top_k, args.dtype).items():
         record = name == "moe"
