@@ -16,8 +16,10 @@ sampler fed).
 Models (random weights, 2 layers, width 64, 4 query / 2 kv heads, vocabulary 64): the
 mixture of `--experts` experts of width 48, top `--top-k`; "one_expert": the same code
 path with one expert of width k x 48 (no routing decision to flip); "dense": a dense
-SwiGLU of width k x 48. Each over `--seeds` weight draws; the statistics pool their
-tokens. (In bfloat16 every decode step here runs XLA's ops: the CPU decode kernels take
+SwiGLU of width k x 48. The three share their attention, norms, embedding and head
+(the dense model's), and the one expert is the dense model's MLP: the same function
+through the sparse MLP's code. Each over `--seeds` weight draws; the statistics pool
+their tokens. (In bfloat16 every decode step here runs XLA's ops: the CPU decode kernels take
 float32 only.)
 """
 
@@ -53,7 +55,14 @@ def models(experts: int, top_k: int, dtype: str) -> dict:
                 num_experts=1, moe_intermediate_size=48 * top_k, **{**moe, "num_experts_per_tok": 1}
             )
         ),
-        "dense": resolve_spec(ModelConfig(preset="tiny", intermediate_size=48 * top_k, **base)),
+        "dense": resolve_spec(
+            ModelConfig(num_experts=experts, moe_intermediate_size=48, **moe)
+        ).replace(
+            num_experts=0,
+            num_experts_per_tok=0,
+            moe_intermediate_size=0,
+            intermediate_size=48 * top_k,
+        ),
     }
 
 
@@ -92,6 +101,22 @@ def route_flips(spec, params, out) -> tuple[int, int]:
     return int((~same)[fed].sum()), int(same[fed].size)
 
 
+def weights(name: str, specs: dict, seed: int) -> dict:
+    """Seed `seed`'s weights of model `name`: the dense model's, and the mixtures with the
+    dense model's attention, norms, embedding and head (their MLP their own; the one
+    expert's MLP is the dense model's, its router all zeros: probability 1)."""
+    dense = init_params(specs["dense"], jax.random.key(seed))
+    if name == "dense":
+        return dense
+    shared = {k: v for k, v in dense.items() if k not in ("gate", "up", "down")}
+    if name == "one_expert":
+        L, D = dense["gate"].shape[:2]
+        mlp = {f"expert_{k}": dense[k][:, None] for k in ("gate", "up", "down")}
+        return {**shared, **mlp, "router": np.zeros((L, D, 1), np.float32)}
+    own = init_params(specs[name], jax.random.key(seed + 1000))
+    return {**shared, **{k: own[k] for k in ("router", "expert_gate", "expert_up", "expert_down")}}
+
+
 def stats(gaps: list[np.ndarray]) -> dict:
     g = np.concatenate(gaps)
     return {
@@ -113,12 +138,13 @@ def main() -> None:
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
     gaps: dict[str, list] = {k: [] for k in ("moe", "moe_replay", "one_expert", "dense")}
     flips = [0, 0]
-    for name, spec in models(args.experts, args.top_k, args.dtype).items():
+    specs = models(args.experts, args.top_k, args.dtype)
+    for name, spec in specs.items():
         record = name == "moe"
         for seed in range(args.seeds):
             rng = np.random.default_rng(seed)
             prompts = [list(rng.integers(3, 64, rng.integers(4, 16))) for _ in range(32)]
-            params = init_params(spec, jax.random.key(seed))
+            params = weights(name, specs, seed)
             engine = Engine(spec, cfg, slots=32, chunk=8, pad_id=0, record_routes=record)
             out, _ = engine.run(params, prompts, n=4, seed=seed)
             m = out.completion_mask
