@@ -286,6 +286,52 @@ def _fed(out) -> np.ndarray:
     return fed
 
 
+@pytest.mark.devices(8)
+def test_expert_parallel_sparse_mlp_equals_one_devices():
+    """The decode step's sparse MLP on a data 2 x fsdp 2 x tensor 2 mesh, each device
+    holding 4 of the 8 experts (half of each one's width): the tokens go to the experts
+    and back, and every token's output and experts are one device's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rl_jax.config import MeshConfig
+    from rl_jax.models.moe import expert_parallel_moe_mlp
+    from rl_jax.sharding import get_rules, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    rules = get_rules("fsdp_tp", purpose="sample")
+    keys = jax.random.split(jax.random.key(3), 5)
+    N, D, E, F, k = 12, 16, 8, 24, 3
+    h = jax.random.normal(keys[0], (N, D))
+    router = jax.random.normal(keys[1], (D, E))
+    w = (*(jax.random.normal(kk, (E, D, F)) * 0.3 for kk in keys[2:4]),)
+    w = (*w, jax.random.normal(keys[4], (E, F, D)) * 0.3)
+    kw = dict(top_k=k, norm_topk_prob=True)
+    want, _, chosen = jax.jit(lambda *a: moe_mlp(*a, **kw))(h, router, *w)
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, spec))
+        for x, spec in zip(
+            (h, *w),
+            (
+                P(("data", "fsdp")),
+                P("fsdp", None, "tensor"),
+                P("fsdp", None, "tensor"),
+                P("fsdp", "tensor"),
+            ),
+            strict=True,
+        )
+    ]
+    ep = jax.jit(lambda h, r, *ws: expert_parallel_moe_mlp(mesh, rules, h, (r, *ws), **kw))
+    got, experts = ep(placed[0], router, *placed[1:])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(experts, chosen)
+    # Only this device's experts' share: moe_mlp of experts 4..7 alone, summed with 0..3.
+    lo = jax.jit(lambda *a: moe_mlp(*a, **kw)[0])(h, router, *(x[:4] for x in w))
+    hi = jax.jit(lambda *a: moe_mlp(*a, first=4, **kw)[0])(h, router, *(x[4:] for x in w))
+    np.testing.assert_allclose(lo + hi, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(hi, want, atol=1e-3)
+
+
 def test_the_engine_records_the_routes_the_trainer_replays(params):
     """`record_routes`: the experts of every token the engine fed (prompts in the prefill
     pool, completions step by step over chunks and refills) are the ones the trainer's
@@ -830,16 +876,20 @@ def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cac
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("axes", [(8, 1), (4, 2)], ids=["data8", "data4_tensor2"])
+@pytest.mark.parametrize(
+    "axes", [(8, 1, 1), (4, 1, 2), (2, 2, 2)], ids=["data8", "data4_tensor2", "fsdp2_tensor2"]
+)
 def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes):
     """The engine's prefill (the model's forward, its sparse MLP per batch shard) and
-    decode on a mesh: one device's rollouts, and the routes it records."""
+    decode on a mesh (one device's rows per device, or, with fsdp, its experts staying
+    over fsdp as the tokens come to them): one device's rollouts, and the routes it
+    records."""
     from rl_jax.config import MeshConfig
     from rl_jax.sharding import make_mesh
 
-    data, tensor = axes
+    data, fsdp, tensor = axes
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=8, length_bucket=8, max_prompt_len=16)
-    mesh = make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor, rules="fsdp_tp"))
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="fsdp_tp"))
     kw = dict(slots=8, chunk=3, pad_id=0, record_routes=True)
     one, _ = Engine(SPEC, cfg, **kw).run(params, PROMPTS, n=3, seed=9)
     many = Engine(SPEC, cfg, **kw, mesh=mesh)

@@ -94,6 +94,7 @@ def decode_step(
     ops: Decode,
     constrain=lambda x, logical: x,
     record_routes: bool = False,
+    sparse_mlp=None,
 ) -> tuple[jax.Array, ...]:
     """Feed one token per row [B]; float32 logits [B, V], the cache and, `record_routes`
     (a mixture of experts), each row's experts [B, L, k] int32.
@@ -102,7 +103,8 @@ def decode_step(
     (`pages`; where pages.live[b]), and it attends to its positions 0 ..
     positions_b[b]. ops: the platform's decode ops (`Kernels.decode_ops`), which laid
     out `w` (decode_weights) and `cache`. `constrain(x, logical axes)` pins the
-    residual stream's layout."""
+    residual stream's layout. `sparse_mlp(h, weights, **kw)` runs a mixture of experts'
+    routed experts on a mesh (`expert_parallel_moe_mlp`; default `moe_mlp`)."""
     cdt, eps, B = jnp.dtype(spec.compute_dtype), spec.rms_norm_eps, tokens_b.shape[0]
     H, K, hd, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     stack = w["layers"]
@@ -129,7 +131,7 @@ def decode_step(
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
         experts = None
         if spec.is_moe:
-            m, experts = _moe(spec, stack, x, i, ops=ops)
+            m, experts = _moe(spec, stack, x, i, ops=ops, sparse_mlp=sparse_mlp)
             x = x + m
         else:
             act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
@@ -143,25 +145,25 @@ def decode_step(
     return (logits, cache, jnp.moveaxis(routes, 0, 1)) if record_routes else (logits, cache)
 
 
-def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode):
-    """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp`, its
-    grouped matmuls the platform's (`ops.grouped_matmul`), and its `shared_expert`;
-    and each row's experts [B, k]."""
+def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode, sparse_mlp=None):
+    """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp` (or
+    `sparse_mlp`), its grouped matmuls the platform's (`ops.grouped_matmul`), and its
+    `shared_expert`; and each row's experts [B, k]."""
 
     def at(name):
         return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
 
     h = rms_norm(x_bd, at("mlp_norm"), spec.rms_norm_eps)
-    out, _, experts = moe_mlp(
-        h,
-        at("router"),
-        at("expert_gate"),
-        at("expert_up"),
-        at("expert_down"),
+    weights = tuple(at(n) for n in ("router", "expert_gate", "expert_up", "expert_down"))
+    kw = dict(
         top_k=spec.num_experts_per_tok,
         norm_topk_prob=spec.norm_topk_prob,
         grouped_matmul=ops.grouped_matmul,
     )
+    if sparse_mlp is None:
+        out, _, experts = moe_mlp(h, *weights, **kw)
+    else:
+        out, experts = sparse_mlp(h, weights, **kw)
     if spec.shared_expert_intermediate_size:
         out = out + shared_expert(h, {name: at(name) for name in SHARED_EXPERT})
     return out, experts

@@ -118,29 +118,34 @@ def moe_mlp(
     norm_topk_prob: bool,
     valid: jax.Array | None = None,
     experts: jax.Array | None = None,
+    first: jax.Array | int = 0,
     grouped_matmul: Callable = xla_grouped_matmul,
 ) -> tuple[jax.Array, RouterStats, jax.Array]:
     """The sparse MLP of h [..., D] (already normed) in h's dtype, its RouterStats and
     each token's experts [..., k] int32.
 
-    router_de [D, E]; gate/up [E, D, Fe], down [E, Fe, D]. valid [...] (h's leading
-    shape): the tokens the stats count (every token is computed). experts [..., k]:
-    route each token to these (routing replay; `route`)."""
+    router_de [D, E]; gate/up [El, D, Fe], down [El, Fe, D]: experts first .. first +
+    El - 1 of the E (default all: El = E, first 0); a token's share from experts outside
+    them is left out of its output (`expert_parallel_moe_mlp` sums the shares). valid
+    [...] (h's leading shape): the tokens the stats count (every token is computed).
+    experts [..., k]: route each token to these (routing replay; `route`)."""
     lead, D = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, D)
-    N, E = x.shape[0], router_de.shape[-1]
+    N, El = x.shape[0], gate_efd.shape[0]
     given = None if experts is None else experts.reshape(N, top_k)
     logits, experts, weights = route(
         x, router_de, top_k=top_k, norm_topk_prob=norm_topk_prob, experts=given
     )
-    flat = experts.reshape(-1)  # [N k], assignment a = token a // k
+    flat = experts.reshape(-1) - first  # [N k], assignment a = token a // k
+    flat = jnp.where((flat >= 0) & (flat < El), flat, El)  # others (El) sort last
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((El,), jnp.int32).at[flat].add(1, mode="drop")
     xs = jnp.take(x, order // top_k, axis=0)  # [N k, D]
     dt = x.dtype
     g = grouped_matmul(xs, gate_efd.astype(dt), sizes)
     u = grouped_matmul(xs, up_efd.astype(dt), sizes)
-    ys = grouped_matmul(jax.nn.silu(g) * u, down_efd.astype(dt), sizes)  # [N k, D]
+    # [N k, D]; the rows of other experts' assignments, past the groups, come out 0.
+    ys = grouped_matmul(jax.nn.silu(g) * u, down_efd.astype(dt), sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(N * top_k, dtype=order.dtype))
     y = jnp.take(ys, back, axis=0).reshape(N, top_k, D)
     out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
@@ -181,6 +186,53 @@ def aux_losses(stats: RouterStats, *, num_experts: int, top_k: int) -> dict[str,
         load=jnp.sum(stats.load, axis=0) / total,
         entropy=jnp.mean(stats.entropy / n),
     )
+
+
+def _mesh_axes(mesh: Mesh, rules: Rules, logical: str, dim: int) -> tuple[str, ...]:
+    """The mesh axes the rules map `logical` to that divide a dimension of size dim."""
+    a = fit_spec(logical_to_spec((logical,), rules), (dim,), mesh)[0]
+    return () if a is None else (a,) if isinstance(a, str) else tuple(a)
+
+
+def expert_parallel_moe_mlp(
+    mesh: Mesh,
+    rules: Rules,
+    h_nd: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    **kw,
+) -> tuple[jax.Array, jax.Array]:
+    """`moe_mlp` of N tokens h [N, D] (the engine's decode step: one a row, rows over the
+    batch axes) with the experts staying where they are stored: over the batch axes
+    `expert` maps to (n devices, E / n experts each; each expert's width over the axes
+    `mlp` maps to). Each device gathers the tokens of those n devices, multiplies the
+    ones routed to its own experts, and the partial outputs are summed and scattered
+    back to the tokens' devices: per layer, rows x D move twice, not the experts'
+    weights. Returns the output [N, D] and each token's experts [N, k]."""
+    N = h_nd.shape[0]
+    E, Fe = weights[1].shape[0], weights[1].shape[-1]
+    b = _mesh_axes(mesh, rules, "batch", N)
+    e = tuple(a for a in _mesh_axes(mesh, rules, "expert", E) if a in b)
+    m = tuple(a for a in _mesh_axes(mesh, rules, "mlp", Fe) if a not in b)
+
+    def local(h, router, wg, wu, wd):
+        rows, at = h.shape[0], 0
+        if e:
+            h = jax.lax.all_gather(h, e, axis=0, tiled=True)
+            at = jax.lax.axis_index(e)
+        out, _, chosen = moe_mlp(h, router, wg, wu, wd, first=at * wg.shape[0], **kw)
+        if m:
+            out = jax.lax.psum(out, m)
+        if e:
+            out = jax.lax.psum_scatter(out, e, scatter_dimension=0, tiled=True)
+            chosen = jax.lax.dynamic_slice_in_dim(chosen, at * rows, rows)
+        return out, chosen
+
+    row, ex = P(b or None, None), (e or None)
+    in_specs = (row, P(), P(ex, None, m or None), P(ex, None, m or None), P(ex, m or None, None))
+    shard = jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=(row, row), check_vma=False
+    )
+    return shard(h_nd, *weights)
 
 
 def sharded_moe_mlp(

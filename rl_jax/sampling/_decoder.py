@@ -18,6 +18,7 @@ from rl_jax.config.sampling import SamplingConfig
 from rl_jax.kernels.xla import Decode, PagedKV, PagedLayout, Pages
 from rl_jax.knobs import ConfigError
 from rl_jax.models.decode import decode_step
+from rl_jax.models.moe import expert_parallel_moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import Transformer, model_params, param_shardings
 from rl_jax.sampling._dist import sample_with_uniforms
@@ -255,6 +256,9 @@ class Decoder:
         """x's largest value over the devices of a shard_map'd loop (as is without one)."""
         return jax.lax.pmax(x, BATCH_AXES) if manual else x
 
+    def _expert_parallel(self, h, weights, **kw):
+        return expert_parallel_moe_mlp(self.mesh, self.rules, h, weights, **kw)
+
     def _token_step(self, ops: Decode, weights, s: SamplerState, slot, u_b, version, *, manual):
         """One decode step of every row: feed `s.last_token` at its column `slot` [B] (its
         position slot - kv_start in its pages), draw from the logits with the uniforms
@@ -275,6 +279,8 @@ class Decoder:
             ops=ops,
             constrain=constrain,
             record_routes=self.record_routes,
+            # On a mesh (not one device's rows), the experts stay where they are stored.
+            sparse_mlp=None if manual or self.mesh is None else self._expert_parallel,
         )
         tok, logp = sample_with_uniforms(
             logits_bv, u_b, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k

@@ -42,12 +42,15 @@ TRAIN_RULES: dict[str, Rules] = {
 }
 
 # Sampling: decode steps are latency bound, so parameters are not FSDP-sharded
-# (that would all-gather every weight every token); tensor parallelism stays.
+# (that would all-gather every weight every token); tensor parallelism stays. A mixture
+# of experts' experts stay over fsdp: the decode step moves tokens to them
+# (`rl_jax.models.moe.expert_parallel_moe_mlp`), not them to the tokens.
 SAMPLE_RULES: dict[str, Rules] = {
     "dp": (("batch", BATCH_AXES),),
-    "fsdp": (("batch", BATCH_AXES),),
+    "fsdp": (("batch", BATCH_AXES), ("expert", "fsdp")),
     "fsdp_tp": (
         ("batch", BATCH_AXES),
+        ("expert", "fsdp"),
         ("heads", "tensor"),
         ("kv_heads", "tensor"),
         ("mlp", "tensor"),
