@@ -815,6 +815,14 @@ def test_plan_estimate_counts_the_experts_a_token_goes_through():
     acts = activations(moe)
     assert activations(moe.replace(intermediate_size=8)) == acts
     assert activations(moe.replace(num_experts_per_tok=3)) > acts
+    # The decode step's weights: the experts over fsdp x tensor (they stay in place),
+    # the rest over tensor; colocated, and split mode's sampler (no fsdp) holds them all.
+    L, E, D, Fe = moe.num_layers, moe.num_experts, moe.hidden_size, moe.moe_intermediate_size
+    experts, rest = L * E * 3 * D * Fe, moe.num_params() - L * E * 3 * D * Fe
+    parts = estimate(moe, cfg, mesh, CHIPS["v5e"])["parts"]
+    assert parts["sampler_weights"] == pytest.approx(4 * (rest / 2 + experts / 4))
+    split = estimate(moe, cfg, mesh, CHIPS["v5e"], sampler=2)["parts"]
+    assert split["sampler_weights"] == pytest.approx(4 * (rest + experts) / 2)
 
 
 def test_convert_writes_over_its_own_previous_moe_export(params, tmp_path):

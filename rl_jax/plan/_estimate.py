@@ -130,10 +130,20 @@ def _parts(spec: Any, cfg: Any, mesh: dict[str, int], sampler: int, tp: int, tg:
         "in_flight": sampler_kv if cfg.train.off_policy == "pipeline" and not sampler else 0.0,
         "reference": params if cfg.loss.kl_coef > 0 else 0.0,
         "sampler_view": view,
-        "sampler_weights": spec.num_params() * _itemsize(spec.compute_dtype) / s_tensor,
+        "sampler_weights": _decode_weights(spec, 1 if sampler else fsdp, s_tensor),
         "sampler_kv": sampler_kv,
     }
     return parts, kv, steps
+
+
+def _decode_weights(spec: Any, fsdp: int, tensor: int) -> float:
+    """The decode step's weights per chip (compute dtype): over `tensor`, and a mixture
+    of experts' experts over `fsdp` too (they stay where they are stored:
+    `rl_jax.models.moe.expert_parallel_moe_mlp`)."""
+    n = spec.num_params()
+    experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
+    ways = fsdp if spec.is_moe and spec.num_experts % fsdp == 0 else 1  # as fit_spec splits
+    return ((n - experts) / tensor + experts / (tensor * ways)) * _itemsize(spec.compute_dtype)
 
 
 def _push_s(push: float, sampler: int, trainer: int, chip: Chip) -> float:
