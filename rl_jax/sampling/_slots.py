@@ -128,8 +128,8 @@ class _Routes:
         starting at column `starts` and `lengths` tokens generated: the prompt's tokens
         but the last (its prefill's), then the tokens each decode step fed (the last
         prompt token's first); 0 at padding and at the last token (never fed)."""
-        out = np.zeros((len(rows), self.Tp + self.cols.shape[1], *self.cols.shape[2:]))
-        out = out.astype(self.cols.dtype)
+        shape = (len(rows), self.Tp + self.cols.shape[1], *self.cols.shape[2:])
+        out = np.zeros(shape, self.cols.dtype)
         for i, (r, slot) in enumerate(zip(rows, slots, strict=True)):
             g = int(r) // self.G
             held, j = self.prompts[g]
