@@ -136,8 +136,9 @@ def moe_mlp(
     logits, experts, weights = route(
         x, router_de, top_k=top_k, norm_topk_prob=norm_topk_prob, experts=given
     )
-    flat = experts.reshape(-1) - first  # [N k], assignment a = token a // k
-    flat = jnp.where((flat >= 0) & (flat < El), flat, El)  # others (El) sort last
+    flat = experts.reshape(-1)  # [N k], assignment a = token a // k
+    if El < router_de.shape[-1]:  # a window of the experts: the others (El) sort last
+        flat = jnp.where((flat >= first) & (flat < first + El), flat - first, El)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     sizes = jnp.zeros((El,), jnp.int32).at[flat].add(1, mode="drop")
     xs = jnp.take(x, order // top_k, axis=0)  # [N k, D]
