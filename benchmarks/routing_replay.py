@@ -14,8 +14,9 @@ and the fraction of (token, layer) routings the two forwards choose differently
 sampler fed).
 
 Models (random weights, 2 layers, width 64, 4 query / 2 kv heads, vocabulary 64): the
-mixture of `--experts` experts of width 48, top `--top-k`; "one_expert": the same code
-path with one expert of width k x 48 (no routing decision to flip); "dense": a dense
+mixture of `--experts` experts of width 48, top `--top-k`; "all_experts": k experts of
+width 48, every token through all of them (a mixture with the router's weights and no
+routing decision to flip); "one_expert": one expert of width k x 48; "dense": a dense
 SwiGLU of width k x 48. The three share their attention, norms, embedding and head
 (the dense model's), and the one expert is the dense model's MLP: the same function
 through the sparse MLP's code. Each over `--seeds` weight draws; the statistics pool
@@ -50,6 +51,9 @@ def models(experts: int, top_k: int, dtype: str) -> dict:
     moe = dict(preset="tiny-moe", num_experts_per_tok=top_k, **base)
     return {
         "moe": resolve_spec(ModelConfig(num_experts=experts, moe_intermediate_size=48, **moe)),
+        "all_experts": resolve_spec(
+            ModelConfig(num_experts=top_k, moe_intermediate_size=48, **moe)
+        ),
         "one_expert": resolve_spec(
             ModelConfig(
                 num_experts=1, moe_intermediate_size=48 * top_k, **{**moe, "num_experts_per_tok": 1}
@@ -136,7 +140,9 @@ def main() -> None:
     args = ap.parse_args()
     load_start = load_avg()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
-    gaps: dict[str, list] = {k: [] for k in ("moe", "moe_replay", "one_expert", "dense")}
+    gaps: dict[str, list] = {
+        k: [] for k in ("moe", "moe_replay", "all_experts", "one_expert", "dense")
+    }
     flips = [0, 0]
     specs = models(args.experts, args.top_k, args.dtype)
     for name, spec in specs.items():
