@@ -27,6 +27,7 @@ float32 only.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +44,7 @@ from rl_jax.config import ModelConfig, SamplingConfig  # noqa: E402
 from rl_jax.models import Transformer, init_params, resolve_spec  # noqa: E402
 from rl_jax.sampling import Engine  # noqa: E402
 from rl_jax.sharding import get_rules  # noqa: E402
-from rl_jax.train.step import assemble_batch, completion_forward, put_batch  # noqa: E402
+from rl_jax.train.step import completion_forward, put_batch, rollout_arrays  # noqa: E402
 
 
 def models(experts: int, top_k: int, dtype: str) -> dict:
@@ -71,20 +72,11 @@ def models(experts: int, top_k: int, dtype: str) -> dict:
 
 
 def trainer_logprobs(spec, params, out, routes) -> np.ndarray:
-    host = assemble_batch(
-        out.prompt_tokens,
-        out.prompt_mask,
-        out.completion_tokens,
-        out.lengths,
-        out.completion_mask,
-        out.logprobs,
-        np.zeros(out.num_rows),
-        out.group_ids,
-    )
-    if routes is not None:
-        host["routes"] = routes
-    rules = get_rules("fsdp_tp")
-    fwd = jax.jit(lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0])
+    """The trainer's log-probs [B, Tg] of the completions, routing as `routes` says (None:
+    the router's own top k)."""
+    out = dataclasses.replace(out, routes=routes)
+    host = rollout_arrays(out, out.completion_mask, np.zeros(out.num_rows))
+    fwd = jax.jit(lambda p, b: completion_forward(spec, get_rules("fsdp_tp"), None, p, b, 1.0)[0])
     return np.asarray(fwd(params, put_batch(host, None)))
 
 

@@ -258,20 +258,10 @@ def _replay_logprobs(spec, params, out, routes):
     """The trainer's log-probs of a Rollouts' completions (its step's forward), routing
     each token as `routes` says (None: its own router's top k)."""
     from rl_jax.sharding import get_rules
-    from rl_jax.train.step import assemble_batch, completion_forward, put_batch
+    from rl_jax.train.step import completion_forward, put_batch, rollout_arrays
 
-    host = assemble_batch(
-        out.prompt_tokens,
-        out.prompt_mask,
-        out.completion_tokens,
-        out.lengths,
-        out.completion_mask,
-        out.logprobs,
-        np.zeros(out.num_rows),
-        out.group_ids,
-    )
-    if routes is not None:
-        host["routes"] = routes
+    out = dataclasses.replace(out, routes=routes)
+    host = rollout_arrays(out, out.completion_mask, np.zeros(out.num_rows))
     rules = get_rules("fsdp_tp")
     fwd = jax.jit(lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0])
     return np.asarray(fwd(params, put_batch(host, None)))

@@ -25,7 +25,7 @@ from rl_jax.train.accounting import forward_flops, step_flops
 from rl_jax.train.evaluation import eval_key, evaluate_policy
 from rl_jax.train.parts import Parts
 from rl_jax.train.state import PromptSource, TrainerState
-from rl_jax.train.step import assemble_batch, put_batch, put_minibatches
+from rl_jax.train.step import put_batch, put_minibatches, rollout_arrays
 
 # ---- rollout ------------------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ def score(parts: Parts, rollouts: Rollouts, problems) -> Scores:
 class Batch:
     """A scored batch ready for its updates (host arrays, numpy)."""
 
-    host: dict[str, np.ndarray]  # assemble_batch's arrays, advantages set
+    host: dict[str, np.ndarray]  # rollout_arrays' arrays, advantages set
     old_logp: np.ndarray | None  # [B, Tg] the policy before this batch's updates
     ref_logp: np.ndarray | None  # [B, Tg] the reference policy
     info: dict[str, Any]  # the advantage function's scalar diagnostics
@@ -173,18 +173,7 @@ def advantages(
     keep_b = np.repeat(keep_p, G)
     loss_mask = rollouts.completion_mask & keep_b[:, None]
     group_b = rollouts.group_ids.astype(np.int32)
-    host = assemble_batch(
-        rollouts.prompt_tokens,
-        rollouts.prompt_mask,
-        rollouts.completion_tokens,
-        rollouts.lengths,
-        loss_mask,
-        rollouts.logprobs,
-        np.zeros(P * G, np.float32),  # the advantages, set below
-        group_b,
-    )
-    if rollouts.routes is not None:  # routing replay: every forward of the batch routes so
-        host["routes"] = rollouts.routes
+    host = rollout_arrays(rollouts, loss_mask, np.zeros(P * G, np.float32))  # advantages below
     runs = parts.passes
     kl_reward = runs.ref and cfg.loss.kl_in_reward
     full = put_batch(host, parts.mesh) if runs.critic else None

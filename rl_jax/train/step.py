@@ -86,6 +86,24 @@ def assemble_batch(
     }
 
 
+def rollout_arrays(rollouts, loss_mask: np.ndarray, advantages: np.ndarray) -> dict:
+    """`assemble_batch`'s arrays of a `Rollouts` (its completions' `loss_mask` [B, Tg] and
+    `advantages`), with the experts its sampler recorded (routing replay) where it did."""
+    host = assemble_batch(
+        rollouts.prompt_tokens,
+        rollouts.prompt_mask,
+        rollouts.completion_tokens,
+        rollouts.lengths,
+        loss_mask,
+        rollouts.logprobs,
+        advantages,
+        rollouts.group_ids,
+    )
+    if rollouts.routes is not None:  # every forward of the batch routes tokens so
+        host["routes"] = rollouts.routes
+    return host
+
+
 def shared_prompt_rows(arrays: dict[str, np.ndarray]) -> int:
     """G such that rows [g * G, (g + 1) * G) of a host batch share one prompt, else 1.
 
