@@ -758,12 +758,7 @@ def test_a_tpu_program_multiplies_each_token_through_its_experts_once(no_compila
     from rl_jax.models import param_shardings
     from rl_jax.sharding import get_rules, make_mesh
 
-    try:
-        from rl_jax.plan import topology_devices
-
-        devices = topology_devices("v5e:2x2")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    devices = _v5e_devices()
     spec = SPEC.replace(num_layers=1, scan_layers=True)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=1), devices)
     rules = get_rules("fsdp_tp")
@@ -791,12 +786,7 @@ def test_a_tpu_route_replays_experts_for_no_more_bytes_than_its_top_k(no_compila
     with replayed experts moves no more bytes than with its own top k. (Taken with a
     gather, the replayed experts' weights counted 91x the top k's bytes: its backward
     is a scatter; on the 30B-A3B plan, +19% of the train step's.)"""
-    try:
-        from rl_jax.plan import topology_devices
-
-        devices = topology_devices("v5e:2x2")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    devices = _v5e_devices()
     one = jax.sharding.SingleDeviceSharding(devices[0])
     N, D, E, k = 4096, 128, 8, 2
 
@@ -812,6 +802,16 @@ def test_a_tpu_route_replays_experts_for_no_more_bytes_than_its_top_k(no_compila
     own = bytes_moved(((N, D), jnp.float32), ((D, E), jnp.float32))
     replayed = bytes_moved(((N, D), jnp.float32), ((D, E), jnp.float32), ((N, k), jnp.uint8))
     assert replayed <= own, (replayed, own)
+
+
+def _v5e_devices() -> list:
+    """A v5e:2x2 topology's devices to compile for (libtpu, from this host), else skip."""
+    try:
+        from rl_jax.plan import topology_devices
+
+        return topology_devices("v5e:2x2")
+    except ConfigError as e:
+        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
 
 
 def _layout(spec):
@@ -884,12 +884,7 @@ def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cac
     group: 64x the backward's FLOPs at 128 experts. grouped_matmul's is its rows'."""
     from rl_jax.kernels.xla import grouped_matmul
 
-    try:
-        from rl_jax.plan import topology_devices
-
-        devices = topology_devices("v5e:2x2")
-    except ConfigError as e:
-        pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    devices = _v5e_devices()
     one = jax.sharding.SingleDeviceSharding(devices[0])
     M, D, N, G = 4096, 256, 128, 128
     f = jax.jit(
