@@ -197,6 +197,13 @@ def _mesh_axes(mesh: Mesh, rules: Rules, logical: str, dim: int) -> tuple[str, .
     return () if a is None else (a,) if isinstance(a, str) else tuple(a)
 
 
+def _rows_and_width(mesh: Mesh, rules: Rules, N: int, Fe: int):
+    """The mesh axes of a sparse MLP's N rows (`batch`) and of each expert's width Fe
+    (`mlp`; none where they share an axis with the rows)."""
+    b, m = _mesh_axes(mesh, rules, "batch", N), _mesh_axes(mesh, rules, "mlp", Fe)
+    return b, (() if set(b) & set(m) else m)
+
+
 def expert_parallel_moe_mlp(
     mesh: Mesh,
     rules: Rules,
@@ -213,9 +220,8 @@ def expert_parallel_moe_mlp(
     weights. Returns the output [N, D] and each token's experts [N, k]."""
     N = h_nd.shape[0]
     E, Fe = weights[1].shape[0], weights[1].shape[-1]
-    b = _mesh_axes(mesh, rules, "batch", N)
+    b, m = _rows_and_width(mesh, rules, N, Fe)
     e = tuple(a for a in _mesh_axes(mesh, rules, "expert", E) if a in b)
-    m = tuple(a for a in _mesh_axes(mesh, rules, "mlp", Fe) if a not in b)
 
     def local(h, router, wg, wu, wd):
         rows, at = h.shape[0], 0
@@ -257,12 +263,8 @@ def sharded_moe_mlp(
     every chip would multiply every token of the batch through its experts.)"""
     N, T, _ = h.shape
     Fe = weights[1].shape[-1]
-    b = fit_spec(logical_to_spec(("batch",), rules), (N,), mesh)[0]
-    m = fit_spec(logical_to_spec(("mlp",), rules), (Fe,), mesh)[0]
-    b_axes = () if b is None else (b,) if isinstance(b, str) else tuple(b)
-    m_axes = () if m is None else (m,) if isinstance(m, str) else tuple(m)
-    if set(b_axes) & set(m_axes):
-        m_axes, m = (), None
+    b_axes, m_axes = _rows_and_width(mesh, rules, N, Fe)
+    b, m = b_axes or None, m_axes or None
     valid = jnp.ones((N, T), bool) if valid is None else valid
     replay = experts is not None
 
