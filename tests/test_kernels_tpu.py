@@ -358,6 +358,25 @@ def test_megablox_grouped_matmul_equals_xla_in_values_and_gradients(M, D, N, siz
         jax.jit(lambda x, w: tpu.grouped_matmul(x, w, g)).lower(x, w)
 
 
+def test_a_plan_counts_the_weight_gradient_at_the_bytes_tgmm_moves():
+    """In a plan's counting program the weights' gradient is XLA's stand-in, a loop over
+    chunks of row blocks whose gathers tgmm does not make: the loop is counted as a fused
+    kernel at tgmm's bytes per FLOP. By hand, x [256, 256] and dy [256, 128] in bf16 over
+    4 groups: row tiles of 128, at most 4 more for the groups' boundaries (768 rows);
+    a row's x read once (N in one tile of 128), its dy twice (D in two): 2 x (256 + 2 x
+    128) bytes a row; the [4, 256, 128] gradient written once; over 2 x 256 x 256 x 128
+    FLOPs: (768 x 1024 + 262,144) / 16,777,216 = 1 / 16."""
+    x = jnp.zeros((256, 256), jnp.bfloat16)
+    w = jnp.zeros((4, 256, 128), jnp.bfloat16)
+    g = jnp.asarray([100, 0, 120, 36], jnp.int32)
+    loss = lambda x, w: jnp.sum(tpu.grouped_matmul(x, w, g).astype(jnp.float32))  # noqa: E731
+    with loops.counting() as count:
+        jax.jit(jax.grad(loss, (0, 1))).lower(x, w)
+    # Blocks of 16 rows (256 / (4 x 4 groups)): 16 and one partial a group, 2 chunks of 16.
+    assert count.trips == {("grouped_weight_grad", 2, False): 2}
+    assert count.fused == {("grouped_weight_grad", 2, False): 1 / 16}
+
+
 @pytest.mark.devices(8)
 def test_megablox_in_the_moe_shard_map_equals_one_device():
     """The sparse MLP on data 2 x fsdp 2 x tensor 2 with megablox (interpreted) as its

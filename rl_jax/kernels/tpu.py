@@ -288,24 +288,45 @@ def grouped_matmul(
     for the weights' (each expert's own rows). M is padded to whole tiles of rows. A
     Pallas call has no sharding rule: the model calls it per device (under `shard_map`,
     `rl_jax.models.moe.sharded_moe_mlp`). A plan's counting programs (`loops` modes
-    "counting" and "unrolled") take `xla.grouped_matmul`, whose FLOPs XLA counts.
+    "counting" and "unrolled") take `xla.grouped_matmul`, whose FLOPs XLA counts, its
+    weight gradient's loop counted at tgmm's bytes (`_tgmm_bytes_per_flop`).
     `interpret`: Pallas's interpreter (the CPU tests)."""
     if loops.mode().how != "run":
-        return xla.grouped_matmul(x, w, group_sizes)
+        (M, D), (G, _, N) = x.shape, w.shape
+        fused = _tgmm_bytes_per_flop(M, D, N, G, x.dtype.itemsize)
+        return xla.grouped_matmul(x, w, group_sizes, bytes_per_flop=fused)
     return _gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), interpret)
+
+
+def _tgmm_bytes_per_flop(M: int, D: int, N: int, G: int, itemsize: int) -> float:
+    """HBM bytes per FLOP of tgmm's weight gradient (x [M, D], dy [M, N], w [G, D, N], all
+    of `itemsize`), from its tiles (`_gmm_layout`): for every output tile of [D, N] it
+    reads each of its groups' row tiles of x and dy, so x is read once per tile of N and
+    dy once per tile of D (a row tile two groups share, once per group: at most G more
+    tiles); each group's [D, N] is written once. Over its 2 M D N FLOPs. (XLA's bytes of
+    the counting program's stand-in, `xla.grouped_weight_grad`, count its gathers of
+    every chunk's rows, which the kernel reads in place.)"""
+    rows = M + G * _gmm_layout_rows(M)
+    per_row = itemsize * (D * -(-N // GMM_TILE) + N * -(-D // GMM_TILE))
+    return (rows * per_row + G * D * N * itemsize) / (2 * M * D * N)
 
 
 def _gmm_layout(M: int, group_sizes: jax.Array) -> tuple[tuple[int, int, int], Any, Any]:
     """Megablox's tiling of M rows, and of an array of M rows: its rows padded with zeros
     to whole tiles, its rows past the groups zeroed too (`rows`); which rows are inside
     the groups ([M, 1])."""
-    tm = min(GMM_ROWS, -(-M // 8) * 8)
+    tm = _gmm_layout_rows(M)
     inside = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
 
     def rows(a):
         return jnp.pad(jnp.where(inside, a, 0), ((0, -(-M // tm) * tm - M), (0, 0)))
 
     return (tm, GMM_TILE, GMM_TILE), rows, inside
+
+
+def _gmm_layout_rows(M: int) -> int:
+    """Rows of megablox's row tile for M rows."""
+    return min(GMM_ROWS, -(-M // 8) * 8)
 
 
 def _gmm_rows(f, x, w, group_sizes, interpret, **kw):

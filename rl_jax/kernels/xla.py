@@ -91,8 +91,9 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.reshape(*lead, *w.shape[1:])
 
 
-@jax.custom_vjp
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, bytes_per_flop: float | None = None
+) -> jax.Array:
     """Rows of x [M, D] in consecutive groups, group g (group_sizes[g] rows) times w[g]:
     [M, N] in x's dtype, for w [G, D, N] (a mixture of experts' matmul over rows sorted
     by expert). `jax.lax.ragged_dot`: libtpu and XLA:GPU run it as one grouped matmul;
@@ -102,24 +103,31 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     The weights' gradient is `grouped_weight_grad`, not ragged_dot's own transpose (a
     ragged_dot whose contracting rows are ragged, which libtpu counts, and XLA:CPU
     computes, over every group: G / 2 times the FLOPs of the whole backward at 128
-    experts)."""
-    return _grouped_matmul(x, w, group_sizes)
+    experts). `bytes_per_flop`: a plan's counting program stands in for a platform's
+    kernel of that gradient moving at most this many HBM bytes per FLOP (megablox's
+    tgmm: `tpu.grouped_matmul`); its loop is counted at that ratio (`loops.scan`)."""
+    return _grouped_matmul(x, w, group_sizes, loops.mode(), bytes_per_flop)
 
 
-def _grouped_matmul(x, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_matmul(x, w, group_sizes, mode, bytes_per_flop):
+    return _ragged_dot(x, w, group_sizes)
+
+
+def _ragged_dot(x, w, group_sizes):
     return jax.lax.ragged_dot(
         x, w.astype(x.dtype), group_sizes.astype(jnp.int32), precision=precision(x, w)
     )
 
 
-def _grouped_matmul_fwd(x, w, group_sizes):
-    return _grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, mode, bytes_per_flop):
+    return _ragged_dot(x, w, group_sizes), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(res, dy):
+def _grouped_matmul_bwd(mode, bytes_per_flop, res, dy):
     x, w, group_sizes = res
-    dx = _grouped_matmul(dy, jnp.swapaxes(w, 1, 2), group_sizes)
-    dw = grouped_weight_grad(x, dy, group_sizes)
+    dx = _ragged_dot(dy, jnp.swapaxes(w, 1, 2), group_sizes)
+    dw = grouped_weight_grad(x, dy, group_sizes, mode=mode, bytes_per_flop=bytes_per_flop)
     # Under shard_map, a cotangent is summed over the mesh axes it varies over and its
     # primal does not (rows over the batch axes for dw, a split width for dx), as
     # autodiff's own transpose sums them.
@@ -140,23 +148,32 @@ def sum_to(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return jax.lax.psum(ct, extra) if extra else ct
 
 
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 # Blocks of grouped_weight_grad's batched matmul per iteration of its loop: the loop
-# keeps one chunk's [chunk, D, N] float32 products alive, not every block's.
+# keeps one chunk's rows and [chunk, D, N] float32 products alive, not every block's.
 WEIGHT_GRAD_CHUNK = 16
 
 
-def grouped_weight_grad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_weight_grad(
+    x: jax.Array,
+    dy: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    mode: loops.Mode | None = None,
+    bytes_per_flop: float | None = None,
+) -> jax.Array:
     """sum over group g's rows of x[r]^T dy[r], [G, D, N] float32 (x [M, D], dy [M, N]).
 
     Each group's rows are laid out from a block boundary (blocks of `tm` rows, every
-    block one group's, zero rows between groups); a loop over chunks of blocks
-    multiplies each block's x_b^T dy_b and adds it into its group's [D, N]. FLOPs: the
-    rows plus at most G blocks of padding (tm is chosen so that is <= a quarter of M).
+    block one group's, zero rows between groups); a loop over chunks of blocks gathers
+    each chunk's rows of x and dy, multiplies each block's x_b^T dy_b and adds it into
+    its group's [D, N]: the gathered rows are one chunk's at a time. FLOPs: the rows
+    plus at most G blocks of padding (tm is chosen so that is <= a quarter of M).
     Gathers and dynamic slices only: libtpu's SparseCore code generator overflowed its
-    stack on this loop's scatters (compiling Qwen3-30B-A3B's train step for a v5p)."""
+    stack on this loop's scatters (compiling Qwen3-30B-A3B's train step for a v5p).
+    `mode`, `bytes_per_flop`: the loop's (`loops.scan`)."""
     M, D = x.shape
     G, N = group_sizes.shape[0], dy.shape[1]
     tm = int(min(512, max(8, 2 ** int(np.floor(np.log2(max(M / (4 * G), 1)))))))
@@ -166,36 +183,39 @@ def grouped_weight_grad(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> 
     starts = jnp.cumsum(sizes) - sizes
     padded = -(-sizes // tm) * tm
     pends = jnp.cumsum(padded)
-    # Each padded row's source row (M: a zero row past x's).
+    # Each padded row's source row (M, past x's: a zero row).
     slot = jnp.arange(nb * tm)
     group = jnp.minimum(jnp.searchsorted(pends, slot, side="right"), G - 1)
     offset = slot - (pends - padded)[group]
     src = jnp.where(offset < sizes[group], starts[group] + offset, M)
-    xb = jnp.take(jnp.pad(x, ((0, 1), (0, 0))), src, axis=0)
-    db = jnp.take(jnp.pad(dy, ((0, 1), (0, 0))), src, axis=0)
     block_group = group[::tm]  # the empty blocks at the end: zero rows
     prec = precision(x, dy)
 
+    def rows(a, src_c):
+        return jnp.take(a, src_c, axis=0, mode="fill", fill_value=0).reshape(c, tm, -1)
+
     def chunk(dw, a):
-        xc, dc, gc = a
+        src_c, gc = a
         prod = jnp.einsum(
-            "bmd,bmn->bdn", xc, dc, precision=prec, preferred_element_type=jnp.float32
+            "bmd,bmn->bdn",
+            rows(x, src_c),
+            rows(dy, src_c),
+            precision=prec,
+            preferred_element_type=jnp.float32,
         )
         for i in range(c):
             cur = jax.lax.dynamic_index_in_dim(dw, gc[i], 0, keepdims=False)
             dw = jax.lax.dynamic_update_index_in_dim(dw, cur + prod[i], gc[i], 0)
         return dw, None
 
-    chunks = (
-        xb.reshape(nb // c, c, tm, D),
-        db.reshape(nb // c, c, tm, N),
-        block_group.reshape(nb // c, c),
-    )
+    chunks = (src.reshape(nb // c, c * tm), block_group.reshape(nb // c, c))
     # Under shard_map the carry must vary over the mesh axes the blocks vary over: a
     # select of zero against an element of each (its value never read) gives it theirs.
-    zero = jnp.where(True, 0.0, (xb[0, 0] + db[0, 0] + block_group[0]).astype(jnp.float32))
+    zero = jnp.where(True, 0.0, (x[0, 0] + dy[0, 0] + block_group[0]).astype(jnp.float32))
     init = jnp.zeros((G, D, N), jnp.float32) + zero
-    dw, _ = loops.scan(chunk, init, chunks, name="grouped_weight_grad")
+    dw, _ = loops.scan(
+        chunk, init, chunks, name="grouped_weight_grad", mode=mode, bytes_per_flop=bytes_per_flop
+    )
     return dw
 
 
