@@ -19,7 +19,7 @@ from rl_jax.runs import read_jsonl
 from rl_jax.sharding import get_rules
 from rl_jax.train.loop import RLTrainer
 from rl_jax.train.params import ParamFormat
-from rl_jax.train.step import assemble_batch, make_train_step, put_batch
+from rl_jax.train.step import assemble_batch, make_update, put_minibatches
 
 sys.path.insert(0, str(Path(__file__).parent / "_workers"))
 import train_even_first  # noqa: E402
@@ -54,7 +54,7 @@ def _batch():
         rng.standard_normal(ROWS).astype(np.float32),
         np.repeat(np.arange(2, dtype=np.int32), ROWS // 2),
     )
-    return put_batch(host, None)
+    return put_minibatches(host, None, num_minibatches=1, groups=2)
 
 
 # The optimizers of these tests, by name, so that runs can be cached across tests.
@@ -73,7 +73,7 @@ def _run(param_dtype, compute_dtype, precision, tx_name, steps=3):
     state = plan.init_state({k: v.astype(param_dtype) for k, v in w0.items()}, key=None, mesh=None)
     start = {k: np.asarray(v, np.float32) for k, v in state.items()}
     opt = plan.init_optimizer(tx, state)
-    step = make_train_step(
+    step = make_update(
         spec,
         get_rules("fsdp", purpose="train"),
         None,
@@ -88,7 +88,7 @@ def _run(param_dtype, compute_dtype, precision, tx_name, steps=3):
     deltas = []
     for _ in range(steps):
         state, opt, m = step(state, opt, batch)
-        assert float(m["nonfinite"]) == 0
+        assert float(m["nonfinite"][0]) == 0
         deltas.append({k: np.asarray(v, np.float32) - start[k] for k, v in state.items()})
     return deltas, state, opt
 

@@ -20,7 +20,7 @@ from rl_jax.config import LossConfig, ModelConfig, SamplingConfig
 from rl_jax.models import Transformer, init_params, resolve_spec
 from rl_jax.sampling import Engine
 from rl_jax.sharding import get_rules
-from rl_jax.train.step import assemble_batch, make_train_step, put_batch
+from rl_jax.train.step import assemble_batch, make_update, put_minibatches
 
 _DOT = re.compile(r"stablehlo\.dot_general.*?precision = \[(\w+), (\w+)\]")
 
@@ -80,7 +80,7 @@ def _lowered_programs(spec):
         np.repeat(np.arange(2, dtype=np.int32), 2),
     )
     tx = optax.adamw(1e-3)
-    step = make_train_step(
+    step = make_update(
         spec,
         get_rules("fsdp", purpose="train"),
         None,
@@ -90,7 +90,8 @@ def _lowered_programs(spec):
         max_tokens=tg,
         temperature=1.0,
     )
-    out["train_step"] = step.lower(params, tx.init(params), put_batch(host, None))
+    batch = put_minibatches(host, None, num_minibatches=1, groups=2)
+    out["train_step"] = step.lower(params, tx.init(params), batch)
     return out
 
 

@@ -1,6 +1,6 @@
 """One step's M updates as one jitted `lax.scan` (make_update) equal M separate calls of
-the single-minibatch step (make_train_step) on the same minibatches, with or without a
-ParamFormat (float32 masters, LoRA)."""
+the update on one minibatch each, with or without a ParamFormat (float32 masters,
+LoRA)."""
 
 import dataclasses
 
@@ -17,7 +17,6 @@ from rl_jax.train.params import LORA_KEY, ParamFormat
 from rl_jax.train.step import (
     assemble_batch,
     make_logprob_fn,
-    make_train_step,
     make_update,
     put_batch,
     put_minibatches,
@@ -60,7 +59,7 @@ def setup():
         max_tokens=TG,
         temperature=1.0,
     )
-    return spec, tx, make_train_step(**kw), make_update(**kw)
+    return spec, tx, make_update(**kw)
 
 
 def test_put_minibatches_stacks_prompt_groups_with_renumbered_ids():
@@ -95,7 +94,7 @@ def test_logprob_pass_over_stacked_minibatches_equals_the_whole_batch(setup, on_
 
 
 def test_scanned_update_equals_one_call_per_minibatch(setup):
-    spec, tx, step, update = setup
+    spec, tx, update = setup
     host = _host()
     params = init_params(spec, jax.random.key(1))
     rows = P * G // M
@@ -103,8 +102,9 @@ def test_scanned_update_equals_one_call_per_minibatch(setup):
     for j in range(M):
         mb = {k: v[j * rows : (j + 1) * rows] for k, v in host.items()}
         mb["group_ids"] = mb["group_ids"] - j * (P // M)
-        p1, o1, m = step(jax.tree.map(np.copy, p1), o1, put_batch(mb, None))
-        per_call.append(m)
+        one = put_minibatches(mb, None, num_minibatches=1, groups=P // M)
+        p1, o1, m = update(jax.tree.map(np.copy, p1), o1, one)
+        per_call.append({k: v[0] for k, v in m.items()})
     batches = put_minibatches(host, None, num_minibatches=M, groups=P)
     p2, o2, scanned = update(init_params(spec, jax.random.key(1)), tx.init(params), batches)
     for k in per_call[0]:
@@ -120,8 +120,8 @@ def test_scanned_update_equals_one_call_per_minibatch(setup):
 def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
     """With float32 masters of a bfloat16 model and LoRA adapters (rl_jax.train.params),
     the scanned update differentiates through the plan's view and updates only the
-    trained part, exactly as M calls of make_train_step with the same plan."""
-    spec, _, _, _ = setup
+    trained part, exactly as M calls of it on one minibatch each with the same plan."""
+    spec, _, _ = setup
     spec = dataclasses.replace(spec, param_dtype="bfloat16")
     plan = ParamFormat(
         param_dtype="bfloat16",
@@ -142,7 +142,7 @@ def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
         temperature=1.0,
         plan=plan,
     )
-    step, update = make_train_step(**kw), make_update(**kw)
+    update = make_update(**kw)
 
     def fresh():
         weights = init_params(spec, jax.random.key(1))
@@ -154,7 +154,8 @@ def test_scanned_update_trains_the_plans_state_as_the_single_step_does(setup):
     for j in range(M):
         mb = {k: v[j * rows : (j + 1) * rows] for k, v in host.items()}
         mb["group_ids"] = mb["group_ids"] - j * (P // M)
-        s1, o1, _ = step(jax.tree.map(jnp.copy, s1), o1, put_batch(mb, None))
+        one = put_minibatches(mb, None, num_minibatches=1, groups=P // M)
+        s1, o1, _ = update(jax.tree.map(jnp.copy, s1), o1, one)
     start = fresh()
     batches = put_minibatches(host, None, num_minibatches=M, groups=P)
     s2, _, m = update(fresh(), plan.init_optimizer(tx, start), batches)

@@ -191,15 +191,20 @@ def grouped_weight_grad(
     block_group = group[::tm]  # the empty blocks at the end: zero rows
     prec = precision(x, dy)
 
-    def rows(a, src_c):
-        return jnp.take(a, src_c, axis=0, mode="fill", fill_value=0).reshape(c, tm, -1)
+    def rows(a, src_c, zero_pads):
+        # A padding row (src M) must add nothing to its block's product: zeroing it in
+        # the narrower of x and dy does that at the fewest selects.
+        out = jnp.take(a, src_c, axis=0, mode="clip")
+        if zero_pads:
+            out = jnp.where((src_c < M)[:, None], out, jnp.zeros((), a.dtype))
+        return out.reshape(c, tm, -1)
 
     def chunk(dw, a):
         src_c, gc = a
         prod = jnp.einsum(
             "bmd,bmn->bdn",
-            rows(x, src_c),
-            rows(dy, src_c),
+            rows(x, src_c, D < N),
+            rows(dy, src_c, D >= N),
             precision=prec,
             preferred_element_type=jnp.float32,
         )

@@ -316,7 +316,7 @@ def _step_fn(
     plan: ParamFormat | None = None,
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
-    update on one minibatch, not jitted (make_train_step and make_update compile it).
+    update on one minibatch, not jitted (make_update compiles it, M of them in a scan).
 
     `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
     weights, all trained, as they are): the loss sees `plan.train_view(params)` (`plan.view`'s
@@ -375,35 +375,6 @@ def _jit_state_step(fn, mesh: Mesh | None, state_shardings: tuple[Any, Any] | No
     )
 
 
-def make_train_step(
-    spec: ModelSpec,
-    rules,
-    mesh: Mesh | None,
-    tx: optax.GradientTransformation,
-    loss_cfg: LossConfig,
-    *,
-    num_groups: int,
-    max_tokens: int,
-    temperature: float,
-    state_shardings: tuple[Any, Any] | None = None,
-    plan: ParamFormat | None = None,
-) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
-    """jit(step)(params, opt_state, batch) -> (params, opt_state, metrics): one update
-    on one minibatch (see _step_fn); state donated."""
-    step = _step_fn(
-        spec,
-        rules,
-        mesh,
-        tx,
-        loss_cfg,
-        num_groups=num_groups,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        plan=plan,
-    )
-    return _jit_state_step(step, mesh, state_shardings)
-
-
 def make_update(
     spec: ModelSpec,
     rules,
@@ -422,7 +393,7 @@ def make_update(
     `batches` holds M minibatches stacked on a leading axis (`put_minibatches`); the
     M updates of one RL step run one after another under `lax.scan` in one program,
     each as `_step_fn` (num_groups: prompts per minibatch; params and opt_state those of
-    `plan`, as make_train_step's). State donated.
+    `plan`: the trainer's state, `rl_jax.train.params`). State donated.
     """
     step = _step_fn(
         spec,
@@ -527,7 +498,7 @@ def make_logprob_fn(
     plan: ParamFormat | None = None,
 ):
     """jit(fn)(params, batch) -> logp (old or reference policy; no gradient); params as
-    make_train_step's.
+    make_update's.
 
     `batch` is one batch (`put_batch`: logp [B, Tg]) or M minibatches stacked on a
     leading axis as the update takes them (`put_minibatches`: logp [M, B / M, Tg]). The
