@@ -192,8 +192,9 @@ def grouped_weight_grad(
     prec = precision(x, dy)
 
     def rows(a, src_c, zero_pads):
-        # A padding row (src M) must add nothing to its block's product: zeroing it in
-        # the narrower of x and dy does that at the fewest selects.
+        # A padding row (src M; clipped, the last row) must add nothing to its block's
+        # product: zeroing it in the narrower of x and dy does that at the fewest
+        # selects (a row that is not finite makes the step's gradients so anyway).
         out = jnp.take(a, src_c, axis=0, mode="clip")
         if zero_pads:
             out = jnp.where((src_c < M)[:, None], out, jnp.zeros((), a.dtype))
