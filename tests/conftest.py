@@ -34,18 +34,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # a long one. A file missing here only runs later; the list orders, it selects nothing.
 LONGEST_FILES = (
     "test_plan.py",
-    "test_train_kl_reward.py",
-    "test_train_loop.py",
     "test_grid_driver.py",
-    "test_reliability.py",
     "test_bucket.py",
     "test_perf_step.py",
-    "test_study.py",
+    "test_resume.py",
     "test_moe.py",
-    "test_train_update.py",
-    "test_real_data.py",
-    "test_scaling_intervals.py",
+    "test_train_loop.py",
+    "test_reliability.py",
+    "test_smollm2.py",
+    "test_train_distributed.py",
+    "test_study.py",
+    "test_train_kl_reward.py",
     "test_plan_recipes.py",
+    "test_engine.py",
+    "test_lora.py",
+    "test_scaling_intervals.py",
+    "test_kernels_tpu.py",
 )
 
 

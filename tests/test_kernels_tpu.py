@@ -365,16 +365,18 @@ def test_a_plan_counts_the_weight_gradient_at_the_bytes_tgmm_moves():
     4 groups: row tiles of 128, at most 4 more for the groups' boundaries (768 rows);
     a row's x read once (N in one tile of 128), its dy twice (D in two): 2 x (256 + 2 x
     128) bytes a row; the [4, 256, 128] gradient written once; over 2 x 256 x 256 x 128
-    FLOPs: (768 x 1024 + 262,144) / 16,777,216 = 1 / 16."""
+    FLOPs: (768 x 1024 + 262,144) / 16,777,216 = 1 / 16. Called in a layer's body, the
+    loop counts once per layer, though autodiff traces the backward after the body."""
     x = jnp.zeros((256, 256), jnp.bfloat16)
     w = jnp.zeros((4, 256, 128), jnp.bfloat16)
     g = jnp.asarray([100, 0, 120, 36], jnp.int32)
-    loss = lambda x, w: jnp.sum(tpu.grouped_matmul(x, w, g).astype(jnp.float32))  # noqa: E731
+    layer = loops.layer_body(lambda x, w: tpu.grouped_matmul(x, w, g))
+    loss = lambda x, w: jnp.sum(layer(x, w).astype(jnp.float32))  # noqa: E731
     with loops.counting() as count:
         jax.jit(jax.grad(loss, (0, 1))).lower(x, w)
     # Blocks of 16 rows (256 / (4 x 4 groups)): 16 and one partial a group, 2 chunks of 16.
-    assert count.trips == {("grouped_weight_grad", 2, False): 2}
-    assert count.fused == {("grouped_weight_grad", 2, False): 1 / 16}
+    assert count.trips == {("grouped_weight_grad", 2, True): 2}
+    assert count.fused == {("grouped_weight_grad", 2, True): 1 / 16}
 
 
 @pytest.mark.devices(8)
