@@ -179,16 +179,7 @@ def grouped_weight_grad(
     tm = int(min(512, max(8, 2 ** int(np.floor(np.log2(max(M / (4 * G), 1)))))))
     c = WEIGHT_GRAD_CHUNK
     nb = -(-(-(-M // tm) + G) // c) * c  # the rows' blocks and a partial one per group
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    padded = -(-sizes // tm) * tm
-    pends = jnp.cumsum(padded)
-    # Each padded row's source row (M, past x's: a zero row).
-    slot = jnp.arange(nb * tm)
-    group = jnp.minimum(jnp.searchsorted(pends, slot, side="right"), G - 1)
-    offset = slot - (pends - padded)[group]
-    src = jnp.where(offset < sizes[group], starts[group] + offset, M)
-    block_group = group[::tm]  # the empty blocks at the end: zero rows
+    src, block_group = _group_blocks(group_sizes, M, tm, nb)
     prec = precision(x, dy)
 
     def rows(a, src_c, zero_pads):
@@ -223,6 +214,21 @@ def grouped_weight_grad(
         chunk, init, chunks, name="grouped_weight_grad", mode=mode, bytes_per_flop=bytes_per_flop
     )
     return dw
+
+
+def _group_blocks(group_sizes: jax.Array, M: int, tm: int, nb: int):
+    """`nb` blocks of `tm` rows, each group's rows from a block boundary: each slot's
+    source row ([nb tm]; M, past the rows, where a block's group has no more) and each
+    block's group ([nb]; the empty blocks at the end: the last group's, all padding)."""
+    G = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = -(-sizes // tm) * tm
+    pends = jnp.cumsum(padded)
+    slot = jnp.arange(nb * tm)
+    group = jnp.minimum(jnp.searchsorted(pends, slot, side="right"), G - 1)
+    offset = slot - (pends - padded)[group]
+    return jnp.where(offset < sizes[group], starts[group] + offset, M), group[::tm]
 
 
 def together(fn, *args):
