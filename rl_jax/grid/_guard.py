@@ -27,16 +27,12 @@ import time
 from typing import Any
 
 from rl_jax.runs import locks
-from rl_jax.runs.storage import join, open_store
+from rl_jax.runs.storage import open_store
 
 BUSY = 75  # EX_TEMPFAIL: another process is running this run; not a failure
 GUARD_DIR = ".grid"
 GUARD_LOCK = f"{GUARD_DIR}/lock"
 RUN_LOCK = ".lock"  # the trainer's (rl_jax.runs.run_dir.LOCK)
-
-
-def lock_path(run_dir: str) -> str:
-    return join(run_dir, GUARD_LOCK)
 
 
 def attempt_name(attempt: int) -> str:
