@@ -16,10 +16,13 @@ sampler fed).
 Models (random weights, 2 layers, width 64, 4 query / 2 kv heads, vocabulary 64): the
 mixture of `--experts` experts of width 48, top `--top-k`; "all_experts": k experts of
 width 48, every token through all of them (a mixture with the router's weights and no
-routing decision to flip); "one_expert": one expert of width k x 48; "dense": a dense
-SwiGLU of width k x 48. The three share their attention, norms, embedding and head
-(the dense model's), and the one expert is the dense model's MLP: the same function
-through the sparse MLP's code. Each over `--seeds` weight draws; the statistics pool
+routing decision to flip); "split_dense": the dense model's MLP cut into k experts of
+width 48 (its gate and up columns, its down rows), every token through all of them at
+weight 1 / k (a zero router) and the down rows times k: the dense model's function
+through the sparse MLP's dispatch; "one_expert": one expert of width k x 48; "dense": a
+dense SwiGLU of width k x 48. All share their attention, norms, embedding and head (the
+dense model's), and the one expert is the dense model's MLP: the same function through
+the sparse MLP's code. Each over `--seeds` weight draws; the statistics pool
 their tokens. (In bfloat16 every decode step here runs XLA's ops: the CPU decode kernels take
 float32 only.)
 """
@@ -53,6 +56,9 @@ def models(experts: int, top_k: int, dtype: str) -> dict:
     return {
         "moe": resolve_spec(ModelConfig(num_experts=experts, moe_intermediate_size=48, **moe)),
         "all_experts": resolve_spec(
+            ModelConfig(num_experts=top_k, moe_intermediate_size=48, **moe)
+        ),
+        "split_dense": resolve_spec(
             ModelConfig(num_experts=top_k, moe_intermediate_size=48, **moe)
         ),
         "one_expert": resolve_spec(
@@ -105,10 +111,22 @@ def weights(name: str, specs: dict, seed: int) -> dict:
     if name == "dense":
         return dense
     shared = {k: v for k, v in dense.items() if k not in ("gate", "up", "down")}
+    L, D = dense["gate"].shape[:2]
     if name == "one_expert":
-        L, D = dense["gate"].shape[:2]
         mlp = {f"expert_{k}": dense[k][:, None] for k in ("gate", "up", "down")}
         return {**shared, **mlp, "router": np.zeros((L, D, 1), np.float32)}
+    if name == "split_dense":  # k experts of 48 columns each, weighted 1 / k
+        k = specs[name].num_experts
+
+        def cut(a, axis):
+            return np.stack(np.split(np.asarray(a), k, axis=axis), axis=1)
+
+        mlp = {
+            "expert_gate": cut(dense["gate"], 2),
+            "expert_up": cut(dense["up"], 2),
+            "expert_down": cut(dense["down"], 1) * k,
+        }
+        return {**shared, **mlp, "router": np.zeros((L, D, k), np.float32)}
     own = init_params(specs[name], jax.random.key(seed + 1000))
     return {**shared, **{k: own[k] for k in ("router", "expert_gate", "expert_up", "expert_down")}}
 
@@ -133,7 +151,7 @@ def main() -> None:
     load_start = load_avg()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
     gaps: dict[str, list] = {
-        k: [] for k in ("moe", "moe_replay", "all_experts", "one_expert", "dense")
+        k: [] for k in ("moe", "moe_replay", "all_experts", "split_dense", "one_expert", "dense")
     }
     flips = [0, 0]
     specs = models(args.experts, args.top_k, args.dtype)
