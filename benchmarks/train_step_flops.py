@@ -15,9 +15,9 @@ are per chip.
 `--loops` adds, per loop key (name, trip count, inside a layer), one iteration's FLOPs
 and bytes as the counting program's stand-in computes them, the bytes per FLOP of the
 fused kernel that runs it on the platform (on TPU splash attention, and megablox's
-tgmm for a mixture of experts' weight gradient; null where XLA runs the loop itself), and both over the whole RL step (every layer, every
-minibatch): where the train step's bytes come from. Its compiles are the ones the
-count already makes.
+tgmm for a mixture of experts' weight gradient; null where XLA runs the loop itself),
+and both over the whole RL step (every layer, every minibatch): where the train step's
+bytes come from. Its compiles are the ones the count already makes.
 """
 
 from __future__ import annotations
