@@ -22,9 +22,10 @@ weight 1 / k (a zero router) and the down rows times k: the dense model's functi
 through the sparse MLP's dispatch; "one_expert": one expert of width k x 48; "dense": a
 dense SwiGLU of width k x 48. All share their attention, norms, embedding and head (the
 dense model's), and the one expert is the dense model's MLP: the same function through
-the sparse MLP's code. Each over `--seeds` weight draws; the statistics pool
-their tokens. (In bfloat16 every decode step here runs XLA's ops: the CPU decode kernels take
-float32 only.)
+the sparse MLP's code. "crossed": the dense model's and split_dense's trainers each
+against the other's sampler (which side's sparse MLP adds split_dense's excess). Each
+over `--seeds` weight draws; the statistics pool their tokens. (In bfloat16 every
+decode step here runs XLA's ops: the CPU decode kernels take float32 only.)
 """
 
 from __future__ import annotations
@@ -141,6 +142,22 @@ def stats(gaps: list[np.ndarray]) -> dict:
     }
 
 
+def crossed(specs: dict, runs: dict, seeds: int) -> dict:
+    """The dense model's trainer against split_dense's sampler and the other way round,
+    over the rows both sampled alike (one function: mostly the same tokens): the side
+    whose sparse MLP adds the excess shows it in both pairs it is in."""
+    gaps: dict[str, list] = {"split_trainer_dense_sampler": [], "dense_trainer_split_sampler": []}
+    for seed in range(seeds):
+        (pd, od), (ps, osp) = runs["dense", seed], runs["split_dense", seed]
+        same = np.all(od.completion_tokens == osp.completion_tokens, axis=1)
+        m = od.completion_mask & (same & (od.lengths == osp.lengths))[:, None]
+        split_trainer = trainer_logprobs(specs["split_dense"], ps, od, None)
+        dense_trainer = trainer_logprobs(specs["dense"], pd, osp, None)
+        gaps["split_trainer_dense_sampler"].append(np.abs(split_trainer - od.logprobs)[m])
+        gaps["dense_trainer_split_sampler"].append(np.abs(dense_trainer - osp.logprobs)[m])
+    return {k: stats(v) for k, v in gaps.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
@@ -153,7 +170,7 @@ def main() -> None:
     gaps: dict[str, list] = {
         k: [] for k in ("moe", "moe_replay", "all_experts", "split_dense", "one_expert", "dense")
     }
-    flips = [0, 0]
+    flips, runs = [0, 0], {}
     specs = models(args.experts, args.top_k, args.dtype)
     for name, spec in specs.items():
         record = name == "moe"
@@ -164,6 +181,8 @@ def main() -> None:
             engine = Engine(spec, cfg, slots=32, chunk=8, pad_id=0, record_routes=record)
             out, _ = engine.run(params, prompts, n=4, seed=seed)
             m = out.completion_mask
+            if name in ("dense", "split_dense"):
+                runs[name, seed] = params, out
             gaps[name].append(np.abs(trainer_logprobs(spec, params, out, None) - out.logprobs)[m])
             if record:
                 replay = trainer_logprobs(spec, params, out, out.routes)
@@ -178,6 +197,7 @@ def main() -> None:
                 "top_k": args.top_k,
                 "seeds": args.seeds,
                 "gap": {k: stats(v) for k, v in gaps.items()},
+                "crossed": crossed(specs, runs, args.seeds),
                 "route_flips": flips[0] / max(flips[1], 1),
                 "routings": flips[1],
                 "load_avg_1m_start": load_start,
