@@ -48,6 +48,14 @@ class RouterStats(NamedTuple):
         return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
 
 
+def _one_hot(ids: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """ids [...] as [..., n] one-hots (an id outside 0 .. n - 1: all zeros). Summed, they
+    count ids per value, or pick each id's value of an [..., n] array, without the
+    scatter-add or gather (and its backward, a scatter) that libtpu counts at many times
+    the compare-and-sum's HBM bytes (docs/results/moe.md)."""
+    return (ids[..., None] == jnp.arange(n, dtype=ids.dtype)).astype(dtype)
+
+
 def route(
     x_nd: jax.Array,
     router_de: jax.Array,
@@ -69,11 +77,9 @@ def route(
     probs = jax.nn.softmax(logits, axis=-1)
     if experts is None:
         weights, experts = jax.lax.top_k(probs, top_k)
-    else:  # a select over the E probabilities: libtpu counts a gather's backward (a
-        # scatter) at ~90x the bytes of the top k's route (docs/results/moe.md)
+    else:  # one-hots over the E probabilities, not a gather (`_one_hot`)
         experts = experts.astype(jnp.int32)
-        hit = experts[..., None] == jnp.arange(probs.shape[-1], dtype=jnp.int32)
-        weights = jnp.sum(jnp.where(hit, probs[:, None, :], 0.0), axis=-1)
+        weights = jnp.sum(_one_hot(experts, probs.shape[-1]) * probs[:, None, :], axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, experts.astype(jnp.int32), weights
@@ -104,13 +110,6 @@ def router_stats(logits_ne: jax.Array, experts_nk: jax.Array, valid_n: jax.Array
         z=jnp.sum(w * lse * lse),
         entropy=jnp.sum(w * -jnp.sum(probs * logp, axis=-1)),
     )
-
-
-def _one_hot(ids: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
-    """ids [...] as [..., n] one-hots (an id outside 0 .. n - 1: all zeros). Their
-    sums count ids per value without a scatter-add, which libtpu counts at thousands of
-    times the compare-and-sum's HBM bytes (docs/results/moe.md)."""
-    return (ids[..., None] == jnp.arange(n, dtype=ids.dtype)).astype(dtype)
 
 
 def moe_mlp(
