@@ -709,27 +709,17 @@ def compile_jobs(jobs: int):
             _jobs.pool = prev
 
 
-class _Done:
-    """A result already at hand, read as a future."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def result(self):
-        return self._value
-
-
 class _Later:
-    """A compile run when its result is first asked for (no pool: `compile_jobs(1)`)."""
+    """A compile run when its result is first asked for (no pool: `compile_jobs(1)`); the
+    lowered program goes once it has run."""
 
     def __init__(self, run):
-        self._run, self._done = run, None
+        self._run, self._value = run, None
 
     def result(self):
-        if self._done is None:
-            self._done = _Done(self._run())
-            self._run = None
-        return self._done.result()
+        if self._run is not None:
+            self._value, self._run = self._run(), None
+        return self._value
 
 
 def _submit(fn, *args, then=None, options=None, **static):
