@@ -142,17 +142,8 @@ class CodeTests:
             raise ValueError(f"code answer has {len(inputs)} inputs but {len(outputs)} outputs")
         if spec.get("compare", "exact") not in ("exact", "apps"):
             raise ValueError("code answer field 'compare' must be 'exact' or 'apps'")
-        out = CodeTests(
-            entry_point=spec.get("entry_point", ""),
-            call=spec.get("call", ""),
-            tests=tuple(tests),
-            test_code=spec.get("test_code", ""),
-            setup=spec.get("setup", ""),
-            inputs=tuple(inputs),
-            outputs=tuple(outputs),
-            prefix=spec.get("prefix", ""),
-            compare=spec.get("compare", "exact"),
-        )
+        # Every field is checked above: strings, and lists (tests, inputs, outputs) as tuples.
+        out = CodeTests(**{k: tuple(v) if type(v) is list else v for k, v in spec.items()})
         if out.script and not all(isinstance(x, str) for x in inputs + outputs):
             raise ValueError("a script's inputs and outputs (no entry_point) must be strings")
         if not out.script and inputs and not all(isinstance(x, list) for x in inputs):
@@ -456,14 +447,13 @@ class _Session:
 
     def ask(self, op: str, **msg):
         """The value the child answers `op` with, or the exception it reports, raised."""
-        ans = self.request({"op": op, **msg})
-        if "x" in ans:
-            self._raise(ans["x"])
-        if "v" not in ans:
-            raise _ChildGone("protocol")
-        return _untagged(ans["v"], self)
+        return self._value(self.request({"op": op, **msg}))
 
-    def _raise(self, x):
+    def _value(self, ans: dict):
+        """The value of an answer, or the exception it reports, raised."""
+        if "v" in ans and "x" not in ans:
+            return _untagged(ans["v"], self)
+        x = ans.get("x")
         if not (type(x) is list and len(x) == 2 and all(type(s) is str for s in x)):
             raise _ChildGone("protocol")
         name, msg = x
@@ -485,11 +475,7 @@ class _Session:
                 "kw": {"d": [[str(k), _tagged(v)] for k, v in kw.items()]},
             }
         )
-        if "x" in ans:
-            self._raise(ans["x"])
-        if "v" not in ans:
-            raise _ChildGone("protocol")
-        value = _untagged(ans["v"], self)
+        value = self._value(ans)
         changed = _untagged(ans.get("a", []), self)
         if type(changed) is list:
             for a, new in zip(args, changed, strict=False):
@@ -536,20 +522,29 @@ def _same_value(got, want, compare: str) -> bool:
     return compare == "apps" and type(want) is list and len(want) == 1 and got == want[0]
 
 
+def _attempt(s: _Session, ok: list[bool], test) -> None:
+    """`test()`'s verdict appended to `ok`: failed where it returns False or raises."""
+    try:
+        ok.append(test() is not False)
+    except (_Deadline, _ChildGone):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed test
+        s.errors.append(type(e).__name__)
+        ok.append(False)
+
+
 def _run_script(s: _Session, program: str, tests: CodeTests, ok: list[bool]) -> str:
     """Each input/output pair: the program run as a script on the input; `ok` gets a
-    verdict per pair as it is made."""
-    for stdin, want in zip(tests.inputs, tests.outputs, strict=True):
-        try:
-            got = s.ask("run", src=program, stdin=stdin)
-        except (_Deadline, _ChildGone):
-            raise
-        except Exception:  # noqa: BLE001 - the script raised (its name is in s.errors)
-            ok.append(False)
-            continue
+    verdict per pair as it is made (a script that raised fails its pair)."""
+
+    def run(stdin: str, want: str) -> bool:
+        got = s.ask("run", src=program, stdin=stdin)
         if type(got) is not str:
             raise _ChildGone("protocol")
-        ok.append(_same_output(got, want))
+        return _same_output(got, want)
+
+    for stdin, want in zip(tests.inputs, tests.outputs, strict=True):
+        _attempt(s, ok, lambda i=stdin, w=want: run(i, w))
     return "pass" if all(ok) else "fail"
 
 
@@ -580,27 +575,18 @@ def _run_functions(s: _Session, program: str, tests: CodeTests, ok: list[bool]) 
     except Exception:  # noqa: BLE001 - the program failed at import
         return "load_error"
 
-    def attempt(fn) -> None:
-        try:
-            ok.append(fn() is not False)
-        except (_Deadline, _ChildGone):
-            raise
-        except Exception as e:  # noqa: BLE001 - a failed test
-            s.errors.append(type(e).__name__)
-            ok.append(False)
-
     if tests.inputs:
         for args, want in zip(tests.inputs, tests.outputs, strict=True):
-            attempt(lambda a=args, w=want: _same_value(target(*a), w, tests.compare))
+            _attempt(s, ok, lambda a=args, w=want: _same_value(target(*a), w, tests.compare))
     elif tests.test_code and not tests.test_functions:
-        attempt(lambda: ns["check"](ns[tests.entry_point]) and None)
+        _attempt(s, ok, lambda: ns["check"](ns[tests.entry_point]) and None)
     elif tests.test_code:
         for name in tests.test_functions:
-            attempt(lambda n=name: ns[n]() and None)
+            _attempt(s, ok, lambda n=name: ns[n]() and None)
     else:
         for t in tests.tests:
             code = compile(t, "<test>", "exec")
-            attempt(lambda c=code: exec(c, ns))  # noqa: S102 - the dataset's test
+            _attempt(s, ok, lambda c=code: exec(c, ns))  # noqa: S102 - the dataset's test
     return "pass" if all(ok) else "fail"
 
 
