@@ -424,6 +424,10 @@ class _CappedBytes:
         return False
 
 
+# Requests on one object that take nothing else.
+_UNARY = {"iter": iter, "next": next, "len": len, "bool": bool}
+
+
 class Server:
     def __init__(self, setup):
         self.setup = setup
@@ -461,16 +465,10 @@ class Server:
             parts = [',"a":']
             to_json(changed, self.handles, parts, [self.setup["max_frame"]])
             return self.answer(value, "".join(parts))
+        if op in _UNARY:
+            return self.answer(_UNARY[op](obj))
         if op == "getattr":
             return self.answer(getattr(obj, req["name"]))
-        if op == "iter":
-            return self.answer(iter(obj))
-        if op == "next":
-            return self.answer(next(obj))
-        if op == "len":
-            return self.answer(len(obj))
-        if op == "bool":
-            return self.answer(bool(obj))
         if op == "getitem":
             return self.answer(obj[from_tagged(req["key"], self.handles)])
         if op == "contains":
