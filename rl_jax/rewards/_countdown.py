@@ -171,28 +171,28 @@ def extract_countdown(completion: object) -> str | None:
     return expr or None
 
 
+def _completion_expression(completion: object):
+    """The AST of the completion's expression, or None where it has none that parses."""
+    expr = extract_countdown(completion)
+    try:
+        return None if expr is None else parse_expression(expr)
+    except (_Reject, RecursionError):
+        return None
+
+
 def countdown_score(completion: object, answer: str) -> float:
     numbers, target = parse_countdown_answer(answer)
-    expr = extract_countdown(completion)
-    if expr is None:
+    node = _completion_expression(completion)
+    if node is None:
         return 0.0
     try:
-        node = parse_expression(expr)
         used: list[int] = []
         _leaves(node, used)
-        if Counter(used) != Counter(numbers):
-            return 0.0
-        return 1.0 if _eval(node) == target else 0.0
+        # The numbers are checked before anything is evaluated.
+        return float(Counter(used) == Counter(numbers) and _eval(node) == target)
     except (_Reject, RecursionError):
         return 0.0
 
 
 def countdown_well_formed(completion: object) -> bool:
-    expr = extract_countdown(completion)
-    if expr is None:
-        return False
-    try:
-        parse_expression(expr)
-        return True
-    except (_Reject, RecursionError):
-        return False
+    return _completion_expression(completion) is not None
