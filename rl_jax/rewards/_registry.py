@@ -238,13 +238,19 @@ def _gym_reward(scale, timeout_s, workers):
     )
 
 
+# Past its time limit a program's worker still kills and reaps its process group and
+# deletes its directory; the pool kills the worker only if that overruns this.
+CODE_SLACK_S = 0.5
+
+
+@register("code", options=("partial", "memory_mb"))
 class _CodeRewardFn(RewardFn):
     """Programs run against their problems' tests in sandbox workers (rl_jax.rewards._code):
     1 when every test passes (with `partial`, the fraction passed). `last_outcomes` and
     `outcomes` (cumulative) count how each program ended (_code.OUTCOMES, plus
     'bad_tests' for an answer that is no code problem and 'error' for a worker lost)."""
 
-    def __init__(self, scale, *, timeout_s, workers, partial, memory_mb):
+    def __init__(self, scale, timeout_s, workers, *, partial=False, memory_mb=512):
         super().__init__("code", scale, well_formed=_code.well_formed)
         self.timeout_s, self._workers = timeout_s, workers
         self.partial, self.memory_mb = bool(partial), int(memory_mb)
@@ -316,11 +322,12 @@ class TaskAnswer(str):
         return (TaskAnswer, (str(self), self.verifier))
 
 
+@register("mixture", options=("partial", "memory_mb"))
 class _MixtureRewardFn(RewardFn):
     """Each answer scored by the verifier it names (`TaskAnswer`), all at this scale; the
     verifiers are built on first use with this one's time limit, workers and options."""
 
-    def __init__(self, scale, *, timeout_s, workers, opts):
+    def __init__(self, scale, timeout_s, workers, **opts):
         super().__init__("mixture", scale, well_formed=self._any_well_formed)
         self.timeout_s, self._workers, self._opts = timeout_s, workers, opts
         self.verifiers: dict[str, RewardFn] = {}
@@ -361,23 +368,6 @@ class _MixtureRewardFn(RewardFn):
     def close(self) -> None:
         for fn in self.verifiers.values():
             fn.close()
-
-
-@register("mixture", options=("partial", "memory_mb"))
-def _mixture_reward(scale, timeout_s, workers, **opts):
-    return _MixtureRewardFn(scale, timeout_s=timeout_s, workers=workers, opts=opts)
-
-
-# Past its time limit a program's worker still kills and reaps its process group and
-# deletes its directory; the pool kills the worker only if that overruns this.
-CODE_SLACK_S = 0.5
-
-
-@register("code", options=("partial", "memory_mb"))
-def _code_reward(scale, timeout_s, workers, *, partial=False, memory_mb=512):
-    return _CodeRewardFn(
-        scale, timeout_s=timeout_s, workers=workers, partial=partial, memory_mb=memory_mb
-    )
 
 
 def score_batch(
