@@ -29,7 +29,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from rl_jax.data._problem import Problem
+from rl_jax.data._problem import MappedSequence, Problem
 
 STATE_VERSION = 1
 # A task's weight as an integer share of this (the credits of the round-robin are exact).
@@ -197,19 +197,6 @@ class PromptPipeline:
         self._dataset = self._build()
 
 
-class _Subset(Sequence):
-    """problems[index[i]] (one task's problems within a mixture's)."""
-
-    def __init__(self, problems: Sequence[Problem], index: list[int]):
-        self._problems, self._index = problems, index
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __getitem__(self, i):
-        return self._problems[self._index[i]]
-
-
 class _Mixture:
     """A mixture's tasks, each an epoch stream of one problem at a time, and the
     round-robin that gives each slot of a batch to a task."""
@@ -233,7 +220,7 @@ class _Mixture:
         names = list(members)
         streams = [
             PromptPipeline(
-                _Subset(problems, members[n]),
+                MappedSequence(problems, lambda p: p, members[n]),  # the task's own
                 batch_size=1,
                 seed=int(np.random.SeedSequence([seed, 0x313, k]).generate_state(1)[0]),
                 curriculum=curriculum,
