@@ -18,12 +18,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from rl_jax.config.data import DataConfig
-from rl_jax.data._problem import LoadReport, MappedSequence, Problem, Task
+from rl_jax.data._problem import LazySequence, LoadReport, MappedSequence, Problem, Task
 
 MIX_TASK, MIX_WEIGHT = "mix_task", "mix_weight"
 
 
-class Concat(Sequence):
+class Concat(LazySequence):
     """Sequences one after another, read lazily (a task's problems may be a lazy view)."""
 
     def __init__(self, parts: Sequence[Sequence]):
@@ -38,13 +38,7 @@ class Concat(Sequence):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(i)
+    def _item(self, i: int):
         k = max(j for j, s in enumerate(self._starts) if s <= i and len(self._parts[j]))
         return self._parts[k][i - self._starts[k]]
 

@@ -91,7 +91,24 @@ def templated(
     return replace(p, prompt=chat_template(text) if chat_template else text)
 
 
-class MappedSequence(Sequence):
+class LazySequence(Sequence):
+    """A sequence whose items are made on demand by `_item(i)`, 0 <= i < len; slices
+    are lists, negative indices count from the end."""
+
+    def _item(self, i: int):
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._item(i)
+
+
+class MappedSequence(LazySequence):
     """A lazy `fn(source[i])` view (ArrayRecord sources are read on demand)."""
 
     def __init__(
@@ -103,11 +120,5 @@ class MappedSequence(Sequence):
     def __len__(self) -> int:
         return len(self._index) if self._index is not None else len(self._source)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def _item(self, i: int):
         return self._fn(self._source[self._index[i] if self._index is not None else i])
