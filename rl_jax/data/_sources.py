@@ -9,36 +9,20 @@ from collections.abc import Callable
 import numpy as np
 
 from rl_jax.config.data import DataConfig
+from rl_jax.data._code_tasks import code_problems
 from rl_jax.data._files import problems_from_records, read_records
+from rl_jax.data._gym_source import gym_problems
 from rl_jax.data._problem import LoadReport, Problem
+from rl_jax.data._synthetic import arith_problems, countdown_problems
 from rl_jax.knobs import ConfigError
 
 # (train, validation, verifier name, what reading a dataset dropped: None when generated)
 RawSplits = tuple[list[Problem], list[Problem], str, LoadReport | None]
 
 
-def _arith(cfg: DataConfig) -> RawSplits:
-    from rl_jax.data._synthetic import arith_problems
-
-    return (*arith_problems(cfg), "arith", None)
-
-
-def _countdown(cfg: DataConfig) -> RawSplits:
-    from rl_jax.data._synthetic import countdown_problems
-
-    return (*countdown_problems(cfg), "countdown", None)
-
-
-def _code(cfg: DataConfig) -> RawSplits:
-    from rl_jax.data._code_tasks import code_problems
-
-    return (*code_problems(cfg), "code", None)
-
-
-def _gym(cfg: DataConfig) -> RawSplits:
-    from rl_jax.data._gym_source import gym_problems
-
-    return (*gym_problems(cfg), "gym", None)
+def _generated(problems: Callable, reward: str) -> Callable[[DataConfig], RawSplits]:
+    """A generated source: `problems(cfg)` gives (train, val), scored by `reward`."""
+    return lambda cfg: (*problems(cfg), reward, None)
 
 
 def _file(cfg: DataConfig) -> RawSplits:
@@ -101,12 +85,12 @@ def hold_out(
 
 
 _RAW_SOURCES: dict[str, Callable[[DataConfig], RawSplits]] = {
-    "arith": _arith,
-    "countdown": _countdown,
-    "code": _code,
+    "arith": _generated(arith_problems, "arith"),
+    "countdown": _generated(countdown_problems, "countdown"),
+    "code": _generated(code_problems, "code"),
     "file": _file,
     "hf": _hf,
-    "reasoning_gym": _gym,
+    "reasoning_gym": _generated(gym_problems, "gym"),
 }
 
 
