@@ -253,17 +253,21 @@ def record_layout(first: Record, cfg: DataConfig, source: str) -> Layout:
         known = ["auto", *sorted(LAYOUTS), *CODE_LAYOUTS]
         raise ConfigError(f"data.format={cfg.format!r} is not one of {known}")
     lay = base.mapped(cfg)
-    if not any(f in first for f in lay.question):
-        knob, want = "question_field", lay.question
-    elif lay.answer not in first and lay.plain_answer not in first:
-        knob, want = "answer_field", (lay.answer,)
-    else:
-        return lay
-    raise ConfigError(
-        f"{source}: records have no {' or '.join(map(repr, want))} field for the {lay.name} "
-        f"layout (data.format={cfg.format!r}); their fields: {sorted(first)}; set "
-        f"data.{knob} to one of them"
-    )
+    return _with_fields(lay, first, cfg, source, (lay.answer,), also=(lay.plain_answer,))
+
+
+def _with_fields(lay, first: Record, cfg: DataConfig, source: str, answers, also=()):
+    """`lay`, once `first` has one of its question fields and one of `answers` (or of
+    `also`, fields an error does not name)."""
+    wanted = (("question_field", lay.question, ()), ("answer_field", answers, also))
+    for knob, names, others in wanted:
+        if not any(f in first for f in (*names, *others)):
+            raise ConfigError(
+                f"{source}: records have no {' or '.join(map(repr, names))} field for the "
+                f"{lay.name} layout (data.format={cfg.format!r}); their fields: "
+                f"{sorted(first)}; set data.{knob} to one of them"
+            )
+    return lay
 
 
 def _code_layout(base: CodeLayout, first: Record, cfg: DataConfig, source: str) -> CodeLayout:
@@ -274,14 +278,7 @@ def _code_layout(base: CodeLayout, first: Record, cfg: DataConfig, source: str) 
             "not an answer; leave it auto (data.answer_field names the tests' field)"
         )
     lay = base.mapped(cfg)
-    for knob, names in (("question_field", lay.question), ("answer_field", lay.tests)):
-        if not any(f in first for f in names):
-            raise ConfigError(
-                f"{source}: records have no {' or '.join(map(repr, names))} field for the "
-                f"{lay.name} layout (data.format={cfg.format!r}); their fields: "
-                f"{sorted(first)}; set data.{knob} to one of them"
-            )
-    return lay
+    return _with_fields(lay, first, cfg, source, lay.tests)
 
 
 def problems_from_records(
