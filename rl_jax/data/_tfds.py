@@ -106,19 +106,19 @@ if tfds is not None:
 
 
 def _content(cfg: DataConfig) -> dict[str, Any]:
+    """The fields that decide a config's problems, its files as absolute paths."""
     content = {k: getattr(cfg, k) for k in _CONTENT_FIELDS}
     content.update(
         {k: getattr(cfg, k) for k, d in _LATER_CONTENT_FIELDS.items() if getattr(cfg, k) != d}
     )
+    for k in ("path", "val_path"):
+        if content[k]:
+            content[k] = str(Path(content[k]).resolve())
     return content
 
 
 def config_name(cfg: DataConfig) -> str:
     content = _content(cfg)
-    if content["path"]:
-        content["path"] = str(Path(content["path"]).resolve())
-    if content["val_path"]:
-        content["val_path"] = str(Path(content["val_path"]).resolve())
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
     return f"{cfg.source}_{digest}"
 
@@ -133,9 +133,6 @@ def prepare_tfds(cfg: DataConfig, data_dir: str | Path) -> str:
     if cfg.source == "tfds":
         raise ConfigError("prepare_tfds needs a file or built-in source, not data.source='tfds'")
     data = _content(cfg)
-    for k in ("path", "val_path"):
-        if data[k]:
-            data[k] = str(Path(data[k]).resolve())
     name = config_name(cfg)
     builder = RlJaxPrompts(
         config=PromptsConfig(name=name, description=f"rl_jax {cfg.source} prompts", data=data),
