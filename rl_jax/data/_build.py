@@ -9,7 +9,7 @@ from typing import Any
 from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
 from rl_jax.data._files import record_layout
-from rl_jax.data._problem import MappedSequence, Problem, Task, problem_id, templated
+from rl_jax.data._problem import MappedSequence, Problem, Task, make_problem, templated
 from rl_jax.data._sources import RawSplits, raw_problems
 from rl_jax.knobs import ConfigError
 
@@ -42,9 +42,8 @@ def _tfds_splits(cfg: DataConfig, make: Callable[[Problem], Problem]) -> RawSpli
             raise ConfigError(f"{where} record: {e}") from None
         if answer is None:
             raise ConfigError(f"{where}: a record has no answer to read ({layout.describe()})")
-        pid = problem_id(f"tfds:{cfg.task}", question, answer)
         meta = {"task": f"tfds:{cfg.task}", "question": question}
-        return make(Problem(id=pid, prompt=question, answer=answer, meta=meta))
+        return make(make_problem(question, answer, meta))
 
     fn = ours if own else foreign
     train = MappedSequence(sources["train"], fn)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rl_jax.config.data import DataConfig
-from rl_jax.data._problem import Problem, problem_id
+from rl_jax.data._problem import Problem, make_problem
 from rl_jax.knobs import ConfigError
 from rl_jax.rewards._code import encode_tests
 
@@ -141,8 +141,7 @@ def code_problem(f: Family, k: int, rng: np.random.Generator, difficulty: int) -
         "reference": solution,
         "reward": "code",
     }
-    return Problem(id=problem_id(meta["task"], question, answer), prompt=question,
-                   answer=answer, meta=meta)  # fmt: skip
+    return make_problem(question, answer, meta)
 
 
 def code_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:

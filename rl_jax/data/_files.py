@@ -34,7 +34,7 @@ from typing import Any
 from rl_jax.config import paths
 from rl_jax.config.data import DataConfig
 from rl_jax.data._code_layouts import CODE_LAYOUTS, CodeLayout, detect_code_layout
-from rl_jax.data._problem import Problem, RowError, problem_id
+from rl_jax.data._problem import Problem, RowError, make_problem
 from rl_jax.knobs import ConfigError
 from rl_jax.rewards import last_boxed, parse_number
 
@@ -306,12 +306,12 @@ def problems_from_records(
         if answer is None:
             unparsable.append(n)
             continue
-        # The id ignores the file path, so moving a file keeps curriculum and split ids valid.
-        pid = problem_id(f"file:{layout.name}", question, answer)
         meta = {"task": f"file:{layout.name}", "question": question, "row": n}
         if isinstance(layout, CodeLayout) and layout.reference(r):
             meta["reference"] = layout.reference(r)
-        out.setdefault(pid, Problem(id=pid, prompt=question, answer=answer, meta=meta))
+        # The id ignores the file path, so moving a file keeps curriculum and split ids valid.
+        p = make_problem(question, answer, meta)
+        out.setdefault(p.id, p)
     if not out:
         first = _text(records[0].get(layout.answer))[:80]
         raise ConfigError(

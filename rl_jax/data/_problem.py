@@ -32,6 +32,13 @@ def problem_id(source: str, question: str, answer: str) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") >> 1
 
 
+def make_problem(question: str, answer: str, meta: dict[str, Any]) -> Problem:
+    """A problem prompted with its untemplated `question`, its id (`problem_id`) from
+    meta["task"], the question and the answer."""
+    pid = problem_id(meta["task"], question, answer)
+    return Problem(id=pid, prompt=question, answer=answer, meta=meta)
+
+
 class RowError(ValueError):
     """What is wrong with one record of a dataset (the caller adds the file and row)."""
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rl_jax.config.data import DataConfig
-from rl_jax.data._problem import Problem, problem_id
+from rl_jax.data._problem import Problem, make_problem
 from rl_jax.knobs import ConfigError
 from rl_jax.rewards import evaluate_expression, format_countdown_answer
 
@@ -107,14 +107,7 @@ def arith_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
             "value": value,
             "reward": "arith",
         }
-        out.append(
-            Problem(
-                id=problem_id(meta["task"], question, answer),
-                prompt=question,
-                answer=answer,
-                meta=meta,
-            )
-        )
+        out.append(make_problem(question, answer, meta))
     return out[cfg.generated_val_size :], out[: cfg.generated_val_size]
 
 
@@ -174,14 +167,7 @@ def countdown_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
             "solution": solution,
             "reward": "countdown",
         }
-        out.append(
-            Problem(
-                id=problem_id("countdown", question, answer),
-                prompt=question,
-                answer=answer,
-                meta=meta,
-            )
-        )
+        out.append(make_problem(question, answer, meta))
     return out[cfg.generated_val_size :], out[: cfg.generated_val_size]
 
 
