@@ -40,8 +40,9 @@ class DataExhausted(RuntimeError):
     """Every problem has been retired by No-Positive-Resampling."""
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+def _seed(*entropy: int) -> int:
+    """A seed drawn from `entropy` (an epoch's shuffle: (seed, epoch))."""
+    return int(np.random.SeedSequence(list(entropy)).generate_state(1)[0])
 
 
 def shard_problems(
@@ -120,7 +121,7 @@ class PromptPipeline:
         if active.size < self.batch_size:
             # Too few problems left for one batch: repeat the active set within the epoch.
             ds = ds.repeat(-(-self.batch_size // int(active.size)))
-        ds = ds.shuffle(seed=_epoch_seed(self.seed, self.epoch))
+        ds = ds.shuffle(seed=_seed(self.seed, self.epoch))
         return ds.batch(self.batch_size, drop_remainder=True)
 
     @property
@@ -222,7 +223,7 @@ class _Mixture:
             PromptPipeline(
                 MappedSequence(problems, lambda p: p, members[n]),  # the task's own
                 batch_size=1,
-                seed=int(np.random.SeedSequence([seed, 0x313, k]).generate_state(1)[0]),
+                seed=_seed(seed, 0x313, k),
                 curriculum=curriculum,
                 process_index=0,
                 process_count=1,
