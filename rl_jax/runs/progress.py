@@ -32,11 +32,15 @@ class _NullBar:
 
 
 class _Bar:
+    """A rich progress task; each advance also shows the task's speed."""
+
     def __init__(self, progress: Progress, task):
         self._p, self._t = progress, task
 
     def advance(self, n: int = 1, **fields) -> None:
         self._p.update(self._t, advance=n, **fields)
+        speed = self._p.tasks[self._t].speed
+        self._p.update(self._t, rate=f"{speed:.2f} it/s" if speed else "")
 
     def update(self, **fields) -> None:
         self._p.update(self._t, **fields)
@@ -124,14 +128,4 @@ def progress_bar(total: int, description: str, *, enabled: bool = True, complete
     )
     with Progress(*cols, refresh_per_second=4) as p:
         task = p.add_task(description, total=total, completed=completed, info="", rate="")
-        bar = _Bar(p, task)
-
-        orig = bar.advance
-
-        def advance(n: int = 1, **fields):
-            orig(n, **fields)
-            speed = p.tasks[task].speed
-            p.update(task, rate=f"{speed:.2f} it/s" if speed else "")
-
-        bar.advance = advance  # type: ignore[method-assign]
-        yield bar
+        yield _Bar(p, task)
