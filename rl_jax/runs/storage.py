@@ -208,9 +208,6 @@ class LocalStore(Store):
         self.root = str(root)
         self._root = Path(root)
 
-    def url(self, rel: str = "") -> str:
-        return str(self._root / rel) if rel else str(self._root)
-
     def path(self, rel: str = "") -> Path:
         return self._root / rel if rel else self._root
 
@@ -290,9 +287,12 @@ class BucketStore(Store):
             return True
         return self._retry("looking up", rel, lambda: self.fs.exists(self._p(rel)))
 
-    def write(self, rel: str, data: bytes) -> None:
+    def _put(self, rel: str, data: bytes) -> None:
         self._guard()
-        self._retry("writing", rel, lambda: self.fs.pipe_file(self._p(rel), bytes(data)))
+        self._retry("writing", rel, lambda: self.fs.pipe_file(self._p(rel), data))
+
+    def write(self, rel: str, data: bytes) -> None:
+        self._put(rel, bytes(data))
         if rel in self._content:
             self._content[rel] = bytearray(data)
             self._dirty.discard(rel)
@@ -311,11 +311,7 @@ class BucketStore(Store):
 
     def flush(self) -> None:
         for rel in sorted(self._dirty):
-            data = bytes(self._content[rel])
-            self._guard()
-            self._retry(
-                "writing", rel, lambda rel=rel, data=data: self.fs.pipe_file(self._p(rel), data)
-            )
+            self._put(rel, bytes(self._content[rel]))
             self._dirty.discard(rel)
 
     def list(self, rel: str = "") -> list[str]:
