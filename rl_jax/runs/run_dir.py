@@ -317,14 +317,8 @@ def _rewrite_as_continued(store, path, cfg: RunConfig, old_doc: dict, new_id: st
     """The run's rows, config.json and DONE as those of `cfg`'s run (under its lock)."""
     lock = locks.acquire(path, LOCK, what=f"run directory {path}")
     try:
-        for name in (CURVE, METRICS, SAMPLES):
-            try:
-                scan = scan_jsonl(store.read_bytes(name))
-            except FileNotFoundError:
-                continue
-            knobs = flatten(resolved(cfg))  # as the trainer writes them
-            rows = [_continued_row(r, old_doc.get("run_id"), new_id, knobs) for r in scan.rows]
-            store.write(name, jsonl_bytes(rows))
+        # The knobs as the trainer writes them into its rows.
+        _retag_rows(store, old_doc.get("run_id"), new_id, flatten(resolved(cfg)))
         store.write_json(
             CONFIG,
             {
@@ -360,13 +354,7 @@ def adopt(rd: RunDir, doc: dict[str, Any], *, write: bool) -> None:
     rd.former = [*rd.former, old_id]
     if not write:
         return
-    for name in LOGS:
-        try:
-            scan = scan_jsonl(rd.store.read_bytes(name))
-        except FileNotFoundError:
-            continue
-        rows = [{**r, "run_id": rd.run_id} if r.get("run_id") == old_id else r for r in scan.rows]
-        rd.store.write(name, jsonl_bytes(rows))
+    _retag_rows(rd.store, old_id, rd.run_id)
     done = rd.read_done()
     if done is not None and done.get("run_id") == old_id:
         rd.store.write_json(DONE, {**done, "run_id": rd.run_id})
@@ -411,12 +399,22 @@ def find_run_dirs(parent: str | Path, runs: list[tuple[str, str]]) -> dict[str, 
     return found
 
 
-def _continued_row(row: dict[str, Any], old_id, new_id: str, knobs: dict) -> dict[str, Any]:
-    """A row of the run as the longer run's: its id, and the knobs a curve row carries."""
-    row = {**row, **{k: v for k, v in knobs.items() if k in row}}
-    if row.get("run_id") == old_id:
-        row["run_id"] = new_id
-    return row
+def _retag_rows(store: Store, old_id, new_id: str, knobs: dict[str, Any] | None = None) -> None:
+    """Each log's rows as rows of run `new_id`: those of run `old_id` take its id, and the
+    knobs a curve row carries take their values in `knobs` (a continued run's)."""
+    knobs = knobs or {}
+    for name in LOGS:
+        try:
+            scan = scan_jsonl(store.read_bytes(name))
+        except FileNotFoundError:
+            continue
+        rows = []
+        for row in scan.rows:
+            row = {**row, **{k: v for k, v in knobs.items() if k in row}}
+            if row.get("run_id") == old_id:
+                row["run_id"] = new_id
+            rows.append(row)
+        store.write(name, jsonl_bytes(rows))
 
 
 def run_exists(path: str | Path) -> bool:
