@@ -33,6 +33,13 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 _PPO_CLIP = {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": 0.0}
 
+
+def _paper(aggregation: str, advantage: str, adv_norm: str, **knobs: float) -> dict[str, Any]:
+    """A loss's row of LOSS_DEFAULTS: its aggregation, advantage estimator and
+    normalization, and the values of the knobs it reads."""
+    return {"aggregation": aggregation, "advantage": advantage, "adv_norm": adv_norm, **knobs}
+
+
 # Each loss as its paper defines it: the value of every unset (None) knob of
 # LossConfig when loss.name is that loss. seq_sum_constant 0 = the generation
 # budget (sampling.max_new_tokens), Dr. GRPO's constant.
@@ -40,58 +47,23 @@ LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO-RLHF: learned critic with GAE, advantages whitened over the batch,
     # token-mean loss, symmetric clip 0.2 (Schulman et al. 2017; needs
     # model.value_head=true).
-    "ppo": {"aggregation": "token", "advantage": "gae", "adv_norm": "batch", **_PPO_CLIP},
+    "ppo": _paper("token", "gae", "batch", **_PPO_CLIP),
     # GRPO (DeepSeekMath): group mean / prompt std, per-sample token mean, clip 0.2.
-    "grpo": {"aggregation": "sample", "advantage": "grpo", "adv_norm": "prompt", **_PPO_CLIP},
+    "grpo": _paper("sample", "grpo", "prompt", **_PPO_CLIP),
     # Dr. GRPO: no std normalization, token sums over a constant (the budget).
-    "dr_grpo": {
-        "aggregation": "seq_sum",
-        "seq_sum_constant": 0.0,
-        "advantage": "grpo",
-        "adv_norm": "none",
-        **_PPO_CLIP,
-    },
+    "dr_grpo": _paper("seq_sum", "grpo", "none", seq_sum_constant=0.0, **_PPO_CLIP),
     # DAPO: token-mean loss, clip-higher 0.2 / 0.28, GRPO advantages.
-    "dapo": {
-        "aggregation": "token",
-        "advantage": "grpo",
-        "adv_norm": "prompt",
-        "eps_low": 0.2,
-        "eps_high": 0.28,
-        "dual_clip": 0.0,
-    },
+    "dapo": _paper("token", "grpo", "prompt", **{**_PPO_CLIP, "eps_high": 0.28}),
     # CISPO as ScaleRL uses it: prompt-mean loss, batch-std advantages, eps_max 5.
-    "cispo": {
-        "aggregation": "prompt",
-        "advantage": "grpo",
-        "adv_norm": "batch",
-        "eps_max": 5.0,
-        "eps_min": 0.0,
-    },
+    "cispo": _paper("prompt", "grpo", "batch", eps_max=5.0, eps_min=0.0),
     # GSPO: sequence ratio clipped to [1 - 3e-4, 1 + 4e-4], GRPO advantages, mean over samples.
-    "gspo": {
-        "aggregation": "sample",
-        "advantage": "grpo",
-        "adv_norm": "prompt",
-        "gspo_eps_low": 3e-4,
-        "gspo_eps_high": 4e-4,
-    },
+    "gspo": _paper("sample", "grpo", "prompt", gspo_eps_low=3e-4, gspo_eps_high=4e-4),
     # REINFORCE with the group mean as baseline, unnormalized, token mean.
-    "reinforce": {"aggregation": "token", "advantage": "grpo", "adv_norm": "none"},
+    "reinforce": _paper("token", "grpo", "none"),
     # RLOO: leave-one-out baseline, unnormalized, the completion's log-prob summed.
-    "rloo": {
-        "aggregation": "seq_sum",
-        "seq_sum_constant": 1.0,
-        "advantage": "rloo",
-        "adv_norm": "none",
-    },
+    "rloo": _paper("seq_sum", "rloo", "none", seq_sum_constant=1.0),
     # REINFORCE++: PPO clip 0.2, advantages z-scored over the batch, token mean.
-    "reinforce_pp": {
-        "aggregation": "token",
-        "advantage": "reinforce_pp",
-        "adv_norm": "batch",
-        **_PPO_CLIP,
-    },
+    "reinforce_pp": _paper("token", "reinforce_pp", "batch", **_PPO_CLIP),
 }
 
 
