@@ -76,16 +76,11 @@ class LoraConfig:
         # Off, the knobs would be ignored yet change the run id (and likely mean a
         # forgotten lora.enabled=true).
         if not self.enabled:
-            for name, default in (
-                ("rank", 8),
-                ("alpha", 16.0),
-                ("targets", DEFAULT_TARGETS),
-                ("lr_scale", 0.0),
-            ):
-                if getattr(self, name) != default:
+            for f in dataclasses.fields(self):
+                if f.name != "enabled" and getattr(self, f.name) != f.default:
                     raise DependentKnobError(
-                        f"lora.{name}={getattr(self, name)!r} needs lora.enabled=true "
+                        f"lora.{f.name}={getattr(self, f.name)!r} needs lora.enabled=true "
                         "(or leave it at its default)",
-                        knob=f"lora.{name}",
+                        knob=f"lora.{f.name}",
                         on=("lora.enabled",),
                     )
