@@ -41,6 +41,8 @@ RECORD_SOURCES = ("file", "hf", "tfds")
 # gsm8k = after the last '####'; boxed = the last \boxed{...}; regex = data.answer_regex.
 ANSWER_EXTRACTS = ("auto", "none", "gsm8k", "boxed", "regex")
 ARITH_TASKS = ("add", "sub", "mul", "chain")
+# data.difficulty's range by source (any other source: >= 1).
+DIFFICULTY = {"arith": (1, 18), "countdown": (2, 8), "code": (1, 3)}
 # Generated sources build every problem in memory up front: a typo'd size must not hang.
 MAX_PROBLEMS = 1 << 24
 
@@ -176,14 +178,8 @@ class DataConfig:
             if self.source == "arith":
                 check_choice("data", "task", self.task, ARITH_TASKS)
         with _depends_on_source("difficulty"):
-            if self.source == "arith":
-                check_range("data", "difficulty", self.difficulty, lo=1, hi=18)
-            elif self.source == "countdown":
-                check_range("data", "difficulty", self.difficulty, lo=2, hi=8)
-            elif self.source == "code":
-                check_range("data", "difficulty", self.difficulty, lo=1, hi=3)
-            else:
-                check_range("data", "difficulty", self.difficulty, lo=1)
+            lo, hi = DIFFICULTY.get(self.source, (1, None))
+            check_range("data", "difficulty", self.difficulty, lo=lo, hi=hi)
         if self.source == "file" and not self.path:
             raise ConfigError("data.source='file' needs data.path (a JSONL or parquet file)")
         if self.source == "hf" and not self.path:
