@@ -152,23 +152,23 @@ def _suggest(key: str) -> str:
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply dotted `key=value` overrides with type checks, then re-validate."""
     known = all_keys()
-    overrides = [o for o in overrides if not _retired_override(o)]
-    for item in overrides:
+    pairs = []  # (key, value), both stripped
+    for item in [o for o in overrides if not _retired_override(o)]:
         if "=" not in item:
             raise OverrideError(f"override {item!r} is not of the form key=value")
-        key = item.split("=", 1)[0].strip()
+        key, value = item.split("=", 1)
+        key = key.strip()
         if key not in known:
             raise OverrideError(f"unknown config key {key!r}{_suggest(key)}")
-        value = item.split("=", 1)[1]
         if key == "name" and "${" in value:
             raise OverrideError(
                 f"name={value!r}: interpolation is not allowed in the run name (it names a "
                 "directory under out_dir); give the name itself"
             )
+        pairs.append((key, value.strip()))
     base = OmegaConf.structured(cfg)
     OmegaConf.set_readonly(base, False)
-    for item in overrides:
-        key, value = (s.strip() for s in item.split("=", 1))
+    for key, value in pairs:
         try:
             merged = OmegaConf.merge(base, _override_conf(key, value))
         except (ConfigKeyError, ConfigAttributeError) as e:
@@ -187,8 +187,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             node[name] = knob_default(knob)
         return old
 
-    keys = {item.split("=", 1)[0].strip() for item in overrides}
-    return _releasing_dependents(lambda: to_object(base), keys, release)
+    return _releasing_dependents(lambda: to_object(base), {k for k, _ in pairs}, release)
 
 
 def replace_knobs(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
@@ -448,17 +447,13 @@ def resolved(cfg: RunConfig) -> RunConfig:
     from rl_jax.config.data import GENERATED
 
     changes: dict[str, Any] = {}
-    loss = cfg.loss.resolved()
-    if loss is not cfg.loss:
-        changes["loss"] = loss
-    sampling = cfg.sampling.resolved()
-    if sampling is not cfg.sampling:
-        changes["sampling"] = sampling
+    for name in ("loss", "sampling", "lora"):  # the sections that resolve themselves
+        section = getattr(cfg, name).resolved()
+        if section is not getattr(cfg, name):
+            changes[name] = section
     if cfg.model.value_head is None:
-        changes["model"] = dataclasses.replace(cfg.model, value_head=loss.advantage == "gae")
-    lora = cfg.lora.resolved()
-    if lora is not cfg.lora:
-        changes["lora"] = lora
+        advantage = changes.get("loss", cfg.loss).advantage
+        changes["model"] = dataclasses.replace(cfg.model, value_head=advantage == "gae")
     if cfg.rewards.overlong_penalty and not (
         cfg.rewards.overlong_max and cfg.rewards.overlong_cache
     ):
