@@ -131,11 +131,23 @@ def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh | None) -> TrainBatch:
     """Rows over the mesh's batch axes (every process holds the full batch); the
     batch's `group_size` is found on the host (see shared_prompt_rows)."""
     _check_positions(arrays)
-    G = shared_prompt_rows(arrays)
+    return _on_device(arrays, mesh, shared_prompt_rows(arrays))
+
+
+def _on_device(arrays: dict[str, np.ndarray], mesh: Mesh | None, G: int, *, stacked=False):
+    """The TrainBatch of host `arrays` (`stacked`: minibatches on a leading axis)."""
     if mesh is None:
         return TrainBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, group_size=G)
-    out = {k: _place(v, batch_sharding(mesh, v.ndim)) for k, v in arrays.items()}
+    out = {k: _place(v, _row_sharding(mesh, v.ndim, stacked)) for k, v in arrays.items()}
     return TrainBatch(**out, group_size=G)
+
+
+def _row_sharding(mesh: Mesh, ndim: int, stacked: bool) -> NamedSharding:
+    """Rows over the mesh's batch axes; `stacked`: rows are the second axis, after the
+    minibatches' (not sharded)."""
+    if not stacked:
+        return batch_sharding(mesh, ndim)
+    return NamedSharding(mesh, PartitionSpec(None, *batch_sharding(mesh, ndim - 1).spec))
 
 
 def _check_positions(arrays: dict[str, np.ndarray]) -> None:
@@ -240,6 +252,13 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+# The LossInputs fields a TrainBatch holds as they are: all but the forward's (log-probs,
+# entropy, values) and packing's seq_ids.
+_BATCH_LOSS_INPUTS = {f.name for f in dataclasses.fields(TrainBatch)} & {
+    f.name for f in dataclasses.fields(LossInputs)
+}
+
+
 def _loss_fn(
     spec: ModelSpec,
     rules,
@@ -258,19 +277,8 @@ def _loss_fn(
         logp, ent, values, *router = completion_forward(
             spec, rules, mesh, params, batch, temperature, values=critic, router=spec.is_moe
         )
-        inputs = LossInputs(
-            logp=logp,
-            sampler_logp=batch.sampler_logp,
-            advantages=batch.advantages,
-            mask=batch.mask,
-            group_ids=batch.group_ids,
-            old_logp=batch.old_logp,
-            ref_logp=batch.ref_logp,
-            entropy=ent,
-            values=values,
-            old_values=batch.old_values,
-            returns=batch.returns,
-        )
+        given = {k: getattr(batch, k) for k in _BATCH_LOSS_INPUTS}
+        inputs = LossInputs(logp=logp, entropy=ent, values=values, **given)
         loss, metrics = loss_from_config(
             loss_cfg, inputs, num_groups=num_groups, max_tokens=max_tokens
         )
@@ -304,38 +312,19 @@ def _with_router_terms(
 
 
 def _step_fn(
-    spec: ModelSpec,
-    rules,
-    mesh: Mesh | None,
-    tx: optax.GradientTransformation,
-    loss_cfg: LossConfig,
-    *,
-    num_groups: int,
-    max_tokens: int,
-    temperature: float,
-    plan: ParamFormat | None = None,
+    loss_fn: Callable, tx: optax.GradientTransformation, plan: ParamFormat
 ) -> Callable[..., tuple[Params, Any, dict[str, jax.Array]]]:
     """step(params, opt_state, batch) -> (params, opt_state, metrics): one optimizer
-    update on one minibatch, not jitted (make_update compiles it, M of them in a scan).
+    update of `loss_fn` (`_loss_fn`) on one minibatch, not jitted (make_update compiles
+    it, M of them in a scan).
 
-    `params` is the trainer's state of `plan` (rl_jax.train.params; default: the model's
-    weights, all trained, as they are): the loss sees `plan.train_view(params)` (`plan.view`'s
-    values, gradients added in float32), the optimizer
-    updates the trained part (`opt_state` is `plan.init_optimizer`'s).
+    `params` is the trainer's state of `plan` (rl_jax.train.params): the loss sees
+    `plan.train_view(params)` (`plan.view`'s values, gradients added in float32), the
+    optimizer updates the trained part (`opt_state` is `plan.init_optimizer`'s).
 
     A NaN/Inf in the loss or any gradient skips the update (params and optimizer
     state pass through unchanged) and reports `nonfinite = 1`.
     """
-    loss_fn = _loss_fn(
-        spec,
-        rules,
-        mesh,
-        loss_cfg,
-        num_groups=num_groups,
-        max_tokens=max_tokens,
-        temperature=temperature,
-    )
-    plan = ParamFormat(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
 
     def step(params: Params, opt_state, batch: TrainBatch):
         trained, frozen = plan.split(params)
@@ -363,18 +352,6 @@ def _step_fn(
     return step
 
 
-def _jit_state_step(fn, mesh: Mesh | None, state_shardings: tuple[Any, Any] | None):
-    """jit with params and optimizer state donated; `state_shardings` pins the outputs
-    to the inputs' layout, so the next call sees the same shardings and does not
-    recompile."""
-    opts = compiler_options(mesh)
-    if state_shardings is None:
-        return jax.jit(fn, donate_argnums=(0, 1), compiler_options=opts)
-    return jax.jit(
-        fn, donate_argnums=(0, 1), out_shardings=(*state_shardings, None), compiler_options=opts
-    )
-
-
 def make_update(
     spec: ModelSpec,
     rules,
@@ -393,19 +370,21 @@ def make_update(
     `batches` holds M minibatches stacked on a leading axis (`put_minibatches`); the
     M updates of one RL step run one after another under `lax.scan` in one program,
     each as `_step_fn` (num_groups: prompts per minibatch; params and opt_state those of
-    `plan`: the trainer's state, `rl_jax.train.params`). State donated.
+    `plan`: the trainer's state, `rl_jax.train.params`; default: the model's weights, all
+    trained, as they are). State donated; `state_shardings` pins the outputs to the
+    inputs' layout, so the next call sees the same shardings and does not recompile.
     """
-    step = _step_fn(
+    loss_fn = _loss_fn(
         spec,
         rules,
         mesh,
-        tx,
         loss_cfg,
         num_groups=num_groups,
         max_tokens=max_tokens,
         temperature=temperature,
-        plan=plan,
     )
+    plan = ParamFormat(param_dtype=spec.param_dtype, precision="pure") if plan is None else plan
+    step = _step_fn(loss_fn, tx, plan)
 
     def update(params: Params, opt_state, batches: TrainBatch):
         def body(state, batch):
@@ -415,7 +394,9 @@ def make_update(
         (params, opt_state), metrics = jax.lax.scan(body, (params, opt_state), batches)
         return params, opt_state, metrics
 
-    return _jit_state_step(update, mesh, state_shardings)
+    pinned = {} if state_shardings is None else {"out_shardings": (*state_shardings, None)}
+    opts = compiler_options(mesh)
+    return jax.jit(update, donate_argnums=(0, 1), compiler_options=opts, **pinned)
 
 
 def put_minibatches(
@@ -435,13 +416,7 @@ def put_minibatches(
     sizes = {shared_prompt_rows(mb) for mb in parts}
     G = sizes.pop() if len(sizes) == 1 else 1
     stacked = {k: np.stack([mb[k] for mb in parts]) for k in arrays}
-    if mesh is None:
-        return TrainBatch(**{k: jnp.asarray(v) for k, v in stacked.items()}, group_size=G)
-    out = {}
-    for k, v in stacked.items():
-        rows = batch_sharding(mesh, v.ndim - 1).spec
-        out[k] = _place(v, NamedSharding(mesh, PartitionSpec(None, *rows)))
-    return TrainBatch(**out, group_size=G)
+    return _on_device(stacked, mesh, G, stacked=True)
 
 
 def abstract_batch(
@@ -466,10 +441,9 @@ def abstract_batch(
     rows, T = groups * G, tp + tg
 
     def arr(shape, dtype):
-        spec = batch_sharding(mesh, len(shape)).spec
-        if stack is not None:
-            shape, spec = (stack, *shape), PartitionSpec(None, *spec)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        shape = shape if stack is None else (stack, *shape)
+        sharding = _row_sharding(mesh, len(shape), stack is not None)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     f32 = jnp.float32
     return TrainBatch(
