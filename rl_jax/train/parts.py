@@ -33,18 +33,8 @@ from rl_jax.train.accounting import Passes, decode_chunk, passes, policy_steps, 
 from rl_jax.train.evaluation import correctness_fn, make_engine, make_eval_sampler
 from rl_jax.train.optim import make_optimizer
 from rl_jax.train.params import ParamFormat
-from rl_jax.train.preflight import task_and_prompt_len
+from rl_jax.train.preflight import run_tokenizer, task_and_prompt_len
 from rl_jax.train.step import abstract_batch, make_logprob_fn, make_update, make_value_fn
-
-
-def load_tokenizer(cfg: RunConfig):
-    if cfg.model.path:
-        from rl_jax.models import load_tokenizer as _hf
-
-        return _hf(cfg.model.path)
-    from rl_jax.data.tokenizer import CharTokenizer
-
-    return CharTokenizer()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +184,7 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     on sizes that cannot work. The params are the plan's state (rl_jax.train.params)."""
     mesh, sample_mesh = make_meshes(cfg)
     rules = get_rules(cfg.mesh.rules, purpose="train")
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = run_tokenizer(cfg)
     spec, weights = _build_params(cfg, mesh, rules, tokenizer)
     check_sizes(cfg, num_batch_shards(mesh))
     # Rendered for the tokenizer (chat template, answer instruction); prompts checked

@@ -365,9 +365,9 @@ def load_run_model(
 
 def run_tokenizer(ck: RunCheckpoint):
     """The tokenizer the run trained with."""
-    from rl_jax.train.parts import load_tokenizer
+    from rl_jax.train.preflight import run_tokenizer
 
-    return load_tokenizer(ck.cfg)
+    return run_tokenizer(ck.cfg)
 
 
 @contextlib.contextmanager
