@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from rl_jax.runs.storage import StorageError, is_remote, open_store
+from rl_jax.sharding import replicated
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,13 @@ class Checkpointer:
             self._pending = None
             if not _unreachable(e) and not isinstance(e, OSError):
                 raise
-            raise StorageError(
-                f"saving the checkpoint of step {step} to {self.url} failed: {_short(e)}"
-            ) from e
+            raise self._save_failed(step, e) from e
         return True
+
+    def _save_failed(self, step: int | None, e: Exception) -> StorageError:
+        return StorageError(
+            f"saving the checkpoint of step {step} to {self.url} failed: {_short(e)}"
+        )
 
     def wait(self) -> None:
         """Wait for the save in flight; StorageError (one line) if it failed."""
@@ -148,9 +152,7 @@ class Checkpointer:
             self._mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax re-raises the background failure
             step, self._pending = self._pending, None
-            raise StorageError(
-                f"saving the checkpoint of step {step} to {self.url} failed: {_short(e)}"
-            ) from e
+            raise self._save_failed(step, e) from e
         self._pending = None
 
     def poll(self) -> None:
@@ -284,20 +286,13 @@ def state_checksums(state: Any) -> tuple[dict[str, str], dict[str, int]]:
 
 
 def _checksum_fn(arrays):
-    mesh = next(
-        (
-            a.sharding.mesh
-            for a in arrays
-            if isinstance(getattr(a, "sharding", None), NamedSharding)
-        ),
-        None,
-    )
-    return _jitted_checksums(mesh)
+    named = [a.sharding for a in arrays if isinstance(getattr(a, "sharding", None), NamedSharding)]
+    return _jitted_checksums(named[0].mesh if named else None)
 
 
 @functools.cache
 def _jitted_checksums(mesh):
-    out_sh = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+    out_sh = replicated(mesh) if mesh is not None else None
     return jax.jit(_checksums, out_shardings=out_sh)
 
 
@@ -308,11 +303,7 @@ CHECKSUM_CHUNK = 1 << 20
 
 
 def _checksums(arrays):
-    sums, bad = [], []
-    for x in arrays:
-        s, b = _array_checksum(jnp.asarray(x))
-        sums.append(s)
-        bad.append(b)
+    sums, bad = zip(*[_array_checksum(jnp.asarray(x)) for x in arrays], strict=True)
     return jnp.stack(sums), jnp.stack(bad)
 
 
@@ -366,13 +357,9 @@ def _weighted_sums(bits: jax.Array, i: jax.Array) -> jax.Array:
 def _bits_u32(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    size = np.dtype(x.dtype).itemsize
-    if size == 4:
-        return lax.bitcast_convert_type(x, jnp.uint32)
-    if size == 8:
-        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+    size = np.dtype(x.dtype).itemsize  # (keys are their key data here: _array_checksum)
+    if size in (4, 8):
+        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2] of 8 bytes
     if size == 2:
         return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     if size == 1:
