@@ -66,10 +66,7 @@ class RunCheckpoint:
         """The checkpoint's JSON metadata (step, version, compute counters, data state);
         empty if it does not read."""
         try:
-            with _quiet_absl():
-                meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-                    join(self.step_dir, "meta")
-                )
+            meta = _read_meta(self)
         except Exception:  # noqa: BLE001 - metadata is optional to what reads it
             return {}
         return dict(meta) if isinstance(meta, dict) else {}
@@ -250,8 +247,7 @@ def verified_meta(ck: RunCheckpoint) -> dict:
     """The checkpoint's JSON metadata, checked against its own checksum (a checkpoint
     saved before checksums existed has none and is taken as it is)."""
     try:
-        with _quiet_absl():
-            meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(join(ck.step_dir, "meta"))
+        meta = _read_meta(ck)
     except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged file
         raise DamagedCheckpoint(
             f"{join(ck.step_dir, 'meta')}: cannot read it ({_short(e)})"
@@ -261,6 +257,11 @@ def verified_meta(ck: RunCheckpoint) -> dict:
     if META_DIGEST in meta and seal_meta(meta)[META_DIGEST] != meta[META_DIGEST]:
         raise DamagedCheckpoint(f"{join(ck.step_dir, 'meta')}: does not match its checksum")
     return dict(meta)
+
+
+def _read_meta(ck: RunCheckpoint):
+    with _quiet_absl():
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(join(ck.step_dir, "meta"))
 
 
 def _check_sums(ck: RunCheckpoint, params: dict, meta: dict) -> None:
