@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rl_jax.config import RunConfig
 from rl_jax.config.lora import LORA_TARGETS
@@ -39,6 +39,7 @@ from rl_jax.knobs import ConfigError
 from rl_jax.models import ModelSpec, param_layout
 from rl_jax.models.layers import matmul
 from rl_jax.models.transformer import LAYER_PARAMS
+from rl_jax.sharding import replicated
 
 LORA_KEY = "lora"
 # Trained beside the adapters: the critic's head starts at zero and has nothing to adapt.
@@ -56,6 +57,17 @@ def lora_dims(target: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int
     rest = shape[len(lead) :]
     n_in = 2 if target == "o" else 1
     return lead, math.prod(rest[:n_in]), math.prod(rest[n_in:])
+
+
+def adapter_shapes(target: str, shape: tuple[int, ...], rank: int) -> dict[str, tuple]:
+    """{"a": A's shape, "b": B's} of `target`'s rank-`rank` adapters (see lora_dims)."""
+    lead, d_in, d_out = lora_dims(target, shape)
+    return {"a": (*lead, d_in, rank), "b": (*lead, rank, d_out)}
+
+
+def replicated_on(mesh: Mesh | None):
+    """Every device of `mesh` holds the array whole (no mesh: the first device)."""
+    return SingleDeviceSharding(jax.devices()[0]) if mesh is None else replicated(mesh)
 
 
 def check_lora(spec: ModelSpec, targets: tuple[str, ...], rank: int) -> None:
@@ -175,12 +187,7 @@ class ParamFormat:
             return out
 
         # Adapters are small: every device holds them whole.
-        rep = (
-            SingleDeviceSharding(jax.devices()[0])
-            if mesh is None
-            else NamedSharding(mesh, PartitionSpec())
-        )
-        return jax.jit(init, out_shardings=rep)(key)
+        return jax.jit(init, out_shardings=replicated_on(mesh))(key)
 
     def abstract_state(self, spec: ModelSpec, shardings=None, mesh: Mesh | None = None) -> State:
         """The state `init_state` makes for `spec`, as shapes (dtypes by role; the model's
@@ -200,14 +207,12 @@ class ParamFormat:
             for k, i in lay.items()
         }
         if self.lora:
-            rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-            r, dt = self.lora_rank, self.trained_dtype
+            rep = None if mesh is None else replicated(mesh)
             out[LORA_KEY] = {}
             for t in self.lora_targets:
-                lead, d_in, d_out = lora_dims(t, lay[t].shape)
+                shapes = adapter_shapes(t, lay[t].shape, self.lora_rank)
                 out[LORA_KEY][t] = {
-                    "a": abstract((*lead, d_in, r), dt, rep),
-                    "b": abstract((*lead, r, d_out), dt, rep),
+                    p: abstract(s, self.trained_dtype, rep) for p, s in shapes.items()
                 }
         return out
 
@@ -222,10 +227,7 @@ class ParamFormat:
             if k == LORA_KEY:
                 continue
             if k in adapters:
-                a, b = adapters[k]["a"], adapters[k]["b"]
-                f32 = jnp.float32
-                delta = matmul(a.astype(f32), b.astype(f32)).reshape(w.shape)
-                w = w.astype(f32) + self.lora_scale * delta
+                w = self._merged(w, adapters[k])
             out[k] = w.astype(dt)
         return out
 
@@ -258,12 +260,15 @@ class ParamFormat:
         if self.lora:
             # Merged weights: the adapters' gradient through W + s A B, added in float32.
             base = {k: v for k, v in state.items() if k != LORA_KEY}
-            for k in state.get(LORA_KEY, {}):
-                a, b = state[LORA_KEY][k]["a"], state[LORA_KEY][k]["b"]
-                f32 = jnp.float32
-                delta = matmul(a.astype(f32), b.astype(f32)).reshape(base[k].shape)
-                out[k] = _round_through(base[k].astype(f32) + self.lora_scale * delta, dt)
+            for k, adapter in state.get(LORA_KEY, {}).items():
+                out[k] = _round_through(self._merged(base[k], adapter), dt)
         return out
+
+    def _merged(self, w: jax.Array, adapter: dict[str, jax.Array]) -> jax.Array:
+        """W + s A B in float32: a weight with its adapters merged."""
+        f32 = jnp.float32
+        delta = matmul(adapter["a"].astype(f32), adapter["b"].astype(f32)).reshape(w.shape)
+        return w.astype(f32) + self.lora_scale * delta
 
     # ---- the optimizer ----------------------------------------------------------------
 
@@ -281,7 +286,7 @@ class ParamFormat:
         on every chip)."""
         trained, _ = self.split(state)
         shapes = jax.eval_shape(functools.partial(self.init_optimizer, tx), state)
-        rep = NamedSharding(mesh, PartitionSpec())
+        rep = replicated(mesh)
 
         def on_mesh(a):  # a weight not laid out on the mesh: its moments replicated
             sh = getattr(a, "sharding", None)

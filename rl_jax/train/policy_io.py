@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from rl_jax.config import RunConfig, from_dict
 from rl_jax.knobs import ConfigError
@@ -37,7 +37,7 @@ from rl_jax.models.transformer import dtype_of
 from rl_jax.runs.storage import is_remote, join, open_store
 from rl_jax.sharding import get_rules
 from rl_jax.train.checkpoint import CHECKSUMS, META_DIGEST, _short, seal_meta, state_checksums
-from rl_jax.train.params import LORA_KEY, ParamFormat, lora_dims
+from rl_jax.train.params import LORA_KEY, ParamFormat, adapter_shapes, replicated_on
 
 
 @dataclass(frozen=True)
@@ -281,16 +281,11 @@ def _check_sums(ck: RunCheckpoint, params: dict, meta: dict) -> None:
 
 def _adapter_target(ck, plan, layout, stored_params, mesh) -> dict:
     """Abstract adapters (as stored, every device whole) of a LoRA run's checkpoint."""
-    rep = (
-        SingleDeviceSharding(jax.devices()[0])
-        if mesh is None
-        else NamedSharding(mesh, PartitionSpec())
-    )
+    rep = replicated_on(mesh)
     stored = stored_params.get(LORA_KEY)
     out = {}
     for t in plan.lora_targets:
-        lead, d_in, d_out = lora_dims(t, layout[t].shape)
-        shapes = {"a": (*lead, d_in, plan.lora_rank), "b": (*lead, plan.lora_rank, d_out)}
+        shapes = adapter_shapes(t, layout[t].shape, plan.lora_rank)
         out[t] = {}
         for part, shape in shapes.items():
             try:
