@@ -79,7 +79,7 @@ class Recorder:
                 say(f"no checkpoint in {self.run.checkpoints_dir}: starting at step 0")
             else:
                 say(f"resuming from step {last} (checkpoint {self.ckpt.step_url(got[0])})")
-                self.first_eval = _first_pass(self.run)
+                self.first_eval = _pass_at(self.run, 0)
         return got
 
     def _start_over(self) -> None:
@@ -192,7 +192,7 @@ class Recorder:
         self.ckpt.wait()
         if self.is_main:
             self.run.mark_done(summary)
-            last = _last_pass(self.run)
+            last = _pass_at(self.run, -1)
             gain = ""
             if self.first_eval is not None and last is not None:
                 gain = f"; val pass@1 {self.first_eval:.3f} -> {last:.3f}"
@@ -214,21 +214,13 @@ class Recorder:
                 self.run.close()
 
 
-def _pass_values(run: RunDir) -> list[float]:
+def _pass_at(run: RunDir, i: int) -> float | None:
+    """val/pass@1 of the run's i-th evaluation (0: the first, -1: the last), if any."""
     try:
-        return [r["val/pass@1"] for r in run.curve() if "val/pass@1" in r]
+        vals = [r["val/pass@1"] for r in run.curve() if "val/pass@1" in r]
     except (OSError, ValueError):
-        return []
-
-
-def _first_pass(run: RunDir) -> float | None:
-    vals = _pass_values(run)
-    return vals[0] if vals else None
-
-
-def _last_pass(run: RunDir) -> float | None:
-    vals = _pass_values(run)
-    return vals[-1] if vals else None
+        return None
+    return vals[i] if vals else None
 
 
 def curve_row(
