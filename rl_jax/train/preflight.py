@@ -122,26 +122,19 @@ def _without_long_prompts(cfg: RunConfig, task: Task, tokenizer: Any) -> Task:
     from rl_jax.data import LoadReport
 
     limit, bucket = cfg.sampling.max_prompt_len, cfg.sampling.length_bucket
-    kept: dict[str, list] = {}
+    kept: dict[str, list] = {"training": [], "validation": []}
     longest, where = 0, ""
-    for split, problems in (("training", task.train), ("validation", task.val)):
-        kept[split] = []
-        for p in problems:
-            n = len(tokenizer.encode(p.prompt))
-            if n <= limit:
-                kept[split].append(p)
-            elif n > longest:
-                longest, where = n, f"{split} problem {p.id}"
+    for split, p, n in _prompt_lengths(task, tokenizer):
+        if n <= limit:
+            kept[split].append(p)
+        elif n > longest:
+            longest, where = n, f"{split} problem {p.id}"
     train, val = kept["training"], kept["validation"]
     if len(train) + len(val) == len(task.train) + len(task.val):
         return task
     if not train or (len(task.val) and not val):
-        raise ConfigError(
-            f"sampling.max_prompt_len={limit} is below the longest prompt, {longest} tokens "
-            f"({where}, as rendered for the model), and every "
-            f"{'training' if not train else 'validation'} prompt is longer; set "
-            f"sampling.max_prompt_len={-(-longest // bucket) * bucket} or 0 (auto)"
-        )
+        every = f", and every {'training' if not train else 'validation'} prompt is longer"
+        raise _below_longest(limit, bucket, longest, where, every)
     report = task.report or LoadReport(
         where=[f"data.source={cfg.data.source}"],
         layout=f"{task.name} problems generated",
@@ -165,21 +158,30 @@ def prompt_len_limit(cfg: RunConfig, task: Task, tokenizer: Any) -> int:
     if limit and lazy:
         return limit
     longest, where = 0, ""
-    for split, problems in (("training", task.train), ("validation", task.val)):
-        for i in range(len(problems)):
-            n = len(tokenizer.encode(problems[i].prompt))
-            if n > longest:
-                longest, where = n, f"{split} problem {problems[i].id}"
+    for split, p, n in _prompt_lengths(task, tokenizer):
+        if n > longest:
+            longest, where = n, f"{split} problem {p.id}"
     if limit and longest > limit:
-        raise ConfigError(
-            f"sampling.max_prompt_len={limit} is below the longest prompt, {longest} tokens "
-            f"({where}, as rendered for the model); set sampling.max_prompt_len="
-            f"{-(-longest // bucket) * bucket} or 0 (auto)"
-        )
+        raise _below_longest(limit, bucket, longest, where)
     # The engine pads every prompt to this width: the data's longest prompt, not a cap
     # above it that no prompt reaches (those columns would be computed and masked).
     width = max(bucket, -(-longest // bucket) * bucket)
     return min(limit, width) if limit else width
+
+
+def _prompt_lengths(task: Task, tokenizer: Any):
+    """(split, problem, prompt tokens) of every problem, training then validation."""
+    for split, problems in (("training", task.train), ("validation", task.val)):
+        for i in range(len(problems)):
+            yield split, problems[i], len(tokenizer.encode(problems[i].prompt))
+
+
+def _below_longest(limit: int, bucket: int, longest: int, where: str, more: str = ""):
+    return ConfigError(
+        f"sampling.max_prompt_len={limit} is below the longest prompt, {longest} tokens "
+        f"({where}, as rendered for the model){more}; set "
+        f"sampling.max_prompt_len={-(-longest // bucket) * bucket} or 0 (auto)"
+    )
 
 
 def schedule_warnings(cfg: RunConfig) -> list[str]:
