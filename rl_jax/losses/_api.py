@@ -12,7 +12,7 @@ from rl_jax.losses._advantages import compute_advantages, gae_advantages, termin
 from rl_jax.losses._aggregate import AGGREGATIONS, aggregate_layout
 from rl_jax.losses._inputs import LossInputs, f32, make_layout, masked, per_token
 from rl_jax.losses._kl import kl_penalty, kl_shaped_rewards
-from rl_jax.losses._policy import MAX_LOG_RATIO, clipped_value_loss
+from rl_jax.losses._policy import clamped_ratio, clipped_value_loss
 from rl_jax.losses._registry import get
 
 Array = jax.Array
@@ -129,7 +129,7 @@ def _policy_inputs(inputs: LossInputs, layout, *, tis: bool):
 
 def _truncated_is(pg_bt, old, sampler, *, cap: float, mean):
     """(pg_bt weighted by min(exp(old - sampler), cap), the weights' metrics)."""
-    w_raw = jnp.exp(jnp.clip(old - sampler, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    w_raw = clamped_ratio(old - sampler)
     w = jnp.minimum(w_raw, cap)
     metrics = {
         "tis_weight_mean": mean(w),

@@ -28,7 +28,8 @@ sg = jax.lax.stop_gradient
 MAX_LOG_RATIO = 20.0
 
 
-def _ratio(log_ratio: Array) -> Array:
+def clamped_ratio(log_ratio: Array) -> Array:
+    """exp(log_ratio) with the log-ratio clipped to +-MAX_LOG_RATIO (see the module doc)."""
     return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
@@ -57,7 +58,7 @@ def clipped_surrogate(
 
     Args: logp, old_logp, adv: [B, T]. Returns (loss_bt, stats).
     """
-    r = _ratio(logp - sg(old_logp))
+    r = clamped_ratio(logp - sg(old_logp))
     obj = jnp.minimum(r * adv, jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * adv)
     neg = adv < 0
     stats = {
@@ -87,7 +88,7 @@ def cispo_surrogate(
     The loss VALUE is a surrogate (it involves logp itself); only its gradient
     is meaningful. Args: logp, old_logp, adv: [B, T]. Returns (loss_bt, stats).
     """
-    rho = _ratio(sg(logp) - sg(old_logp))
+    rho = clamped_ratio(sg(logp) - sg(old_logp))
     w = jnp.clip(rho, eps_min, eps_max)
     stats = {
         "ratio": rho,
@@ -106,7 +107,7 @@ def reinforce_surrogate(logp: Array, old_logp: Array, adv: Array) -> tuple[Array
     The ratio in the stats is only reported. Returns (loss_bt, stats).
     """
     zeros = jnp.zeros_like(logp)
-    stats = {"ratio": _ratio(sg(logp) - sg(old_logp)), "clip_low": zeros, "clip_high": zeros}
+    stats = {"ratio": clamped_ratio(sg(logp) - sg(old_logp)), "clip_low": zeros, "clip_high": zeros}
     return -adv * logp, stats
 
 
@@ -124,7 +125,7 @@ def gspo_layout(
     d = masked(logp - sg(old_logp), m)
     n_s = layout.seq_sum(m.astype(jnp.float32))
     log_s = layout.seq_sum(d) / jnp.maximum(n_s, 1.0)  # [S]
-    s = sg(_ratio(log_s))
+    s = sg(clamped_ratio(log_s))
     s_bt = layout.seq_broadcast(s)
     # Token form: value s_i, gradient s_i * grad logp_t (GSPO's eq. for GSPO-token).
     s_it = s_bt * jnp.exp(logp - sg(logp))
