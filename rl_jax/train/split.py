@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-Weights = tuple[Any, int]  # (params in the sampler's layout, policy version)
+from rl_jax.train.stream import Weights
 
 
 class SplitStream:
