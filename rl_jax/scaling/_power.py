@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import optimize
 
-from rl_jax.scaling._sigmoid import FitError, check_xy
+from rl_jax.scaling._sigmoid import FitError, check_xy, lowest_cost
 
 _B_BOUNDS = (1e-3, 10.0)
 _LOGD_BOUNDS = (-40.0, 10.0)
@@ -104,18 +103,13 @@ def fit_power_law(
 def _best_of_starts(fun, jac, lo, hi, y, span):
     """The least-squares result of lowest cost over a small grid of starts (A above the
     data, B from slow to fast)."""
-    best = None
+    starts = []
     for a0 in (y.max() + 0.2 * span, y.max() + span):
         for b0 in (0.1, 0.5, 1.5):
             a0c = float(np.clip(a0, lo[0] + 1e-9, hi[0] - 1e-9))
             gap = max(a0c - float(np.median(y)), 1e-6)
-            x0 = np.clip([a0c, math.log(gap), b0], lo + 1e-9, hi - 1e-9)
-            try:
-                r = optimize.least_squares(fun, x0, jac=jac, bounds=(lo, hi), x_scale="jac")
-            except (ValueError, np.linalg.LinAlgError):
-                continue
-            if best is None or r.cost < best.cost:
-                best = r
+            starts.append(np.clip([a0c, math.log(gap), b0], lo + 1e-9, hi - 1e-9))
+    best = lowest_cost(fun, starts, jac=jac, bounds=(lo, hi), x_scale="jac")
     if best is None:
         raise FitError("power-law least squares failed from every start")
     return best

@@ -360,18 +360,14 @@ def _solve_b_curve_fit(a, m, prob):
     bs, r0s, sses = np.empty(a.size), np.empty(a.size), np.empty(a.size)
     for k in range(a.size):
         ak, mk = a[k], m[k]
+
+        # curve_fit fits as many parameters as p0 has: B alone (R0 fixed), or B and R0.
+        def f(uu, b, r0k=prob.r0, ak=ak, mk=mk):
+            return r0k + (ak - r0k) * special.expit(b * (uu - mk))
+
         if prob.r0 is not None:
-            r0k = prob.r0
-
-            def f(uu, b, ak=ak, mk=mk, r0k=r0k):
-                return r0k + (ak - r0k) * special.expit(b * (uu - mk))
-
             p0, lo, hi = [1.0], [prob.b_lo], [prob.b_hi]
         else:
-
-            def f(uu, b, r0k, ak=ak, mk=mk):
-                return r0k + (ak - r0k) * special.expit(b * (uu - mk))
-
             p0 = [1.0, float(np.clip(y[0], prob.r0_lo, min(ak, prob.r0_hi)))]
             lo, hi = [prob.b_lo, prob.r0_lo], [prob.b_hi, max(min(ak, prob.r0_hi), prob.r0_lo)]
             if hi[1] <= lo[1]:
@@ -450,14 +446,7 @@ def _bounds(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _full(prob: _Problem, p_free: np.ndarray, free: np.ndarray) -> np.ndarray:
-    full = np.array(
-        [
-            prob.a_fixed if prob.a_fixed is not None else np.nan,
-            np.nan,
-            np.nan,
-            prob.r0 if prob.r0 is not None else np.nan,
-        ]
-    )
+    full = np.array([prob.a_fixed, np.nan, np.nan, prob.r0], dtype=float)  # None: NaN
     full[free] = p_free
     return full
 
@@ -478,36 +467,37 @@ def _least_squares(prob: _Problem, starts: Sequence[np.ndarray], max_nfev: int |
 
     def jac(p):
         a, m, b, r0 = _full(prob, p, free)
-        t = np.where(finite, u - m, 0.0)
         s = special.expit(b * (u - m))
-        ds = s * (1.0 - s) * (a - r0)
-        cols = [s, -ds * b, ds * t, 1.0 - s]
+        cols = _jac_columns(s, np.where(finite, u - m, 0.0), a, b, r0)
         return np.stack([c for c, f in zip(cols, free, strict=True) if f], axis=1)
 
+    x0s = [np.clip(np.asarray(s0, dtype=float)[free], lo, hi) for s0 in starts]
+    x0s = [np.clip(x0, lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo)) for x0 in x0s]
+    opts = {"method": "trf", "xtol": 1e-10, "ftol": 1e-12, "gtol": 1e-12, "max_nfev": max_nfev}
+    best = lowest_cost(fun, x0s, jac=jac, bounds=(lo, hi), x_scale="jac", **opts)
+    if best is None:
+        raise FitError("least squares failed from every start")
+    return _full(prob, best.x, free)
+
+
+def lowest_cost(fun, starts, **kwargs):
+    """scipy's least_squares from each start; the result of lowest cost (None if all failed)."""
     best = None
-    for s0 in starts:
-        x0 = np.clip(np.asarray(s0, dtype=float)[free], lo, hi)
-        x0 = np.clip(x0, lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
+    for x0 in starts:
         try:
-            r = optimize.least_squares(
-                fun,
-                x0,
-                jac=jac,
-                bounds=(lo, hi),
-                method="trf",
-                x_scale="jac",
-                xtol=1e-10,
-                ftol=1e-12,
-                gtol=1e-12,
-                max_nfev=max_nfev,
-            )
+            r = optimize.least_squares(fun, x0, **kwargs)
         except (ValueError, np.linalg.LinAlgError):
             continue
         if best is None or r.cost < best.cost:
             best = r
-    if best is None:
-        raise FitError("least squares failed from every start")
-    return _full(prob, best.x, free)
+    return best
+
+
+def _jac_columns(s, t, a, b, r0) -> tuple:
+    """dR / d(A, log C_mid, B, R0) from s = expit(B (u - log C_mid)) and t = u - log C_mid
+    (0 at compute 0, where s is 0)."""
+    ds = s * (1.0 - s) * (a - r0)
+    return (s, -ds * b, ds * t, 1.0 - s)
 
 
 def _starts(prob: _Problem, n: int) -> list[np.ndarray]:
@@ -661,20 +651,9 @@ def fit_sigmoid(
     """
     options = _merge_options(options, r0=r0, method=method, fit_start=fit_start, **kwargs)
     x, y = check_xy(x, y)
-    if options.r0 == "first":
-        if x.size == 0:
-            raise FitError("empty curve")
-        r0_val, r0_source, r0_count = float(y[0]), "first", 1
-        x, y = x[1:], y[1:]
-    elif options.r0 == "fit":
-        r0_val, r0_source, r0_count = None, "fit", 0
-    else:
-        r0_val, r0_source, r0_count = float(options.r0), "given", 0
-    prob, notes = _build_problem(x, y, options, r0=r0_val)
-    p, problems = SIGMOID_METHODS[options.method](prob, options)
-    return _finish(
-        prob, p, options, r0_source=r0_source, r0_count=r0_count, notes=notes, problems=problems
-    )
+    if options.r0 == "first" and x.size == 0:
+        raise FitError("empty curve")
+    return _fit_pooled([(x, y)], options)
 
 
 def _merge_options(options: SigmoidOptions | None, **kwargs) -> SigmoidOptions:
@@ -704,25 +683,30 @@ def fit_sigmoid_runs(
     options = _merge_options(options, **kwargs)
     if not runs:
         raise FitError("no runs to fit")
-    xs, ys, firsts = [], [], []
+    checked = []
     for xr, yr in runs:
         xr, yr = check_xy(xr, yr)
         if xr.size == 0:
             raise FitError("a run has no points")
-        if options.r0 == "first":
-            firsts.append(float(yr[0]))
-            xr, yr = xr[1:], yr[1:]
-        xs.append(xr)
-        ys.append(yr)
-    x, y = np.concatenate(xs), np.concatenate(ys)
-    order = np.argsort(x, kind="stable")
-    x, y = x[order], y[order]
+        checked.append((xr, yr))
+    return _fit_pooled(checked, options)
+
+
+def _fit_pooled(runs: Sequence[tuple[np.ndarray, np.ndarray]], options) -> SigmoidFit:
+    """The fit of runs (checked by check_xy; none empty with r0='first') with their points
+    pooled and sorted by compute. With r0='first', R0 is the mean of the runs' first
+    evaluations, which are not fitted."""
     if options.r0 == "first":
-        r0_val, src, cnt = float(np.mean(firsts)), "first", len(firsts)
+        r0_val, src, cnt = float(np.mean([yr[0] for _, yr in runs])), "first", len(runs)
+        runs = [(xr[1:], yr[1:]) for xr, yr in runs]
     elif options.r0 == "fit":
         r0_val, src, cnt = None, "fit", 0
     else:
         r0_val, src, cnt = float(options.r0), "given", 0
+    x = np.concatenate([xr for xr, _ in runs])
+    y = np.concatenate([yr for _, yr in runs])
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
     prob, notes = _build_problem(x, y, options, r0=r0_val)
     p, problems = SIGMOID_METHODS[options.method](prob, options)
     return _finish(prob, p, options, r0_source=src, r0_count=cnt, notes=notes, problems=problems)
@@ -781,9 +765,7 @@ def _residual_fns(u, y, wt, finite, fi):
 
     def jac(th, s):
         a, m, b, r = (th[:, i : i + 1] for i in range(4))
-        ds = s * (1.0 - s) * (a - r)
-        t = np.where(finite, u - m, 0.0)
-        cols = (s, -ds * b, ds * t, 1.0 - s)
+        cols = _jac_columns(s, np.where(finite, u - m, 0.0), a, b, r)
         return np.stack([cols[i] * wt for i in fi], axis=2)  # [R, N, P]
 
     return resid, jac
