@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from rl_jax.scaling._iso_study import Effects, IsoStudy, NStar, SplitStudy, percentile_interval
+from rl_jax.scaling._report import _jsonable, _signed
 from rl_jax.scaling._study_report import write_files
 
 EASY, HARD = "easy", "hard"
@@ -38,10 +39,6 @@ def _share(p_yes: float, p_no: float, level: float) -> str:
 def _ci(iv) -> str:
     ok = all(math.isfinite(v) for v in iv)
     return f"[{iv[0]:+.3f}, {iv[1]:+.3f}]" if ok else "[-]"
-
-
-def _sg(v: float) -> str:
-    return f"{v:+.3f}" if math.isfinite(v) else "-"
 
 
 def _n_vs_bp(s: SplitStudy, level: float) -> dict[str, Any] | None:
@@ -126,7 +123,7 @@ def _interference(s: SplitStudy, level: float) -> dict[str, Any] | None:
         "of their variance, n's binomial noise taken out): "
         + ", ".join(f"n = {r['n']:g}: {_f(r['polarization'], 2)}" for r in rows)
         + f"; n = {lo['n']:g} minus n = {hi['n']:g}: "
-        f"{_sg(lo['polarization'] - hi['polarization'])} {_ci(iv)}",
+        f"{_signed(lo['polarization'] - hi['polarization'])} {_ci(iv)}",
         "verdict": _sign(iv, +1),
     }
 
@@ -189,20 +186,9 @@ def _split_json(s: SplitStudy) -> dict[str, Any]:
     }
 
 
-def _finite(v):
-    """v with every non-finite float as None (strict JSON)."""
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    if isinstance(v, float | np.floating):
-        return float(v) if math.isfinite(v) else None
-    return v
-
-
 def iso_study_json(study: IsoStudy) -> dict[str, Any]:
     """Everything the report prints, as strict JSON (None where a number is undefined)."""
-    return _finite(
+    return _jsonable(
         {
             "x": study.x,
             "metric": study.metric,
@@ -246,7 +232,7 @@ def _effects_md(s: SplitStudy, lvl: str) -> list[str]:
         out.append(
             f"| {e.budget:.4g} | {e.cells} | {_f(e.resid_sd)} ({e.dof}) | {_f(e.over_n)} "
             f"{_ci(e.over_n_interval)} | {_f(e.over_bp)} {_ci(e.over_bp_interval)} | "
-            f"{_sg(e.diff)} {_ci(e.diff_interval)} | {_sg(e.fixed_batch)} "
+            f"{_signed(e.diff)} {_ci(e.diff_interval)} | {_signed(e.fixed_batch)} "
             f"{_ci(e.fixed_batch_interval)} over B = {sizes} |"
         )
     return out

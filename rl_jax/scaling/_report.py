@@ -55,10 +55,10 @@ class FitEntry:
     run_ids: tuple[str, ...]
     fit: SigmoidFit | None
     boot: Bootstrap | None
-    power_law: PowerLawFit | None
-    extrapolation: Extrapolation | None
     error: str | None
     warnings: tuple[str, ...]
+    power_law: PowerLawFit | None = None  # runs only
+    extrapolation: Extrapolation | None = None  # runs only
     data_reliable: bool = True  # False when NaN rows were dropped from its runs
     rank: int | None = None
 
@@ -85,30 +85,12 @@ class FitEntry:
         d["interval_level"] = None if bs is None else bs.level
         d["interval_kind"] = None if bs is None else bs.kind
         if f is not None:
-            d.update(
-                r2=f.r2,
-                rmse=f.rmse,
-                sigma=f.sigma,
-                n_points=f.n_points,
-                method=f.method,
-                r0_source=f.r0_source,
-                fit_start=f.options.fit_start,
-            )
+            d |= {k: getattr(f, k) for k in ("r2", "rmse", "sigma", "n_points", "method")}
+            d |= {"r0_source": f.r0_source, "fit_start": f.options.fit_start}
         d["warnings"] = list(self.warnings) + (list(bs.warnings) if bs is not None else [])
         pl = self.power_law
-        d["power_law"] = (
-            None
-            if pl is None
-            else {
-                "A": pl.A,
-                "B": pl.B,
-                "D": pl.D,
-                "r2": pl.r2,
-                "rmse": pl.rmse,
-                "reliable": pl.reliable,
-                "warnings": list(pl.warnings),
-            }
-        )
+        pl_keys = ("A", "B", "D", "r2", "rmse", "reliable", "warnings")
+        d["power_law"] = None if pl is None else {k: getattr(pl, k) for k in pl_keys}
         d["extrapolation"] = None if self.extrapolation is None else self.extrapolation.summary()
         return _jsonable(d)
 
@@ -391,8 +373,6 @@ def _fit_recipe(recipe, runs, base, fit_start, n_boot, level, kind, seed) -> Fit
         run_ids=tuple(c.run_id for c in runs),
         fit=fit,
         boot=boot,
-        power_law=None,
-        extrapolation=None,
         error=error,
         warnings=tuple(warnings),
         data_reliable=all(c.reliable for c in runs),
@@ -415,39 +395,52 @@ def _f(v, digits=3) -> str:
     return f"{v:.{digits}f}"
 
 
-def _ci(bs: Bootstrap | None, p: str) -> str:
-    if bs is None:
+def _ci(lo_hi: tuple[float, float] | None) -> str:
+    """An interval as [lo, hi] in _f's format; "-" for None (no interval)."""
+    if lo_hi is None:
         return "-"
-    lo, hi = bs.interval(p)
+    lo, hi = lo_hi
     return f"[{_f(lo)}, {_f(hi)}]"
+
+
+def _signed(v, digits=3) -> str:
+    return "-" if v is None or not np.isfinite(v) else f"{v:+.{digits}f}"
+
+
+def _json_text(obj) -> str:
+    return json.dumps(_jsonable(obj), indent=2) + "\n"
+
+
+def write_texts(out_dir: str | Path, texts: Mapping[str, str]) -> list[Path]:
+    """Write each {file name: text} atomically into out_dir (created); their paths."""
+    from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        atomic_write_text(out / name, text)
+    return [out / name for name in texts]
 
 
 def write_report(report: FitReport, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
     """Write fits.json, recipes.md/.csv, report.md (and JSON for the early decision and the
     iso-compute analysis when present) plus PNG/SVG plots under out_dir/plots."""
-    from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
-
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-
-    def put(name: str, text: str) -> None:
-        atomic_write_text(out / name, text)
-        written.append(out / name)
-
-    put("fits.json", json.dumps(report.to_json(), indent=2) + "\n")
-    put("recipes.csv", table_csv(report.table))
-    put("recipes.md", table_markdown(report.table))
+    texts = {
+        "fits.json": _json_text(report.to_json()),
+        "recipes.csv": table_csv(report.table),
+        "recipes.md": table_markdown(report.table),
+    }
     if report.early is not None:
-        put("early_decision.json", json.dumps(_jsonable(report.early.to_dict()), indent=2) + "\n")
+        texts["early_decision.json"] = _json_text(report.early.to_dict())
     if report.frontier is not None:
-        put("isocompute.json", json.dumps(_jsonable(report.frontier.summary()), indent=2) + "\n")
+        texts["isocompute.json"] = _json_text(report.frontier.summary())
+    written = write_texts(out, texts)
     plot_files: dict[str, list[Path]] = {}
     if plots:
         plot_files = _write_plots(report, out / "plots")
         written.extend(p for ps in plot_files.values() for p in ps)
-    put("report.md", _markdown(report, plot_files, out))
-    return written
+    return written + write_texts(out, {"report.md": _markdown(report, plot_files, out)})
 
 
 def _write_plots(report: FitReport, pdir: Path) -> dict[str, list[Path]]:
@@ -551,9 +544,10 @@ def _fits_rows(rep: FitReport) -> list[str]:
         if f is None:
             lines.append(f"| {e.name} | {e.kind} | - | - | - | - | - | - | - | - | - | ERROR |")
             continue
+        ci = {p: _ci(bs.interval(p) if bs is not None else None) for p in ("A", "B", "C_mid")}
         lines.append(
-            f"| {e.name} | {e.kind} | {f.n_points} | {_f(f.R0)} | {_f(f.A)} | {_ci(bs, 'A')} | "
-            f"{_f(f.B, 2)} | {_ci(bs, 'B')} | {_f(f.C_mid)} | {_ci(bs, 'C_mid')} | {_f(f.r2)} | "
+            f"| {e.name} | {e.kind} | {f.n_points} | {_f(f.R0)} | {_f(f.A)} | {ci['A']} | "
+            f"{_f(f.B, 2)} | {ci['B']} | {_f(f.C_mid)} | {ci['C_mid']} | {_f(f.r2)} | "
             f"{_f(e.reliable)} |"
         )
     return lines
@@ -604,7 +598,7 @@ def _extrapolation_md(rep: FitReport, files, out) -> list[str]:
         sm = x.summary()
         lines.append(
             f"| {e.name} | {sm['n_fit']} / {sm['n_test']} | {_f(x.fit.A)} | "
-            f"{_ci(x.boot, 'A')} | {_f(e.fit.A)} | {x.final_error:+.4f} | "
+            f"{_ci(x.boot.interval('A'))} | {_f(e.fit.A)} | {x.final_error:+.4f} | "
             f"{_f(x.final_within)} | {x.coverage:.0%} | {_f(x.rmse, 4)} | "
             f"{_f(x.power_law_rmse, 4)} |"
         )
@@ -627,7 +621,7 @@ def _early_md(rep: FitReport) -> list[str]:
     for r in ed.rows:
         pb = "leader" if r.p_beats_leader is None else f"{r.p_beats_leader:.3f}"
         lines.append(
-            f"| {r.name} | {_f(r.A)} | [{_f(r.A_interval[0])}, {_f(r.A_interval[1])}] | "
+            f"| {r.name} | {_f(r.A)} | {_ci(r.A_interval)} | "
             f"{pb} | {r.p_best:.3f} | {'STOP' if r.stop else 'continue'} | "
             f"{_f(r.reliable)} |"
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,20 +9,11 @@ from typing import Any
 import numpy as np
 
 from rl_jax.scaling._compare import table_markdown
-from rl_jax.scaling._report import _f, _jsonable
+from rl_jax.scaling._report import _ci, _f, _json_text, _jsonable, _signed, write_texts
 from rl_jax.scaling._study import Effect, Study, mean_curve
 
 RECIPE_COLUMNS = ("rank", "recipe", "runs", "R0", "A", "A_lo", "A_hi", "B", "B_lo", "B_hi")
 RECIPE_COLUMNS += ("C_mid", "C_mid_lo", "C_mid_hi", "tier", "B_at_tier_A", "reliable")
-
-
-def _ci(lo_hi) -> str:
-    lo, hi = lo_hi
-    return f"[{_f(lo)}, {_f(hi)}]"
-
-
-def _signed(v, digits=3) -> str:
-    return "-" if v is None or not np.isfinite(v) else f"{v:+.{digits}f}"
 
 
 def _effect_json(e: Effect) -> dict[str, Any]:
@@ -54,17 +44,19 @@ def _effect_json(e: Effect) -> dict[str, Any]:
     }
 
 
-def _extrapolation_rows(study: Study) -> list[dict[str, Any]]:
+def _run_rows(study: Study, of) -> list[dict[str, Any]]:
+    """Per run of the study: its group, seed and id, then the dict `of(its SeedFit)`."""
     return [
-        {
-            "group": g,
-            "seed": s.seed,
-            "run_id": s.run_id,
-            **(s.extrapolation.summary() if s.extrapolation is not None else {}),
-        }
+        {"group": g, "seed": s.seed, "run_id": s.run_id, **of(s)}
         for g, fits in study.seed_fits.items()
         for s in fits
     ]
+
+
+def _extrapolation_rows(study: Study) -> list[dict[str, Any]]:
+    return _run_rows(
+        study, lambda s: s.extrapolation.summary() if s.extrapolation is not None else {}
+    )
 
 
 def extrapolation_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -86,19 +78,8 @@ def extrapolation_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def study_json(study: Study) -> dict[str, Any]:
-    runs = []
-    for g, fits in study.seed_fits.items():
-        for s in fits:
-            f = s.fit
-            runs.append(
-                {
-                    "group": g,
-                    "seed": s.seed,
-                    "run_id": s.run_id,
-                    **{p: getattr(f, p) for p in ("R0", "A", "B", "C_mid", "r2")},
-                    "reliable": f.reliable,
-                }
-            )
+    keys = ("R0", "A", "B", "C_mid", "r2", "reliable")
+    runs = _run_rows(study, lambda s: {p: getattr(s.fit, p) for p in keys})
     ext_rows = _extrapolation_rows(study)
     mean = study.baseline_mean
     return _jsonable(
@@ -344,14 +325,8 @@ def _write_plots(study: Study, out: Path) -> list[Path]:
 def write_files(out_dir: str | Path, *, data: dict, markdown: str, plots=None) -> list[Path]:
     """A study's `study.json` (data) and `report.md` (markdown) in out_dir, after
     `plots(out_dir)` where given (it writes the figures and returns their paths)."""
-    from rl_jax.runs.atomic import atomic_write_text  # light module, no JAX
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = plots(out) if plots is not None else []
-    atomic_write_text(out / "study.json", json.dumps(data, indent=2) + "\n")
-    atomic_write_text(out / "report.md", markdown)
-    return [out / "study.json", out / "report.md", *files]
+    files = plots(Path(out_dir)) if plots is not None else []
+    return [*write_texts(out_dir, {"study.json": _json_text(data), "report.md": markdown}), *files]
 
 
 def write_study(
