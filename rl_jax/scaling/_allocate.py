@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rl_jax.scaling._bootstrap import bootstrap
+from rl_jax.scaling._bootstrap import _quantiles, bootstrap
 from rl_jax.scaling._curves import Curve, knob_value
 from rl_jax.scaling._early import _draw_curves
 from rl_jax.scaling._isocompute import Frontier, FrontierError, _interp_log
-from rl_jax.scaling._sigmoid import FitError, fit_sigmoid, fit_sigmoid_runs
+from rl_jax.scaling._sigmoid import FitError, fit_sigmoid_runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +123,8 @@ def _evaluation_noise(curves: Sequence[Curve], runs: tuple[str, ...], fallback) 
     understates how far one new evaluation falls from the curve."""
     pairs = [(c.x, c.y) for c in curves if c.run_id in runs]
     try:
-        f = fit_sigmoid_runs(pairs) if len(pairs) > 1 else fit_sigmoid(*pairs[0])
-    except (FitError, IndexError):
+        f = fit_sigmoid_runs(pairs)
+    except FitError:
         f = fallback
     if not (math.isfinite(f.sigma) and f.dof > 0):
         f = fallback
@@ -208,7 +208,7 @@ def allocate(
     table = _replicates(fr, budget, factor, n_boot=n_boot, level=level, seed=seed, notes=notes)
     if not np.isfinite(table).any():
         raise FrontierError(f"no n of the frontier was evaluated at C = {budget:.4g} {x}")
-    q = [(1 - level) / 2, (1 + level) / 2]
+    q = _quantiles(level)
     p_best = np.bincount(table.argmax(0), minlength=len(ns)) / table.shape[1]
     cells = _cells(curves, fr, budget)
     cands = _candidates(fr, cells, table, p_best, budget, factor, q=q, x=x, notes=notes)

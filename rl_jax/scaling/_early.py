@@ -63,6 +63,19 @@ def p_greater(a: np.ndarray, b: np.ndarray, margin: float = 0.0) -> float:
     return float(np.mean((below + at_or_below) / 2) / b.size)
 
 
+def _boots(fits, what: str, threshold: float, n_boot: int, seed: int) -> dict[str, Bootstrap]:
+    """{name: its Bootstrap}, a SigmoidFit bootstrapped over its residuals (seed + its
+    index); checks that there are two names at least and that threshold is in (0, 1)."""
+    if len(fits) < 2:
+        raise FitError(f"{what}; got {len(fits)}")
+    if not 0 < threshold < 1:
+        raise FitError(f"threshold={threshold!r} must be in (0, 1)")
+    return {
+        k: f if isinstance(f, Bootstrap) else bootstrap(f, n_boot=n_boot, seed=seed + i)
+        for i, (k, f) in enumerate(fits.items())
+    }
+
+
 def early_decision(
     recipes: Mapping[str, Bootstrap | SigmoidFit],
     *,
@@ -77,13 +90,7 @@ def early_decision(
 
     recipes: name -> Bootstrap, or a SigmoidFit (then bootstrapped over its residuals).
     """
-    if len(recipes) < 2:
-        raise FitError(f"an early decision compares recipes; got {len(recipes)}")
-    if not 0 < threshold < 1:
-        raise FitError(f"threshold={threshold!r} must be in (0, 1)")
-    boots: dict[str, Bootstrap] = {}
-    for i, (name, r) in enumerate(recipes.items()):
-        boots[name] = r if isinstance(r, Bootstrap) else bootstrap(r, n_boot=n_boot, seed=seed + i)
+    boots = _boots(recipes, "an early decision compares recipes", threshold, n_boot, seed)
     # The leader is the best *established* asymptote: an unreliable fit (a curve that has not
     # bent, say) may report a high A that nothing supports yet.
     pool = [k for k in boots if boots[k].fit.reliable] or list(boots)
@@ -231,15 +238,8 @@ def reach_decision(
     spread wide, is rarely stopped. Where no other group has been measured the candidate
     counts as reaching the frontier.
     """
-    if len(groups) < 2:
-        raise FitError(f"reaching a frontier compares groups; got {len(groups)}")
-    if not 0 < threshold < 1:
-        raise FitError(f"threshold={threshold!r} must be in (0, 1)")
-    names = list(groups)
-    boots: dict[str, Bootstrap] = {}
-    for i, k in enumerate(names):
-        f = groups[k].fit
-        boots[k] = f if isinstance(f, Bootstrap) else bootstrap(f, n_boot=n_boot, seed=seed + i)
+    fits = {k: g.fit for k, g in groups.items()}
+    boots = _boots(fits, "reaching a frontier compares groups", threshold, n_boot, seed)
     live = {k: _future(g) for k, g in groups.items() if g.reached < g.end}
     rows = {
         k: ReachRow(

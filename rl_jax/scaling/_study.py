@@ -229,10 +229,14 @@ def _b_difference(b_at, base: list[SeedFit], var: list[SeedFit], level: float):
     b_v = [b_at[s.run_id] for s in var if s.run_id in b_at]
     if not (b_b and b_v):
         return math.nan, math.nan, (-math.inf, math.inf)
-    d_b = float(np.mean(b_v) - np.mean(b_b))
-    sd_b, df_b = _pooled_sd([b_b, b_v])
-    se_b = sd_b * math.sqrt(1 / len(b_v) + 1 / len(b_b))
-    return d_b, se_b, _t_interval(d_b, se_b, df_b, level)
+    return _unpaired(b_b, b_v, *_pooled_sd([b_b, b_v]), level)
+
+
+def _unpaired(base, var, sd: float, df: int, level: float):
+    """(mean(var) - mean(base), its standard error from the pooled sd, its t interval)."""
+    d = float(np.mean(var) - np.mean(base))
+    se = sd * math.sqrt(1 / len(var) + 1 / len(base))
+    return d, se, _t_interval(d, se, df, level)
 
 
 def _effect(
@@ -249,11 +253,7 @@ def _effect(
     paper: PaperFinding | None,
     paired: bool = False,
 ) -> Effect:
-    a_b = np.array([s.fit.A for s in base])
-    a_v = np.array([s.fit.A for s in var])
-    d_a = float(a_v.mean() - a_b.mean())
-    se_a = sd_a * math.sqrt(1 / len(a_v) + 1 / len(a_b))
-    a_ci = _t_interval(d_a, se_a, df_a, level)
+    d_a, se_a, a_ci = _unpaired([s.fit.A for s in base], [s.fit.A for s in var], sd_a, df_a, level)
     common = (pooled[group].A + pooled[base[0].group].A) / 2
     b_at = _b_at_common(base, var, common)
     d_b, se_b, b_ci = _b_difference(b_at, base, var, level)
