@@ -344,10 +344,9 @@ def iso_study_markdown(study: IsoStudy, *, title: str, preamble: str = "") -> st
 
 
 def _plot_interference(s: SplitStudy, stem: Path) -> list[Path]:
-    from rl_jax.scaling._plots import _figure, _save
+    from rl_jax.scaling._plots import _axes, _save
 
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     width = 0.8 / max(len(s.interference), 1)
     for k, r in enumerate(s.interference):
         ax.bar(np.arange(10) + k * width, r["share"], width, label=f"n = {r['n']:g}")
@@ -356,25 +355,20 @@ def _plot_interference(s: SplitStudy, stem: Path) -> list[Path]:
     ax.set_ylabel("share of problems seen")
     ax.set_title(f"interference: split {s.split}, each run's last evaluation")
     ax.legend(fontsize=7)
-    return _save(fig, stem, ("png",))
+    return _save(ax.figure, stem, ("png",))
 
 
 def _plot_polarization(s: SplitStudy, stem: Path, x: str) -> list[Path]:
-    from rl_jax.scaling._plots import _figure, _save
+    from rl_jax.scaling._plots import _axes, _finish
 
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     for r in s.interference:
         if r["over_training"]:
             c, v = np.array(r["over_training"]).T
             ax.plot(c, v, "o-", ms=3, label=f"n = {r['n']:g}")
-    ax.set_xscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel("polarization (between-problem share of variance)")
-    ax.set_title(f"interference over training: split {s.split}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    return _save(fig, stem, ("png",))
+    y_label = "polarization (between-problem share of variance)"
+    title = f"interference over training: split {s.split}"
+    return _finish(ax, stem, ("png",), x, y_label, title, fontsize=7)
 
 
 def _write_plots(study: IsoStudy, out: Path) -> list[Path]:

@@ -57,6 +57,24 @@ def _figure(w=7.0, h=4.5):
     return fig
 
 
+def _axes():
+    """The one axes of a new default-size figure."""
+    return _figure().add_subplot()
+
+
+def _finish(ax, stem, formats, x_label, y_label, title=None, **legend) -> list[Path]:
+    """A log-compute axis with its labels, title (when given), grid and legend (by default
+    small, lower right), saved as `formats`."""
+    ax.set_xscale("log")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(**(legend or {"fontsize": 7, "loc": "lower right"}))
+    return _save(ax.figure, stem, formats)
+
+
 def _save(fig: Figure, stem: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +106,7 @@ def plot_curves(
     """
     if not curves:
         raise ValueError("nothing to plot")
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     grid = _log_grid([c.x for c in curves])
     for i, c in enumerate(curves):
         color = f"C{i % 10}"
@@ -107,14 +124,7 @@ def plot_curves(
                 ax.fill_between(grid, lo, hi, color=color, alpha=0.15, lw=0)
         else:
             ax.plot([], [], "o", color=color, label=f"{c.label} (no fit)")
-    ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    if title:
-        ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem, formats)
+    return _finish(ax, stem, formats, x_label, y_label, title)
 
 
 def plot_curve(
@@ -149,8 +159,7 @@ def plot_extrapolation(
 ) -> list[Path]:
     """Fitted window, held-out points, prediction with its band and predictive interval."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     grid = _log_grid([x])
     lo, hi = ext.boot.band(grid)
     plo, phi = ext.boot.band(grid, predictive=True)
@@ -170,17 +179,12 @@ def plot_extrapolation(
     ax.plot(x[fitted], y[fitted], "o", ms=3, color="k", label="fitted")
     ax.plot(ext.x_test, ext.y_test, "o", ms=3, mfc="none", color="C1", label="held out")
     ax.axvline(ext.cutoff, color="gray", ls=":", lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    ax.set_title(
+    title = (
         title
         or f"fit on {ext.fraction:.0%} of compute: final error {ext.final_error:+.3f}, "
         f"{ext.coverage:.0%} of held-out points inside"
     )
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem, formats)
+    return _finish(ax, stem, formats, x_label, y_label, title)
 
 
 def plot_frontier(
@@ -192,8 +196,7 @@ def plot_frontier(
     formats: Sequence[str] = FORMATS,
 ) -> list[Path]:
     """Record-breaking points and the monotone sigmoid of each n; the upper envelope."""
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     for i, n in enumerate(fr.n_values):
         color = f"C{i % 10}"
         xr, yr = fr.records[n]
@@ -205,13 +208,8 @@ def plot_frontier(
             g = np.geomspace(lo, hi, 100)
             ax.plot(g, f.predict(g), "-", color=color, lw=1, label=f"n = {n:g}")
     ax.plot(fr.c_grid, fr.envelope, "-", color="k", lw=2.5, alpha=0.5, label="frontier")
-    ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    ax.set_title("compute-optimal frontier (upper envelope over n)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, stem, formats)
+    title = "compute-optimal frontier (upper envelope over n)"
+    return _finish(ax, stem, formats, x_label, y_label, title)
 
 
 def plot_heatmaps(
@@ -248,8 +246,7 @@ def plot_n_star(
     fr: Frontier, stem: str | Path, *, x_label: str = "compute", formats: Sequence[str] = FORMATS
 ) -> list[Path]:
     """The compute-optimal n* along the frontier, and its sigmoid fit in log2 n*."""
-    fig = _figure()
-    ax = fig.add_subplot()
+    ax = _axes()
     ok = np.isfinite(fr.n_star)
     ax.step(fr.c_grid[ok], np.log2(fr.n_star[ok]), where="mid", color="k", label="n* (frontier)")
     if fr.n_star_fit is not None:
@@ -257,10 +254,5 @@ def plot_n_star(
         ax.plot(
             fr.c_grid, f.predict(fr.c_grid), "-", color="C0", label=f"sigmoid fit (B={f.B:.2f})"
         )
-    ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(f"log2 {fr.n_key}*")
-    ax.set_title("compute-optimal n*(C)" + ("" if fr.n_star_fit else f": {fr.n_star_note}"))
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return _save(fig, stem, formats)
+    title = "compute-optimal n*(C)" + ("" if fr.n_star_fit else f": {fr.n_star_note}")
+    return _finish(ax, stem, formats, x_label, f"log2 {fr.n_key}*", title, fontsize=8)
