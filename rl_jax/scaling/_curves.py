@@ -182,10 +182,6 @@ def _remote_files(url: str) -> list[str]:
     return [f"{proto}://{n}" for n in found]
 
 
-def _is_missing(v: Any) -> bool:
-    return v is None
-
-
 def _is_bad(v: Any) -> bool:
     try:
         return not math.isfinite(float(v))
@@ -253,7 +249,7 @@ def _curve(rid: str, rrows, *, x: str, metric: str, group_by: str | None) -> Cur
     if not evals:
         return None
     warnings: list[str] = []
-    bad = [r for r in evals if _is_missing(r.get(x)) or _is_bad(r.get(x)) or _is_bad(r.get(metric))]
+    bad = [r for r in evals if _is_bad(r.get(x)) or _is_bad(r.get(metric))]  # None is bad too
     if bad:
         steps = [r.get("step", "?") for r in bad][:5]
         warnings.append(

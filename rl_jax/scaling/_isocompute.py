@@ -81,7 +81,7 @@ class Frontier:
         fit = self.fits.get(n)
         if fit is None:
             return {"error": self.fit_errors.get(n)}
-        return {"R0": fit.R0, "A": fit.A, "B": fit.B, "C_mid": fit.C_mid, "reliable": fit.reliable}
+        return {k: getattr(fit, k) for k in ("R0", "A", "B", "C_mid", "reliable")}
 
     def summary(self) -> dict:
         f = self.n_star_fit
@@ -93,14 +93,8 @@ class Frontier:
             "per_n": {str(n): self._per_n(n) for n in self.n_values},
             "n_star_fit": None
             if f is None
-            else {
-                "log2_n_low": f.R0,
-                "log2_n_high": f.A,
-                "B": f.B,
-                "C_mid": f.C_mid,
-                "r2": f.r2,
-                "reliable": f.reliable,
-            },
+            else {"log2_n_low": f.R0, "log2_n_high": f.A}
+            | {k: getattr(f, k) for k in ("B", "C_mid", "r2", "reliable")},
             "n_star_note": self.n_star_note,
             "sensitivity": list(self.sensitivity),
             "warnings": list(self.warnings),

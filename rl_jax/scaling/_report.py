@@ -133,21 +133,20 @@ def parse_fit_start(value: float | str | None, x_max: float) -> float | None:
     """An absolute compute, or 'P%' of the run's last compute (e.g. '10%')."""
     if value is None:
         return None
-    if isinstance(value, str):
-        v = value.strip()
-        if v.endswith("%"):
-            try:
-                frac = float(v[:-1]) / 100
-            except ValueError:
-                raise FitError(f"fit_start={value!r}: use a number or a percentage") from None
-            if not 0 <= frac < 1:
-                raise FitError(f"fit_start={value!r}: percentage must be in [0, 100)")
-            return frac * x_max
-        try:
-            return float(v)
-        except ValueError:
-            raise FitError(f"fit_start={value!r}: use a number or a percentage") from None
-    return float(value)
+    if not isinstance(value, str):
+        return float(value)
+    v = value.strip()
+    percent = v.endswith("%")
+    try:
+        number = float(v[:-1] if percent else v)
+    except ValueError:
+        raise FitError(f"fit_start={value!r}: use a number or a percentage") from None
+    if not percent:
+        return number
+    frac = number / 100
+    if not 0 <= frac < 1:
+        raise FitError(f"fit_start={value!r}: percentage must be in [0, 100)")
+    return frac * x_max
 
 
 def _check_choices(*, bootstrap_kind: str, frontier: str, extrapolate: float | None) -> None:
@@ -356,11 +355,7 @@ def _fit_recipe(recipe, runs, base, fit_start, n_boot, level, kind, seed) -> Fit
             # the interval reflects both run-to-run spread and evaluation noise.
             res = bootstrap(fit, kind=kind, n_boot=n_boot, level=level, seed=seed + 1)
             both = {k: np.concatenate([seeds.samples[k], res.samples[k]]) for k in res.samples}
-            boot = dataclasses.replace(
-                seeds,
-                kind=f"runs+{kind}",
-                samples=both,
-            )
+            boot = dataclasses.replace(seeds, kind=f"runs+{kind}", samples=both)
     except FitError as e:
         if fit is None:
             error = str(e)

@@ -55,11 +55,8 @@ def task_table(fits: Mapping[str, FitReport | str]) -> list[dict[str, Any]]:
             if e.fit is None:
                 row["error"] = e.error or "no fit"
             else:
-                f = e.fit
-                row.update(
-                    A=f.A, B=f.B, C_mid=f.C_mid, R0=f.R0, points=f.n_points, r2=f.r2,
-                    reliable=f.reliable,
-                )  # fmt: skip
+                row |= {k: getattr(e.fit, k) for k in ("A", "B", "C_mid", "R0")}
+                row |= {"points": e.fit.n_points, "r2": e.fit.r2, "reliable": e.fit.reliable}
             out.append(row)
     return out
 
