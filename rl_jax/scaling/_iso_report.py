@@ -322,10 +322,9 @@ def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
     return lines + [f"- {n}" for n in (*s.notes, *s.frontier.warnings)]
 
 
-def iso_study_markdown(study: IsoStudy, *, title: str, preamble: str = "") -> str:
+def _markdown_lines(study: IsoStudy) -> list[str]:
     lvl = f"{study.level:.0%}"
-    lines = [f"# {title}", ""] + ([preamble.strip(), ""] if preamble else [])
-    lines += [
+    lines = [
         f"x = `{study.x}`, metric = `{study.metric}`; {lvl} intervals from {study.n_boot} "
         "bootstrap replicates. How each number is computed: `rl_jax/scaling/_iso_study.py`.",
         "",
@@ -340,7 +339,7 @@ def iso_study_markdown(study: IsoStudy, *, title: str, preamble: str = "") -> st
         )
     for name, s in study.splits.items():
         lines += _split_md(name, s, lvl)
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def _plot_interference(s: SplitStudy, stem: Path) -> list[Path]:
@@ -396,6 +395,8 @@ def write_iso_study(
     return write_files(
         out_dir,
         data=iso_study_json(study),
-        markdown=iso_study_markdown(study, title=title, preamble=preamble),
+        lines=_markdown_lines(study),
+        title=title,
+        preamble=preamble,
         plots=(lambda out: _write_plots(study, out / "plots")) if plots else None,
     )

@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.scaling._compare import table_markdown
+from rl_jax.scaling._compare import TABLE_COLUMNS, table_markdown
 from rl_jax.scaling._report import _ci, _f, _json_text, _jsonable, _signed, write_texts
 from rl_jax.scaling._study import Effect, Study, mean_curve
 
-RECIPE_COLUMNS = ("rank", "recipe", "runs", "R0", "A", "A_lo", "A_hi", "B", "B_lo", "B_hi")
-RECIPE_COLUMNS += ("C_mid", "C_mid_lo", "C_mid_hi", "tier", "B_at_tier_A", "reliable")
+# The recipe table's columns without its fit-quality ones (points, R^2).
+RECIPE_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in ("points", "r2"))
 
 
 def _effect_json(e: Effect) -> dict[str, Any]:
@@ -234,16 +234,13 @@ def _unpaired_lines(study: Study) -> list[str]:
     return [*lines, ""]
 
 
-def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
+def _markdown_lines(study: Study) -> list[str]:
     s = study.report.settings
     noise = study.noise
     ext = _extrapolation_rows(study)
     lvl = f"{study.level:.0%}"
     names = plot_names(study)
-    lines = [f"# {title}", ""]
-    if preamble:
-        lines += [preamble.strip(), ""]
-    lines += [
+    lines = [
         f"x = `{s['x']}`, metric = `{s['metric']}`; sigmoid fits by the `{s['method']}` method, "
         f"R0 `{s['r0']}` (first: each run's first evaluation; fit: a free parameter), points "
         f"before `{s['fit_start']}` of each run's compute left out. Baseline: "
@@ -291,8 +288,7 @@ def study_markdown(study: Study, *, title: str, preamble: str = "") -> str:
     lines += _extrapolation_md(study, extrapolation_summary(ext), ext)
     lines += ["", *_img(names, "baseline_mean")]
     lines += ["## Notes", ""]
-    lines += [f"- {n}" for n in study.notes] or ["None."]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines + ([f"- {n}" for n in study.notes] or ["None."])
 
 
 def _write_plots(study: Study, out: Path) -> list[Path]:
@@ -322,9 +318,14 @@ def _write_plots(study: Study, out: Path) -> list[Path]:
     return files
 
 
-def write_files(out_dir: str | Path, *, data: dict, markdown: str, plots=None) -> list[Path]:
-    """A study's `study.json` (data) and `report.md` (markdown) in out_dir, after
-    `plots(out_dir)` where given (it writes the figures and returns their paths)."""
+def write_files(
+    out_dir: str | Path, *, data: dict, lines: list[str], title: str, preamble: str, plots=None
+) -> list[Path]:
+    """A study's `study.json` (data) and `report.md` (the title, the preamble where given,
+    then lines) in out_dir, after `plots(out_dir)` where given (it writes the figures and
+    returns their paths)."""
+    head = [f"# {title}", ""] + ([preamble.strip(), ""] if preamble else [])
+    markdown = "\n".join(head + lines).rstrip() + "\n"
     files = plots(Path(out_dir)) if plots is not None else []
     return [*write_texts(out_dir, {"study.json": _json_text(data), "report.md": markdown}), *files]
 
@@ -336,6 +337,8 @@ def write_study(
     return write_files(
         out_dir,
         data=study_json(study),
-        markdown=study_markdown(study, title=title, preamble=preamble),
+        lines=_markdown_lines(study),
+        title=title,
+        preamble=preamble,
         plots=(lambda out: _write_plots(study, out)) if plots else None,
     )
