@@ -45,12 +45,8 @@ class EarlyDecision:
     rows: tuple[EarlyRow, ...]
 
     def to_dict(self) -> dict:
-        return {
-            "leader": self.leader,
-            "threshold": self.threshold,
-            "margin": self.margin,
-            "rows": [r.__dict__ | {"A_interval": list(r.A_interval)} for r in self.rows],
-        }
+        rows = [r.__dict__ | {"A_interval": list(r.A_interval)} for r in self.rows]
+        return self.__dict__ | {"rows": rows}
 
 
 def p_greater(a: np.ndarray, b: np.ndarray, margin: float = 0.0) -> float:
@@ -159,11 +155,7 @@ class ReachDecision:
     rows: tuple[ReachRow, ...]
 
     def to_dict(self) -> dict:
-        return {
-            "threshold": self.threshold,
-            "margin": self.margin,
-            "rows": [r.__dict__ for r in self.rows],
-        }
+        return self.__dict__ | {"rows": [r.__dict__ for r in self.rows]}
 
 
 def _draw_curves(bs: Bootstrap, idx: np.ndarray, c: np.ndarray) -> np.ndarray:
