@@ -44,7 +44,7 @@ import numpy as np
 from rl_jax.scaling._allocate import _replicates
 from rl_jax.scaling._bootstrap import _quantiles
 from rl_jax.scaling._curves import CurveError, curves_from_rows
-from rl_jax.scaling._isocompute import Frontier, FrontierError, fit_frontier
+from rl_jax.scaling._isocompute import Frontier, FrontierError, _spread, fit_frontier
 from rl_jax.scaling._sigmoid import FitError
 
 HIST_KEY = "train/pass_rate_hist"
@@ -139,11 +139,6 @@ def percentile_interval(draws: np.ndarray, level: float) -> tuple[float, float]:
     d = np.asarray(draws, dtype=float)
     d = d[np.isfinite(d)]
     return tuple(float(v) for v in np.quantile(d, _quantiles(level))) if d.size else (math.nan,) * 2
-
-
-def _spread(v: np.ndarray) -> float:
-    v = v[np.isfinite(v)]
-    return float(v.max() - v.min()) if v.size >= 2 else math.nan
 
 
 def fixed_batch(mat: np.ndarray, n_values, bp_values) -> tuple[float, tuple[float, ...]]:

@@ -293,12 +293,17 @@ def _fit_n_star(c: np.ndarray, n_star: np.ndarray, n_values) -> tuple[SigmoidFit
     return fit, note
 
 
+def _spread(v: np.ndarray) -> float:
+    """The range of v's finite values; NaN with fewer than two."""
+    v = v[np.isfinite(v)]
+    return float(v.max() - v.min()) if v.size >= 2 else math.nan
+
+
 def _sensitivity(budget: float, mat: np.ndarray) -> dict:
     """Mean reward range across n at fixed B_p, and across B_p at fixed n."""
 
     def spread(m):
-        rows = [r[np.isfinite(r)] for r in m]
-        rng = [float(r.max() - r.min()) for r in rows if r.size >= 2]
+        rng = [s for s in map(_spread, m) if not math.isnan(s)]
         return (float(np.mean(rng)) if rng else math.nan), len(rng)
 
     by_n, k_n = spread(mat.T)  # for each B_p (column), range over n
