@@ -247,16 +247,12 @@ def _command(res: dict, spec, plan: dict, a) -> dict[str, Any]:
     if recipe is None:
         notes.append("the grid's recipe is not known: pass --recipe")
         return {"recipe": None, "overrides": overrides, "argv": None, "notes": notes}
-    if spec and spec.warm_start > 0:
-        from rl_jax.grid.expand import format_override
-
-        warm = [
-            x for k, v in spec.warm_start_overrides for x in ("--warm-set", format_override(k, v))
-        ]
-        head = ["python", "-m", "rl_jax.cli.warm_train", "--target", repr(spec.warm_start), *warm]
-    else:
-        head = ["rl-jax", "train"]
     from rl_jax.config import load_recipe
+    from rl_jax.grid.backends import host_train_cmd
+
+    head = (
+        host_train_cmd(spec.warm_start, spec.warm_start_overrides) if spec else ["rl-jax", "train"]
+    )
 
     load_recipe(recipe, overrides)  # the printed command must resolve: an unknown key is exit 2
     argv = [*head, recipe, *overrides]

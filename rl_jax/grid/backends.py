@@ -42,6 +42,14 @@ def train_cmd_for(
     return [python, "-m", "rl_jax.cli", "train"]
 
 
+def host_train_cmd(warm_start: float, warm_overrides: Sequence[tuple[str, Any]] = ()) -> list[str]:
+    """`train_cmd_for` as typed on a host with rl_jax installed (the TPU hosts' venv, where
+    launch.sh puts `python` and `rl-jax` first on PATH; a command printed for a user)."""
+    if warm_start > 0:
+        return train_cmd_for(warm_start, "python", warm_overrides=warm_overrides)
+    return ["rl-jax", "train"]
+
+
 def guard_argv(run_dir: str, attempt: int, cmd: Sequence[str]) -> list[str]:
     return [
         sys.executable,
@@ -54,6 +62,20 @@ def guard_argv(run_dir: str, attempt: int, cmd: Sequence[str]) -> list[str]:
         "--",
         *cmd,
     ]
+
+
+def _spawn(argv: list[str], log_path: Path, **popen) -> subprocess.Popen:
+    """`argv` in a session of its own (see LocalBackend), its output appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **popen,
+        )
 
 
 def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
@@ -145,16 +167,7 @@ class LocalBackend(Backend):
     def start(
         self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None
     ) -> subprocess.Popen:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            return subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=self.env,
-            )
+        return _spawn(argv, log_path, env=self.env)
 
     def poll(self, handle: subprocess.Popen) -> int | None:
         return handle.poll()
@@ -172,16 +185,7 @@ def _ray_task(
     """Body of one Ray task: run the guard command, pass a cancel on to it as SIGTERM.
     With `log_url` (a grid in a bucket), the log is put there when the command ends: the
     node's disk is not the driver's."""
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=cwd,
-        )
+    proc = _spawn(argv, Path(log_path), cwd=cwd)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # ray.cancel
@@ -365,12 +369,7 @@ class TpuBackend(LocalBackend):
         **kw,
     ):
         super().__init__(jobs=options.slices, **kw)
-        # The hosts' venv python (launch.sh puts it first on PATH).
-        self.remote_train_cmd = (
-            train_cmd_for(warm_start, "python", warm_overrides=warm_overrides)
-            if warm_start > 0
-            else ["rl-jax", "train"]
-        )
+        self.remote_train_cmd = host_train_cmd(warm_start, warm_overrides)
         self.grid = grid
         self.opts = options
         self.dry_run = dry_run
@@ -378,10 +377,10 @@ class TpuBackend(LocalBackend):
     def extra_overrides(self) -> list[str]:
         return ["mesh.distributed=true"]
 
-    def slice_name(self, plan: RunPlan) -> str:
-        return f"{self.opts.prefix}-{self.grid}-{plan.index % self.opts.slices}".lower().replace(
-            "_", "-"
-        )
+    def slice_name(self, index: int) -> str:
+        """The slice of run `index` (runs go round the slices), named as gcloud allows."""
+        name = f"{self.opts.prefix}-{self.grid}-{index % self.opts.slices}"
+        return name.lower().replace("_", "-")
 
     def run_out_dir(self, grid_dir: str) -> str:
         return join(self.opts.remote_out, self.grid, "runs")
@@ -394,7 +393,7 @@ class TpuBackend(LocalBackend):
         return join(grid_dir, "runs")
 
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
-        return self.slice_name(plan) not in {self.slice_name(p) for p in active}
+        return self.slice_name(plan.index) not in {self.slice_name(p.index) for p in active}
 
     def input_overrides(self, plan: RunPlan) -> list[str]:
         """`key=value` for each input path of the run that no override names already (the
@@ -417,12 +416,14 @@ class TpuBackend(LocalBackend):
         for plan in plans:
             self.input_overrides(plan)
 
-    def script_argv(self, script: str, plan: RunPlan | None, *args: str) -> list[str]:
+    def script_argv(self, script: str, *args: str) -> list[str]:
+        """A tpu_setup script's command: the zone and project, `args`, then --queued for
+        slices made through queued resources."""
         o = self.opts
         argv = ["bash", str(TPU_SETUP / script), "--zone", o.zone]
         if o.project:
             argv += ["--project", o.project]
-        return argv + list(args)
+        return argv + list(args) + (["--queued"] if o.queued else [])
 
     def command(self, plan: RunPlan, *, recipe: str, grid_dir: str) -> list[str]:
         o = self.opts
@@ -435,26 +436,16 @@ class TpuBackend(LocalBackend):
         rp = Path(recipe)
         if rp.is_absolute() and rp.is_relative_to(REPO_ROOT):
             recipe = str(Path("rl_jax") / rp.relative_to(REPO_ROOT))
-        argv = self.script_argv(
-            "run.sh",
-            plan,
-            "--name",
-            self.slice_name(plan),
-            "--type",
-            o.accelerator,
-            "--version",
-            o.runtime,
-            "--src",
-            str(REPO_ROOT),
-            "--remote-out",
-            out_dir,
-            "--run-name",
-            plan.name,
-            "--local-out",
-            str(local_runs),
-        )
-        if o.queued:
-            argv.append("--queued")
+        flags = {
+            "--name": self.slice_name(plan.index),
+            "--type": o.accelerator,
+            "--version": o.runtime,
+            "--src": str(REPO_ROOT),
+            "--remote-out": out_dir,
+            "--run-name": plan.name,
+            "--local-out": str(local_runs),
+        }
+        argv = self.script_argv("run.sh", *(x for kv in flags.items() for x in kv))
         if o.spot:
             argv.append("--spot")
         train_args = plan.train_args(recipe, out_dir=out_dir, extra=self.input_overrides(plan))
@@ -477,15 +468,8 @@ class TpuBackend(LocalBackend):
         return run_script_dry(argv)
 
     def teardown_argv(self) -> list[list[str]]:
-        names = sorted({f"{self.opts.prefix}-{self.grid}-{i}" for i in range(self.opts.slices)})
-        out = []
-        for n in names:
-            n = n.lower().replace("_", "-")
-            argv = self.script_argv("teardown.sh", None, "--name", n)
-            if self.opts.queued:
-                argv.append("--queued")
-            out.append(argv)
-        return out
+        names = sorted(self.slice_name(i) for i in range(self.opts.slices))
+        return [self.script_argv("teardown.sh", "--name", n) for n in names]
 
 
 def run_script_dry(argv: list[str]) -> list[str]:
