@@ -71,6 +71,12 @@ def is_done(runs: str, plan: RunPlan) -> bool:
     return open_store(run_dir(runs, plan)).exists("DONE")
 
 
+def run_status(st: GridState, runs: str, plan: RunPlan) -> str:
+    """'done' (its DONE file), else the state file's status; 'new' for a run never launched."""
+    rec = st.runs.get(plan.run_id)
+    return "done" if is_done(runs, plan) else (rec.status if rec else "new")
+
+
 def plan_rows(plans: Sequence[RunPlan]) -> list[dict[str, Any]]:
     """The plan as JSON rows (plan.json, --dry-run --json)."""
     return [
@@ -113,8 +119,7 @@ def print_plan(spec: GridSpec, plans: list[RunPlan], root: str, runs: str, out=s
         c = p.compute
         for k in tot:
             tot[k] += c[k]
-        rec = st.runs.get(p.run_id)
-        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
+        status = run_status(st, runs, p)
         print(
             f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
             f" {p.config.sampling.n:>5} {p.steps:>6} {_fmt(c['rollouts']):>9}"

@@ -14,14 +14,13 @@ stopped grid would have kept and compared with the full grid's at its budgets.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rl_jax import scaling
-from rl_jax.grid.results import GROUP_KEY, RunInfo, _fit_options, early_check
+from rl_jax.grid.results import GROUP_KEY, RunInfo, _fit_options, early_check, evaluations
 from rl_jax.grid.spec import GridSpec
 from rl_jax.knobs import ConfigError
 
@@ -68,10 +67,7 @@ def _runs(spec: GridSpec, rows: Sequence[Mapping[str, Any]]):
         by_run[str(r["run_id"])].append(r)
     out = {}
     for rid, rs in by_run.items():
-        rs = sorted(
-            (r for r in rs if _num(r.get(x)) and _num(r.get(metric))),
-            key=lambda r: r.get("step", 0),
-        )
+        rs = evaluations(rs, x, metric)
         if not rs:
             continue
         if split_by and split_by not in rs[0]:
@@ -83,10 +79,6 @@ def _runs(spec: GridSpec, rows: Sequence[Mapping[str, Any]]):
         group = str(rs[0].get(GROUP_KEY) or rid)
         out[rid] = (RunInfo(group, split, int(rs[-1].get("step", 0))), rs)
     return out
-
-
-def _num(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def replay_early(spec: GridSpec, rows: Sequence[Mapping[str, Any]], *, jobs: int = 1) -> Replay:

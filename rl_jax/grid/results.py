@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rl_jax import scaling
-from rl_jax.grid.driver import is_done, run_dir
+from rl_jax.grid.driver import run_dir, run_status
 from rl_jax.grid.expand import RunPlan
 from rl_jax.grid.spec import GridSpec
 from rl_jax.grid.state import GridState
@@ -40,22 +40,19 @@ GROUP_KEY = "group"  # the column scaling groups runs by (seeds of one axis poin
 
 
 def gather(
-    spec: GridSpec, plans: Sequence[RunPlan], root: str, runs: str | None = None
+    spec: GridSpec, plans: Sequence[RunPlan], root: str, runs: str, status: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """Every curve row of the grid, labelled, in plan order; written to curves.jsonl.
-    `runs`: where the runs' directories are (Backend.runs_root; default root/runs)."""
-    runs = runs or join(root, "runs")
-    st = GridState.load(root, spec.name, plans)
+    `runs`: where the runs' directories are (Backend.runs_root); `status`: each run id's
+    (driver.run_status)."""
     out = []
     for p in plans:
-        rec = st.runs.get(p.run_id)
-        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
         extra = {
             "grid": spec.name,
             "run_name": p.name,
             GROUP_KEY: p.group,
             "seed": p.seed,
-            "status": status,
+            "status": status[p.run_id],
             **dict(p.labels),
         }
         for row in read_jsonl(join(run_dir(runs, p), "curve.jsonl")):
@@ -190,10 +187,9 @@ def _early_groups(spec: GridSpec, runs: Mapping[str, RunInfo], curves: dict[str,
     x, metric = spec.report.x, spec.report.metric
     groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for rid, rows in curves.items():
-        rows = [r for r in rows if _finite(r.get(x)) and _finite(r.get(metric))]
+        rows = evaluations(rows, x, metric)
         if len(rows) < spec.early_stop.min_points or rid not in runs:
             continue
-        rows.sort(key=lambda r: r.get("step", 0))
         xs = [float(r[x]) for r in rows]
         ys = [float(r[metric]) for r in rows]
         steps = [int(r.get("step", 0)) for r in rows]
@@ -297,6 +293,14 @@ def _finite(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def evaluations(rows: Sequence[Mapping[str, Any]], *keys: str) -> list:
+    """The rows with a finite number in each of `keys` (an evaluation's x and metric), in
+    step order."""
+    return sorted(
+        (r for r in rows if all(_finite(r.get(k)) for k in keys)), key=lambda r: r.get("step", 0)
+    )
+
+
 # ---- report -----------------------------------------------------------------------------
 
 
@@ -327,8 +331,9 @@ def write_report(
 
 def _write_report(spec, plans, root: str, runs: str | None, local: Path) -> Path:
     runs = runs or join(root, "runs")
-    rows = gather(spec, plans, root, runs)
     st = GridState.load(root, spec.name, plans)
+    status = {p.run_id: run_status(st, runs, p) for p in plans}
+    rows = gather(spec, plans, root, runs, status)
     x, metric = spec.report.x, spec.report.metric
     per_run: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
@@ -348,21 +353,16 @@ def _write_report(spec, plans, root: str, runs: str | None, local: Path) -> Path
         f"| run | status | steps | launches | last {metric} | {x} |",
         "|---|---|---|---|---|---|",
     ]
-    counts: dict[str, int] = defaultdict(int)
     for p in plans:
         rec = st.runs.get(p.run_id)
-        status = "done" if is_done(runs, p) else (rec.status if rec else "new")
-        counts[status] += 1
-        evals = sorted(
-            (r for r in per_run.get(p.run_id, []) if _finite(r.get(metric))),
-            key=lambda r: r.get("step", 0),
-        )
+        evals = evaluations(per_run.get(p.run_id, []), metric)
         last = evals[-1] if evals else {}
         launches = rec.launches if rec else 0
         md.append(
-            f"| {p.name} | {status} | {p.steps} | {launches} | {_fmt(last.get(metric))} |"
+            f"| {p.name} | {status[p.run_id]} | {p.steps} | {launches} | {_fmt(last.get(metric))} |"
             f" {_fmt(last.get(x))} |"
         )
+    counts = Counter(status.values())
     md += ["", "Status: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), ""]
     stopped = [
         (p, st.runs[p.run_id].stopped)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rl_jax.runs import locks
@@ -28,16 +28,6 @@ class RunRecord:
     status: str = "pending"  # pending | running | done | failed | stopped
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped: dict[str, Any] | None = None  # early-stop decision, if any
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "launches": self.launches,
-            "failures": self.failures,
-            "status": self.status,
-            "history": self.history,
-            "stopped": self.stopped,
-        }
 
 
 class GridState:
@@ -79,7 +69,7 @@ class GridState:
             {
                 "grid": self.grid,
                 "updated": time.time(),
-                "runs": {k: v.to_json() for k, v in sorted(self.runs.items())},
+                "runs": {k: asdict(v) for k, v in sorted(self.runs.items())},
             },
         )
 
