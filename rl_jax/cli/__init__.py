@@ -40,6 +40,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
 COMPILES = frozenset({"train", "demo", "eval", "sample", "score", "plan", "convert"})
 
 
+def raw_parser(
+    prog: str, description: str | None = None, epilog: str | None = None, *, knobs: bool = False
+) -> argparse.ArgumentParser:
+    """A subcommand's parser that prints its description and epilog as written (often a
+    module docstring split at its first blank line); `knobs`: the epilog lists every knob."""
+    if knobs:
+        from rl_jax.config import describe_knobs
+
+        epilog = "knobs:\n" + describe_knobs()
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def one_line(e: Exception) -> str:
+    """An error's message on one line, whatever it wraps (a YAML or JSON error spans several)."""
+    return " ".join(line.strip() for line in str(e).strip().splitlines())
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rl_jax.config import describe_knobs
 
@@ -87,7 +109,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl-jax {argv[0]}: storage error: {e}", file=sys.stderr)
         return STORAGE_EXIT
     except ConfigError as e:
-        # One line, whatever the message wraps (a YAML or JSON error spans several).
-        text = " ".join(line.strip() for line in str(e).strip().splitlines())
-        print(f"rl-jax {argv[0]}: config error: {text}", file=sys.stderr)
+        print(f"rl-jax {argv[0]}: config error: {one_line(e)}", file=sys.stderr)
         return 2

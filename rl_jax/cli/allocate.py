@@ -20,6 +20,7 @@ import shlex
 import sys
 from typing import Any
 
+from rl_jax.cli import raw_parser
 from rl_jax.knobs import ConfigError
 
 UNITS = {"rollouts": "rollouts", "tokens": "generated_tokens", "flops": "flops"}
@@ -30,11 +31,7 @@ SET_KEYS = ("sampling.n", "data.prompts_per_batch", "train.steps", "eval.every")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rl-jax allocate",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-    )
+    p = raw_parser("rl-jax allocate", __doc__)
     p.add_argument("--from", dest="src", required=True, metavar="FITS_OR_GRID")
     p.add_argument("--budget", required=True, help="compute C to spend, in --unit (e.g. 1e6)")
     p.add_argument(

@@ -3,26 +3,14 @@ to its loss's default shown at the value it takes)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from rl_jax.config import (
-    describe_knobs,
-    flatten,
-    load_recipe,
-    resolved,
-    run_id,
-    to_dict,
-    to_yaml,
-)
+from rl_jax.cli import raw_parser
+from rl_jax.config import flatten, load_recipe, resolved, run_id, to_dict, to_yaml
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="rl-jax config",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="knobs:\n" + describe_knobs(),
-    )
+    p = raw_parser("rl-jax config", knobs=True)
     p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--format", choices=("yaml", "json", "flat"), default="yaml")

@@ -35,18 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_jax.cli import raw_parser
 from rl_jax.knobs import ConfigError
 
 TARGETS = ("hf", "rl_jax")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rl-jax convert",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = raw_parser("rl-jax convert", *__doc__.split("\n\n", 1))
     p.add_argument(
         "src",
         help="HF directory, GGUF file, rl_jax model directory, or a run (RUN[/checkpoints/STEP])",

@@ -9,18 +9,14 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 
+from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="rl-jax demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = raw_parser("rl-jax demo", __doc__)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the scalerl recipe")
     p.add_argument(
         "--warmup-target",

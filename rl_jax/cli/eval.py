@@ -22,6 +22,7 @@ import json
 import sys
 import time
 
+from rl_jax.cli import raw_parser
 from rl_jax.knobs import ConfigError
 
 # Overrides that would change the policy or the data it was trained on, not how it
@@ -30,12 +31,7 @@ _FIXED = ("model.", "train.", "loss.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rl-jax eval",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = raw_parser("rl-jax eval", *__doc__.split("\n\n", 1))
     p.add_argument("run", help="run directory, RUN/checkpoints or RUN/checkpoints/STEP")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--json", action="store_true", help="one JSON object")

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from rl_jax.cli import one_line
 from rl_jax.scaling import (
     BOOTSTRAP_KINDS,
     FRONTIER_MODES,
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         written = write_report(report, args.out, plots=not args.no_plots)
         written += _write_tasks(tasks, args.out, x=args.x, plots=not args.no_plots)
     except (FitError, ValueError) as e:
-        print(f"rl-jax fit: {_one_line(e)}", file=sys.stderr)
+        print(f"rl-jax fit: {one_line(e)}", file=sys.stderr)
         return 2
     for e in report.entries:
         if e.error:
@@ -216,7 +217,3 @@ def _failures(report, rows) -> list[str]:
         if e.error and e.kind == "run"
     ]
     return out or [f"{e.name}: {e.error}" for e in report.entries if e.error]
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(line.strip() for line in str(e).strip().splitlines())

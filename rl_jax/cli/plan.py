@@ -22,18 +22,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from rl_jax.config import describe_knobs, load_recipe
+from rl_jax.cli import raw_parser
+from rl_jax.config import load_recipe
 from rl_jax.knobs import ConfigError
 from rl_jax.plan.chips import canonical_topology, parse_topology
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rl-jax plan",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog="knobs:\n" + describe_knobs(),
-    )
+    p = raw_parser("rl-jax plan", __doc__, knobs=True)
     p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument(

@@ -31,16 +31,12 @@ import json
 import sys
 from pathlib import Path
 
+from rl_jax.cli import raw_parser
 from rl_jax.knobs import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rl-jax sample",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = raw_parser("rl-jax sample", *__doc__.split("\n\n", 1))
     p.add_argument(
         "--model",
         required=True,

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from rl_jax.cli.sample import parse_ids
 from rl_jax.knobs import ConfigError
 
 
@@ -30,16 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="precision"
     )
     return p
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ConfigError(f"--token-ids={text!r} must be comma-separated integers") from None
-    if not ids:
-        raise ConfigError("--token-ids is empty")
-    return ids
 
 
 def main(argv: list[str]) -> int:
@@ -60,7 +51,7 @@ def main(argv: list[str]) -> int:
     cfg = ModelConfig(path=args.model, compute_dtype=args.compute_dtype)
     check_model_files(cfg, tokenizer=False)  # a file cut short: named, before loading
     if args.token_ids is not None:
-        ids = parse_ids(args.token_ids)
+        ids = parse_ids(args.token_ids, "--token-ids")
     else:
         from rl_jax.models.tokenizer import load_tokenizer
 

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from rl_jax.config import describe_knobs, load_recipe
+from rl_jax.cli import raw_parser
+from rl_jax.config import load_recipe
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="rl-jax train",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run an RL recipe. Rerunning the same command resumes from the newest "
-        "checkpoint; a finished run (DONE in its directory) exits at once.",
-        epilog="knobs:\n" + describe_knobs(),
+    p = raw_parser(
+        "rl-jax train",
+        "Run an RL recipe. Rerunning the same command resumes from the newest checkpoint; a"
+        " finished run (DONE in its directory) exits at once.",
+        knobs=True,
     )
     p.add_argument("recipe", help="recipe file or name in experiments/ (e.g. scalerl)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
