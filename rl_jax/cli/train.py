@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
@@ -38,14 +39,21 @@ def main(argv: list[str]) -> int:
         had = extend_run(cfg, a.run_dir)
         if had < cfg.train.steps:
             print(f"continuing the run of {had} steps to {cfg.train.steps}", file=sys.stderr)
+    from rl_jax.train.loop import train
 
+    return run_to_end(lambda: train(cfg, run_root=a.run_dir, quiet=a.quiet), "rl-jax train")
+
+
+def run_to_end(run: Callable[[], dict], prog: str) -> int:
+    """`run()`, a trainer to the end of its run: its summary printed as JSON (exit 0), or
+    a failure a rerun repeats said (exit 3: NaN/Inf updates, every problem retired)."""
     from rl_jax.data import DataExhausted
-    from rl_jax.train.loop import NonFiniteError, train
+    from rl_jax.train.loop import NonFiniteError
 
     try:
-        summary = train(cfg, run_root=a.run_dir, quiet=a.quiet)
-    except (NonFiniteError, DataExhausted) as e:  # a rerun repeats these: exit 3
-        print(f"rl-jax train: {e}", file=sys.stderr)
+        summary = run()
+    except (NonFiniteError, DataExhausted) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         return 3
     print(json.dumps(summary, default=str))
     return 0

@@ -79,9 +79,9 @@ def main(argv: list[str]) -> int:
 
     setup()
 
-    from rl_jax.data import DataExhausted
+    from rl_jax.cli.train import run_to_end
     from rl_jax.train.demo import warm_start
-    from rl_jax.train.loop import NonFiniteError, RLTrainer
+    from rl_jax.train.loop import RLTrainer
 
     trainer = RLTrainer(cfg, quiet=True)
     if trainer.run.read_done() is not None:
@@ -91,13 +91,7 @@ def main(argv: list[str]) -> int:
         view = trainer if warm_cfg is None else WarmUpView(trainer, warm_cfg)
         info = warm_start(view, target=a.target, quiet=True)
         print(f"warm-up: {json.dumps(info, default=str)}", flush=True)
-    try:
-        summary = trainer.run_loop()
-    except (NonFiniteError, DataExhausted) as e:  # a rerun repeats these: exit 3
-        print(f"warm_train: {e}", file=sys.stderr)
-        return 3
-    print(json.dumps(summary, default=str))
-    return 0
+    return run_to_end(trainer.run_loop, "warm_train")
 
 
 if __name__ == "__main__":
