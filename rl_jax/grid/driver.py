@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -147,36 +147,26 @@ class Active:
 EarlyStopFn = Callable[[dict[str, list[dict[str, Any]]], Sequence[RunPlan]], dict[str, dict]]
 
 
+@dataclass(eq=False)
 class Driver:
-    def __init__(
-        self,
-        spec: GridSpec,
-        plans: Sequence[RunPlan],
-        backend: Backend,
-        *,
-        root: str,
-        recipe: str,
-        retry_failed: bool = False,
-        resume_stopped: bool = False,
-        poll_s: float = 0.5,
-        grace_s: float = 30.0,
-        early_stop: EarlyStopFn | None = None,
-        early_stop_every_s: float = 30.0,
-        log: Callable[[str], None] = print,
-    ):
-        self.spec = spec
-        self.plans = list(plans)
-        self.backend = backend
-        self.root = str(root)
-        self.runs = backend.runs_root(self.root)
-        self.recipe = recipe
-        self.retry_failed = retry_failed
-        self.resume_stopped = resume_stopped
-        self.poll_s = poll_s
-        self.grace_s = grace_s
-        self.early_stop = early_stop
-        self.early_stop_every_s = early_stop_every_s
-        self.log = log
+    spec: GridSpec
+    plans: Sequence[RunPlan]
+    backend: Backend
+    _: KW_ONLY
+    root: str
+    recipe: str
+    retry_failed: bool = False
+    resume_stopped: bool = False
+    poll_s: float = 0.5
+    grace_s: float = 30.0
+    early_stop: EarlyStopFn | None = None
+    early_stop_every_s: float = 30.0
+    log: Callable[[str], None] = print
+
+    def __post_init__(self):
+        self.plans = list(self.plans)
+        self.root = str(self.root)
+        self.runs = self.backend.runs_root(self.root)
         self._interrupted = 0
 
     # -- helpers ------------------------------------------------------------------------
