@@ -128,26 +128,18 @@ def _add_analysis_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+# Options passed to rl_jax.scaling.fit_runs under their own names.
+_FIT_OPTIONS = ("x", "fit_start", "n_boot", "level", "a_tol", "stop_threshold", "frontier")
+_FIT_OPTIONS += ("n_key", "bp_key", "seed", "r0", "method", "a_grid", "c_mid_grid")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    opts = dict(
-        x=args.x,
+    opts = {k: getattr(args, k) for k in _FIT_OPTIONS}
+    opts.update(
         group_by=None if args.group_by.lower() == "none" else args.group_by,
-        fit_start=args.fit_start,
-        n_boot=args.n_boot,
-        level=args.level,
         bootstrap_kind=args.bootstrap,
         extrapolate=args.extrapolate or None,
-        a_tol=args.a_tol,
-        stop_threshold=args.stop_threshold,
-        frontier=args.frontier,
-        n_key=args.n_key,
-        bp_key=args.bp_key,
-        seed=args.seed,
-        r0=args.r0,
-        method=args.method,
-        a_grid=args.a_grid,
-        c_mid_grid=args.c_mid_grid,
         metric_range=tuple(args.metric_range),
     )
     try:

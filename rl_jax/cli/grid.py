@@ -125,17 +125,9 @@ def make_backend(a: argparse.Namespace, spec: GridSpec):
             num_cpus=a.ray_cpus,
             grace_s=a.grace,
         )
-    opts = TpuOptions(
-        accelerator=a.tpu_type,
-        zone=a.tpu_zone,
-        project=a.tpu_project,
-        slices=a.tpu_slices,
-        prefix=a.tpu_prefix,
-        queued=a.tpu_queued,
-        spot=a.tpu_spot,
-        version=a.tpu_version,
-        remote_out=a.tpu_remote_out,
-    )
+    # --tpu-X is TpuOptions.X (--tpu-type its accelerator).
+    same = ("zone", "project", "slices", "prefix", "queued", "spot", "version", "remote_out")
+    opts = TpuOptions(accelerator=a.tpu_type, **{k: getattr(a, f"tpu_{k}") for k in same})
     return TpuBackend(
         grid=spec.name,
         options=opts,
