@@ -231,16 +231,14 @@ class RayBackend(Backend):
                 "--backend ray needs Ray: pip install 'rl-jax[ray]' (or pip install ray)"
             ) from e
         self.ray = ray
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()  # a Ray this backend starts, it shuts down
+        if self._owns_ray:
             kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
             if address:
                 kw["address"] = address
             elif num_cpus is not None:
                 kw["num_cpus"] = num_cpus
             ray.init(**kw)
-            self._owns_ray = True
-        else:
-            self._owns_ray = False
         opts: dict[str, Any] = {
             "num_cpus": resources.cpus,
             "num_gpus": resources.gpus,

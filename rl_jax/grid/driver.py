@@ -179,6 +179,7 @@ class Driver:
         rec = st.record(p.run_id, p.name)
         self._upload_log(p, a.attempt)
         done = is_done(self.runs, p)
+        log = self._log_url(p, a.attempt)
         rec.history.append(
             {"attempt": a.attempt, "rc": rc, "end": time.time(), "stopping": a.stopping or None}
         )
@@ -196,25 +197,20 @@ class Driver:
             rec.failures += 1
             rec.status = "failed"
             what = "config error" if rc == CONFIG_ERROR else "the run fails where it resumes"
-            self._say(
-                f"FAILED   {p.name}: {what} (exit {rc}), retrying cannot help;"
-                f" log: {self._log_url(p, a.attempt)}"
-            )
+            self._say(f"FAILED   {p.name}: {what} (exit {rc}), retrying cannot help; log: {log}")
         else:
             rec.failures += 1
             if rec.failures >= self.spec.max_attempts:
                 rec.status = "failed"
                 self._say(
                     f"FAILED   {p.name} (exit {rc}); gave up after {rec.failures} failures;"
-                    f" log: {self._log_url(p, a.attempt)}"
+                    f" log: {log}"
                 )
             else:
                 rec.status = "pending"
                 queue.append(p)
-                self._say(
-                    f"failed   {p.name} (exit {rc}), retry {rec.failures}/"
-                    f"{self.spec.max_attempts - 1}; log: {self._log_url(p, a.attempt)}"
-                )
+                retries = f"{rec.failures}/{self.spec.max_attempts - 1}"
+                self._say(f"failed   {p.name} (exit {rc}), retry {retries}; log: {log}")
 
     def _check_run_id(self, p: RunPlan) -> None:
         """The trainer resolves the same overrides itself; a different id means the grid's

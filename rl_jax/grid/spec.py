@@ -283,13 +283,11 @@ class GridSpec:
     def __post_init__(self):
         if not re.match(r"^[A-Za-z0-9_.-]+$", self.name or ""):
             raise ConfigError(f"grid name {self.name!r} must use only letters, digits, _ . -")
-        if not isinstance(self.base, tuple):
-            object.__setattr__(self, "base", _pairs(self.base))
-        if not isinstance(self.warm_start_overrides, tuple):
-            object.__setattr__(self, "warm_start_overrides", _pairs(self.warm_start_overrides))
-        object.__setattr__(self, "axes", tuple(self.axes))
-        object.__setattr__(self, "constraints", tuple(self.constraints))
-        object.__setattr__(self, "seeds", tuple(self.seeds))
+        for k in ("base", "warm_start_overrides"):  # a mapping given: its (key, value) pairs
+            if not isinstance(getattr(self, k), tuple):
+                object.__setattr__(self, k, _pairs(getattr(self, k)))
+        for k in ("axes", "constraints", "seeds"):
+            object.__setattr__(self, k, tuple(getattr(self, k)))
         names = [a.name for a in self.axes]
         dup = sorted({x for x in names if names.count(x) > 1})
         if dup:
