@@ -97,19 +97,19 @@ def _budget(text: str) -> float:
 def _locate(src: str, split: str | None) -> tuple[str | None, str, str | None]:
     """(grid directory or None, curve file, split implied by the path); paths or bucket
     URLs (a grid written to gs://...)."""
-    from rl_jax.runs.storage import is_remote
+    from rl_jax.runs.storage import is_remote, join
 
     src = src.rstrip("/") or src
     parent, name = posixpath.split(src) if is_remote(src) else os.path.split(src)
     if name.endswith(CURVE_SUFFIXES) and _has(parent or ".", name):
         return (parent if name == CURVES else None), src, split
     if _has(src, CURVES):
-        return src, _join(src, CURVES), split
+        return src, join(src, CURVES), split
     grid, fits = posixpath.split(parent) if is_remote(src) else os.path.split(parent)
     if fits == "fits" and _has(grid, CURVES):
         if split not in (None, name):
             raise ConfigError(f"--split {split!r} contradicts --from {src} (split {name!r})")
-        return grid, _join(grid, CURVES), None if name == "all" else name
+        return grid, join(grid, CURVES), None if name == "all" else name
     raise ConfigError(
         f"--from {src}: not a grid directory (with {CURVES}), a fits/<split> directory of one,"
         " or a curve file (.jsonl, .csv, .parquet)"
@@ -120,12 +120,6 @@ def _has(root: str, rel: str) -> bool:
     from rl_jax.runs.storage import open_store
 
     return open_store(root, key="--from").exists(rel)
-
-
-def _join(root: str, rel: str) -> str:
-    from rl_jax.runs.storage import join
-
-    return join(root, rel)
 
 
 def _spec(grid: str | None, rows: list[dict]):

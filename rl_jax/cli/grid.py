@@ -214,13 +214,8 @@ def _dry_run(a, spec: GridSpec, plans, backend, root, runs, recipe: str) -> int:
     """--dry-run: the runs and their compute (or JSON), each run's backend commands, and the
     teardown's; nothing is run."""
     if a.json:
-        print(
-            json.dumps(
-                {"grid": spec.name, "root": str(root), "runs": plan_rows(plans)},
-                indent=2,
-                default=str,
-            )
-        )
+        doc = {"grid": spec.name, "root": str(root), "runs": plan_rows(plans)}
+        print(json.dumps(doc, indent=2, default=str))
     else:
         print_plan(spec, plans, root, runs)
     for p in plans:
