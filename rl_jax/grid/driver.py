@@ -114,11 +114,8 @@ def print_plan(spec: GridSpec, plans: list[RunPlan], root: str, runs: str, out=s
     hdr = f"{'#':>3}  {'run':<44} {'B_p':>5} {'n':>5} {'M':>6} {'rollouts':>9}"
     hdr += f" {'gen_tokens':>10} {'flops':>9}  status"
     print(hdr, file=out)
-    tot = {"rollouts": 0.0, "generated_tokens": 0.0, "flops": 0.0}
     for p in plans:
         c = p.compute
-        for k in tot:
-            tot[k] += c[k]
         status = run_status(st, runs, p)
         print(
             f"{p.index:>3}  {p.name:<44} {p.config.data.prompts_per_batch:>5}"
@@ -126,6 +123,7 @@ def print_plan(spec: GridSpec, plans: list[RunPlan], root: str, runs: str, out=s
             f" {_fmt(c['generated_tokens']):>10} {_fmt(c['flops']):>9}  {status}",
             file=out,
         )
+    tot = {k: sum(p.compute[k] for p in plans) for k in ("rollouts", "generated_tokens", "flops")}
     print(
         f"total: {_fmt(tot['rollouts'])} rollouts, {_fmt(tot['generated_tokens'])} generated"
         f" tokens (upper bound unless the budget gives mean lengths), {_fmt(tot['flops'])} FLOPs",

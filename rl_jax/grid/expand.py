@@ -96,6 +96,7 @@ _BIN = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
+_UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}
 _CMP = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
@@ -156,14 +157,8 @@ class Constraint:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
             return _BIN[type(node.op)](self._eval(node.left, env), self._eval(node.right, env))
-        if isinstance(node, ast.UnaryOp):
-            v = self._eval(node.operand, env)
-            if isinstance(node.op, ast.Not):
-                return not v
-            if isinstance(node.op, ast.USub):
-                return -v
-            if isinstance(node.op, ast.UAdd):
-                return +v
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](self._eval(node.operand, env))
         if isinstance(node, ast.BoolOp):
             vals = (self._eval(v, env) for v in node.values)
             return all(vals) if isinstance(node.op, ast.And) else any(vals)
