@@ -147,6 +147,8 @@ EarlyStopFn = Callable[[dict[str, list[dict[str, Any]]], Sequence[RunPlan]], dic
 
 @dataclass(eq=False)
 class Driver:
+    """Runs a grid's plans on a backend until each is done, failed or stopped (`run`)."""
+
     spec: GridSpec
     plans: Sequence[RunPlan]
     backend: Backend

@@ -10,7 +10,7 @@ import json
 import math
 import operator
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,9 +213,11 @@ def step_compute(cfg: RunConfig, budget: Budget | None = None) -> dict[str, floa
 # ---- expansion ------------------------------------------------------------------------
 
 
-def _apply(cfg: RunConfig, overrides: Sequence[str], where: str) -> RunConfig:
+def _at(where: str, fn: Callable[..., RunConfig], *args: Any) -> RunConfig:
+    """`fn(*args)` (a config with overrides or values set), `where` put before a ConfigError's
+    message."""
     try:
-        return apply_overrides(cfg, list(overrides))
+        return fn(*args)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from e
 
@@ -292,7 +294,7 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
     end_only = "checkpoint.every" not in owners and not any(
         o.split("=", 1)[0].strip() == "checkpoint.every" for o in base_ov
     )
-    base_cfg = _apply(recipe, base_ov, f"grid {spec.name!r} base")
+    base_cfg = _at(f"grid {spec.name!r} base", apply_overrides, recipe, base_ov)
 
     plans: list[RunPlan] = []
     dropped: list[str] = []
@@ -304,7 +306,7 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
         where = f"grid {spec.name!r} run {group}"
         for seed in spec.seeds:
             point = pairs + [(k, seed) for k in spec.seed_keys]
-            cfg = _with_values(base_cfg, point, where)
+            cfg = _at(where, with_values, base_cfg, point)
             per_step = step_compute(cfg, spec.budget)
             steps, derived = _derived(spec, cfg, per_step, end_only)
             failed = [c.text for c in constraints if not c(_constraint_env(cfg, combo, steps))]
@@ -314,7 +316,7 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
             if steps < 1:
                 too_small.append(f"{group}: one step is {per_step[spec.budget.unit]:g}")
                 continue
-            cfg = _with_values(cfg, derived, where)
+            cfg = _at(where, with_values, cfg, derived)
             overrides = tuple(base_ov + [format_override(k, v) for k, v in point + derived])
             rid = run_id(cfg)
             summary = "_".join([p.label for p in combo] + [f"s{seed}"])
@@ -377,13 +379,6 @@ def _owners(spec: GridSpec, constraints: list[Constraint], extra: Sequence[str])
         if k in owners:
             raise ConfigError(f"override {item!r} fights grid {spec.name!r} {owners[k]!r}")
     return owners
-
-
-def _with_values(cfg: RunConfig, pairs: Sequence[tuple[str, Any]], where: str) -> RunConfig:
-    try:
-        return with_values(cfg, pairs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from e
 
 
 def _derived(
