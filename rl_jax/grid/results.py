@@ -94,16 +94,15 @@ def _fit_options(spec: GridSpec) -> dict[str, Any]:
 def fit_grid(spec: GridSpec, plans: Sequence[RunPlan], rows: list[dict]):
     """{split: (scaling.FitReport or None, note)} for the grid's rows."""
     out: dict[str, tuple[Any, str]] = {}
+    opts = _fit_options(spec)
     for name, subset in _rows_by_split(spec, plans, rows).items():
         if not subset:
             out[name] = (None, "no curve rows yet")
             continue
         try:
-            rep = scaling.fit_runs(subset, metric=spec.report.metric, **_fit_options(spec))
+            out[name] = (scaling.fit_runs(subset, metric=spec.report.metric, **opts), "")
         except scaling.FitError as e:
             out[name] = (None, str(e))
-            continue
-        out[name] = (rep, "")
     return out
 
 

@@ -44,13 +44,11 @@ class GridState:
     def load(cls, grid_dir: str, grid: str, plans: Sequence[Any] = ()) -> GridState:
         """The state file's records; `plans` (RunPlans): a record kept under another id of a
         plan's run directory (a grid run under an earlier run-id version) is that plan's."""
-        runs: dict[str, RunRecord] = {}
         try:
             d = json.loads(open_store(grid_dir).read_bytes(STATE_FILE).decode("utf-8"))
         except FileNotFoundError:
             d = {}
-        for rid, r in d.get("runs", {}).items():
-            runs[rid] = RunRecord(**r)
+        runs = {rid: RunRecord(**r) for rid, r in d.get("runs", {}).items()}
         by_name = {r.name: rid for rid, r in runs.items()}
         for p in plans:
             rid = by_name.get(p.name)
