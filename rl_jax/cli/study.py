@@ -108,11 +108,13 @@ def _collect(spec, src: Path, dest: Path) -> bool:
     return True
 
 
-def _preamble(spec, runs: int) -> str:
-    return (
+def _heading(spec, runs: int) -> dict[str, str]:
+    """The report's title and preamble."""
+    preamble = (
         f"Grid `{spec.name}` ({spec.description or spec.recipe}); {runs} runs. "
         f"Regenerated from this directory's curves.jsonl by `rl-jax study {spec.name} --out DIR`."
     )
+    return {"title": f"Study: {spec.name}", "preamble": preamble}
 
 
 def _leave_one_out(spec, rows: list[dict], out: Path, a) -> None:
@@ -128,8 +130,7 @@ def _leave_one_out(spec, rows: list[dict], out: Path, a) -> None:
         fit_start=rep.fit_start,
         paired=rep.paired,
     )
-    title, preamble = f"Study: {spec.name}", _preamble(spec, len(curves))
-    write_study(study, out, title=title, preamble=preamble, plots=not a.no_plots)
+    write_study(study, out, **_heading(spec, len(curves)), plots=not a.no_plots)
 
 
 def _isocompute(spec, rows: list[dict], out: Path, *, plots: bool) -> None:
@@ -145,5 +146,4 @@ def _isocompute(spec, rows: list[dict], out: Path, *, plots: bool) -> None:
         n_boot=rep.n_boot,
     )
     runs = sum(s.runs for s in study.splits.values())
-    title, preamble = f"Study: {spec.name}", _preamble(spec, runs)
-    write_iso_study(study, out, title=title, preamble=preamble, plots=plots)
+    write_iso_study(study, out, **_heading(spec, runs), plots=plots)
