@@ -10,6 +10,7 @@ sharded parameter. Both config.json spellings are read: transformers 4.x
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -475,7 +476,6 @@ def params_from_tensors(
     seed: int = 0,
 ) -> dict[str, jax.Array]:
     """Sharded parameters read from HF-named host tensors (each device reads its slice)."""
-    lay = param_layout(spec)
     conv = hf_layout(spec)
     check_hf_shapes(spec, {n: t.shape for n, t in tensors.items()}, where=where)
     used = {n for c in conv.values() for n in c.names(spec)}
@@ -484,42 +484,42 @@ def params_from_tensors(
         unused = [n for n in unused if n != "lm_head.weight"]  # tied: HF ignores it too
     if unused:
         warnings.warn(f"{where}: {len(unused)} tensors not used, e.g. {unused[:3]}", stacklevel=2)
+    views: dict[str, Any] = {}
+    for name, c in conv.items():
+        flat = [c.to_ours(tensors[n]) for n in c.names(spec)]
+        if c.experts:  # [L, E, ...] from one tensor per layer and expert
+            E = c.experts
+            views[name] = [flat[i * E : (i + 1) * E] for i in range(spec.num_layers)]
+        else:
+            views[name] = flat if name in LAYER_PARAMS else flat[0]
+    return place_params(spec, views, mesh=mesh, rules=rules)
+
+
+def place_params(
+    spec: ModelSpec, views: Mapping[str, Any], *, mesh: Mesh | None, rules
+) -> dict[str, jax.Array]:
+    """Sharded parameters in the param dtype from host views in our layout: name -> an
+    array, or a list of them per layer (of lists per expert), stacked as a device reads
+    its slice. A parameter without a view (the value head, which checkpoints may lack)
+    is zeros."""
     dtype = dtype_of(spec.param_dtype)
     shardings = param_shardings(spec, mesh, rules)
     out: dict[str, jax.Array] = {}
-    for name, info in lay.items():
-        if name not in conv:  # the value head is not part of HF checkpoints: zeros
+    for name, info in param_layout(spec).items():
+        if name not in views:
             out[name] = jax.device_put(np.zeros(info.shape, dtype), shardings[name])
             continue
-        c = conv[name]
-        if c.experts:  # [L, E, ...] from one tensor per layer and expert
-            views = [c.to_ours(tensors[n]) for n in c.names(spec)]
-            E = c.experts
-
-            def read(index, views=views, E=E):
-                rows, experts = range(spec.num_layers)[index[0]], range(E)[index[1]]
-                return np.stack(
-                    [
-                        np.stack([np.asarray(views[i * E + j][index[2:]], dtype) for j in experts])
-                        for i in rows
-                    ]
-                )
-
-        elif name in LAYER_PARAMS:
-            views = [c.to_ours(tensors[n]) for n in c.names(spec)]
-
-            def read(index, views=views):
-                rows = range(spec.num_layers)[index[0]]
-                return np.stack([np.asarray(views[i][index[1:]], dtype) for i in rows])
-
-        else:
-            view = c.to_ours(tensors[c.hf_name])
-
-            def read(index, view=view):
-                return np.asarray(view[index], dtype)
-
+        read = functools.partial(_read_slice, views[name], dtype=dtype)
         out[name] = jax.make_array_from_callback(info.shape, shardings[name], read)
     return out
+
+
+def _read_slice(view, index: tuple, *, dtype) -> np.ndarray:
+    """view[index] as a `dtype` array, a list's leading axis (layers, experts) stacked."""
+    if isinstance(view, list):
+        picked = range(len(view))[index[0]]
+        return np.stack([_read_slice(view[i], index[1:], dtype=dtype) for i in picked])
+    return np.asarray(view[index], dtype)
 
 
 def load_hf(
@@ -550,14 +550,9 @@ def hf_tensors_from_params(spec: ModelSpec, params: Mapping[str, np.ndarray]):
         if name == "lm_head" and spec.tie_embeddings:
             continue
         a = params[name]
-        if c.experts:
-            for n, w in zip(c.names(spec), a.reshape(-1, *a.shape[2:]), strict=True):
-                yield n, np.ascontiguousarray(c.to_hf(w))
-        elif name in LAYER_PARAMS:
-            for i in range(spec.num_layers):
-                yield c.hf_name.format(i=i), np.ascontiguousarray(c.to_hf(a[i]))
-        else:
-            yield c.hf_name, np.ascontiguousarray(c.to_hf(a))
+        stacked = 2 if c.experts else 1 if name in LAYER_PARAMS else 0  # [L, E, ...], [L, ...]
+        for n, w in zip(c.names(spec), a.reshape(-1, *a.shape[stacked:]), strict=True):
+            yield n, np.ascontiguousarray(c.to_hf(w))
 
 
 _DTYPE_NAME = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}

@@ -13,21 +13,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
 from jax.sharding import Mesh
 
-from rl_jax.models.hf import CheckpointError, copy_tokenizer_files, read_json_object
+from rl_jax.models.hf import CheckpointError, copy_tokenizer_files, place_params, read_json_object
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.spec import ModelSpec, RopeScaling
-from rl_jax.models.transformer import (
-    Transformer,
-    build_model,
-    dtype_of,
-    host_params,
-    param_layout,
-    param_shardings,
-)
+from rl_jax.models.transformer import Transformer, build_model, host_params, param_layout
 from rl_jax.sharding.rules import get_rules
 
 SPEC_FILE = "rl_jax_model.json"
@@ -93,15 +84,10 @@ def load_native(
     purpose: str = "train",
 ) -> Transformer:
     """Each device reads its slice of each parameter from the memory-mapped file."""
-    rules = get_rules(rules_preset, purpose=purpose)
     stored = open_safetensors(Path(path) / PARAMS_FILE)
-    shardings = param_shardings(spec, mesh, rules)
-    dtype = dtype_of(spec.param_dtype)
-    params = {}
     for name, info in param_layout(spec).items():
         if name not in stored:
             if name in ("value_w", "value_b"):  # a policy without a critic yet: zeros
-                params[name] = jax.device_put(np.zeros(info.shape, dtype), shardings[name])
                 continue
             raise CheckpointError(f"{path}/{PARAMS_FILE}: missing tensor {name!r}")
         if tuple(stored[name].shape) != info.shape:
@@ -109,9 +95,6 @@ def load_native(
                 f"{path}/{PARAMS_FILE}: tensor {name!r} has shape {tuple(stored[name].shape)} "
                 f"in the checkpoint but the config needs {info.shape}"
             )
-
-        def read(index, view=stored[name]):
-            return np.asarray(view[index], dtype)
-
-        params[name] = jax.make_array_from_callback(info.shape, shardings[name], read)
+    rules = get_rules(rules_preset, purpose=purpose)
+    params = place_params(spec, stored, mesh=mesh, rules=rules)
     return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
