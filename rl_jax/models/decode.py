@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from rl_jax.kernels.xla import Decode, PagedKV, Pages
 from rl_jax.models.layers import rms_norm, rope_angles, rope_table
-from rl_jax.models.moe import SHARED_EXPERT, moe_mlp, shared_expert
+from rl_jax.models.moe import SHARED_EXPERT, moe_block, moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
 
@@ -146,24 +146,18 @@ def decode_step(
 
 
 def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode, sparse_mlp=None):
-    """Layer i's sparse MLP of one token per row [B, D]: the model's `moe_mlp` (or
-    `sparse_mlp`), its grouped matmuls the platform's (`ops.grouped_matmul`), and its
-    `shared_expert`; and each row's experts [B, k]."""
+    """Layer i's sparse MLP of one token per row [B, D] (`moe_block`): the model's
+    `moe_mlp` (or `sparse_mlp`), its grouped matmuls the platform's
+    (`ops.grouped_matmul`); and each row's experts [B, k]."""
 
     def at(name):
         return jax.lax.dynamic_index_in_dim(stack[name], i, 0, keepdims=False)
 
     h = rms_norm(x_bd, at("mlp_norm"), spec.rms_norm_eps)
-    weights = tuple(at(n) for n in ("router", "expert_gate", "expert_up", "expert_down"))
-    kw = dict(
-        top_k=spec.num_experts_per_tok,
-        norm_topk_prob=spec.norm_topk_prob,
-        grouped_matmul=ops.grouped_matmul,
-    )
-    if sparse_mlp is None:
-        out, _, experts = moe_mlp(h, *weights, **kw)
-    else:
-        out, experts = sparse_mlp(h, weights, **kw)
-    if spec.shared_expert_intermediate_size:
-        out = out + shared_expert(h, {name: at(name) for name in SHARED_EXPERT})
+    return moe_block(spec, h, at, sparse_mlp or _moe_mlp, grouped_matmul=ops.grouped_matmul)
+
+
+def _moe_mlp(h, weights, **kw):
+    """`moe_mlp`'s output and experts (`decode_step`'s `sparse_mlp` by default)."""
+    out, _, experts = moe_mlp(h, *weights, **kw)
     return out, experts

@@ -16,7 +16,7 @@ MLP width.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ from rl_jax.kernels.xla import grouped_matmul as xla_grouped_matmul
 from rl_jax.kernels.xla import matmul
 from rl_jax.models.layers import swiglu
 from rl_jax.sharding.rules import Rules, fit_spec, logical_to_spec
+
+if TYPE_CHECKING:
+    from rl_jax.models.spec import ModelSpec
 
 
 class RouterStats(NamedTuple):
@@ -172,6 +175,24 @@ def shared_expert(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     wg, wu, wd = (p[n].astype(dt) for n in ("shared_gate", "shared_up", "shared_down"))
     gate = matmul(h.reshape(-1, D), p["shared_expert_gate"].astype(dt)[:, None])
     return swiglu(h, wg, wu, wd) * jax.nn.sigmoid(gate).reshape(*lead, 1)
+
+
+# A layer's routed experts' parameters, in `moe_mlp`'s order.
+ROUTED_EXPERTS = ("router", "expert_gate", "expert_up", "expert_down")
+
+
+def moe_block(spec: ModelSpec, h: jax.Array, weight: Callable, routed: Callable, **kw) -> tuple:
+    """A layer's mixture of experts of h (already normed), its weights by name
+    (`weight(name)`): `routed(h, weights, **kw)` runs the routed experts (weights in
+    ROUTED_EXPERTS order; kw `moe_mlp`'s: the spec's top_k and norm_topk_prob, and e.g.
+    grouped_matmul) and returns (out, *more); the shared expert, if the spec has one, is
+    added to out. The forward (`moe_mlp`, `sharded_moe_mlp`) and the decode step
+    (`moe_mlp`, `expert_parallel_moe_mlp`) differ only in `routed`."""
+    kw.update(top_k=spec.num_experts_per_tok, norm_topk_prob=spec.norm_topk_prob)
+    out, *more = routed(h, tuple(weight(n) for n in ROUTED_EXPERTS), **kw)
+    if spec.shared_expert_intermediate_size:
+        out = out + shared_expert(h, {n: weight(n) for n in SHARED_EXPERT})
+    return out, *more
 
 
 def aux_losses(stats: RouterStats, *, num_experts: int, top_k: int) -> dict[str, jax.Array]:

@@ -46,7 +46,7 @@ from rl_jax.models.layers import (
     rope_table,
     swiglu,
 )
-from rl_jax.models.moe import RouterStats, moe_mlp, sharded_moe_mlp, shared_expert
+from rl_jax.models.moe import RouterStats, moe_block, moe_mlp, sharded_moe_mlp
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
@@ -495,18 +495,18 @@ class Transformer(nnx.Module):
 
     def _sparse_mlp(self, h, p, valid, experts=None) -> tuple[jax.Array, RouterStats, jax.Array]:
         """A layer's mixture of experts on h [N, T, D] (normed; p: the layer's weights,
-        valid [N, T] or None), per batch shard on a mesh (`sharded_moe_mlp`), with its
-        router's statistics and chosen (or replayed: `experts`) experts [N, T, k]."""
-        spec = self.spec
-        weights = tuple(p[n] for n in ("router", "expert_gate", "expert_up", "expert_down"))
-        kw = dict(
-            top_k=spec.num_experts_per_tok,
-            norm_topk_prob=spec.norm_topk_prob,
-            grouped_matmul=self.kernels.grouped_matmul,
+        valid [N, T] or None), per batch shard on a mesh (`sharded_moe_mlp`), its shared
+        expert added, with its router's statistics and chosen (or replayed: `experts`)
+        experts [N, T, k]."""
+
+        def routed(h, weights, **kw):
+            if self.mesh is None or self.mesh.size == 1:
+                return moe_mlp(h, *weights, valid=valid, experts=experts, **kw)
+            return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, experts, **kw)
+
+        return moe_block(
+            self.spec, h, p.__getitem__, routed, grouped_matmul=self.kernels.grouped_matmul
         )
-        if self.mesh is None or self.mesh.size == 1:
-            return moe_mlp(h, *weights, valid=valid, experts=experts, **kw)
-        return sharded_moe_mlp(self.mesh, self.rules, h, weights, valid, experts, **kw)
 
     # ---- heads ---------------------------------------------------------------------------
 
@@ -670,9 +670,7 @@ def _block_out(
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
     if spec.is_moe:
-        m, stats, chosen = sparse_mlp(h, p, valid, experts)
-        if spec.shared_expert_intermediate_size:
-            m = m + shared_expert(h, p)
+        m, stats, chosen = sparse_mlp(h, p, valid, experts)  # its shared expert added
         return constrain(x + m, ("batch", "seq", "embed")), (stats, chosen)
     m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
     return constrain(x + m, ("batch", "seq", "embed")), None
