@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 
 from rl_jax.config.model import ModelConfig
-from rl_jax.models.hf import CheckpointError, params_from_tensors
+from rl_jax.models.hf import CheckpointError, hf_views, model_from_views
 from rl_jax.models.spec import ModelSpec, spec_from_fields
-from rl_jax.models.transformer import Transformer, build_model
-from rl_jax.sharding.rules import get_rules
+from rl_jax.models.transformer import Transformer
 
 _SCALAR = {
     0: "<B",
@@ -327,7 +326,5 @@ def load_gguf(
     if spec is None:
         fields = spec_fields_from_gguf(path)
         spec = spec_from_fields(ModelConfig(path=str(path)), fields, f"GGUF file {Path(path)}")
-    rules = get_rules(rules_preset, purpose=purpose)
-    tensors = gguf_hf_tensors(path, spec)
-    params = params_from_tensors(spec, tensors, mesh=mesh, rules=rules, where=str(path))
-    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
+    views = hf_views(spec, gguf_hf_tensors(path, spec), where=str(path))
+    return model_from_views(spec, views, mesh=mesh, rules_preset=rules_preset, purpose=purpose)

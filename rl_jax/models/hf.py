@@ -466,16 +466,8 @@ def check_hf_shapes(spec: ModelSpec, shapes: Mapping[str, Any], *, where: str) -
                 )
 
 
-def params_from_tensors(
-    spec: ModelSpec,
-    tensors: Mapping[str, np.ndarray],
-    *,
-    mesh: Mesh | None,
-    rules,
-    where: str,
-    seed: int = 0,
-) -> dict[str, jax.Array]:
-    """Sharded parameters read from HF-named host tensors (each device reads its slice)."""
+def hf_views(spec: ModelSpec, tensors: Mapping[str, np.ndarray], *, where: str) -> dict:
+    """HF-named host tensors checked and viewed in our layout (`model_from_views`)."""
     conv = hf_layout(spec)
     check_hf_shapes(spec, {n: t.shape for n, t in tensors.items()}, where=where)
     used = {n for c in conv.values() for n in c.names(spec)}
@@ -492,18 +484,18 @@ def params_from_tensors(
             views[name] = [flat[i * E : (i + 1) * E] for i in range(spec.num_layers)]
         else:
             views[name] = flat if name in LAYER_PARAMS else flat[0]
-    return place_params(spec, views, mesh=mesh, rules=rules)
+    return views
 
 
-def place_params(
-    spec: ModelSpec, views: Mapping[str, Any], *, mesh: Mesh | None, rules
-) -> dict[str, jax.Array]:
-    """Sharded parameters in the param dtype from host views in our layout: name -> an
-    array, or a list of them per layer (of lists per expert), stacked as a device reads
-    its slice. A parameter without a view (the value head, which checkpoints may lack)
-    is zeros."""
+def model_from_views(
+    spec: ModelSpec, views: Mapping[str, Any], *, mesh: Mesh | None, rules_preset: str, purpose: str
+) -> Transformer:
+    """A model whose parameters (param dtype) each device reads its slice of from host
+    views in our layout: name -> an array, or a list of them per layer (of lists per
+    expert) stacked as they are read. A parameter without a view (the value head, which
+    checkpoints may lack) is zeros."""
     dtype = dtype_of(spec.param_dtype)
-    shardings = param_shardings(spec, mesh, rules)
+    shardings = param_shardings(spec, mesh, get_rules(rules_preset, purpose=purpose))
     out: dict[str, jax.Array] = {}
     for name, info in param_layout(spec).items():
         if name not in views:
@@ -511,7 +503,7 @@ def place_params(
             continue
         read = functools.partial(_read_slice, views[name], dtype=dtype)
         out[name] = jax.make_array_from_callback(info.shape, shardings[name], read)
-    return out
+    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=out)
 
 
 def _read_slice(view, index: tuple, *, dtype) -> np.ndarray:
@@ -534,11 +526,8 @@ def load_hf(
     if spec is None:
         fields = spec_fields_from_hf_dir(path)
         spec = spec_from_fields(ModelConfig(path=str(path)), fields, f"HF directory {Path(path)}")
-    rules = get_rules(rules_preset, purpose=purpose)
-    params = params_from_tensors(
-        spec, open_hf_tensors(path), mesh=mesh, rules=rules, where=str(path)
-    )
-    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
+    views = hf_views(spec, open_hf_tensors(path), where=str(path))
+    return model_from_views(spec, views, mesh=mesh, rules_preset=rules_preset, purpose=purpose)
 
 
 # ---- export ------------------------------------------------------------------------------------

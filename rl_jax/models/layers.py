@@ -45,9 +45,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 def rope_table(spec: ModelSpec, num_positions: int) -> tuple[jax.Array, jax.Array]:
     """cos, sin of the rotation angles of positions 0 .. num_positions - 1, [N, hd / 2]
     float32: for `rope_angles(..., table=)`."""
-    inv = jnp.asarray(rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling))
-    ang = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv
-    return jnp.cos(ang), jnp.sin(ang)
+    return rope_angles(jnp.arange(num_positions, dtype=jnp.float32), spec)
 
 
 def rope_angles(

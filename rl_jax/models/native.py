@@ -15,11 +15,15 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from rl_jax.models.hf import CheckpointError, copy_tokenizer_files, place_params, read_json_object
+from rl_jax.models.hf import (
+    CheckpointError,
+    copy_tokenizer_files,
+    model_from_views,
+    read_json_object,
+)
 from rl_jax.models.safetensors_io import open_safetensors, write_safetensors
 from rl_jax.models.spec import ModelSpec, RopeScaling
-from rl_jax.models.transformer import Transformer, build_model, host_params, param_layout
-from rl_jax.sharding.rules import get_rules
+from rl_jax.models.transformer import Transformer, host_params, param_layout
 
 SPEC_FILE = "rl_jax_model.json"
 PARAMS_FILE = "params.safetensors"
@@ -95,6 +99,4 @@ def load_native(
                 f"{path}/{PARAMS_FILE}: tensor {name!r} has shape {tuple(stored[name].shape)} "
                 f"in the checkpoint but the config needs {info.shape}"
             )
-    rules = get_rules(rules_preset, purpose=purpose)
-    params = place_params(spec, stored, mesh=mesh, rules=rules)
-    return build_model(spec, mesh=mesh, rules_preset=rules_preset, purpose=purpose, params=params)
+    return model_from_views(spec, stored, mesh=mesh, rules_preset=rules_preset, purpose=purpose)
