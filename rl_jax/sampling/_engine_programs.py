@@ -36,9 +36,10 @@ from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_sp
 
 _NO_INTERRUPT = np.iinfo(np.int32).max
 KV_QUANT = (None, "int8")  # the engine's KV cache: the compute dtype, or int8 with scales
-# The columns of the chunk `generate` returns, and the per-slot values.
-_COLUMNS = tuple(COLUMNS)
+# The per-slot values of the chunk `generate` returns, beside its columns (`COLUMNS`).
 _SLOT_VALUES = ("done", "lengths", "finish", "truncated")
+# A slot's fields but its cache, in the state's order.
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(SamplerState))[1:]
 
 
 @jax.tree_util.register_dataclass
@@ -450,31 +451,21 @@ class EngineBodies(EngineGeometry):
         else:
             interrupt_at = jnp.full((I,), _NO_INTERRUPT, jnp.int32)
         prompts = pool.prompt_tokens[source_i]
-        zeros = jnp.zeros((I,), jnp.int32)
-        Tg = self.gen_len
-        return {
-            "prompt_tokens": prompts,
-            "kv_start": kv_start_i,
-            "tokens": jnp.full((I, Tg), self.pad_id, jnp.int32),
-            "logprobs": jnp.zeros((I, Tg), jnp.float32),
-            "versions": jnp.full((I, Tg), -1, jnp.int32),
-            "injected": jnp.zeros((I, Tg), bool),
-            "last_token": prompts[:, -1],
-            "step": zeros,
-            "limit": limits_i,
-            "done": jnp.zeros((I,), bool),
-            "finish": zeros + int(FinishReason.RUNNING),
-            "truncated": jnp.zeros((I,), bool),
-            "lengths": zeros,
-            "phase": zeros + THINK,
-            "phase_pos": zeros,
-            "interrupt_at": interrupt_at,
-            "keys": jax.random.key_data(row_keys(key, row_ids_i)),
-            "group_ids": group_ids_i,
-            "row_ids": row_ids_i,
-            "real": jnp.ones((I,), bool),
-            "pages": pages_i,
-        }
+        fields = _start_fields(I, self.gen_len, self.pad_id, jnp.zeros((I,), jnp.int32))
+        fields.update(
+            prompt_tokens=prompts,
+            kv_start=kv_start_i,
+            last_token=prompts[:, -1],
+            limit=limits_i,
+            done=jnp.zeros((I,), bool),
+            interrupt_at=interrupt_at,
+            keys=jax.random.key_data(row_keys(key, row_ids_i)),
+            group_ids=group_ids_i,
+            row_ids=row_ids_i,
+            real=jnp.ones((I,), bool),
+            pages=pages_i,
+        )
+        return {k: fields[k] for k in _ROW_FIELDS}  # in the state's order, as inserted
 
     def _prepare_impl(self, params) -> DecodeWeights:
         return DecodeWeights(
@@ -534,7 +525,7 @@ class EngineBodies(EngineGeometry):
             routes = jnp.zeros(shape, route_dtype(spec.num_experts))
         i, out, routes = jax.lax.while_loop(cond, body, (jnp.int32(0), state, routes))
         cols = jnp.minimum(state.step[:, None] + jnp.arange(steps), self.gen_len - 1)
-        rows = {k: jnp.take_along_axis(getattr(out, k), cols, axis=1) for k in _COLUMNS}
+        rows = {k: jnp.take_along_axis(getattr(out, k), cols, axis=1) for k in COLUMNS}
         if routes is not None:
             rows["routes"] = routes
         rows.update({k: getattr(out, k) for k in _SLOT_VALUES}, start=state.step)
@@ -612,7 +603,7 @@ class EnginePrograms(EngineBodies):
             **pin,
         )
         if state_sh is not None:
-            rows = {k: batch_sharding(mesh, 2 if k in _COLUMNS else 1) for k in _COLUMNS}
+            rows = {k: batch_sharding(mesh, 2) for k in COLUMNS}
             rows.update({k: batch_sharding(mesh, 1) for k in ("start", *_SLOT_VALUES)})
             if self.record_routes:
                 rows["routes"] = batch_sharding(mesh, 4)
@@ -731,6 +722,23 @@ class _Empty(NamedTuple):
     routes: tuple | None  # (L, k, dtype) of the pool's recorded experts (record_routes)
 
 
+def _start_fields(n: int, gen_len: int, pad_id: int, zeros: jax.Array) -> dict[str, jax.Array]:
+    """The slot fields [n, ...] every row starts with, an empty slot's too: its columns
+    not reached (`COLUMNS`), at step 0 of THINK, running, nothing generated."""
+    fields = {
+        k: jnp.full((n, gen_len), pad_id if v is None else v, dtype)
+        for k, (dtype, v) in COLUMNS.items()
+    }
+    return fields | dict(
+        step=zeros,
+        finish=zeros + int(FinishReason.RUNNING),
+        truncated=jnp.zeros((n,), bool),
+        lengths=zeros,
+        phase=zeros + THINK,
+        phase_pos=zeros,
+    )
+
+
 def _empty_state(g: _Empty) -> EngineState:
     S, Q, Tp, Tg, pad = g.slots, g.pool[1], g.prompt_len, g.gen_len, g.pad_id
     zeros = jnp.zeros((S,), jnp.int32)
@@ -738,19 +746,10 @@ def _empty_state(g: _Empty) -> EngineState:
         cache=PagedKV(*(jnp.zeros(shape, dtype) for shape, dtype in g.cache)),
         prompt_tokens=jnp.full((S, Tp), pad, jnp.int32),
         kv_start=zeros,
-        tokens=jnp.full((S, Tg), pad, jnp.int32),
-        logprobs=jnp.zeros((S, Tg), jnp.float32),
-        versions=jnp.full((S, Tg), -1, jnp.int32),
-        injected=jnp.zeros((S, Tg), bool),
+        **_start_fields(S, Tg, pad, zeros),
         last_token=zeros + pad,
-        step=zeros,
         limit=zeros + 1,
         done=jnp.ones((S,), bool),
-        finish=zeros + int(FinishReason.RUNNING),
-        truncated=jnp.zeros((S,), bool),
-        lengths=zeros,
-        phase=zeros + THINK,
-        phase_pos=zeros,
         interrupt_at=zeros + _NO_INTERRUPT,
         keys=jnp.zeros((S, *g.key[0]), g.key[1]),
         group_ids=zeros,
