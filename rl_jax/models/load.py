@@ -10,6 +10,7 @@ they import JAX, and a preset's spec needs none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,18 +41,8 @@ def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
     """Architecture fields before overrides, and where they came from."""
     if cfg.path:
         p = local_model_path(cfg.path, weights=False)
-        shown = cfg.path if paths.is_url(cfg.path) else p
-        if p.suffix == ".gguf":
-            from rl_jax.models.gguf_io import spec_fields_from_gguf
-
-            return spec_fields_from_gguf(p), f"GGUF file {shown}"
-        from rl_jax.models.native import is_native_dir, spec_fields_from_native
-
-        if is_native_dir(p):
-            return spec_fields_from_native(p), f"rl_jax model directory {shown}"
-        from rl_jax.models.hf import spec_fields_from_hf_dir
-
-        return spec_fields_from_hf_dir(p), f"HF directory {shown}"
+        kind, read_fields, _ = _format(p)
+        return read_fields(p), f"{kind} {cfg.path if paths.is_url(cfg.path) else p}"
     if cfg.preset:
         return get_preset(cfg.preset), f"preset {cfg.preset!r}"
     return {}, "explicit fields (model.preset='')"
@@ -80,14 +71,20 @@ def load_model(
 
         return build_model(spec, seed=seed, **kw)
     path = local_model_path(cfg.path)
+    return _format(path)[2](path, spec, **kw)
+
+
+def _format(path: Path) -> tuple[str, Callable, Callable]:
+    """What `path` holds, by its format: (its name, the reader of its spec's fields, its
+    loader), from the format's module."""
     if path.suffix == ".gguf":
-        from rl_jax.models.gguf_io import load_gguf
+        from rl_jax.models import gguf_io
 
-        return load_gguf(path, spec, **kw)
-    from rl_jax.models.native import is_native_dir, load_native
+        return "GGUF file", gguf_io.spec_fields_from_gguf, gguf_io.load_gguf
+    from rl_jax.models import native
 
-    if is_native_dir(path):
-        return load_native(path, spec, **kw)
-    from rl_jax.models.hf import load_hf
+    if native.is_native_dir(path):
+        return "rl_jax model directory", native.spec_fields_from_native, native.load_native
+    from rl_jax.models import hf
 
-    return load_hf(path, spec, **kw)
+    return "HF directory", hf.spec_fields_from_hf_dir, hf.load_hf

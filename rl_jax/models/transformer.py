@@ -723,10 +723,4 @@ def model_params(model: Transformer) -> dict[str, jax.Array]:
 
 def host_params(model: Transformer) -> dict[str, np.ndarray]:
     """Parameters in the stacked layout, gathered to host memory one array at a time."""
-    out = {}
-    for name in param_layout(model.spec):
-        if name not in LAYER_PARAMS:
-            out[name] = np.asarray(jax.device_get(getattr(model, name)[...]))
-        else:
-            out[name] = np.asarray(jax.device_get(getattr(model.layers, name)[...]))
-    return out
+    return {name: np.asarray(jax.device_get(a)) for name, a in model_params(model).items()}
