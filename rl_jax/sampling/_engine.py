@@ -472,10 +472,8 @@ class _HostLoop:
     def rollouts(self) -> Rollouts:
         eng = self.engine
         R, Tp = len(self.row_ids), eng.prompt_len
-        lens = np.array([len(self.prompts[r // self.G]) for r in range(R)], np.int32)
-        prompt_tokens = np.full((R, Tp), eng.pad_id, np.int32)
-        for r in range(R):
-            prompt_tokens[r, Tp - lens[r] :] = self.prompts[r // self.G]
+        rows = [self.prompts[r // self.G] for r in range(R)]
+        prompt_tokens, lens = pack_prompts(rows, rows=R, bucket=Tp, max_len=0, pad_id=eng.pad_id)
         return state_rollouts(
             {
                 "prompt_tokens": prompt_tokens,
