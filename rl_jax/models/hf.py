@@ -456,14 +456,22 @@ def check_hf_shapes(spec: ModelSpec, shapes: Mapping[str, Any], *, where: str) -
     """Every tensor the spec needs is there with its shape: one message per defect, before
     any device is touched."""
     for name, c in hf_layout(spec).items():
-        for n in c.names(spec):
-            if n not in shapes:
-                raise CheckpointError(f"{where}: missing tensor {n!r} (needed for {name})")
-            if tuple(shapes[n]) != c.hf_shape:
-                raise CheckpointError(
-                    f"{where}: tensor {n!r} has shape {tuple(shapes[n])} in the "
-                    f"checkpoint but the config needs {c.hf_shape}"
-                )
+        needed = {n: c.hf_shape for n in c.names(spec)}
+        check_shapes(shapes, needed, where=where, needed_for=f" (needed for {name})")
+
+
+def check_shapes(
+    shapes: Mapping[str, Any], needed: Mapping[str, tuple], *, where: str, needed_for: str = ""
+) -> None:
+    """Each tensor `needed` (name -> shape) is in a checkpoint's `shapes` with its shape."""
+    for n, shape in needed.items():
+        if n not in shapes:
+            raise CheckpointError(f"{where}: missing tensor {n!r}{needed_for}")
+        if tuple(shapes[n]) != shape:
+            raise CheckpointError(
+                f"{where}: tensor {n!r} has shape {tuple(shapes[n])} in the "
+                f"checkpoint but the config needs {shape}"
+            )
 
 
 def hf_views(spec: ModelSpec, tensors: Mapping[str, np.ndarray], *, where: str) -> dict:

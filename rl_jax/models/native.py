@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from rl_jax.models.hf import (
     CheckpointError,
+    check_shapes,
     copy_tokenizer_files,
     model_from_views,
     read_json_object,
@@ -89,14 +90,8 @@ def load_native(
 ) -> Transformer:
     """Each device reads its slice of each parameter from the memory-mapped file."""
     stored = open_safetensors(Path(path) / PARAMS_FILE)
-    for name, info in param_layout(spec).items():
-        if name not in stored:
-            if name in ("value_w", "value_b"):  # a policy without a critic yet: zeros
-                continue
-            raise CheckpointError(f"{path}/{PARAMS_FILE}: missing tensor {name!r}")
-        if tuple(stored[name].shape) != info.shape:
-            raise CheckpointError(
-                f"{path}/{PARAMS_FILE}: tensor {name!r} has shape {tuple(stored[name].shape)} "
-                f"in the checkpoint but the config needs {info.shape}"
-            )
+    # A policy without a critic yet has no value head: zeros (`model_from_views`).
+    lay = param_layout(spec)
+    needed = {n: i.shape for n, i in lay.items() if n in stored or n not in ("value_w", "value_b")}
+    check_shapes({n: a.shape for n, a in stored.items()}, needed, where=f"{path}/{PARAMS_FILE}")
     return model_from_views(spec, stored, mesh=mesh, rules_preset=rules_preset, purpose=purpose)

@@ -106,16 +106,11 @@ class Decoder:
         self.mesh = mesh
         self.rules = get_rules(rules, purpose="sample") if isinstance(rules, str) else rules
         self.pad_id = int(pad_id)
-        if cfg.ignore_eos:
+        if cfg.ignore_eos or (not cfg.stop_token_ids and eos_id is None):
             stops = ()
-        elif cfg.stop_token_ids:
-            stops = tuple(int(s) for s in cfg.stop_token_ids)
-        elif eos_id is None:
-            stops = ()
-        else:
-            ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
-            stops = tuple(int(e) for e in ids)
-        self.stop_ids = stops
+        else:  # the configured stop tokens, else the model's EOS id(s)
+            stops = cfg.stop_token_ids or np.ravel(eos_id).tolist()
+        self.stop_ids = tuple(int(s) for s in stops)
         self.interrupt = cfg.length_control == "interrupt"
         self.interrupt_ids = tuple(int(i) for i in (interrupt_ids or ()))
         if self.interrupt:
