@@ -53,8 +53,10 @@ def no_gcsfs(monkeypatch):
 
     registry = importlib.import_module("fsspec.registry")  # the module, not fsspec.registry
     monkeypatch.setitem(sys.modules, "gcsfs", None)
-    kept = {k: v for k, v in registry._registry.items() if k not in ("gs", "gcs")}
-    monkeypatch.setattr(registry, "_registry", kept)
+    # In place: fsspec looks protocols up in `registry`, a read-only view of this dict,
+    # which holds gcsfs's class once an earlier test in the process has used gs://.
+    for proto in ("gs", "gcs"):
+        monkeypatch.delitem(registry._registry, proto, raising=False)
 
 
 def _train(capsys, tmp_path, *overrides) -> tuple[int, str]:
