@@ -203,14 +203,18 @@ def _widths() -> list[int]:
     return _PANEL_WIDTH
 
 
+def _panels(w: jax.Array, width: int) -> jax.Array:
+    """w [K, N] -> float32 [K, ceil(N / width), width]: its columns in groups of `width`,
+    the last zero-padded."""
+    K, N = w.shape
+    P = -(-N // width)
+    return jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * width - N))).reshape(K, P, width)
+
+
 def pack_panels(w: jax.Array) -> jax.Array:
     """w [K, N] -> float32 panels [ceil(N / NR), K, NR] for `matmul` (NR = panel_width()):
     columns p * NR .. (p + 1) * NR - 1 of w, contiguous, the last panel zero-padded."""
-    nr = panel_width()
-    K, N = w.shape
-    P = -(-N // nr)
-    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * nr - N)))
-    return w.reshape(K, P, nr).transpose(1, 0, 2)
+    return _panels(w, panel_width()).transpose(1, 0, 2)
 
 
 def pack_swiglu_panels(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -218,13 +222,16 @@ def pack_swiglu_panels(gate: jax.Array, up: jax.Array) -> jax.Array:
     (h: one vector, 16 floats with AVX-512): panel p holds gate columns
     p * h .. (p + 1) * h - 1, then the same up columns, the last zero-padded."""
     h = _widths()[1] // 2
-    K, F = gate.shape
-    P = -(-F // h)
+    return jnp.concatenate([_panels(gate, h), _panels(up, h)], axis=2).transpose(1, 0, 2)
 
-    def cut(w):  # [K, F] -> [K, P, h]
-        return jnp.pad(w.astype(jnp.float32), ((0, 0), (0, P * h - F))).reshape(K, P, h)
 
-    return jnp.concatenate([cut(gate), cut(up)], axis=2).transpose(1, 0, 2)
+def _panel_call(target: str, out, x, panels, layer, *rest, aliases=None, **attrs):
+    """The kernel `target` on x, the panels (stacked over layers or not: `_stack`), the
+    layer and `rest`, every array in float32; `out`: its results' shapes."""
+    f32 = jnp.float32
+    panels, layer = _stack(panels, layer)
+    call = jax.ffi.ffi_call(target, out, input_output_aliases=aliases)
+    return call(x.astype(f32), panels, layer, *(a.astype(f32) for a in rest), **attrs)
 
 
 def matmul_swiglu(
@@ -241,17 +248,12 @@ def matmul_swiglu(
     on the bench model, paired runs). `norm_eps`: as for `matmul`. Same conditions
     as `matmul`."""
     M = x.shape[0]
-    f32 = jnp.float32
-    panels, layer = _stack(panels, layer)
-    call = jax.ffi.ffi_call(
-        "rl_jax_matmul_swiglu",
-        (
-            jax.ShapeDtypeStruct((M, panels.shape[1] * panels.shape[3]), f32),
-            jax.ShapeDtypeStruct((M, cols), f32),
-        ),
+    out = (  # the kernel's scratch [M, P W] (P panels of W columns), the activation
+        jax.ShapeDtypeStruct((M, panels.shape[-3] * panels.shape[-1]), jnp.float32),
+        jax.ShapeDtypeStruct((M, cols), jnp.float32),
     )
-    out = call(x.astype(f32), panels, layer, parallel=bool(parallel), norm_eps=_eps(norm_eps))
-    return out[1]
+    attrs = {"parallel": bool(parallel), "norm_eps": _eps(norm_eps)}
+    return _panel_call("rl_jax_matmul_swiglu", out, x, panels, layer, **attrs)[1]
 
 
 def _stack(panels: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
@@ -289,10 +291,9 @@ def matmul(
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
     use XLA's intra-op threads (as for `paged_attention`).
     """
-    panels, layer = _stack(panels, layer)
-    call = jax.ffi.ffi_call("rl_jax_matmul", jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
-    x = x.astype(jnp.float32)
-    return call(x, panels, layer, parallel=bool(parallel), norm_eps=_eps(norm_eps))
+    out = jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32)
+    attrs = {"parallel": bool(parallel), "norm_eps": _eps(norm_eps)}
+    return _panel_call("rl_jax_matmul", out, x, panels, layer, **attrs)
 
 
 def matmul_add(
@@ -301,12 +302,9 @@ def matmul_add(
     """residual + x @ w in float32 (w as `pack_panels(w)`, residual [M, N]), summed in
     place in the residual's buffer: a decoder layer's o and down projections with
     their residual connection. Same conditions as `matmul`."""
-    f32 = jnp.float32
-    panels, layer = _stack(panels, layer)
-    call = jax.ffi.ffi_call(
-        "rl_jax_matmul_add", jax.ShapeDtypeStruct(residual.shape, f32), input_output_aliases={3: 0}
-    )
-    return call(x.astype(f32), panels, layer, residual.astype(f32), parallel=bool(parallel))
+    out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
+    args = (x, panels, layer, residual)
+    return _panel_call("rl_jax_matmul_add", out, *args, aliases={3: 0}, parallel=bool(parallel))
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
