@@ -308,22 +308,30 @@ def online_softmax(num_blocks, block_fn, pv_spec: str, out_shape, *, einsum=eins
     """
 
     def body(j, carry):
-        m, l, acc = carry
-        s, vb = block_fn(j)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = einsum(pv_spec, p.astype(vb.dtype), vb)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
+        return _online_step(*carry, *block_fn(j), pv_spec, einsum)
 
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, _online_init(out_shape))
+    return acc / l[..., None]
+
+
+def _online_init(out_shape) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An online softmax's running (max, sum, output) before any block, float32."""
     lead = tuple(out_shape[:-1])
-    init = (
+    return (
         jnp.full(lead, -jnp.inf, jnp.float32),
         jnp.zeros(lead, jnp.float32),
         jnp.zeros(tuple(out_shape), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    return acc / l[..., None]
+
+
+def _online_step(m, l, acc, s, vb, pv_spec: str, einsum):
+    """The running (max m, sum l, output acc) after one more block of scores s and its
+    values vb (contracted by `pv_spec`)."""
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = einsum(pv_spec, p.astype(vb.dtype), vb)
+    return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
 
 def attention_cached(
@@ -568,11 +576,7 @@ class Decode:
             flat = flat.at[at].set(x.reshape(at.shape[0], -1).astype(dst.dtype), mode="drop")
             return flat.reshape(dst.shape)
 
-        if cache.scales is None:
-            return PagedKV(put(cache.keys, k_bkh), put(cache.values, v_bkh))
-        (qk, sk), (qv, sv) = quantize_int8(k_bkh), quantize_int8(v_bkh)
-        scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
-        return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
+        return _put_kv(cache, put, k_bkh, v_bkh)
 
     def pages_read(self, filled: int, width: int, *, dtype, head_dim: int) -> int:
         """Pages of a `width`-page table a decode step reads for a row that has filled
@@ -651,12 +655,7 @@ class Decode:
             def put(dst, x):  # x [K, L, B, n, P, ...]: one scatter of whole pages
                 return dst.at[idx].set(x.astype(dst.dtype), mode="drop")
 
-            k, v = pages(k), pages(v)
-            if cache.scales is None:
-                return PagedKV(put(cache.keys, self.page_keys(k, cache)), put(cache.values, v))
-            (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
-            scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
-            return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
+            return _put_kv(cache, put, pages(k), pages(v), lambda k: self.page_keys(k, cache))
 
         if layout is None:
             return local(cache, k, v, table, take)
@@ -693,6 +692,16 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
     return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def _put_kv(cache: PagedKV, put, k, v, keys=lambda k: k) -> PagedKV:
+    """`cache` with k and v written by `put(dst, x)` (keys in the layout `keys` gives), or
+    int8 with their scales where the cache is quantized."""
+    if cache.scales is None:
+        return PagedKV(put(cache.keys, keys(k)), put(cache.values, v))
+    (qk, sk), (qv, sv) = quantize_int8(k), quantize_int8(v)
+    scales = put(cache.scales, jnp.stack([sk, sv], axis=-1))
+    return PagedKV(put(cache.keys, qk), put(cache.values, qv), scales)
 
 
 def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -902,6 +911,17 @@ def _set_rows(a, x, i, block):
     return jax.lax.dynamic_update_slice_in_dim(a, x, i * block, axis=3)
 
 
+def _pair_scan(body, init, T, k, offset, block, mode, fused):
+    """The carry after `body` over flash attention's (query block, key block) pairs
+    (`causal_pairs`; k's padded slots), a `loops.scan` of `mode` (`fused`: its bytes
+    per FLOP)."""
+    pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
+    carry, _ = loops.scan(
+        body, init, pairs, name="flash_attention", mode=mode, bytes_per_flop=fused
+    )
+    return carry
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
 def _flash(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused):
     return _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused)[0]
@@ -914,28 +934,12 @@ def _flash_fwd(q, k, v, arrays, offset, T, S, scale, block, einsum, mode, fused)
         m, l, acc = carry  # [B, K, R, Tq] (acc: x hd), set query block by query block
         i, j = ij
         _, _, vb, s, _ = _flash_pair(q, k, v, arrays, offset, S, scale, block, einsum, i, j)
-        m_old, l_old, acc_old = (_rows(a, i, block) for a in (m, l, acc))
-        m_new = jnp.maximum(m_old, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m_old - m_new)
-        pv = einsum("bkrts,bksh->bkrth", p.astype(vb.dtype), vb)
-        l_new = l_old * corr + p.sum(axis=-1)
-        acc_new = acc_old * corr[..., None] + pv
-        return (
-            _set_rows(m, m_new, i, block),
-            _set_rows(l, l_new, i, block),
-            _set_rows(acc, acc_new, i, block),
-        ), None
+        old = (_rows(a, i, block) for a in (m, l, acc))
+        new = _online_step(*old, s, vb, "bkrts,bksh->bkrth", einsum)
+        return tuple(_set_rows(a, x, i, block) for a, x in zip((m, l, acc), new, strict=True)), None
 
-    init = (
-        jnp.full((B, K, R, Tq), -jnp.inf, jnp.float32),
-        jnp.zeros((B, K, R, Tq), jnp.float32),
-        jnp.zeros((B, K, R, Tq, hd), jnp.float32),
-    )
-    pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
-    (m, l, acc), _ = loops.scan(
-        body, init, pairs, name="flash_attention", mode=mode, bytes_per_flop=fused
-    )
+    init = _online_init((B, K, R, Tq, hd))
+    m, l, acc = _pair_scan(body, init, T, k, offset, block, mode, fused)
     # A row that sees no key (m stays MASK_VALUE) averages all S values, as `attention`'s
     # uniform softmax does; the blocks causality skips would have been part of it.
     none = m <= MASK_VALUE
@@ -976,10 +980,7 @@ def _flash_bwd(offset, T, S, scale, block, einsum, mode, fused, res, d_out):
         return (dq, add(dk, dk_j, j * block, 2), add(dv, dv_j, j * block, 2)), None
 
     init = tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
-    pairs = tuple(jnp.asarray(a) for a in causal_pairs(T, k.shape[2], offset, block))
-    (dq, dk, dv), _ = loops.scan(
-        body, init, pairs, name="flash_attention", mode=mode, bytes_per_flop=fused
-    )
+    dq, dk, dv = _pair_scan(body, init, T, k, offset, block, mode, fused)
     # Rows that see no key: out = the mean of the S values, so each value gets 1 / S of
     # their output gradient.
     d_mean = jnp.where(none[..., None], do_stat, 0.0).sum(axis=(2, 3)) / S  # [B, K, hd]
