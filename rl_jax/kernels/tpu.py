@@ -29,6 +29,7 @@ zero when their output's is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -115,8 +116,7 @@ def flash_attention(
     # Scaled in float32, then in q's dtype: splash scales nothing itself.
     q = (q_bthk.astype(jnp.float32) * scale).astype(q_bthk.dtype)
     q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, H, T, hd]
-    k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (k_bksh, v_bksh))
     Tp, Sp = T + q_pad, S + pad
 
     def local(q, k, v, *arrays):
@@ -170,22 +170,15 @@ def _per_device(local, layout: xla.AttentionLayout | None, n_arrays: int):
     """`local(q, k, v, *segment arrays)` under `jax.shard_map` over `layout`'s mesh (batch
     and, where q's groups stay with their kv head, heads split), or as is: without a
     layout, on one device, or inside a shard_map already (the arrays are this device's)."""
-    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
-    if layout is None or layout.mesh.size == 1 or manual:
+    if layout is None:
         return local
     batch, heads = layout.q[0], layout.q[2] if len(layout.q) > 2 else None
     kv_heads = layout.kv[1] if len(layout.kv) > 1 else None
     if heads != kv_heads:  # split only where q's groups stay with their kv head
         heads = None
-    q_spec = PartitionSpec(batch, heads, None, None)
-    kv_spec = PartitionSpec(batch, heads, None, None)
-    return jax.shard_map(
-        local,
-        mesh=layout.mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, *(PartitionSpec(batch, None) for _ in range(n_arrays))),
-        out_specs=q_spec,
-        check_vma=False,
-    )
+    spec = PartitionSpec(batch, heads, None, None)  # q, k, v and the output [B, H, T, hd]
+    in_specs = (spec, spec, spec, *(PartitionSpec(batch, None) for _ in range(n_arrays)))
+    return xla.per_device(local, layout, in_specs, spec)
 
 
 # ---- the one-token decode step -----------------------------------------------------------
@@ -261,16 +254,10 @@ def paged_attention(
     pages = jnp.minimum(table, N - 1) + layer * N
     kp, vp = (x.reshape(K, L * N, P, hd) for x in (keys, values))
 
-    def call():
-        return paged.paged_attention(
+    with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+        out = paged.paged_attention(
             q.reshape(B, K * R, hd), kp, vp, lengths, pages, pages_per_compute_block=per
         )
-
-    if interpret:
-        with pltpu.force_tpu_interpret_mode():
-            out = call()
-    else:
-        out = call()
     return out.reshape(B, K, R, hd).astype(jnp.float32)
 
 

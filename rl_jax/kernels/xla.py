@@ -552,7 +552,7 @@ class Decode:
         kv_spec = jax.sharding.PartitionSpec(pages.layout.rows, pages.layout.heads, None)
         cache_spec = _paged_cache_specs(pages.layout, cache)
         in_specs = (q_spec, kv_spec, kv_spec, cache_spec, row(2), row(1), row(1))
-        fn = _per_device(
+        fn = per_device(
             local, pages.layout, (*in_specs, jax.sharding.PartitionSpec()), (q_spec, cache_spec)
         )
         return fn(*args)
@@ -662,7 +662,7 @@ class Decode:
         _, row, _ = _paged_specs(layout)
         rows_kv = jax.sharding.PartitionSpec(None, layout.rows, layout.heads, None, None)
         spec = _paged_cache_specs(layout, cache)
-        fn = _per_device(local, layout, (spec, rows_kv, rows_kv, row(2), row(1)), spec)
+        fn = per_device(local, layout, (spec, rows_kv, rows_kv, row(2), row(1)), spec)
         return fn(cache, k, v, table, take)
 
 
@@ -742,8 +742,9 @@ def pages_needed(prompt_len: int, new_tokens: int, page: int) -> int:
     return max(1, -(-(prompt_len + new_tokens - 1) // page))
 
 
-def _per_device(fn, layout: PagedLayout | None, in_specs, out_specs):
-    """`fn` on each device's rows, pages and heads (`layout`), or as is without one."""
+def per_device(fn, layout: PagedLayout | AttentionLayout | None, in_specs, out_specs):
+    """`fn` under `jax.shard_map` over `layout`'s mesh, or as is: without a layout, on one
+    device, or inside a shard_map already (the arrays are this device's)."""
     if layout is None or layout.mesh.size == 1:
         return fn
     if jax.sharding.get_abstract_mesh().manual_axes:
@@ -875,8 +876,7 @@ def flash_attention(
     K, S = k_bksh.shape[1], k_bksh.shape[2]
     block = min(block, S)
     pad, q_pad = -S % block, -T % block
-    k = jnp.pad(k_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    v = jnp.pad(v_bksh, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (k_bksh, v_bksh))
     q = jnp.pad(q_bthk, ((0, 0), (0, q_pad), (0, 0), (0, 0))).reshape(B, T + q_pad, K, H // K, hd)
     m = mask.padded(pad, q_pad)
     arrays = (m.kv_valid_bs, m.q_segment_bt, m.kv_segment_bs)
