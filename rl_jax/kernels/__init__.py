@@ -77,16 +77,6 @@ from collections.abc import Callable
 from rl_jax.kernels import cpu, tpu, xla
 from rl_jax.runtime import mesh_platform
 
-OPS = (
-    "attention",
-    "attention_cached",
-    "dense",
-    "einsum_f32",
-    "flash_attention",
-    "decode",
-    "together",
-    "grouped_matmul",
-)
 # Platforms a kernel may be registered for ("xla" is the portable reference).
 PLATFORMS = ("xla", "cpu", "gpu", "tpu")
 # Sequence lengths that keep [B, T, D] -> [B * T, D] a bitcast, per platform (see above):
@@ -120,10 +110,18 @@ class Kernels:
         return self.decode(self.platform, **conditions)
 
 
-def register(platform: str, **ops: Callable) -> None:
-    """Make `ops` (names of OPS) the implementations on `platform`."""
+# The ops a platform may register: `Kernels`' fields after the platform.
+OPS = tuple(f.name for f in dataclasses.fields(Kernels)[1:])
+
+
+def _check_platform(platform: str) -> None:
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}; known: {', '.join(PLATFORMS)}")
+
+
+def register(platform: str, **ops: Callable) -> None:
+    """Make `ops` (names of OPS) the implementations on `platform`."""
+    _check_platform(platform)
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         raise ValueError(f"unknown kernel ops {unknown}; known: {', '.join(OPS)}")
@@ -134,8 +132,7 @@ def register(platform: str, **ops: Callable) -> None:
 @functools.cache
 def for_platform(platform: str) -> Kernels:
     """The ops on `platform` ("cpu", "gpu", "tpu", or "xla" for the reference alone)."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; known: {', '.join(PLATFORMS)}")
+    _check_platform(platform)
     ops = {**_REGISTRY["xla"], **_REGISTRY[platform]}
     return Kernels(platform=platform, **ops)
 
@@ -145,23 +142,14 @@ def for_mesh(mesh=None) -> Kernels:
     return for_platform(mesh_platform(mesh))
 
 
-register(
-    "xla",
-    attention=xla.attention,
-    attention_cached=xla.attention_cached,
-    dense=xla.dense,
-    einsum_f32=xla.einsum_f32,
-    flash_attention=xla.flash_attention,
-    decode=xla.decode_ops,
-    together=xla.together,
-    grouped_matmul=xla.grouped_matmul,
-)
+# Each op under its own name in `xla`, but `decode` (`xla.decode_ops`).
+register("xla", **{op: getattr(xla, op) for op in OPS if op != "decode"}, decode=xla.decode_ops)
+# XLA's attentions with the CPU-safe contraction.
+_CPU_ATTENTIONS = ("attention", "attention_cached", "flash_attention")
 register(
     "cpu",
-    attention=functools.partial(xla.attention, einsum=cpu.einsum_f32),
-    attention_cached=functools.partial(xla.attention_cached, einsum=cpu.einsum_f32),
+    **{op: functools.partial(getattr(xla, op), einsum=cpu.einsum_f32) for op in _CPU_ATTENTIONS},
     einsum_f32=cpu.einsum_f32,
-    flash_attention=functools.partial(xla.flash_attention, einsum=cpu.einsum_f32),
     decode=cpu.decode_ops,
     together=cpu.together,
 )
