@@ -548,9 +548,8 @@ class Decode:
         args = (q, k, v, cache, pages.table, pages.live, pos_b, layer)
         if pages.layout is None:
             return local(*args)
-        q_spec, row, _ = _paged_specs(pages.layout)
+        q_spec, row, cache_spec = _paged_specs(pages.layout, cache)
         kv_spec = jax.sharding.PartitionSpec(pages.layout.rows, pages.layout.heads, None)
-        cache_spec = _paged_cache_specs(pages.layout, cache)
         in_specs = (q_spec, kv_spec, kv_spec, cache_spec, row(2), row(1), row(1))
         fn = per_device(
             local, pages.layout, (*in_specs, jax.sharding.PartitionSpec()), (q_spec, cache_spec)
@@ -659,9 +658,8 @@ class Decode:
 
         if layout is None:
             return local(cache, k, v, table, take)
-        _, row, _ = _paged_specs(layout)
+        _, row, spec = _paged_specs(layout, cache)
         rows_kv = jax.sharding.PartitionSpec(None, layout.rows, layout.heads, None, None)
-        spec = _paged_cache_specs(layout, cache)
         fn = per_device(local, layout, (spec, rows_kv, rows_kv, row(2), row(1)), spec)
         return fn(cache, k, v, table, take)
 
@@ -754,19 +752,18 @@ def per_device(fn, layout: PagedLayout | AttentionLayout | None, in_specs, out_s
     )
 
 
-def _paged_cache_specs(layout: PagedLayout, cache: PagedKV) -> PagedKV:
-    """A paged cache's PartitionSpecs per device: kv heads, pages (with their rows)."""
-    _, _, paged = _paged_specs(layout)
-    return PagedKV(*(None if x is None else paged(x.ndim) for x in cache))
-
-
-def _paged_specs(layout: PagedLayout):
-    """PartitionSpecs of q [B, K, R, hd], a row array [B, ...] and pages [K, L, N, ...]."""
+def _paged_specs(layout: PagedLayout, cache: PagedKV):
+    """PartitionSpecs per device of q [B, K, R, hd], of a row array [B, ...] (by its
+    ndim) and of `cache`'s arrays [K, L, N, ...]: kv heads, pages (with their rows)."""
     P = jax.sharding.PartitionSpec
+
+    def paged(x):
+        return None if x is None else P(layout.heads, None, layout.rows, *(None,) * (x.ndim - 3))
+
     return (
         P(layout.rows, layout.heads, None, None),
         lambda ndim: P(layout.rows, *(None,) * (ndim - 1)),
-        lambda ndim: P(layout.heads, None, layout.rows, *(None,) * (ndim - 3)),
+        PagedKV(*map(paged, cache)),
     )
 
 
