@@ -100,8 +100,8 @@ def flash_attention(
     B, T = q_bthk.shape[:2]
     S = k_bksh.shape[2]
     bq, bkv = _block(block, T), _block(block, S)
+    segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None
     if loops.mode().how != "run":  # a plan's FLOP counting: see the module's note
-        segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None
         hd, itemsize = q_bthk.shape[3], jnp.dtype(q_bthk.dtype).itemsize
         fused = _bytes_per_flop(T, S, int(mask.offset), bq, bkv, hd, itemsize, segments)
         return xla.flash_attention(
@@ -111,8 +111,7 @@ def flash_attention(
     offset = int(mask.offset)
     # Pads past S are hidden by causality when no real query reaches them.
     hide_pad = pad and offset + T > S
-    segments = mask.kv_valid_bs is not None or mask.q_segment_bt is not None or hide_pad
-    arrays = _segment_ids(mask, B, T, S, q_pad, pad) if segments else ()
+    arrays = _segment_ids(mask, B, T, S, q_pad, pad) if segments or hide_pad else ()
     # Scaled in float32, then in q's dtype: splash scales nothing itself.
     q = (q_bthk.astype(jnp.float32) * scale).astype(q_bthk.dtype)
     q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, H, T, hd]
