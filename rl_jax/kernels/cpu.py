@@ -225,6 +225,11 @@ def pack_swiglu_panels(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jnp.concatenate([_panels(gate, h), _panels(up, h)], axis=2).transpose(1, 0, 2)
 
 
+def _f32(shape) -> jax.ShapeDtypeStruct:
+    """A kernel's result of `shape` (every result is float32)."""
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
 def _panel_call(target: str, out, x, panels, layer, *rest, aliases=None, **attrs):
     """The kernel `target` on x, the panels (stacked over layers or not: `_stack`), the
     layer and `rest`, every array in float32; `out`: its results' shapes."""
@@ -248,10 +253,8 @@ def matmul_swiglu(
     on the bench model, paired runs). `norm_eps`: as for `matmul`. Same conditions
     as `matmul`."""
     M = x.shape[0]
-    out = (  # the kernel's scratch [M, P W] (P panels of W columns), the activation
-        jax.ShapeDtypeStruct((M, panels.shape[-3] * panels.shape[-1]), jnp.float32),
-        jax.ShapeDtypeStruct((M, cols), jnp.float32),
-    )
+    # The kernel's scratch [M, P W] (P panels of W columns), and the activation.
+    out = (_f32((M, panels.shape[-3] * panels.shape[-1])), _f32((M, cols)))
     attrs = {"parallel": bool(parallel), "norm_eps": _eps(norm_eps)}
     return _panel_call("rl_jax_matmul_swiglu", out, x, panels, layer, **attrs)[1]
 
@@ -291,9 +294,8 @@ def matmul(
     (no mesh, or inside shard_map): the call has no sharding rule. `parallel`: also
     use XLA's intra-op threads (as for `paged_attention`).
     """
-    out = jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32)
     attrs = {"parallel": bool(parallel), "norm_eps": _eps(norm_eps)}
-    return _panel_call("rl_jax_matmul", out, x, panels, layer, **attrs)
+    return _panel_call("rl_jax_matmul", _f32((x.shape[0], cols)), x, panels, layer, **attrs)
 
 
 def matmul_add(
@@ -302,18 +304,15 @@ def matmul_add(
     """residual + x @ w in float32 (w as `pack_panels(w)`, residual [M, N]), summed in
     place in the residual's buffer: a decoder layer's o and down projections with
     their residual connection. Same conditions as `matmul`."""
-    out = jax.ShapeDtypeStruct(residual.shape, jnp.float32)
-    args = (x, panels, layer, residual)
-    return _panel_call("rl_jax_matmul_add", out, *args, aliases={3: 0}, parallel=bool(parallel))
+    args = (_f32(residual.shape), x, panels, layer, residual)
+    return _panel_call("rl_jax_matmul_add", *args, aliases={3: 0}, parallel=bool(parallel))
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids] for a float32 table [V, D] and ids [B] (out-of-range ids clipped): a
     step's token embeddings, every row requested before any is copied. Same
     conditions as `matmul`."""
-    call = jax.ffi.ffi_call(
-        "rl_jax_take_rows", jax.ShapeDtypeStruct((ids.shape[0], table.shape[1]), jnp.float32)
-    )
+    call = jax.ffi.ffi_call("rl_jax_take_rows", _f32((ids.shape[0], table.shape[1])))
     return call(table.astype(jnp.float32), ids.astype(jnp.int32))
 
 
@@ -352,15 +351,8 @@ def paged_attention(
     else:
         out_shape, target = inputs[0].shape, "rl_jax_paged_attention"
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(
-        target,
-        (
-            jax.ShapeDtypeStruct(out_shape, f32),
-            jax.ShapeDtypeStruct(keys.shape, f32),
-            jax.ShapeDtypeStruct(values.shape, f32),
-        ),
-        input_output_aliases={3: 1, 4: 2},
-    )
+    outs = (_f32(out_shape), _f32(keys.shape), _f32(values.shape))
+    call = jax.ffi.ffi_call(target, outs, input_output_aliases={3: 1, 4: 2})
     return call(
         *(x.astype(f32) for x in inputs),
         keys,
