@@ -152,8 +152,7 @@ def _segment_ids(mask: xla.AttentionMask, B: int, T: int, S: int, q_pad: int, pa
     """Splash's segment ids of `mask`, padded: (queries [B, T + q_pad], keys [B, S + pad]);
     a pad key, or one `mask.kv_valid_bs` hides, is in a segment no query is in."""
     q_seg = mask.q_segment_bt if mask.q_segment_bt is not None else jnp.zeros((B, T), jnp.int32)
-    kv_seg = mask.kv_segment_bs
-    kv_seg = kv_seg if kv_seg is not None else jnp.zeros((B, S), jnp.int32)
+    kv_seg = mask.kv_segment_bs if mask.kv_segment_bs is not None else jnp.zeros((B, S), jnp.int32)
     kv_seg = kv_seg.astype(jnp.int32)
     if mask.kv_valid_bs is not None:
         kv_seg = jnp.where(mask.kv_valid_bs.astype(bool), kv_seg, HIDDEN)
