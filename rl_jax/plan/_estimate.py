@@ -66,25 +66,21 @@ def estimate(
     the pushed view, the weights it runs and the caches, and nothing else; the trainer's
     the rest. Time: train, log-prob and prefill FLOPs at peak; decode at the larger of
     FLOPs and the bytes of the sampler's weights and the whole cache per decode step;
-    colocated the sum, split the slower side plus the weight push (`_push_s`)."""
+    colocated the sum, split the slower side plus the weight push (`Chip.push_s`)."""
     chips = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
     P, G, sc = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.sampling
-    tp = -(-sc.max_prompt_len // sc.length_bucket) * sc.length_bucket
-    tg = -(-sc.max_new_tokens // sc.length_bucket) * sc.length_bucket
+    tp, tg = (round_up(n, sc.length_bucket) for n in (sc.max_prompt_len, sc.max_new_tokens))
     parts, kv, steps = _parts(spec, cfg, mesh, sampler, tp, tg)
-    train = sum(parts[k] for k in _TRAINER_PARTS)
-    if sampler:  # the sampler's chips: the pushed view, the weights it runs, the caches
-        decode = parts["sampler_view"] + parts["sampler_weights"] + parts["sampler_kv"]
-    else:
-        decode = sum(parts[k] for k in _DECODE_PARTS)
     decode_bytes = (parts["sampler_weights"] + kv) * steps
     s_chips = sampler or chips
     train_s, sample_s, useful = _roofline(spec, cfg, chip, (chips, s_chips), tp, tg, decode_bytes)
-    if sampler:
-        step_s = max(train_s, sample_s) + _push_s(parts["sampler_view"], sampler, chips, chip)
+    train = sum(parts[k] for k in _TRAINER_PARTS)
+    if sampler:  # the sampler's chips: the pushed view, the weights it runs, the caches
+        decode = parts["sampler_view"] + parts["sampler_weights"] + parts["sampler_kv"]
+        step_s = max(train_s, sample_s) + chip.push_s(parts["sampler_view"], sampler, chips)
     else:
+        decode = sum(parts[k] for k in _DECODE_PARTS)
         step_s = train_s + sample_s
-    all_chips = chips + sampler
     return {
         "hbm_bytes": float(max(train, decode)),
         "train_bytes": float(train),
@@ -92,11 +88,15 @@ def estimate(
         "parts": {k: float(v) for k, v in parts.items()},
         "sampler_kv_bytes": float(parts["sampler_kv"]),
         "step_s": float(step_s),
-        "rollouts_per_hour": P * G * 3600 / step_s if step_s > 0 else float("nan"),
-        "mfu_estimate": (
-            useful / all_chips / chip.bf16_flops / step_s if step_s > 0 else float("nan")
-        ),
+        "rollouts_per_hour": per_hour(P * G, step_s),
+        "mfu_estimate": chip.mfu(useful / (chips + sampler), step_s),
     }
+
+
+def per_hour(rollouts: int, step_s: float) -> float:
+    """Rollouts per hour of RL steps of `rollouts` taking `step_s` (NaN where no time is
+    known)."""
+    return rollouts * 3600 / step_s if step_s > 0 else float("nan")
 
 
 # What each side holds at its peak (`estimate`): the update with what stays beside it
@@ -144,13 +144,6 @@ def _decode_weights(spec: Any, fsdp: int, tensor: int) -> float:
     experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
     ways = fsdp if spec.is_moe and spec.num_experts % fsdp == 0 else 1  # as fit_spec splits
     return ((n - experts) / tensor + experts / (tensor * ways)) * _itemsize(spec.compute_dtype)
-
-
-def _push_s(push: float, sampler: int, trainer: int, chip: Chip) -> float:
-    """A version's weights from the trainer's chips to the sampler's: `push` bytes into
-    each sampler chip, those of all of them out of the trainer's, at half a chip's
-    bidirectional ICI bandwidth (as the compiled plan prices it)."""
-    return max(push, push * sampler / trainer) / (chip.ici_bandwidth / 2)
 
 
 def _state_bytes(spec: Any, cfg: Any, ways: int) -> tuple[float, float, float, float]:

@@ -40,6 +40,7 @@ from rl_jax.plan._assumed import (
     planned_model,
 )
 from rl_jax.plan._collectives import collective_bytes
+from rl_jax.plan._estimate import per_hour
 from rl_jax.plan._flops import train_flops
 from rl_jax.plan.chips import Chip, canonical_topology, num_chips, parse_topology
 from rl_jax.runtime import mesh_platform
@@ -382,35 +383,26 @@ class _Step:
         """The RL step's roofline time, its useful FLOPs, MFU and rollouts per hour; with
         collectives added, none overlapped with compute (the other bound). Colocated,
         every program's calls one after another; split, the trainer's and the sampler's
-        chips work at once: the slower side plus the weight push (`_push_s`)."""
+        chips work at once: the slower side plus the weight push (`Chip.push_s`)."""
         cfg = self.t.cfg
-        P, G = cfg.data.prompts_per_batch, cfg.sampling.n
-        step_s = sum(p["roofline_s"] * p["calls"] for p in programs)
-        step_c = step_s + sum(p["collective_s"] * p["calls"] for p in programs)
+        step_s, step_c = _seconds(programs)
         if self.split:
-            sides = {}  # side -> (roofline, with collectives)
-            for side in ("trainer", "sampler"):
-                on = [p for p in programs if (p["name"] in ENGINE_PROGRAMS) == (side == "sampler")]
-                s = sum(p["roofline_s"] * p["calls"] for p in on)
-                sides[side] = (s, s + sum(p["collective_s"] * p["calls"] for p in on))
-            push_s = self._push_s()
-            trainer, sampler = sides["trainer"], sides["sampler"]
+            trainer = _seconds([p for p in programs if p["name"] not in ENGINE_PROGRAMS])
+            sampler = _seconds([p for p in programs if p["name"] in ENGINE_PROGRAMS])
+            n_sampler, n_trainer = self.t.sample_mesh.devices.size, self.t.mesh.devices.size
+            push_s = self.chip.push_s(self.bytes["push"], n_sampler, n_trainer)
             step_s, step_c = (max(trainer[i], sampler[i]) + push_s for i in (0, 1))
         fwd = self.forward_flops
         useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
-        chips, rollouts = len(self.t.devices), P * G
+        rollouts = cfg.data.prompts_per_batch * cfg.sampling.n
         out = {
             "roofline_s": step_s,
             "flops": useful,
-            "mfu_estimate": (
-                useful / chips / self.chip.bf16_flops / step_s if step_s else float("nan")
-            ),
+            "mfu_estimate": self.chip.mfu(useful / len(self.t.devices), step_s),
             "rollouts": rollouts,
-            "rollouts_per_hour": rollouts * 3600 / step_s if step_s > 0 else float("nan"),
+            "rollouts_per_hour": per_hour(rollouts, step_s),
             "roofline_s_with_collectives": step_c,
-            "rollouts_per_hour_with_collectives": (
-                rollouts * 3600 / step_c if step_c > 0 else float("nan")
-            ),
+            "rollouts_per_hour_with_collectives": per_hour(rollouts, step_c),
         }
         if self.split:
             out["split"] = {
@@ -421,15 +413,12 @@ class _Step:
             }
         return out
 
-    def _push_s(self) -> float:
-        """Seconds a version's weights take from the trainer's chips to the sampler's
-        (split mode, once per RL step): each sampler chip receives its shard of the view
-        ("push" bytes), and the trainer's chips send those of every sampler chip between
-        them, over ICI at half its bidirectional bandwidth (one direction of every port
-        at once). A lower bound: no hops, no contention, nothing overlapped."""
-        n_sampler, n_trainer = self.t.sample_mesh.devices.size, self.t.mesh.devices.size
-        push = self.bytes["push"]
-        return max(push, push * n_sampler / n_trainer) / (self.chip.ici_bandwidth / 2)
+
+def _seconds(programs) -> tuple[float, float]:
+    """Seconds of every call of `programs`, one after another: their roofline times, and
+    those with their collectives added."""
+    s = sum(p["roofline_s"] * p["calls"] for p in programs)
+    return s, s + sum(p["collective_s"] * p["calls"] for p in programs)
 
 
 class _StandInTokens:

@@ -138,41 +138,34 @@ def _waves(cfg: RunConfig) -> list[int]:
     return sorted({max(1, most >> i) for i in range(4)}, reverse=True)
 
 
+def _knobs(cfg: RunConfig, cand: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{config section: {field: value}}: the knobs a candidate sets, in the order its
+    `overrides` spell them. Micro-batches set two knobs: the optimizer steps x m
+    minibatches, m accumulated into each step."""
+    mesh = {axis: cand["mesh"][axis] for axis in ("data", "fsdp", "tensor")}
+    if cand["sampler"] or cfg.mesh.sampler_devices:
+        mesh["sampler_devices"] = cand["sampler"]
+    train = dict(zip(_MICRO_KNOBS, _micro_knobs(cfg, cand["micro"]), strict=True))
+    if cand["waves"]:
+        train["pipeline_waves"] = cand["waves"]
+    knobs = {"mesh": mesh, "model": {"remat": cand["remat"]}, "train": train}
+    if cand.get("slots", 0):
+        knobs["sampling"] = {"engine_slots": cand["slots"]}
+    return knobs
+
+
 def overrides(cfg: RunConfig, cand: dict[str, Any]) -> list[str]:
     """The `key=value` overrides that make `cfg` a candidate's run (`apply` as a command
-    line: `rl-jax plan RECIPE <these> --topology T` plans the same run). Micro-batches
-    set two knobs: the optimizer steps x m minibatches, m accumulated into each step."""
-    m, mesh = cand["micro"], cand["mesh"]
-    out = [f"mesh.{axis}={mesh[axis]}" for axis in ("data", "fsdp", "tensor")]
-    if cand["sampler"] or cfg.mesh.sampler_devices:
-        out.append(f"mesh.sampler_devices={cand['sampler']}")
-    out += [
-        f"model.remat={cand['remat']}",
-        *(f"train.{k}={v}" for k, v in zip(_MICRO_KNOBS, _micro_knobs(cfg, m), strict=True)),
-    ]
-    if cand["waves"]:
-        out.append(f"train.pipeline_waves={cand['waves']}")
-    if cand.get("slots", 0):
-        out.append(f"sampling.engine_slots={cand['slots']}")
-    return out
+    line: `rl-jax plan RECIPE <these> --topology T` plans the same run)."""
+    return [f"{s}.{k}={v}" for s, knobs in _knobs(cfg, cand).items() for k, v in knobs.items()]
 
 
 def apply(cfg: RunConfig, cand: dict[str, Any]) -> RunConfig:
     """The run's config with a candidate's knobs set (what `overrides` says, without the
     parsing: the search applies it to every candidate)."""
-    m = cand["micro"]
-    train = dataclasses.replace(
-        cfg.train,
-        **dict(zip(_MICRO_KNOBS, _micro_knobs(cfg, m), strict=True)),
-        **({"pipeline_waves": cand["waves"]} if cand["waves"] else {}),
-    )
-    slots = cand.get("slots", 0)
+    sections = _knobs(cfg, cand).items()
     return dataclasses.replace(
-        cfg,
-        mesh=dataclasses.replace(cfg.mesh, **cand["mesh"], sampler_devices=cand["sampler"]),
-        model=dataclasses.replace(cfg.model, remat=cand["remat"]),
-        sampling=dataclasses.replace(cfg.sampling, engine_slots=slots) if slots else cfg.sampling,
-        train=train,
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **knobs) for s, knobs in sections}
     )
 
 

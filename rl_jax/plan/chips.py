@@ -40,6 +40,20 @@ class Chip:
         """Lower bound on a program's time on one chip: compute- or memory-bound."""
         return max(flops / self.bf16_flops, bytes_accessed / self.hbm_bandwidth)
 
+    def mfu(self, flops: float, seconds: float) -> float:
+        """The fraction of one chip's peak that `flops` (its model FLOPs) in `seconds` use
+        (NaN where no time is known)."""
+        return flops / self.bf16_flops / seconds if seconds > 0 else math.nan
+
+    def push_s(self, push: float, sampler: int, trainer: int) -> float:
+        """Seconds a version's weights take from the trainer's `trainer` chips to the
+        sampler's `sampler` (split mode, once per RL step): each sampler chip receives
+        `push` bytes (its shard of the view), and the trainer's chips send those of every
+        sampler chip between them, over ICI at half its bidirectional bandwidth (one
+        direction of every port at once). A lower bound: no hops, no contention, nothing
+        overlapped."""
+        return max(push, push * sampler / trainer) / (self.ici_bandwidth / 2)
+
 
 GB = 1e9
 GIB = 2**30
