@@ -220,8 +220,12 @@ class _Step:
         receives of each version ("push": the view in the engine's layout)."""
         params, opt = self.progs.state_shapes
         engine, spec = self.progs.engine, self.t.spec
-        state = engine.abstract_state()
-        view = _resharded(self.progs.param_format.abstract_view(params), engine.param_shardings())
+        state, shardings = engine.abstract_state(), engine.param_shardings()
+        view = self.progs.param_format.abstract_view(params)
+        weights = {  # the view in the engine's layout and the compute dtype
+            n: jax.ShapeDtypeStruct(a.shape, spec.compute_dtype, sharding=shardings[n])
+            for n, a in view.items()
+        }
         param = _chip_bytes(params)
         taken = _chip_bytes(self.progs.sampler_view())  # split: the view in the engine's layout
         return {
@@ -233,9 +237,7 @@ class _Step:
             "ref": param if self.progs.passes.ref else 0,
             "sampler": _chip_bytes(state),
             "kv": _chip_bytes(state.slots.cache),
-            "weights": _chip_bytes(
-                {n: _abstract(a, a.sharding, spec.compute_dtype) for n, a in view.items()}
-            ),
+            "weights": _chip_bytes(weights),
         }
 
     @functools.cached_property
@@ -631,13 +633,9 @@ def _prefill_flops(spec, T: int) -> float:
     """Model FLOPs of filling a KV cache with T prompt tokens: every layer but the last
     whole, the last one's K and V projections only, no LM head (nothing reads them)."""
     D, K, hd, L = spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.num_layers
-    attn = _per_key(spec) / L * (L - 1) * T * (T + 1) / 2
+    per_key = spec.flops_per_token(1) - spec.flops_per_token(0)  # attention, all layers
+    attn = per_key / L * (L - 1) * T * (T + 1) / 2
     return 2 * T * ((L - 1) * spec.layer_matmul_params() + 2 * D * K * hd) + attn
-
-
-def _per_key(spec) -> float:
-    """Attention FLOPs of one token per attended key (all layers)."""
-    return spec.flops_per_token(1) - spec.flops_per_token(0)
 
 
 def _axes(mesh: Mesh) -> dict[str, int]:
@@ -651,14 +649,6 @@ def _chip_bytes(tree) -> int:
         shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
         total += int(np.prod(shape, dtype=np.int64)) * a.dtype.itemsize
     return total
-
-
-def _resharded(params, shardings):
-    return {n: _abstract(a, shardings[n]) for n, a in params.items()}
-
-
-def _abstract(s, sharding, dtype=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -683,14 +673,8 @@ def compile_jobs(jobs: int):
     if jobs < 1:
         raise ValueError(f"compile jobs must be >= 1, got {jobs}")
     prev = getattr(_jobs, "pool", None)
-    if jobs == 1:
-        _jobs.pool = None
-        try:
-            yield
-        finally:
-            _jobs.pool = prev
-        return
-    with ThreadPoolExecutor(jobs, thread_name_prefix="plan-compile") as pool:
+    pool = ThreadPoolExecutor(jobs, thread_name_prefix="plan-compile") if jobs > 1 else None
+    with pool or contextlib.nullcontext():
         _jobs.pool = pool
         try:
             yield
@@ -800,7 +784,7 @@ def _report(
         "collective_bytes": sent,
         "collective_s": sent / chip.collective_bandwidth,
         "roofline_s": roofline,
-        "mfu_estimate": analytic / chip.bf16_flops / roofline if roofline > 0 else float("nan"),
+        "mfu_estimate": chip.mfu(analytic, roofline),
         "calls": calls,
         "compile_s": compile_s,
     }
@@ -822,13 +806,20 @@ def _memory(compiled, resident: int, chip: Chip, headroom: float) -> dict[str, A
         "resident": resident,
     }
     total = parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
-    total += parts["code"] + resident
+    return _hbm(total + parts["code"] + resident, parts, chip, headroom)
+
+
+def _hbm(total: float, parts: dict[str, int], chip: Chip, headroom: float) -> dict[str, Any]:
+    """A program's `total` HBM bytes per chip (`parts` of it by kind) and whether they fit
+    with `headroom` left free: "over_gb" is the GB above that (0 where they fit; NaN where
+    XLA did not say what it needs)."""
+    limit = (1 - headroom) * chip.hbm_bytes
     return {
         "hbm_total_gb": total / 1e9,
         "hbm_gb": {k: v / 1e9 for k, v in parts.items()},
-        "fits": total <= (1 - headroom) * chip.hbm_bytes,
+        "fits": total <= limit,
         "headroom": 1 - total / chip.hbm_bytes,
-        "over_gb": _over_gb(total, chip, headroom),
+        "over_gb": max(0.0, total - limit) / 1e9 if total == total else total,
     }
 
 
@@ -846,35 +837,23 @@ def _decode_bytes(chip, analytic, flops, roofline, bytes_analytic, bytes_floor) 
     out["roofline_analytic_s"] = chip.roofline_s(analytic, bytes_analytic)
     out["roofline_compiled_s"] = roofline
     out["roofline_s"] = roofline = chip.roofline_s(flops, bytes_analytic)
-    out["mfu_estimate"] = analytic / chip.bf16_flops / roofline if roofline > 0 else float("nan")
+    out["mfu_estimate"] = chip.mfu(analytic, roofline)
     return out
 
 
-def _over_gb(total: float, chip: Chip, headroom: float) -> float:
-    """GB per chip above what fits with `headroom` left free (0 where it fits; NaN where
-    XLA did not say what it needs)."""
-    return max(0.0, total - (1 - headroom) * chip.hbm_bytes) / 1e9 if total == total else total
+# A program XLA refused to compile has no counts or times: NaN (its memory is what XLA said).
+_UNCOMPILED = (
+    "flops flops_analytic flops_ratio flops_expected flops_expected_ratio bytes_accessed"
+    " roofline_s mfu_estimate compile_s collective_bytes collective_s"
+).split()
 
 
 def _out_of_memory(
     name: str, oom: OutOfMemory, chip: Chip, headroom: float, calls: float
 ) -> dict[str, Any]:
-    nan = float("nan")
-    out = {k: nan for k in ("flops", "flops_analytic", "flops_ratio", "flops_expected")}
-    out["flops_expected_ratio"] = nan
-    out.update({k: nan for k in ("bytes_accessed", "roofline_s", "mfu_estimate", "compile_s")})
-    out.update({k: nan for k in ("collective_bytes", "collective_s")})
-    return {
-        **out,
-        "name": name,
-        "hbm_total_gb": oom.required_bytes / 1e9,
-        "hbm_gb": {},
-        "fits": False,
-        "headroom": 1 - oom.required_bytes / chip.hbm_bytes,
-        "over_gb": _over_gb(oom.required_bytes, chip, headroom),
-        "calls": calls,
-        "error": oom.message,
-    }
+    hbm = {**_hbm(oom.required_bytes, {}, chip, headroom), "fits": False}
+    nan = dict.fromkeys(_UNCOMPILED, float("nan"))
+    return {**nan, "name": name, **hbm, "calls": calls, "error": oom.message}
 
 
 def _first(e: Exception) -> str:
