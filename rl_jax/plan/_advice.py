@@ -45,9 +45,7 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
     if program["name"] in _TRAINER:
         if program["name"] == "train_step" and cfg.model.remat != "full":
             hints.append("model.remat=full (each layer keeps only its input for the backward)")
-        micro = _micro_batches(cfg, shards)
-        if micro:
-            hints.append(micro)
+        hints += _micro_batches(cfg, shards)
     resident = program["hbm_gb"].get("resident", 0.0)
     stream = cfg.train.off_policy == "pipeline"
     sampler = program["name"] not in _TRAINER
@@ -68,36 +66,36 @@ def _hints(cfg: RunConfig, plan: dict[str, Any], program: dict[str, Any]) -> lis
                 f"mesh.sampler_devices={n} (the engine's weights and cache over {n} chips)"
             )
     elif sampler:
-        tensor = _more_tensor(cfg, plan["mesh"])
-        if tensor:
-            hints.append(tensor)
+        hints += _more_tensor(cfg, plan["mesh"])
     hints.append("a larger slice (--topology)")
     hints.append("or --search, which ranks these knobs by what fits")
     return hints
 
 
-def _more_tensor(cfg: RunConfig, mesh: dict[str, int]) -> str | None:
+def _more_tensor(cfg: RunConfig, mesh: dict[str, int]) -> list[str]:
     """Twice the tensor parallelism from the fsdp (else data) axis, where the heads and
-    the batch's rows still split: the sampler's weights and KV heads over twice the chips."""
+    the batch's rows still split: the sampler's weights and KV heads over twice the chips
+    (as overrides, none where it does not apply)."""
     t = 2 * mesh["tensor"]
     if t > MAX_TENSOR or resolve_spec(cfg.model).num_heads % t:
-        return None
+        return []
     for axis in ("fsdp", "data"):
         if mesh[axis] % 2 == 0:
             try:
                 check_sizes(cfg, mesh["data"] * mesh["fsdp"] // 2)
             except ConfigError:
-                return None
-            return (
+                return []
+            return [
                 f"mesh.{axis}={mesh[axis] // 2} mesh.tensor={t} (the sampler's weights and KV"
                 f" heads over {t} chips)"
-            )
-    return None
+            ]
+    return []
 
 
-def _micro_batches(cfg: RunConfig, shards: int) -> str | None:
+def _micro_batches(cfg: RunConfig, shards: int) -> list[str]:
     """The fewest more micro-batches the trainer takes (each minibatch split m ways, the
-    rows of a micro-batch still split over the batch shards), as overrides."""
+    rows of a micro-batch still split over the batch shards), as overrides (none where it
+    takes no more)."""
     P, G = cfg.data.prompts_per_batch, cfg.sampling.n
     M, ga = cfg.train.updates_per_batch, cfg.train.grad_accum
     for m in range(2, P // M + 1):
@@ -109,8 +107,8 @@ def _micro_batches(cfg: RunConfig, shards: int) -> str | None:
         except ConfigError:
             continue
         rows = P // (M * m) * G // shards
-        return (
+        return [
             f"train.updates_per_batch={M * m} train.grad_accum={ga * m} ({m} micro-batches a"
             f" minibatch, {rows} rows per chip each; the same optimizer steps)"
-        )
-    return None
+        ]
+    return []

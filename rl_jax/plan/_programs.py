@@ -170,12 +170,10 @@ def plan_run(
     if count_flops and flops_if_fits:
         count_flops = all(p["fits"] for p in step.reports(nan_costs))
     t0 = time.perf_counter()
+    costs = nan_costs  # XLA's own counts of the scanned programs miss all but one iteration
     if count_flops:
-        M, sample_mesh = t.cfg.train.updates_per_batch, t.sample_mesh
-        kw = dict(M=M, tp=t.tp, tg=t.tg, sample_mesh=sample_mesh)
+        kw = dict(M=t.cfg.train.updates_per_batch, tp=t.tp, tg=t.tg, sample_mesh=t.sample_mesh)
         costs = _layer_costs(t.cfg, t.spec, t.mesh, t.rules, **kw)
-    else:  # XLA's own counts of the scanned programs would miss all but one iteration
-        costs = nan_costs
     plan = step.summary(
         step.reports(costs),
         source=source,

@@ -248,15 +248,14 @@ def search(
         "estimate_only": estimate_only,
     }
     if estimate_only:
-        ranked = [_estimated(c, budget_rollouts) for c in ok[:top]]
-        return {**result, "compiled": 0, "excluded": excluded, "ranked": ranked}
-    plan = functools.partial(
-        plan_fn, topology=topology, headroom=headroom, budget_rollouts=budget_rollouts
-    )
-    ranked, failed = _compile_until(base, ok, top, plan, progress)
-    excluded += failed
-    compiled = len(ranked) + len(failed)
-    return {**result, "compiled": compiled, "excluded": excluded, "ranked": ranked}
+        ranked, failed = [_estimated(c, budget_rollouts) for c in ok[:top]], []
+    else:
+        plan = functools.partial(
+            plan_fn, topology=topology, headroom=headroom, budget_rollouts=budget_rollouts
+        )
+        ranked, failed = _compile_until(base, ok, top, plan, progress)
+    compiled = 0 if estimate_only else len(ranked) + len(failed)
+    return {**result, "compiled": compiled, "excluded": excluded + failed, "ranked": ranked}
 
 
 def _compile_until(base, ok, top, plan_fn, progress):

@@ -66,9 +66,7 @@ def set_cpu_devices(cfg: MeshConfig) -> None:
 
 def maybe_initialize_distributed(cfg: MeshConfig) -> None:
     """Start JAX's multi-controller runtime when asked (idempotent)."""
-    if not cfg.distributed:
-        return
-    if jax.distributed.is_initialized():
+    if not cfg.distributed or jax.distributed.is_initialized():
         return
     # CPU collectives across processes need gloo; the flag only affects the CPU
     # backend, and asking for the backend here would initialize it too early.
