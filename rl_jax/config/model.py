@@ -212,3 +212,18 @@ def _check_experts(m, *, resolved: bool) -> None:
             f"model.shared_expert_intermediate_size={Fs} needs experts (model.num_experts > 0): "
             "a shared expert sits beside a mixture of experts' routed ones"
         )
+    dense = list(getattr(m, "dense_layers", ()))  # a ModelSpec's (from a checkpoint)
+    L = m.num_layers
+    ints = all(isinstance(i, int) and not isinstance(i, bool) for i in dense)
+    if dense and (
+        not ints or not E or dense != sorted(set(dense)) or not 0 <= dense[0] <= dense[-1] < L
+    ):
+        raise ConfigError(
+            f"model dense_layers={dense} must be ascending layer indices in [0, {L}) of a "
+            "mixture of experts (model.num_experts > 0)"
+        )
+    if dense and len(dense) == L:
+        raise ConfigError(
+            f"model dense_layers={dense} leave no sparse layer: a dense model has "
+            "model.num_experts=0"
+        )

@@ -472,18 +472,24 @@ class Decode(xla.Decode):
             return super().prepare(layers, final_norm, head_vd)
 
         def one_layer(w):
-            dt = w["qkv"].dtype
-            attn_w, mlp_w = w["attn_norm"].astype(dt)[:, None], w["mlp_norm"].astype(dt)[:, None]
-            packed = {"qkv": pack_panels(attn_w * w["qkv"]), "o": pack_panels(w["o"])}
-            if "gate_up" in w:  # a mixture of experts' MLP keeps XLA's layout and ops
-                gate, up = jnp.split(w["gate_up"], 2, axis=1)
-                packed["down"] = pack_panels(w["down"])
-                packed["gate_up"] = pack_swiglu_panels(mlp_w * gate, mlp_w * up)
-            return w | packed
+            attn_w = w["attn_norm"].astype(w["qkv"].dtype)[:, None]
+            return w | {"qkv": pack_panels(attn_w * w["qkv"]), "o": pack_panels(w["o"])}
 
         norm_w = final_norm.astype(jnp.float32)[:, None]
         head = pack_panels(norm_w * head_vd.T.astype(jnp.float32))
         return jax.vmap(one_layer)(layers), head
+
+    def prepare_mlp(self, mlp: dict) -> dict:
+        if not self.packed or "gate_up" not in mlp:  # experts keep XLA's layout and ops
+            return mlp
+
+        def one_layer(w):
+            norm_w = w["mlp_norm"].astype(w["gate_up"].dtype)[:, None]
+            gate, up = jnp.split(w["gate_up"], 2, axis=1)
+            packed = pack_swiglu_panels(norm_w * gate, norm_w * up)
+            return w | {"gate_up": packed, "down": pack_panels(w["down"])}
+
+        return jax.vmap(one_layer)(mlp)
 
     def embed(self, table_vd, tokens_b, dtype):
         if self.packed:

@@ -452,6 +452,12 @@ class Decode:
         outside the token loop. Here: as given."""
         return layers, head_vd
 
+    def prepare_mlp(self, mlp: dict) -> dict:
+        """One kind's MLP weights stacked over its layers ("mlp_norm" and "gate_up",
+        "down", or a mixture of experts'), in the layout the ops below read, as
+        `prepare`. Here: as given."""
+        return mlp
+
     def grouped_matmul(self, x, w, group_sizes) -> jax.Array:
         """A mixture of experts' matmul over rows sorted by expert (`grouped_matmul`)."""
         return grouped_matmul(x, w, group_sizes)

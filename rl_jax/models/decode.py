@@ -26,12 +26,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax.kernels.xla import Decode, PagedKV, Pages
 from rl_jax.models.layers import rms_norm, rope_angles, rope_table
-from rl_jax.models.moe import SHARED_EXPERT, moe_block, moe_mlp
+from rl_jax.models.moe import moe_block, moe_mlp
 from rl_jax.models.spec import ModelSpec
-from rl_jax.models.transformer import LAYER_PARAMS, final_norm_dtype
+from rl_jax.models.transformer import (
+    DENSE_MLP,
+    LAYER_PARAMS,
+    MLP_PARAMS,
+    SPARSE_MLP,
+    final_norm_dtype,
+    mlp_index,
+    mixed_mlp,
+)
 
 
 def decode_weights(
@@ -46,21 +55,12 @@ def decode_weights(
     def one_layer(p):
         w = {
             "attn_norm": p["attn_norm"],
-            "mlp_norm": p["mlp_norm"],
             "qkv": jnp.concatenate(
                 [p["q"].reshape(D, H * hd), p["k"].reshape(D, K * hd), p["v"].reshape(D, K * hd)],
                 axis=1,
             ).astype(cdt),
             "o": p["o"].reshape(H * hd, D).astype(cdt),
         }
-        if spec.is_moe:  # the router stays float32 (rl_jax.models.moe.route)
-            w["router"] = p["router"]
-            for name in ("expert_gate", "expert_up", "expert_down", *SHARED_EXPERT):
-                if name in p:
-                    w[name] = p[name].astype(cdt)
-        else:
-            w["gate_up"] = jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt)
-            w["down"] = p["down"].astype(cdt)
         if spec.qkv_bias:
             w["qkv_bias"] = jnp.concatenate(
                 [p["q_bias"].reshape(-1), p["k_bias"].reshape(-1), p["v_bias"].reshape(-1)]
@@ -71,7 +71,21 @@ def decode_weights(
             w["q_norm"], w["k_norm"] = p["q_norm"], p["k_norm"]
         return w
 
-    layers = jax.vmap(one_layer)({n: params[n] for n in LAYER_PARAMS if n in params})
+    def one_mlp(p):  # a dense layer's or a sparse one's; the router stays float32 (`route`)
+        if "router" in p:
+            return {n: p[n] if n in ("mlp_norm", "router") else p[n].astype(cdt) for n in p}
+        gate_up = jnp.concatenate([p["gate"], p["up"]], axis=1).astype(cdt)
+        return {"mlp_norm": p["mlp_norm"], "gate_up": gate_up, "down": p["down"].astype(cdt)}
+
+    layers = {n: params[n] for n in LAYER_PARAMS if n in params and n not in MLP_PARAMS}
+    layers = jax.vmap(one_layer)(layers)
+    # Each kind's MLPs stacked over its layers ("dense", "sparse"), their layers' norms beside.
+    sparse, norms, mlps = mlp_index(spec)["sparse"], params["mlp_norm"], {}
+    for kind, names, at in (("dense", DENSE_MLP, ~sparse), ("sparse", SPARSE_MLP, sparse)):
+        if at.any():
+            mlp = {n: params[n] for n in names if n in params}
+            mlp["mlp_norm"] = norms if at.all() else norms[np.flatnonzero(at)]
+            mlps[kind] = ops.prepare_mlp(jax.vmap(one_mlp)(mlp))
     head = params["embed"] if spec.tie_embeddings else params["lm_head"]  # [V, D]
     layers, head = ops.prepare(layers, params["final_norm"], head)
     return {
@@ -79,6 +93,7 @@ def decode_weights(
         "final_norm": params["final_norm"],
         "head": head,
         "layers": layers,
+        **mlps,
         "rope": rope_table(spec, slots),
     }
 
@@ -107,7 +122,7 @@ def decode_step(
     routed experts on a mesh (`expert_parallel_moe_mlp`; default `moe_mlp`)."""
     cdt, eps, B = jnp.dtype(spec.compute_dtype), spec.rms_norm_eps, tokens_b.shape[0]
     H, K, hd, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
-    stack = w["layers"]
+    stack = w["layers"]  # the MLPs: w["dense"], w["sparse"] (`decode_weights`)
     qk_norm = (stack["q_norm"], stack["k_norm"]) if spec.qk_norm else None
 
     def at(name, i):  # layer i's bias
@@ -117,8 +132,8 @@ def decode_step(
     rope = rope_angles(positions_b[:, None], spec, table=w.get("rope"))
     x = ops.embed(w["embed"], tokens_b, cdt)  # [B, D]
 
-    def layer(carry, i):
-        x, cache = carry
+    def layer(carry, xs):
+        (x, cache), (i, kind) = carry, xs
         qkv = ops.normed_dense(
             x, stack["attn_norm"], stack["qkv"], i, eps=eps, cols=(H + 2 * K) * hd
         )
@@ -129,16 +144,25 @@ def decode_step(
         )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
-        experts = None
-        if spec.is_moe:
-            m, experts = _moe(spec, stack, x, i, ops=ops, sparse_mlp=sparse_mlp)
-            x = x + m
+        if spec.mixed:  # the layer's kind (`mixed_mlp`)
+            x, (experts,) = mixed_mlp(kind, x, sparse=sparse, dense=dense)
+        elif spec.is_moe:
+            x, experts = sparse(x, i)
         else:
-            act = ops.swiglu(x, stack["mlp_norm"], stack["gate_up"], i, eps=eps, cols=F)
-            x = ops.residual_dense(x, act, stack["down"], i)
+            x, experts = dense(x, i), None
         return (constrain(x, ("batch", "embed")), cache), experts
 
-    (x, cache), routes = jax.lax.scan(layer, (x, cache), jnp.arange(spec.num_layers))
+    def sparse(x, j):  # x + the layer's mixture of experts; its experts
+        m, experts = _moe(spec, w["sparse"], x, j, ops=ops, sparse_mlp=sparse_mlp)
+        return x + m, experts
+
+    def dense(x, j):  # x + the layer's SwiGLU
+        mlp = w["dense"]
+        act = ops.swiglu(x, mlp["mlp_norm"], mlp["gate_up"], j, eps=eps, cols=F)
+        return ops.residual_dense(x, act, mlp["down"], j)
+
+    xs = (jnp.arange(spec.num_layers), mlp_index(spec) if spec.mixed else None)
+    (x, cache), routes = jax.lax.scan(layer, (x, cache), xs)
     logits = ops.logits(
         x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
     )

@@ -206,10 +206,9 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None
 
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
     """A Qwen3-MoE or Qwen2-MoE config's expert fields. transformers 5 writes
-    `num_experts` as `num_local_experts`. Every layer must be sparse: layer i is when
-    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (every published
-    Qwen3-MoE and Qwen2-MoE); a mix of dense and sparse layers would not stack into one
-    scan."""
+    `num_experts` as `num_local_experts`. Layer i is sparse when (i + 1) %
+    decoder_sparse_step == 0 and i is not in mlp_only_layers (every layer of every
+    published Qwen3-MoE and Qwen2-MoE), else dense (`ModelSpec.dense_layers`)."""
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"
     E = _int(cfg, key, where, 0)
     if not E:
@@ -218,14 +217,16 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
         raise CheckpointError(f"{where}: mlp_only_layers={only!r} must be a list of layer indices")
-    dense = [i for i in range(num_layers) if step < 1 or (i + 1) % step or i in only]
-    if dense:
+    if step < 1:
+        raise CheckpointError(f"{where}: decoder_sparse_step={step} must be >= 1")
+    dense = tuple(i for i in range(num_layers) if (i + 1) % step or i in only)
+    if len(dense) == num_layers:
         raise CheckpointError(
-            f"{where}: decoder_sparse_step={step} mlp_only_layers={only} make layers "
-            f"{dense[:8]} dense; rl_jax loads a mixture of experts whose every layer is "
-            "sparse (decoder_sparse_step=1, mlp_only_layers=[])"
+            f"{where}: decoder_sparse_step={step} mlp_only_layers={only} leave no sparse "
+            f"layer of {num_layers}; load it as a dense model (num_experts=0)"
         )
     return dict(
+        dense_layers=dense,
         num_experts=E,
         **{field: _int(cfg, key, where) for field, key in _MOE_SIZES},
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -310,7 +311,7 @@ def _moe_keys(spec: ModelSpec) -> dict[str, Any]:
         **{key: getattr(spec, field) for field, key in _MOE_SIZES},
         norm_topk_prob=spec.norm_topk_prob,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=list(spec.dense_layers),
         use_sliding_window=False,
         **({"shared_expert_intermediate_size": shared} if shared else {}),
     )
@@ -329,13 +330,22 @@ class _Conv:
     hf_shape: tuple[int, ...]
     # One HF tensor per expert ({j} in hf_name); ours stacks them [L, E, ...].
     experts: int = 0
+    mlp: str = ""  # an MLP's, "dense" or "sparse": stacked over the layers of that kind
+
+    def layers(self, spec: ModelSpec) -> tuple[int, ...]:
+        """The layers this parameter is stacked over."""
+        if self.mlp == "sparse":
+            return spec.sparse_layers
+        if self.mlp == "dense":
+            return tuple(i for i in range(spec.num_layers) if i not in spec.sparse_layers)
+        return tuple(range(spec.num_layers))
 
     def names(self, spec: ModelSpec) -> list[str]:
         """Every HF tensor name of this parameter, in our stacking order (layers, experts)."""
         if "{i}" not in self.hf_name:
             return [self.hf_name]
         js = range(self.experts) if self.experts else [None]
-        return [self.hf_name.format(i=i, j=j) for i in range(spec.num_layers) for j in js]
+        return [self.hf_name.format(i=i, j=j) for i in self.layers(spec) for j in js]
 
 
 def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
@@ -381,9 +391,9 @@ def hf_layout(spec: ModelSpec) -> dict[str, _Conv]:
             (D, H * hd),
         ),
         "o_bias": _Conv(p + "self_attn.o_proj.bias", ident, ident, (D,)),
-        "gate": _Conv(p + "mlp.gate_proj.weight", T, T, (F, D)),
-        "up": _Conv(p + "mlp.up_proj.weight", T, T, (F, D)),
-        "down": _Conv(p + "mlp.down_proj.weight", T, T, (D, F)),
+        "gate": _Conv(p + "mlp.gate_proj.weight", T, T, (F, D), mlp="dense"),
+        "up": _Conv(p + "mlp.up_proj.weight", T, T, (F, D), mlp="dense"),
+        "down": _Conv(p + "mlp.down_proj.weight", T, T, (D, F), mlp="dense"),
     }
     if spec.is_moe:
         table.update(_moe_layout(spec, p))
@@ -400,7 +410,7 @@ def _moe_layout(spec: ModelSpec, p: str) -> dict[str, _Conv]:
         p + "mlp.shared_expert.",
     )
     T = lambda a: a.T  # noqa: E731
-    return {
+    table = {
         "router": _Conv(p + "mlp.gate.weight", T, T, (E, D)),
         "expert_gate": _Conv(x + "gate_proj.weight", T, T, (Fe, D), experts=E),
         "expert_up": _Conv(x + "up_proj.weight", T, T, (Fe, D), experts=E),
@@ -415,6 +425,7 @@ def _moe_layout(spec: ModelSpec, p: str) -> dict[str, _Conv]:
             (1, D),
         ),
     }
+    return {n: dataclasses.replace(c, mlp="sparse") for n, c in table.items()}
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -489,7 +500,7 @@ def hf_views(spec: ModelSpec, tensors: Mapping[str, np.ndarray], *, where: str) 
         flat = [c.to_ours(tensors[n]) for n in c.names(spec)]
         if c.experts:  # [L, E, ...] from one tensor per layer and expert
             E = c.experts
-            views[name] = [flat[i * E : (i + 1) * E] for i in range(spec.num_layers)]
+            views[name] = [flat[i * E : (i + 1) * E] for i in range(len(c.layers(spec)))]
         else:
             views[name] = flat if name in LAYER_PARAMS else flat[0]
     return views

@@ -63,7 +63,8 @@ def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         except TypeError as e:
             raise CheckpointError(f"{path}/{SPEC_FILE}: rope_scaling: {e}") from None
-    fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+    for name in ("eos_token_ids", "dense_layers"):  # JSON lists
+        fields[name] = tuple(fields.get(name, ()))
     return fields
 
 

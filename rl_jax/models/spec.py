@@ -50,11 +50,10 @@ class ModelSpec:
     qkv_bias: bool = False  # Qwen2 (always), Llama/Qwen3 with attention_bias
     o_bias: bool = False  # Llama/Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3
-    # Mixture of experts (0 experts: a dense MLP of width F). Every layer's MLP is sparse:
-    # E SwiGLU experts of width moe_intermediate_size, each token through the top k of a
-    # softmax router (the published Qwen3-MoE layout: decoder_sparse_step 1, no
-    # mlp_only_layers). `intermediate_size` is then the family's dense width, kept for
-    # export only.
+    # Mixture of experts (0 experts: a dense MLP of width F). A layer's MLP is sparse: E
+    # SwiGLU experts of width moe_intermediate_size, each token through the top k of a
+    # softmax router; but the layers in `dense_layers` have a dense MLP of width F (Qwen3-
+    # MoE's mlp_only_layers and decoder_sparse_step; every published Qwen3-MoE has none).
     num_experts: int = 0  # E
     num_experts_per_tok: int = 0  # k
     moe_intermediate_size: int = 0  # Fe
@@ -62,6 +61,7 @@ class ModelSpec:
     # A shared expert of this width beside the routed ones (Qwen2-MoE): every token goes
     # through it, its output scaled by a sigmoid gate [D, 1]. 0: none.
     shared_expert_intermediate_size: int = 0  # Fs
+    dense_layers: tuple[int, ...] = ()  # of a mixture of experts, ascending
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     fp32_lm_head: bool = False
@@ -86,12 +86,26 @@ class ModelSpec:
         return self.num_experts > 0
 
     @property
-    def active_mlp_width(self) -> int:
-        """The MLP width a token goes through: F, or k experts' k x Fe (and a shared
-        expert's Fs)."""
+    def mixed(self) -> bool:
+        """A mixture of experts with some dense layers: a layer's MLP is picked by its
+        index (`rl_jax.models.transformer.mixed_mlp`)."""
+        return self.is_moe and bool(self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none of a dense model)."""
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.num_layers) if self.is_moe and i not in dense)
+
+    @property
+    def active_mlp_width(self) -> float:
+        """The MLP width a token goes through, averaged over the layers: F, or k
+        experts' k x Fe (and a shared expert's Fs)."""
         if self.is_moe:
             k, Fe = self.num_experts_per_tok, self.moe_intermediate_size
-            return k * Fe + self.shared_expert_intermediate_size
+            sparse = k * Fe + self.shared_expert_intermediate_size
+            Ls = len(self.sparse_layers)
+            return (Ls * sparse + (self.num_layers - Ls) * self.intermediate_size) / self.num_layers
         return self.intermediate_size
 
     def replace(self, **changes: Any) -> ModelSpec:
@@ -99,8 +113,17 @@ class ModelSpec:
 
     # ---- size and compute accounting -------------------------------------------------
 
-    def layer_matmul_params(self) -> int:
-        """Weights one token multiplies through in one layer (attention + MLP)."""
+    def layer_matmul_params(self, layer: int = 0) -> int:
+        """Weights one token multiplies through in layer `layer` (attention + MLP)."""
+        return self._matmul_params(layer in self.sparse_layers)
+
+    def matmul_params(self) -> int:
+        """Weights one token multiplies through in all layers."""
+        sparse = len(self.sparse_layers)
+        dense = self.num_layers - sparse
+        return sparse * self._matmul_params(True) + dense * self._matmul_params(False)
+
+    def _matmul_params(self, sparse: bool) -> int:
         D, F, H, K, hd = (
             self.hidden_size,
             self.intermediate_size,
@@ -109,7 +132,7 @@ class ModelSpec:
             self.head_dim,
         )
         attention = D * H * hd + 2 * D * K * hd + H * hd * D
-        if self.is_moe:  # the router, the k experts a token goes through, the shared one
+        if sparse:  # the router, the k experts a token goes through, the shared one
             E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
             Fs = self.shared_expert_intermediate_size
             return attention + D * E + k * 3 * D * Fe + (3 * D * Fs + D if Fs else 0)
@@ -119,17 +142,17 @@ class ModelSpec:
         """All parameters, embeddings and norms included (every expert's)."""
         D, V, L, hd = self.hidden_size, self.vocab_size, self.num_layers, self.head_dim
         H, K = self.num_heads, self.num_kv_heads
-        per_layer = self.layer_matmul_params() + 2 * D
-        if self.is_moe:  # all E experts are parameters; a token multiplies through k
-            E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
-            per_layer += (E - k) * 3 * D * Fe
+        per_layer = 2 * D
         if self.qkv_bias:
             per_layer += (H + 2 * K) * hd
         if self.o_bias:
             per_layer += D
         if self.qk_norm:
             per_layer += 2 * hd
-        n = L * per_layer + V * D + D
+        n = self.matmul_params() + L * per_layer + V * D + D
+        if self.is_moe:  # all E experts are parameters; a token multiplies through k
+            E, k, Fe = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+            n += len(self.sparse_layers) * (E - k) * 3 * D * Fe
         if not self.tie_embeddings:
             n += V * D
         if self.value_head:
@@ -145,9 +168,7 @@ class ModelSpec:
         layer (scores q.k and the weighted sum of v). Norms, RoPE and softmax are
         left out, as in the usual 6N-style accounting.
         """
-        dense = 2 * (
-            self.num_layers * self.layer_matmul_params() + self.vocab_size * self.hidden_size
-        )
+        dense = 2 * (self.matmul_params() + self.vocab_size * self.hidden_size)
         if self.value_head:
             dense += 2 * self.hidden_size
         attn = 4 * self.num_layers * self.num_heads * self.head_dim * context_len

@@ -46,7 +46,14 @@ from rl_jax.models.layers import (
     rope_table,
     swiglu,
 )
-from rl_jax.models.moe import RouterStats, moe_block, moe_mlp, sharded_moe_mlp
+from rl_jax.models.moe import (
+    ROUTED_EXPERTS,
+    SHARED_EXPERT,
+    RouterStats,
+    moe_block,
+    moe_mlp,
+    sharded_moe_mlp,
+)
 from rl_jax.models.spec import ModelSpec
 from rl_jax.runtime import xla_options
 from rl_jax.sharding.rules import Rules, fit_spec, get_rules, logical_to_spec
@@ -103,24 +110,24 @@ def param_layout(spec: ModelSpec) -> dict[str, ParamInfo]:
         "mlp_norm": ParamInfo((L, D), ("layers", None), "ones"),
         "final_norm": ParamInfo((D,), (None,), "ones"),
     }
-    if spec.is_moe:  # every layer's MLP sparse (rl_jax.models.moe)
-        E, Fe = spec.num_experts, spec.moe_intermediate_size
+    if spec.is_moe:  # the sparse layers' MLPs (rl_jax.models.moe), stacked [Ls, ...]
+        E, Fe, Ls = spec.num_experts, spec.moe_intermediate_size, len(spec.sparse_layers)
         expert_in = ("layers", "expert", "embed", "mlp")
-        lay["router"] = ParamInfo((L, D, E), ("layers", "embed", None), "normal")
-        lay["expert_gate"] = ParamInfo((L, E, D, Fe), expert_in, "normal")
-        lay["expert_up"] = ParamInfo((L, E, D, Fe), expert_in, "normal")
+        lay["router"] = ParamInfo((Ls, D, E), ("layers", "embed", None), "normal")
+        lay["expert_gate"] = ParamInfo((Ls, E, D, Fe), expert_in, "normal")
+        lay["expert_up"] = ParamInfo((Ls, E, D, Fe), expert_in, "normal")
         lay["expert_down"] = ParamInfo(
-            (L, E, Fe, D), ("layers", "expert", "mlp", "embed"), "normal"
+            (Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"), "normal"
         )
         if Fs := spec.shared_expert_intermediate_size:  # beside them: Qwen2-MoE's shared one
-            lay["shared_gate"] = ParamInfo((L, D, Fs), ("layers", "embed", "mlp"), "normal")
-            lay["shared_up"] = ParamInfo((L, D, Fs), ("layers", "embed", "mlp"), "normal")
-            lay["shared_down"] = ParamInfo((L, Fs, D), ("layers", "mlp", "embed"), "normal")
-            lay["shared_expert_gate"] = ParamInfo((L, D), ("layers", None), "normal")
-    else:
-        lay["gate"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
-        lay["up"] = ParamInfo((L, D, F), ("layers", "embed", "mlp"), "normal")
-        lay["down"] = ParamInfo((L, F, D), ("layers", "mlp", "embed"), "normal")
+            lay["shared_gate"] = ParamInfo((Ls, D, Fs), ("layers", "embed", "mlp"), "normal")
+            lay["shared_up"] = ParamInfo((Ls, D, Fs), ("layers", "embed", "mlp"), "normal")
+            lay["shared_down"] = ParamInfo((Ls, Fs, D), ("layers", "mlp", "embed"), "normal")
+            lay["shared_expert_gate"] = ParamInfo((Ls, D), ("layers", None), "normal")
+    if Ld := L - len(spec.sparse_layers):  # the dense layers' MLPs, stacked [Ld, ...]
+        lay["gate"] = ParamInfo((Ld, D, F), ("layers", "embed", "mlp"), "normal")
+        lay["up"] = ParamInfo((Ld, D, F), ("layers", "embed", "mlp"), "normal")
+        lay["down"] = ParamInfo((Ld, F, D), ("layers", "mlp", "embed"), "normal")
     if spec.qkv_bias:
         lay["q_bias"] = ParamInfo((L, H, hd), ("layers", "heads", "head_dim"), "zeros")
         lay["k_bias"] = ParamInfo((L, K, hd), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -286,8 +293,17 @@ class Transformer(nnx.Module):
     # ---- forward -------------------------------------------------------------------------
 
     def layer_params(self) -> dict[str, jax.Array]:
-        """Per-layer weights stacked [L, ...]."""
+        """Per-layer weights stacked [L, ...] (an MLP's: over the layers of its kind)."""
         return {n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)}
+
+    def _scanned(self) -> dict:
+        """What the layer loop steps through: `layer_params`; of a mixed model without the
+        MLPs' stacks (`_layer_context` holds them whole) and with each layer's kind and
+        index in its kind's stack (`mlp_index`)."""
+        p = self.layer_params()
+        if not self.spec.mixed:
+            return p
+        return {n: a for n, a in p.items() if n not in MLP_PARAMS} | mlp_index(self.spec)
 
     @property
     def kernels(self) -> Kernels:
@@ -336,7 +352,7 @@ class Transformer(nnx.Module):
                 x, moe = _block_out(p, x, attend(q, k, v), **ctx)
                 return x, (moe[1] if record_routes else None)
 
-            x, routes = over_layers(spec, body, x, self.layer_params())
+            x, routes = over_layers(spec, body, x, self._scanned())
             out = (x, None)
         else:
             out = self._cached(x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs)
@@ -372,7 +388,7 @@ class Transformer(nnx.Module):
             x, moe = _block_out(p, x, a, **ctx)
             return (x, ck, cv), (None if moe is None else moe[1])
 
-        xs = (self.layer_params(), jnp.arange(spec.num_layers))
+        xs = (self._scanned(), jnp.arange(spec.num_layers))
         (x, ck, cv), routes = over_layers(spec, body_cached, (x, *cache), xs)
         return x, KVCache(ck, cv), routes
 
@@ -427,13 +443,15 @@ class Transformer(nnx.Module):
             xc, mc = _block_out(p, xc, ac, valid=valid_bt, experts=ec, **ctx)
             return (xp, xc), (None if mp is None else mp[0] + mc[0])
 
-        xs = self.layer_params()
+        xs = self._scanned()
         if routes is not None:  # [N, T, L, k] -> layers first
             xs = (xs, *(jnp.moveaxis(r, 2, 0) for r in routes))
         (xp, xc), stats = over_layers(spec, body, (xp, xc), xs)
         if with_router:
             if stats is None:
                 raise ValueError("with_router: this model has no router (a dense MLP)")
+            if spec.mixed:  # the sparse layers' (a dense layer's are zeros)
+                stats = jax.tree.map(lambda a: a[np.asarray(spec.sparse_layers)], stats)
             return xp, xc, stats
         return xp, xc
 
@@ -486,11 +504,13 @@ class Transformer(nnx.Module):
         return self.constrain(x, ("batch", "seq", "embed"))
 
     def _layer_context(self) -> dict:
+        p = self.layer_params() if self.spec.mixed else {}
         return dict(
             spec=self.spec,
             constrain=self.constrain,
             kernels=self.kernels,
             sparse_mlp=self._sparse_mlp,
+            mlps={n: a for n, a in p.items() if n in MLP_PARAMS},
         )
 
     def _sparse_mlp(self, h, p, valid, experts=None) -> tuple[jax.Array, RouterStats, jax.Array]:
@@ -625,6 +645,7 @@ def _block_qkv(
     constrain: Callable,
     kernels: Kernels,
     sparse_mlp: Callable | None = None,  # the second half's (_block_out)
+    mlps: dict | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first half of a pre-norm block up to attention, for x [N, T, D]:
     queries [N, T, H, hd] and keys/values [N, K, T, hd], RoPE (cos, sin) applied.
@@ -655,25 +676,76 @@ def _block_out(
     constrain: Callable,
     kernels: Kernels,
     sparse_mlp: Callable | None = None,
+    mlps: dict | None = None,
     valid: jax.Array | None = None,
     experts: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[RouterStats, jax.Array] | None]:
     """The second half of a pre-norm block: x + o(a), then + the MLP of norm(.): SwiGLU,
     or the sparse mixture of experts (`rl_jax.models.moe`), with its router's statistics
     over the `valid` tokens [N, T] and each token's experts [N, T, k] (None for a dense
-    MLP); `experts` replays given ones. a: attention output [N, T, H, hd]."""
+    model); `experts` replays given ones; a mixed model's layer picks its kind
+    (`mixed_mlp`; `mlps`: the MLPs' stacks). a: attention output [N, T, H, hd]."""
     N, T = a.shape[:2]
-    dt = x.dtype
     o = kernels.dense(a.reshape(N, T, -1), p["o"].reshape(-1, p["o"].shape[-1]))
     if spec.o_bias:
         o = o + p["o_bias"].astype(o.dtype)
     x = constrain(x + o, ("batch", "seq", "embed"))
     h = rms_norm(x, p["mlp_norm"], spec.rms_norm_eps)
+    if spec.mixed:
+        m, moe = mixed_mlp(
+            p,
+            h,
+            sparse=lambda h, j: sparse_mlp(h, stacked_at(mlps, SPARSE_MLP, j), valid, experts),
+            dense=lambda h, j: _swiglu(h, stacked_at(mlps, DENSE_MLP, j)),
+        )
+        return constrain(x + m, ("batch", "seq", "embed")), moe
     if spec.is_moe:
         m, stats, chosen = sparse_mlp(h, p, valid, experts)  # its shared expert added
         return constrain(x + m, ("batch", "seq", "embed")), (stats, chosen)
-    m = swiglu(h, p["gate"].astype(dt), p["up"].astype(dt), p["down"].astype(dt))
-    return constrain(x + m, ("batch", "seq", "embed")), None
+    return constrain(x + _swiglu(h, p), ("batch", "seq", "embed")), None
+
+
+# A layer's MLP weights, stacked over the layers of its kind (`param_layout`).
+DENSE_MLP = ("gate", "up", "down")
+SPARSE_MLP = (*ROUTED_EXPERTS, *SHARED_EXPERT)
+MLP_PARAMS = (*DENSE_MLP, *SPARSE_MLP)
+
+
+def mlp_index(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """Per layer [L]: whether its MLP is sparse ("sparse"), and its index in the stack of
+    its kind's MLPs ("mlp_index")."""
+    sparse = np.isin(np.arange(spec.num_layers), spec.sparse_layers)
+    index = np.where(sparse, np.cumsum(sparse) - 1, np.cumsum(~sparse) - 1)
+    return {"sparse": sparse, "mlp_index": index.astype(np.int32)}
+
+
+def mixed_mlp(p: dict, x: jax.Array, *, sparse: Callable, dense: Callable) -> tuple:
+    """A mixed model's layer's MLP of x, as p["sparse"] says: `sparse(x, j)` -> (out,
+    *more), or `dense(x, j)` -> out (`more` zeros), with j = p["mlp_index"], the layer's
+    index in its kind's stacks. (out, tuple(more)). An unrolled layer's kind is known
+    while tracing; a scanned one's is a `lax.cond`."""
+    j = p["mlp_index"]
+
+    def moe(x):
+        out, *more = sparse(x, j)
+        return out, tuple(more)
+
+    def mlp(x):
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(moe, x)[1])
+        return dense(x, j), zeros
+
+    if isinstance(p["sparse"], np.ndarray | np.bool_):
+        return (moe if p["sparse"] else mlp)(x)
+    return jax.lax.cond(p["sparse"], moe, mlp, x)
+
+
+def _swiglu(h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    return swiglu(h, *(w[n].astype(h.dtype) for n in DENSE_MLP))
+
+
+def stacked_at(stacks: dict, names: tuple[str, ...], j) -> dict[str, jax.Array]:
+    """Entry j of each of `names` in `stacks` (those it has)."""
+    return {n: jax.lax.dynamic_index_in_dim(stacks[n], j, 0, False) for n in names if n in stacks}
 
 
 def init_sharded_params(
