@@ -422,10 +422,10 @@ def test_shared_prefix_router_stats_count_valid_tokens_only(params):
 # ---- HF checkpoints: parity with transformers' Qwen3MoeForCausalLM -------------------------
 
 
-def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False, shared=0):
+def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False, shared=0, layers=2, **more):
     """A random Qwen3-MoE (`shared`: a Qwen2-MoE with a shared expert of that width) as
     transformers builds and saves it (weights scaled up, so the router's choices, the
-    shared expert's gate and the norms matter)."""
+    shared expert's gate and the norms matter); `more`: other config fields."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     family = transformers.Qwen2MoeConfig if shared else transformers.Qwen3MoeConfig
@@ -437,19 +437,20 @@ def _hf_moe(tmp_path_factory, *, experts, top_k, norm, tie=False, shared=0):
         num_experts=experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=norm,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=tie,
         **({"shared_expert_intermediate_size": shared} if shared else {"head_dim": 16}),
+        **more,
     )
     torch.manual_seed(experts * 10 + top_k)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    d = tmp_path_factory.mktemp(f"moe_{experts}_{top_k}_{norm}_{shared}")
+    d = tmp_path_factory.mktemp(f"moe_{experts}_{top_k}_{norm}_{shared}_{layers}")
     model.save_pretrained(d)
     return d, model
 
@@ -529,7 +530,35 @@ def test_qwen2_moe_with_a_shared_expert_loads_and_exports_with_transformers_logi
     assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
 
 
-def test_qwen3_moe_configs_with_dense_layers_are_refused():
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "shared,more,dense",
+    [
+        (0, {"decoder_sparse_step": 2}, (0, 2)),  # every other layer sparse
+        (40, {"mlp_only_layers": [0, 3]}, (0, 3)),  # Qwen2-MoE, dense first and last
+    ],
+)
+def test_moe_with_dense_layers_loads_and_exports_with_transformers_logits(
+    shared, more, dense, tmp_path_factory
+):
+    """A mixture of experts whose config makes some layers dense (Qwen3-MoE's and Qwen2-
+    MoE's decoder_sparse_step, mlp_only_layers): each layer's MLP as transformers builds
+    it, the same log-probs, an export transformers loads with them, every parameter
+    counted."""
+    from rl_jax.models.hf import load_hf
+
+    d, hf_model = _hf_moe(
+        tmp_path_factory, experts=4, top_k=2, norm=True, shared=shared, layers=4, **more
+    )
+    want = _hf_logprobs(hf_model)
+    ours = load_hf(d)
+    assert ours.spec.dense_layers == dense and ours.spec.mixed
+    assert ours.spec.num_params() == sum(p.numel() for p in hf_model.parameters())
+    cls = "Qwen2MoeForCausalLM" if shared else "Qwen3MoeForCausalLM"
+    _same_logprobs_and_round_trip(ours, want, cls, tmp_path_factory)
+
+
+def test_qwen3_moe_configs_name_their_dense_layers():
     from rl_jax.models.hf import CheckpointError, spec_fields_from_hf_config
 
     base = dict(
@@ -545,13 +574,101 @@ def test_qwen3_moe_configs_with_dense_layers_are_refused():
     )
     fields = spec_fields_from_hf_config(base | {"norm_topk_prob": True})
     assert (fields["num_experts"], fields["norm_topk_prob"]) == (4, True)
+    assert fields["dense_layers"] == ()
     # transformers 5's spelling of the expert count
     five = dict(base, num_local_experts=8)
     del five["num_experts"]
     assert spec_fields_from_hf_config(five)["num_experts"] == 8
-    for bad in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}):
-        with pytest.raises(CheckpointError, match=r"layers \[.*\] dense"):
-            spec_fields_from_hf_config(base | bad)
+    # Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not mlp-only.
+    for more, dense in (
+        ({"decoder_sparse_step": 2}, (0, 2)),
+        ({"mlp_only_layers": [0]}, (0,)),
+        ({"decoder_sparse_step": 2, "mlp_only_layers": [1]}, (0, 1, 2)),
+    ):
+        assert spec_fields_from_hf_config(base | more)["dense_layers"] == dense
+    bad = (
+        ({"decoder_sparse_step": 5}, "leave no sparse layer of 4"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be >= 1"),
+        ({"mlp_only_layers": "0"}, "must be a list of layer indices"),
+    )
+    for more, message in bad:
+        with pytest.raises(CheckpointError, match=message):
+            spec_fields_from_hf_config(base | more)
+
+
+MIXED = SPEC.replace(num_layers=3, dense_layers=(1,))
+
+
+def test_dense_layers_are_counted_and_checked():
+    """A mixed model's parameters and FLOPs are its layers' by kind; dense_layers that
+    name no layer of a mixture of experts are refused."""
+    sparse = SPEC.replace(num_layers=3)
+    D, F, E, k, Fe = 64, SPEC.intermediate_size, SPEC.num_experts, 2, 48
+    per_layer = 3 * D * F - (D * E + 3 * E * D * Fe)  # a dense MLP less a sparse one
+    assert MIXED.num_params() - sparse.num_params() == per_layer
+    assert MIXED.sparse_layers == (0, 2) and not sparse.mixed and MIXED.mixed
+    active = 3 * D * F - (D * E + k * 3 * D * Fe)
+    assert MIXED.flops_per_token(9) - sparse.flops_per_token(9) == 2 * active
+    assert {n: i.shape[0] for n, i in _layout(MIXED).items() if n in ("gate", "router")} == {
+        "gate": 1,
+        "router": 2,
+    }
+    for bad in ((3,), (1, 0), (0, 1, 2), (True,)):
+        with pytest.raises(ConfigError, match="dense_layers"):
+            SPEC.replace(num_layers=3, dense_layers=bad)
+    dense = SPEC.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    with pytest.raises(ConfigError, match="of a mixture of experts"):
+        dense.replace(dense_layers=(0,))
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_mixed_model_decodes_records_and_replays_as_the_trainer(scan):
+    """Dense layers among sparse ones, their layers rolled (each picks its kind by a
+    conditional) or unrolled: the engine's decode step gives each sampled token the
+    trainer's log-prob, records the sparse layers' experts (a dense layer's: zeros)
+    as the trainer routes them, replaying them changes nothing, and the router's
+    statistics are the sparse layers'."""
+    spec = MIXED.replace(scan_layers=scan)
+    params = _params(2, spec)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=10, length_bucket=8, max_prompt_len=16)
+    engine = Engine(spec, cfg, slots=3, chunk=4, pad_id=0, record_routes=True)
+    out, _ = engine.run(params, PROMPTS, n=2, seed=3)
+    model = Transformer(spec, params)
+    tokens, valid, positions = _sequences(out)
+    logp = jax.jit(lambda *a: token_logprobs(model, a[0], a[2], kv_valid_bt=a[1])[0])(
+        tokens, valid, positions
+    )
+    tp, m = out.prompt_tokens.shape[1], out.completion_mask
+    np.testing.assert_allclose(out.logprobs[m], np.asarray(logp)[:, tp - 1 : -1][m], atol=1e-4)
+    _, _, own = jax.jit(lambda *a: model(a[0], a[2], kv_valid_bs=a[1], record_routes=True))(
+        tokens, valid, positions
+    )
+    fed = _fed(out)
+    assert not out.routes[:, :, 1].any() and not np.asarray(own)[:, :, 1].any()
+    got, want = np.sort(out.routes, axis=-1), np.sort(np.asarray(own), axis=-1)
+    np.testing.assert_array_equal(got[fed], want[fed])
+    assert got[fed][:, [0, 2]].all(axis=-1).any()  # experts > 0 chosen in sparse layers
+    replayed = _replay_logprobs(spec, params, out, out.routes)
+    np.testing.assert_allclose(replayed[m], _replay_logprobs(spec, params, out, None)[m], atol=1e-6)
+    # Without the dense layer's MLP (its down projection zero): other tokens.
+    cut = dict(params, down=params["down"] * 0)
+    plain, _ = Engine(spec, cfg, slots=3, chunk=4, pad_id=0).run(cut, PROMPTS, n=2, seed=3)
+    assert not np.array_equal(plain.completion_tokens, out.completion_tokens)
+    pv, cv = jnp.ones((2, 4), bool), jnp.ones((4, 3), bool)
+    stats = jax.jit(
+        lambda p, c: model.shared_prefix(
+            p,
+            positions_from_valid(pv),
+            pv,
+            c,
+            4 + jnp.zeros((4, 3), jnp.int32) + jnp.arange(3),
+            cv,
+            group_size=2,
+            with_router=True,
+        )[2]
+    )(jnp.asarray(tokens[:2, :4]), jnp.asarray(tokens[:4, 4:7]))
+    assert stats.load.shape == (2, spec.num_experts)
+    np.testing.assert_array_equal(stats.tokens, [8 + 12] * 2)
 
 
 def test_a_mixture_of_experts_on_a_family_without_one_does_not_export(tmp_path):
@@ -696,12 +813,14 @@ def test_lora_on_the_experts_is_refused_by_name(capsys, monkeypatch):
 
 
 @pytest.mark.devices(8)
-def test_sharded_forward_and_gradients_equal_one_devices():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_sharded_forward_and_gradients_equal_one_devices(mixed):
     """On a data 2 x fsdp 2 x tensor 2 mesh each batch shard dispatches its own tokens and
     each tensor shard holds half of every expert's width: the log-probs, the router's
     statistics and the gradients are one device's. With a shared expert beside the
-    routed ones, which XLA partitions as a dense MLP."""
-    spec = SPEC.replace(shared_expert_intermediate_size=32)
+    routed ones, which XLA partitions as a dense MLP; `mixed`: and a dense layer between
+    two sparse ones."""
+    spec = (MIXED if mixed else SPEC).replace(shared_expert_intermediate_size=32)
     params = _params(1, spec)
     from rl_jax.config import MeshConfig
     from rl_jax.models import param_shardings
@@ -743,10 +862,11 @@ def test_sharded_forward_and_gradients_equal_one_devices():
             np.testing.assert_allclose(a, b, rtol=1e-5)
         for name in g1:
             np.testing.assert_allclose(g8[name], g1[name], atol=1e-5, rtol=1e-4, err_msg=name)
-    # The replayed experts are the ones used: each layer's load counts them (valid tokens).
-    for layer in range(L):
+    # The replayed experts are the ones used: each sparse layer's load counts them (valid
+    # tokens).
+    for row, layer in enumerate(spec.sparse_layers):
         used = np.concatenate([routes[0][..., layer, :].ravel(), routes[1][:, :4, layer].ravel()])
-        np.testing.assert_array_equal(s8.load[layer], np.bincount(used, minlength=E))
+        np.testing.assert_array_equal(s8.load[row], np.bincount(used, minlength=E))
 
 
 def test_a_tpu_program_multiplies_each_token_through_its_experts_once(no_compilation_cache):
@@ -902,22 +1022,25 @@ def test_a_tpu_backward_counts_each_rows_weight_gradient_once(no_compilation_cac
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize(
-    "axes", [(8, 1, 1), (4, 1, 2), (2, 2, 2)], ids=["data8", "data4_tensor2", "fsdp2_tensor2"]
+    "axes,mixed",
+    [((8, 1, 1), False), ((4, 1, 2), False), ((2, 2, 2), False), ((2, 2, 2), True)],
+    ids=["data8", "data4_tensor2", "fsdp2_tensor2", "mixed_fsdp2_tensor2"],
 )
-def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes):
+def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes, mixed):
     """The engine's prefill (the model's forward, its sparse MLP per batch shard) and
     decode on a mesh (one device's rows per device, or, with fsdp, its experts staying
     over fsdp as the tokens come to them): one device's rollouts, and the routes it
-    records."""
+    records; `mixed`: with a dense layer between two sparse ones."""
     from rl_jax.config import MeshConfig
     from rl_jax.sharding import make_mesh
 
+    spec, params = (MIXED, _params(2, MIXED)) if mixed else (SPEC, params)
     data, fsdp, tensor = axes
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=8, length_bucket=8, max_prompt_len=16)
     mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, rules="fsdp_tp"))
     kw = dict(slots=8, chunk=3, pad_id=0, record_routes=True)
-    one, _ = Engine(SPEC, cfg, **kw).run(params, PROMPTS, n=3, seed=9)
-    many = Engine(SPEC, cfg, **kw, mesh=mesh)
+    one, _ = Engine(spec, cfg, **kw).run(params, PROMPTS, n=3, seed=9)
+    many = Engine(spec, cfg, **kw, mesh=mesh)
     got, _ = many.run(many.reshard(params), PROMPTS, n=3, seed=9)
     np.testing.assert_array_equal(got.completion_tokens, one.completion_tokens)
     np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)

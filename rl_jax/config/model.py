@@ -66,7 +66,7 @@ class ModelConfig:
     )
     num_experts: int = knob(
         0,
-        help="experts E of every layer's sparse MLP (mixture of experts; 0 = from "
+        help="experts E of a sparse MLP (mixture of experts; 0 = from "
         "preset/checkpoint, where 0 is a dense MLP): docs/moe.md",
     )
     num_experts_per_tok: int = knob(

@@ -38,8 +38,8 @@ from rl_jax.models.transformer import (
     MLP_PARAMS,
     SPARSE_MLP,
     final_norm_dtype,
-    mlp_index,
     mixed_mlp,
+    mlp_index,
 )
 
 
@@ -121,7 +121,7 @@ def decode_step(
     residual stream's layout. `sparse_mlp(h, weights, **kw)` runs a mixture of experts'
     routed experts on a mesh (`expert_parallel_moe_mlp`; default `moe_mlp`)."""
     cdt, eps, B = jnp.dtype(spec.compute_dtype), spec.rms_norm_eps, tokens_b.shape[0]
-    H, K, hd, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    H, K, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     stack = w["layers"]  # the MLPs: w["dense"], w["sparse"] (`decode_weights`)
     qk_norm = (stack["q_norm"], stack["k_norm"]) if spec.qk_norm else None
 
@@ -144,22 +144,8 @@ def decode_step(
         )
         o_bias = at("o_bias", i) if spec.o_bias else None
         x = ops.residual_dense(x, att.astype(cdt).reshape(B, H * hd), stack["o"], i, o_bias)
-        if spec.mixed:  # the layer's kind (`mixed_mlp`)
-            x, (experts,) = mixed_mlp(kind, x, sparse=sparse, dense=dense)
-        elif spec.is_moe:
-            x, experts = sparse(x, i)
-        else:
-            x, experts = dense(x, i), None
+        x, experts = _mlp(spec, w, x, i, kind, ops=ops, sparse_mlp=sparse_mlp)
         return (constrain(x, ("batch", "embed")), cache), experts
-
-    def sparse(x, j):  # x + the layer's mixture of experts; its experts
-        m, experts = _moe(spec, w["sparse"], x, j, ops=ops, sparse_mlp=sparse_mlp)
-        return x + m, experts
-
-    def dense(x, j):  # x + the layer's SwiGLU
-        mlp = w["dense"]
-        act = ops.swiglu(x, mlp["mlp_norm"], mlp["gate_up"], j, eps=eps, cols=F)
-        return ops.residual_dense(x, act, mlp["down"], j)
 
     xs = (jnp.arange(spec.num_layers), mlp_index(spec) if spec.mixed else None)
     (x, cache), routes = jax.lax.scan(layer, (x, cache), xs)
@@ -167,6 +153,25 @@ def decode_step(
         x, w["final_norm"], w["head"], eps=eps, dtype=final_norm_dtype(spec), cols=spec.vocab_size
     )
     return (logits, cache, jnp.moveaxis(routes, 0, 1)) if record_routes else (logits, cache)
+
+
+def _mlp(spec: ModelSpec, w: dict, x: jax.Array, i, kind, *, ops: Decode, sparse_mlp=None):
+    """x [B, D] plus layer i's MLP of it (a mixed model's: of the kind `kind` says,
+    `mixed_mlp`), and each row's experts [B, k] (None for a dense model)."""
+
+    def sparse(x, j):  # x + the layer's mixture of experts; its experts
+        m, experts = _moe(spec, w["sparse"], x, j, ops=ops, sparse_mlp=sparse_mlp)
+        return x + m, experts
+
+    def dense(x, j):  # x + the layer's SwiGLU
+        mlp, eps, F = w["dense"], spec.rms_norm_eps, spec.intermediate_size
+        act = ops.swiglu(x, mlp["mlp_norm"], mlp["gate_up"], j, eps=eps, cols=F)
+        return ops.residual_dense(x, act, mlp["down"], j)
+
+    if spec.mixed:
+        x, (experts,) = mixed_mlp(kind, x, sparse=sparse, dense=dense)
+        return x, experts
+    return sparse(x, i) if spec.is_moe else (dense(x, i), None)
 
 
 def _moe(spec: ModelSpec, stack: dict, x_bd: jax.Array, i, *, ops: Decode, sparse_mlp=None):

@@ -296,15 +296,6 @@ class Transformer(nnx.Module):
         """Per-layer weights stacked [L, ...] (an MLP's: over the layers of its kind)."""
         return {n: getattr(self.layers, n)[...] for n in LAYER_PARAMS if hasattr(self.layers, n)}
 
-    def _scanned(self) -> dict:
-        """What the layer loop steps through: `layer_params`; of a mixed model without the
-        MLPs' stacks (`_layer_context` holds them whole) and with each layer's kind and
-        index in its kind's stack (`mlp_index`)."""
-        p = self.layer_params()
-        if not self.spec.mixed:
-            return p
-        return {n: a for n, a in p.items() if n not in MLP_PARAMS} | mlp_index(self.spec)
-
     @property
     def kernels(self) -> Kernels:
         """The hot ops for this model's mesh (its devices' platform; `rl_jax.kernels`)."""
@@ -352,7 +343,7 @@ class Transformer(nnx.Module):
                 x, moe = _block_out(p, x, attend(q, k, v), **ctx)
                 return x, (moe[1] if record_routes else None)
 
-            x, routes = over_layers(spec, body, x, self._scanned())
+            x, routes = over_layers(spec, body, x, _scanned(spec, self.layer_params()))
             out = (x, None)
         else:
             out = self._cached(x, rope, cache, cache_index, segment_ids_bt, kv_valid_bs)
@@ -388,7 +379,7 @@ class Transformer(nnx.Module):
             x, moe = _block_out(p, x, a, **ctx)
             return (x, ck, cv), (None if moe is None else moe[1])
 
-        xs = (self._scanned(), jnp.arange(spec.num_layers))
+        xs = (_scanned(spec, self.layer_params()), jnp.arange(spec.num_layers))
         (x, ck, cv), routes = over_layers(spec, body_cached, (x, *cache), xs)
         return x, KVCache(ck, cv), routes
 
@@ -443,16 +434,14 @@ class Transformer(nnx.Module):
             xc, mc = _block_out(p, xc, ac, valid=valid_bt, experts=ec, **ctx)
             return (xp, xc), (None if mp is None else mp[0] + mc[0])
 
-        xs = self._scanned()
+        xs = _scanned(spec, self.layer_params())
         if routes is not None:  # [N, T, L, k] -> layers first
             xs = (xs, *(jnp.moveaxis(r, 2, 0) for r in routes))
         (xp, xc), stats = over_layers(spec, body, (xp, xc), xs)
         if with_router:
             if stats is None:
                 raise ValueError("with_router: this model has no router (a dense MLP)")
-            if spec.mixed:  # the sparse layers' (a dense layer's are zeros)
-                stats = jax.tree.map(lambda a: a[np.asarray(spec.sparse_layers)], stats)
-            return xp, xc, stats
+            return xp, xc, _sparse_rows(spec, stats)
         return xp, xc
 
     def _attention(
@@ -504,13 +493,13 @@ class Transformer(nnx.Module):
         return self.constrain(x, ("batch", "seq", "embed"))
 
     def _layer_context(self) -> dict:
-        p = self.layer_params() if self.spec.mixed else {}
+        mixed = self.spec.mixed  # its MLPs' stacks whole (`_scanned`)
         return dict(
             spec=self.spec,
             constrain=self.constrain,
             kernels=self.kernels,
             sparse_mlp=self._sparse_mlp,
-            mlps={n: a for n, a in p.items() if n in MLP_PARAMS},
+            mlps={n: a for n, a in self.layer_params().items() if mixed and n in MLP_PARAMS},
         )
 
     def _sparse_mlp(self, h, p, valid, experts=None) -> tuple[jax.Array, RouterStats, jax.Array]:
@@ -709,6 +698,21 @@ def _block_out(
 DENSE_MLP = ("gate", "up", "down")
 SPARSE_MLP = (*ROUTED_EXPERTS, *SHARED_EXPERT)
 MLP_PARAMS = (*DENSE_MLP, *SPARSE_MLP)
+
+
+def _scanned(spec: ModelSpec, p: dict[str, jax.Array]) -> dict:
+    """What the layer loop steps through of the stacked weights `p`: all; of a mixed model
+    all but the MLPs' stacks (`Transformer._layer_context` holds them whole), with each
+    layer's kind and index in its kind's stack (`mlp_index`)."""
+    if not spec.mixed:
+        return p
+    return {n: a for n, a in p.items() if n not in MLP_PARAMS} | mlp_index(spec)
+
+
+def _sparse_rows(spec: ModelSpec, stats: RouterStats) -> RouterStats:
+    """Router statistics stacked over the layers [L, ...] as the sparse layers' (a mixed
+    model's dense layers have zeros)."""
+    return jax.tree.map(lambda a: a[np.asarray(spec.sparse_layers)], stats) if spec.mixed else stats
 
 
 def mlp_index(spec: ModelSpec) -> dict[str, np.ndarray]:

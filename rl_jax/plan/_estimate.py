@@ -141,7 +141,8 @@ def _decode_weights(spec: Any, fsdp: int, tensor: int) -> float:
     of experts' experts over `fsdp` too (they stay where they are stored:
     `rl_jax.models.moe.expert_parallel_moe_mlp`)."""
     n = spec.num_params()
-    experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
+    experts = len(spec.sparse_layers) * spec.num_experts * 3 * spec.hidden_size
+    experts *= spec.moe_intermediate_size
     ways = fsdp if spec.is_moe and spec.num_experts % fsdp == 0 else 1  # as fit_spec splits
     return ((n - experts) / tensor + experts / (tensor * ways)) * _itemsize(spec.compute_dtype)
 
@@ -174,7 +175,10 @@ def _activation_bytes(spec: Any, rows_mb: int, T: int, tg: int, tensor: int):
     keys = block * block / T if uses_blockwise(spec, T) else T
     per_token_layer += 4 * _split(H, tensor) * keys
     if spec.is_moe:  # its k dispatched copies in and out, and the router's fp32 logits
-        per_token_layer += cdt * 2 * spec.num_experts_per_tok * D + 4 * 2 * spec.num_experts
+        sparse = len(spec.sparse_layers) / L
+        per_token_layer += sparse * (
+            cdt * 2 * spec.num_experts_per_tok * D + 4 * 2 * spec.num_experts
+        )
     # Kept for the backward, per token and layer: everything (none), the layer's input
     # (full), or its input and its weight matmuls' outputs (save_dots). Live besides,
     # in the backward of a layer: its activations' gradients, and with remat the

@@ -506,10 +506,19 @@ def _layer_costs(
     c(L) = c(1) + (L - 1) (c(2) - c(1)); the update's M minibatch updates cost M times
     one. The engine's step loop stays a loop: its count is one step plus what runs once
     per call."""
-    L = spec.num_layers
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, programs, sample_mesh=sample_mesh)
+    L, Ls = spec.num_layers, len(spec.sparse_layers) or spec.num_layers
+    kw = dict(mesh=mesh, rules=rules, tp=tp, tg=tg, programs=programs, sample_mesh=sample_mesh)
+    # A mixed model's layers cost by kind: a sparse one the 2-layer sparse program's
+    # increment, a dense one that of the 2-layer program whose first layer is dense (a
+    # prefill's last layer is dead code but its keys and values); unrolled, each layer's
+    # kind known: no conditional for XLA to count.
+    flat = spec.replace(dense_layers=(), scan_layers=False) if spec.mixed else spec
+    c1, c2 = _depth_costs(cfg, flat, **kw)
+    total = {n: c1[n] + (Ls - 1) * _increment(c2[n], c1[n]) for n in c1}
+    if L > Ls:
+        _, cd = _depth_costs(cfg, flat.replace(dense_layers=(0,)), **kw)
+        total = {n: total[n] + (L - Ls) * _increment(cd[n], c1[n]) for n in c1}
     scale = {"train_step": M}
-    total = {n: c1[n] + (L - 1) * _increment(c2[n], c1[n]) for n in c1}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
 
 
@@ -577,7 +586,8 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs, *, sa
     built with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys
     in `twice` run two iterations). The counts (trip counts, fused kernels' bytes per
     FLOP) are known once the programs are traced, before they compile."""
-    s = dataclasses.replace(spec, num_layers=layers)
+    dense = tuple(i for i in spec.dense_layers if i < layers)  # a sparse layer kept
+    s = dataclasses.replace(spec, num_layers=layers, dense_layers=dense[: layers - 1])
     costs, counts = {}, {}
     options = COUNTING_OPTIONS.get(mesh_platform(mesh), {})
 
@@ -633,7 +643,8 @@ def _prefill_flops(spec, T: int) -> float:
     D, K, hd, L = spec.hidden_size, spec.num_kv_heads, spec.head_dim, spec.num_layers
     per_key = spec.flops_per_token(1) - spec.flops_per_token(0)  # attention, all layers
     attn = per_key / L * (L - 1) * T * (T + 1) / 2
-    return 2 * T * ((L - 1) * spec.layer_matmul_params() + 2 * D * K * hd) + attn
+    layers = spec.matmul_params() - spec.layer_matmul_params(L - 1)
+    return 2 * T * (layers + 2 * D * K * hd) + attn
 
 
 def _axes(mesh: Mesh) -> dict[str, int]:
