@@ -28,9 +28,9 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
 * `decode(platform, *, compute_dtype, head_dim, local, threads, attention=True,
   matmul=True)`: the ops of the one-token decode step (`rl_jax.models.decode`) as
   an object, `xla.Decode` or a subclass: the weights' and the engine's paged KV
-  cache's layouts (`prepare`, `paged_shapes`, `paged_axes`, `page_size`) and the ops
-  that read them (`embed`, `normed_dense`, `swiglu`, `residual_dense`, `logits`,
-  `paged_attention`, `write_prompt`). The conditions say what the decode runs
+  cache's layouts (`prepare`, `prepare_mlp`, `paged_shapes`, `paged_axes`,
+  `page_size`) and the ops that read them (`embed`, `normed_dense`, `swiglu`,
+  `residual_dense`, `logits`, `paged_attention`, `write_prompt`). The conditions say what the decode runs
   under: compute dtype, head width, whether each device decodes its rows alone
   (`local`) and whether one device decodes (`threads`); `attention` / `matmul`
   False keep XLA's for that part. `Kernels.decode_ops(**conditions)` calls it with the platform.

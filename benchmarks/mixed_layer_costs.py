@@ -1,0 +1,95 @@
+"""How a plan counts a mixture of experts with dense layers among its sparse ones, against
+the whole model's program. Compiled from this host for a TPU topology (libtpu, no TPU).
+
+    python benchmarks/mixed_layer_costs.py [--layers 4] [--dense 0,2] [--topology v5e:2x2]
+
+`rl-jax plan` counts a program's FLOPs and bytes from programs of 1 and 2 layers
+(`_layer_costs`): for a mixed model a sparse layer costs the all-sparse 2-layer program's
+increment, a dense one the increment of the 2-layer program whose first layer is dense.
+Here both are set against the same programs (one minibatch, loops peeled) compiled
+with all the layers, each in its kind. Prints one JSON object: per program and chip,
+(FLOPs, bytes) extrapolated and whole, their ratio, and the ratio were every layer
+counted as a sparse one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from rl_jax.config import ModelConfig, load_recipe
+from rl_jax.models import build_model, resolve_spec
+from rl_jax.models.native import save_model
+from rl_jax.plan import _programs as pp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import load_avg  # noqa: E402
+
+RUN = [  # the plan tests' tiny shapes
+    "data.prompts_per_batch=4",
+    "sampling.n=2",
+    "sampling.max_prompt_len=16",
+    "sampling.max_new_tokens=16",
+    "sampling.engine_slots=4",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=1",
+    "model.scan_layers=false",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense", default="0,2", help="the dense layers, comma-separated")
+    p.add_argument("--topology", default="v5e:2x2")
+    args = p.parse_args()
+    dense = tuple(int(i) for i in args.dense.split(","))
+    cfg = ModelConfig(preset="tiny-moe", num_layers=args.layers, hidden_size=64)
+    spec = resolve_spec(cfg).replace(dense_layers=dense)
+    path = tempfile.mkdtemp()
+    save_model(build_model(spec), path)
+    t = pp.plan_target(load_recipe("scalerl", [*RUN, f"model.path={path}"]), args.topology)
+    t0, load = time.perf_counter(), load_avg()
+
+    def peeled(s, layers):
+        kw = dict(sample_mesh=t.sample_mesh)
+        c, _ = pp._peeled_costs(
+            t.cfg, s, t.mesh, t.rules, layers, (), t.tp, t.tg, pp.PROGRAMS, **kw
+        )
+        return pp._results(c)
+
+    flat = t.spec.replace(dense_layers=())
+    one, two = peeled(flat, 1), peeled(flat, 2)
+    first_dense = peeled(flat.replace(dense_layers=(0,)), 2)
+    whole = peeled(t.spec, args.layers)
+    sparse = len(t.spec.sparse_layers)
+    out = {}
+    for n in one:
+        est = one[n] + (sparse - 1) * pp._increment(two[n], one[n])
+        est = est + (args.layers - sparse) * pp._increment(first_dense[n], one[n])
+        naive = one[n] + (args.layers - 1) * pp._increment(two[n], one[n])
+        out[n] = {
+            "extrapolated": est.tolist(),
+            "whole": whole[n].tolist(),
+            "ratio": (est / whole[n]).round(4).tolist(),
+            # every layer counted as a sparse one
+            "ratio_all_sparse": (naive / whole[n]).round(4).tolist(),
+        }
+    record = dict(
+        layers=args.layers,
+        dense=list(dense),
+        topology=args.topology,
+        programs=out,
+        seconds=round(time.perf_counter() - t0, 1),
+        load_avg=[load, load_avg()],
+    )
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
