@@ -5,9 +5,11 @@ the whole model's program. Compiled from this host for a TPU topology (libtpu, n
 
 `rl-jax plan` counts a program's FLOPs and bytes from programs of 1 and 2 layers
 (`_layer_costs`): for a mixed model a sparse layer costs the all-sparse 2-layer program's
-increment, a dense one the increment of the 2-layer program whose first layer is dense.
-Here both are set against the same programs (one minibatch, loops peeled) compiled
-with all the layers, each in its kind. Prints one JSON object: per program and chip,
+increment, a dense one the increment of the 2-layer program whose first layer is dense,
+and a dense last layer the 2-layer program ending in it less the one starting with it
+(a prefill's last layer computes its keys and values only). Here that count is set
+against the same programs (one minibatch, loops peeled) compiled with all the layers,
+each in its kind. Prints one JSON object: per program and chip,
 (FLOPs, bytes) extrapolated and whole, their ratio, and the ratio were every layer
 counted as a sparse one.
 """
@@ -45,10 +47,10 @@ RUN = [  # the plan tests' tiny shapes
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dense", default="0,2", help="the dense layers, comma-separated")
+    p.add_argument("--dense", default="0,2", help="the dense layers, comma-separated ('': none)")
     p.add_argument("--topology", default="v5e:2x2")
     args = p.parse_args()
-    dense = tuple(int(i) for i in args.dense.split(","))
+    dense = tuple(int(i) for i in args.dense.split(",") if i)  # "": all sparse, as a baseline
     cfg = ModelConfig(preset="tiny-moe", num_layers=args.layers, hidden_size=64)
     spec = resolve_spec(cfg).replace(dense_layers=dense)
     path = tempfile.mkdtemp()
@@ -66,12 +68,15 @@ def main() -> None:
     flat = t.spec.replace(dense_layers=())
     one, two = peeled(flat, 1), peeled(flat, 2)
     first_dense = peeled(flat.replace(dense_layers=(0,)), 2)
+    last_dense = peeled(flat.replace(dense_layers=(1,)), 2) if args.layers - 1 in dense else None
     whole = peeled(t.spec, args.layers)
     sparse = len(t.spec.sparse_layers)
     out = {}
     for n in one:
         est = one[n] + (sparse - 1) * pp._increment(two[n], one[n])
         est = est + (args.layers - sparse) * pp._increment(first_dense[n], one[n])
+        if last_dense is not None:  # the last layer dense
+            est = est + last_dense[n] - first_dense[n]
         naive = one[n] + (args.layers - 1) * pp._increment(two[n], one[n])
         out[n] = {
             "extrapolated": est.tolist(),

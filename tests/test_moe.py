@@ -4,6 +4,7 @@ the trainer's forward, specs, presets and FLOPs, router losses and metrics."""
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -1057,3 +1058,40 @@ def test_engine_on_a_mesh_samples_one_devices_rollouts(params, axes, mixed):
     np.testing.assert_array_equal(got.completion_tokens, one.completion_tokens)
     np.testing.assert_allclose(got.logprobs, one.logprobs, atol=1e-5)
     np.testing.assert_array_equal(np.sort(got.routes, -1), np.sort(one.routes, -1))
+
+
+@pytest.mark.parametrize("dense", [(0, 2), (1, 4, 5), (0,), (5,)])
+def test_a_plan_counts_each_layers_kind(monkeypatch, dense):
+    """`_layer_costs` of a mixed model from its 1- and 2-layer counting programs: exact
+    for costs that add up by layer, where a prefill's last layer computes its keys and
+    values only (its MLP, dense or sparse, is dead code). The programs' counts stand in
+    for their compiles (benchmarks/mixed_layer_costs.py sets the count against compiled
+    whole programs)."""
+    from rl_jax.plan import _programs as pp
+
+    mlp = {True: np.array([7.0, 70.0]), False: np.array([3.0, 40.0])}  # sparse, dense
+    attn, kv, base = np.array([2.0, 10.0]), np.array([1.0, 5.0]), np.array([100.0, 900.0])
+
+    def cost(spec, name):  # what a program of `spec` would count
+        layers = [attn + kv + mlp[i in spec.sparse_layers] for i in range(spec.num_layers)]
+        if name == "prefill_insert":  # the last layer's keys and values only
+            layers[-1] = kv
+        return base + sum(layers)
+
+    class Counted:  # `_programs`' result for a counting program's spec
+        def __init__(self, cfg, spec, *args, **kw):
+            assert not spec.scan_layers  # each layer's kind known while tracing
+            self.spec = spec
+
+        def step_programs(self, tp, tg, minibatches):
+            return {n: (n, (self.spec,), {}) for n in ("train_step", "prefill_insert")}
+
+    def submit(name, spec, **kw):
+        return types.SimpleNamespace(result=lambda: cost(spec, name))
+
+    monkeypatch.setattr(pp, "_programs", Counted)
+    monkeypatch.setattr(pp, "_submit", submit)
+    spec = SPEC.replace(num_layers=6, dense_layers=dense, scan_layers=True)
+    got = pp._layer_costs(None, spec, None, None, M=1, tp=8, tg=8)
+    for name in ("train_step", "prefill_insert"):
+        np.testing.assert_allclose(got[name], cost(spec, name))

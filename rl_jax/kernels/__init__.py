@@ -30,10 +30,11 @@ Ops (signatures of the reference, `rl_jax.kernels.xla`):
   an object, `xla.Decode` or a subclass: the weights' and the engine's paged KV
   cache's layouts (`prepare`, `prepare_mlp`, `paged_shapes`, `paged_axes`,
   `page_size`) and the ops that read them (`embed`, `normed_dense`, `swiglu`,
-  `residual_dense`, `logits`, `paged_attention`, `write_prompt`). The conditions say what the decode runs
-  under: compute dtype, head width, whether each device decodes its rows alone
-  (`local`) and whether one device decodes (`threads`); `attention` / `matmul`
-  False keep XLA's for that part. `Kernels.decode_ops(**conditions)` calls it with the platform.
+  `residual_dense`, `logits`, `paged_attention`, `write_prompt`). The conditions say
+  what the decode runs under: compute dtype, head width, whether each device decodes its
+  rows alone (`local`) and whether one device decodes (`threads`); `attention` /
+  `matmul` False keep XLA's for that part. `Kernels.decode_ops(**conditions)` calls it
+  with the platform.
 
 Implementations:
 

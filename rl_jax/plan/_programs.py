@@ -509,15 +509,19 @@ def _layer_costs(
     L, Ls = spec.num_layers, len(spec.sparse_layers) or spec.num_layers
     kw = dict(mesh=mesh, rules=rules, tp=tp, tg=tg, programs=programs, sample_mesh=sample_mesh)
     # A mixed model's layers cost by kind: a sparse one the 2-layer sparse program's
-    # increment, a dense one that of the 2-layer program whose first layer is dense (a
-    # prefill's last layer is dead code but its keys and values); unrolled, each layer's
-    # kind known: no conditional for XLA to count.
+    # increment, a dense one that of the 2-layer program whose first layer is dense; a
+    # dense last layer (a prefill's last layer is dead code but its keys and values) the
+    # 2-layer program ending in it less the one starting with it. Unrolled, each layer's
+    # kind is known: no conditional for XLA to count.
     flat = spec.replace(dense_layers=(), scan_layers=False) if spec.mixed else spec
     c1, c2 = _depth_costs(cfg, flat, **kw)
     total = {n: c1[n] + (Ls - 1) * _increment(c2[n], c1[n]) for n in c1}
     if L > Ls:
-        _, cd = _depth_costs(cfg, flat.replace(dense_layers=(0,)), **kw)
-        total = {n: total[n] + (L - Ls) * _increment(cd[n], c1[n]) for n in c1}
+        _, first = _depth_costs(cfg, flat.replace(dense_layers=(0,)), **kw)
+        total = {n: total[n] + (L - Ls) * _increment(first[n], c1[n]) for n in c1}
+    if L - 1 in spec.dense_layers:
+        _, last = _depth_costs(cfg, flat.replace(dense_layers=(1,)), **kw)
+        total = {n: total[n] + last[n] - first[n] for n in c1}
     scale = {"train_step": M}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
 
