@@ -48,7 +48,12 @@ from rl_jax.config import ModelConfig, SamplingConfig  # noqa: E402
 from rl_jax.models import Transformer, init_params, resolve_spec  # noqa: E402
 from rl_jax.sampling import Engine  # noqa: E402
 from rl_jax.sharding import get_rules  # noqa: E402
-from rl_jax.train.step import completion_forward, put_batch, rollout_arrays  # noqa: E402
+from rl_jax.train.step import (  # noqa: E402
+    compiler_options,
+    completion_forward,
+    put_batch,
+    rollout_arrays,
+)
 
 
 def models(experts: int, top_k: int, dtype: str) -> dict:
@@ -83,7 +88,10 @@ def trainer_logprobs(spec, params, out, routes) -> np.ndarray:
     the router's own top k)."""
     out = dataclasses.replace(out, routes=routes)
     host = rollout_arrays(out, out.completion_mask, np.zeros(out.num_rows))
-    fwd = jax.jit(lambda p, b: completion_forward(spec, get_rules("fsdp_tp"), None, p, b, 1.0)[0])
+    fwd = jax.jit(
+        lambda p, b: completion_forward(spec, get_rules("fsdp_tp"), None, p, b, 1.0)[0],
+        compiler_options=compiler_options(None, spec),  # the trainer's
+    )
     return np.asarray(fwd(params, put_batch(host, None)))
 
 
@@ -95,7 +103,8 @@ def route_flips(spec, params, out) -> tuple[int, int]:
     valid = np.concatenate([out.prompt_mask, np.arange(tg) < out.lengths[:, None]], axis=1)
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
     model = jax.jit(
-        lambda p, *a: Transformer(spec, p)(a[0], a[2], kv_valid_bs=a[1], record_routes=True)
+        lambda p, *a: Transformer(spec, p)(a[0], a[2], kv_valid_bs=a[1], record_routes=True),
+        compiler_options=compiler_options(None, spec),
     )
     own = np.asarray(model(params, tokens, valid, positions)[2])
     fed = np.concatenate([out.prompt_mask, np.arange(tg) < out.lengths[:, None] - 1], axis=1)
@@ -164,6 +173,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--exact-rounding", action="store_true", help="model.exact_rounding=true")
     args = ap.parse_args()
     load_start = load_avg()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=32, length_bucket=8, max_prompt_len=16)
@@ -172,6 +182,7 @@ def main() -> None:
     }
     flips, runs = [0, 0], {}
     specs = models(args.experts, args.top_k, args.dtype)
+    specs = {k: s.replace(exact_rounding=args.exact_rounding) for k, s in specs.items()}
     for name, spec in specs.items():
         record = name == "moe"
         for seed in range(args.seeds):
@@ -193,6 +204,7 @@ def main() -> None:
         json.dumps(
             {
                 "dtype": args.dtype,
+                "exact_rounding": args.exact_rounding,
                 "experts": args.experts,
                 "top_k": args.top_k,
                 "seeds": args.seeds,

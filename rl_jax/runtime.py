@@ -72,18 +72,23 @@ def mesh_platform(mesh=None) -> str:
     return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
-def xla_options(mesh=None, *, eigen_matmuls: bool = False) -> dict:
+def xla_options(mesh=None, *, eigen_matmuls: bool = False, exact_rounding: bool = False) -> dict:
     """Per-`jax.jit` XLA options (`compiler_options=`) for `mesh`'s platform (default
-    device without one). CPU only; accelerators get XLA's defaults.
+    device without one). On accelerators XLA's defaults, but `exact_rounding`.
 
-    eigen_matmuls: Eigen matmuls instead of YNNPACK fusions. On the bench workload's
-    train step that is about 5-10% faster and needs 15% less temporary memory (the
-    YNNPACK fusions want their own operand layouts, hence extra copies); the
+    eigen_matmuls: Eigen matmuls instead of YNNPACK fusions (CPU). On the bench
+    workload's train step that is about 5-10% faster and needs 15% less temporary
+    memory (the YNNPACK fusions want their own operand layouts, hence extra copies); the
     sampler's small decode matmuls keep YNNPACK.
+    exact_rounding: XLA's excess precision off (`model.exact_rounding`): a fusion rounds
+    every intermediate to its dtype as the program says, not as the fusion happens to
+    keep it, so two programs computing the same op round it alike.
     """
+    exact = {"xla_allow_excess_precision": False} if exact_rounding else {}
     if mesh_platform(mesh) != "cpu":
-        return {}
+        return exact
     opts: dict = {
+        **exact,
         "xla_backend_optimization_level": CPU_LLVM_OPT_LEVEL,
         "xla_cpu_scheduler_type": CPU_SCHEDULER,
     }

@@ -259,12 +259,15 @@ def _replay_logprobs(spec, params, out, routes):
     """The trainer's log-probs of a Rollouts' completions (its step's forward), routing
     each token as `routes` says (None: its own router's top k)."""
     from rl_jax.sharding import get_rules
-    from rl_jax.train.step import completion_forward, put_batch, rollout_arrays
+    from rl_jax.train.step import compiler_options, completion_forward, put_batch, rollout_arrays
 
     out = dataclasses.replace(out, routes=routes)
     host = rollout_arrays(out, out.completion_mask, np.zeros(out.num_rows))
     rules = get_rules("fsdp_tp")
-    fwd = jax.jit(lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0])
+    fwd = jax.jit(
+        lambda p, b: completion_forward(spec, rules, None, p, b, 1.0)[0],
+        compiler_options=compiler_options(None, spec),  # the trainer's
+    )
     return np.asarray(fwd(params, put_batch(host, None)))
 
 
@@ -385,6 +388,28 @@ def test_routing_replay_removes_the_mismatch_of_flipped_routes():
     np.testing.assert_allclose(replay[m & ~rows[:, None]], without[m & ~rows[:, None]], atol=1e-6)
     assert replay[m & rows[:, None]].mean() < without[m & rows[:, None]].mean()
     assert replay[m].max() < without[m].max()
+
+
+def test_exact_rounding_makes_the_sampler_and_the_trainer_round_alike():
+    """bfloat16: by default XLA keeps some intermediates of a fusion in more precision
+    than their dtype, differently in the engine's decode and in the trainer's forward:
+    no token's log-prob comes out the same (mean gap ~4.5e-4 here). With
+    `model.exact_rounding` both round every op as written: most tokens' log-probs are
+    the same to the bit, for a dense model and for a mixture of experts whose routes
+    are replayed (its experts' outputs mixed in float32: in bfloat16 the router's
+    weights would round apart). docs/results/precision.md has the numbers."""
+    bf = SPEC.replace(compute_dtype="bfloat16", exact_rounding=True)
+    dense = bf.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 64, rng.integers(4, 16))) for _ in range(6)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, length_bucket=8, max_prompt_len=16)
+    for spec in (dense, bf):
+        params = init_params(spec, jax.random.key(0))
+        engine = Engine(spec, cfg, slots=8, chunk=8, pad_id=0, record_routes=spec.is_moe)
+        out, _ = engine.run(params, prompts, n=4, seed=1)
+        trainer = _replay_logprobs(spec, params, out, out.routes)
+        gap = np.abs(trainer - out.logprobs)[out.completion_mask]
+        assert (gap == 0).mean() > 0.5 and gap.mean() < 1e-4, ((gap == 0).mean(), gap.mean())
 
 
 def test_shared_prefix_router_stats_count_valid_tokens_only(params):

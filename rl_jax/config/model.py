@@ -94,6 +94,12 @@ class ModelConfig:
     param_dtype: str = knob("float32", help=f"parameter dtype, one of {DTYPES}")
     compute_dtype: str = knob("float32", help=f"activation/matmul dtype, one of {DTYPES}")
     fp32_lm_head: bool = knob(False, help="final norm and LM head in float32 (ScaleRL)")
+    exact_rounding: bool = knob(
+        False,
+        help="the sampler's and the trainer's programs round every op to the compute "
+        "dtype as written (XLA's excess precision off), so their log-probs of a token "
+        "differ far less in bfloat16: docs/precision.md",
+    )
     remat: str = knob(
         "none",
         help=f"what the backward pass recomputes of each layer, one of {REMAT_CHOICES}: "

@@ -157,7 +157,7 @@ def moe_mlp(
     ys = grouped_matmul(jax.nn.silu(g) * u, down_efd.astype(dt), sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(N * top_k, dtype=order.dtype))
     y = jnp.take(ys, back, axis=0).reshape(N, top_k, D)
-    out = jnp.sum(y * weights.astype(dt)[..., None], axis=1)
+    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(dt)
     valid_n = None if valid is None else valid.reshape(-1)
     stats = router_stats(logits, experts, valid_n)
     return out.reshape(*lead, D), stats, experts.reshape(*lead, top_k)

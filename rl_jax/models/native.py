@@ -34,6 +34,7 @@ _RUN_FIELDS = (
     "param_dtype",
     "compute_dtype",
     "fp32_lm_head",
+    "exact_rounding",
     "remat",
     "attention",
     "attention_block",

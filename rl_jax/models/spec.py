@@ -65,6 +65,7 @@ class ModelSpec:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     fp32_lm_head: bool = False
+    exact_rounding: bool = False  # the programs' XLA excess precision off (`xla_options`)
     remat: str = "none"
     attention: str = "auto"
     attention_block: int = 512
@@ -344,6 +345,7 @@ def spec_from_fields(cfg: ModelConfig, fields: dict[str, Any], source: str) -> M
         param_dtype=cfg.param_dtype,
         compute_dtype=cfg.compute_dtype,
         fp32_lm_head=cfg.fp32_lm_head,
+        exact_rounding=cfg.exact_rounding,
         remat=cfg.remat,
         attention=cfg.attention,
         attention_block=cfg.attention_block,

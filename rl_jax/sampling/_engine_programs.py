@@ -582,7 +582,7 @@ class EnginePrograms(EngineBodies):
     def _jit_programs(self) -> None:
         """The programs, jitted: `_init`, `_prefill_insert`, `_prepare`, `_generate`."""
         mesh = self.mesh
-        opts = xla_options(mesh)
+        opts = xla_options(mesh, exact_rounding=self.spec.exact_rounding)
         # With a mesh, every call takes and returns the state in one layout (the one
         # the programs' constraints give), so `init`'s state and every call's result
         # feed the same executables.

@@ -242,9 +242,9 @@ def completion_logprobs(spec, rules, mesh, params, batch, temperature):
     return logp, ent
 
 
-def compiler_options(mesh: Mesh | None) -> dict[str, Any]:
+def compiler_options(mesh: Mesh | None, spec: ModelSpec) -> dict[str, Any]:
     """XLA options of the trainer's jitted functions (see rl_jax.runtime.xla_options)."""
-    return xla_options(mesh, eigen_matmuls=True)
+    return xla_options(mesh, eigen_matmuls=True, exact_rounding=spec.exact_rounding)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -395,7 +395,7 @@ def make_update(
         return params, opt_state, metrics
 
     pinned = {} if state_shardings is None else {"out_shardings": (*state_shardings, None)}
-    opts = compiler_options(mesh)
+    opts = compiler_options(mesh, spec)
     return jax.jit(update, donate_argnums=(0, 1), compiler_options=opts, **pinned)
 
 
@@ -491,7 +491,7 @@ def make_logprob_fn(
             return one(batch)
         return jax.lax.scan(lambda c, mb: (c, one(mb)), None, batch)[1]
 
-    return jax.jit(fn, compiler_options=compiler_options(mesh))
+    return jax.jit(fn, compiler_options=compiler_options(mesh, spec))
 
 
 def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamFormat | None = None):
@@ -501,4 +501,4 @@ def make_value_fn(spec: ModelSpec, rules, mesh: Mesh | None, *, plan: ParamForma
     def fn(params: Params, batch: TrainBatch):
         return completion_forward(spec, rules, mesh, view(params), batch, 1.0, values=True)[2]
 
-    return jax.jit(fn, compiler_options=compiler_options(mesh))
+    return jax.jit(fn, compiler_options=compiler_options(mesh, spec))
