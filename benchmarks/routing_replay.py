@@ -2,13 +2,16 @@
 replay, beside dense models'; one JSON line.
 
     python benchmarks/routing_replay.py [--seeds 3] [--experts 8] [--top-k 2] [--dtype bfloat16]
+        [--exact-rounding]
 
 The engine samples random prompts (temperature 1, 32 prompts x 4 rows, up to 32 new
 tokens) with the model in `--dtype`, recording each token's experts
 (`Engine(record_routes=True)`); the trainer then recomputes every kept token's log-prob
-with its step's forward (`completion_forward`), once routing each token itself and
-once replaying the sampler's routes (`model.routing_replay`). What is measured is the
-mismatch |log p_trainer - log p_sampler| per kept token (mean, 99th percentile, max),
+with its step's forward (`completion_forward`, compiled with the trainer's options),
+once routing each token itself and once replaying the sampler's routes
+(`model.routing_replay`); `--exact-rounding`: every model with `model.exact_rounding`.
+What is measured is the mismatch |log p_trainer - log p_sampler| per kept token (mean,
+99th percentile, max),
 and the fraction of (token, layer) routings the two forwards choose differently
 ("route_flips": the trainer's own top k against the recorded one, over every token the
 sampler fed).
