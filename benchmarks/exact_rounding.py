@@ -3,12 +3,19 @@ sampling and the trainer's forward + backward, in bfloat16, with it off and on,
 alternating in one process; one JSON object.
 
     python benchmarks/exact_rounding.py [--preset bench] [--repeats 5] [--platform cpu]
+    python benchmarks/exact_rounding.py --ratios    # the importance ratios of a tiny run
 
 Engine: 8 prompts x 8 samples of 8-token prompts, 64 new tokens each (no stop token),
 temperature 1 (sampler.py's reference workload, in bfloat16). Trainer: the gradient of
 the completions' mean log-prob through the trainer's forward (`completion_forward`,
 its compiler options) on those rollouts. Medians of `--repeats` timed runs after one
 untimed (compiling) run of each; the load average at the start and the end.
+
+--ratios: `rl-jax train scalerl` in bfloat16 on the trainer tests' tiny run
+(tests/_workers/train_even_first.py: its verifier rewards a random policy's rows
+unevenly, so every step trains), 4 on-policy steps with the knob off and on; per step
+the smallest and largest importance ratio (the trainer's log-prob over the sampler's)
+of the update's tokens.
 """
 
 from __future__ import annotations
@@ -63,13 +70,43 @@ def programs(spec, params, prompts, cfg):
     return sample, train
 
 
+def ratios() -> dict:
+    """Per knob setting, each step's (smallest, largest) importance ratio (--ratios)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "_workers"))
+    import train_even_first  # registers the run's verifier
+
+    from rl_jax.cli import main as cli
+
+    out = {}
+    for exact in ("false", "true"):
+        d = Path(tempfile.mkdtemp())
+        knobs = ["model.compute_dtype=bfloat16", f"model.exact_rounding={exact}"]
+        knobs += ["mesh.num_devices=1", "train.steps=4", "eval.every=4", "eval.at_start=false"]
+        args = [*train_even_first.TINY_RUN, *knobs, f"out_dir={d}", "name=r"]
+        if cli(["train", "scalerl", *args]) != 0:
+            raise SystemExit(f"the run with model.exact_rounding={exact} failed")
+        rows = [json.loads(x) for x in (d / "r" / "metrics.jsonl").read_text().splitlines()]
+        out[exact] = {
+            r["step"]: [r["train/ratio_min"], r["train/ratio_max"]]
+            for r in rows
+            if "train/ratio_max" in r
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--platform", default="cpu")
+    p.add_argument("--ratios", action="store_true", help="a tiny run's importance ratios")
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", args.platform)
+    if args.ratios:
+        print(json.dumps({"ratios": ratios(), "load_avg": load_avg()}))
+        return
     load_start = load_avg()
     base = resolve_spec(ModelConfig(preset=args.preset, compute_dtype="bfloat16"))
     params = init_params(base, jax.random.key(0))
