@@ -17,6 +17,7 @@ counted as a sparse one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -64,19 +65,17 @@ def main() -> None:
 
     def peeled(s, layers):  # {program: (FLOPs, bytes)} of `s` built with `layers` layers
         if (s, layers) not in memo:
-            kw = dict(sample_mesh=t.sample_mesh)
-            c, _ = pp._peeled_costs(
-                t.cfg, s, t.mesh, t.rules, layers, (), t.tp, t.tg, pp.PROGRAMS, **kw
-            )
+            c, _ = pp._peeled_costs(t, s, layers, (), pp.PROGRAMS)
             memo[s, layers] = pp._results(c)
         return memo[s, layers]
 
     # The plan's own count (`_layer_costs`) over its 1- and 2-layer programs taken as
-    # peeled as the whole program below is (no loop counts on either side).
-    pp._depth_costs = lambda cfg, s, **kw: (peeled(s, 1), peeled(s, 2))
-    kw = dict(M=1, tp=t.tp, tg=t.tg, sample_mesh=t.sample_mesh)
-    counted = pp._layer_costs(t.cfg, t.spec, t.mesh, t.rules, **kw)
-    naive = pp._layer_costs(t.cfg, t.spec.replace(dense_layers=()), t.mesh, t.rules, **kw)
+    # peeled as the whole program below is (no loop counts on either side); the recipe
+    # runs one minibatch update a batch, as the whole program does.
+    pp._depth_costs = lambda t, s, programs: (peeled(s, 1), peeled(s, 2))
+    assert t.cfg.train.updates_per_batch == 1
+    counted = pp._layer_costs(t)
+    naive = pp._layer_costs(dataclasses.replace(t, spec=t.spec.replace(dense_layers=())))
     whole = peeled(t.spec, args.layers)
     out = {}
     for n, c in counted.items():

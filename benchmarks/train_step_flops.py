@@ -40,13 +40,12 @@ def main() -> None:
     p.add_argument("--loops", action="store_true", help="each loop's share (module doc)")
     args = p.parse_args()
     t0 = time.perf_counter()
-    cfg, devices, mesh, spec, rules, tp, tg, _ = plan_target(
-        load_recipe(args.recipe, args.overrides), args.topology
-    )
+    t = plan_target(load_recipe(args.recipe, args.overrides), args.topology)
+    cfg, devices, spec, tp, tg = t.cfg, t.devices, t.spec, t.tp, t.tg
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
     chips, L = len(devices), spec.num_layers
     bodies: dict = {}
-    c1, c2 = _depth_costs(cfg, spec, mesh, rules, tp, tg, ("train_step",), bodies=bodies)
+    c1, c2 = _depth_costs(t, spec, ("train_step",), bodies=bodies)
     compiled = [M * float(c["train_step"][0]) for c in (c1, c2)]
     moved = [M * float(c["train_step"][1]) for c in (c1, c2)]
     want = []

@@ -30,7 +30,7 @@ import sys
 from rl_jax import kernels
 from rl_jax.config import load_recipe
 from rl_jax.kernels import tpu, xla
-from rl_jax.plan._programs import OutOfMemory, _compile, _programs, plan_target
+from rl_jax.plan._programs import OutOfMemory, Target, _compile, plan_target
 from rl_jax.train.accounting import passes
 from rl_jax.train.step import abstract_batch
 
@@ -53,10 +53,11 @@ def _measure(fn, *args) -> dict:
     )
 
 
-def _program(args, cfg, spec, mesh, rules, tp, tg) -> dict:
+def _program(args, t: Target) -> dict:
     """The chosen program (or both log-prob passes) compiled."""
+    cfg, mesh, tp, tg = t.cfg, t.mesh, t.tp, t.tg
     P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
-    run = _programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg)
+    run = t.programs().step_programs(tp, tg)
     if args.program == "train_step":
         fn, state_and_batch, _ = run["train_step"]
         return _measure(fn, *state_and_batch)
@@ -78,9 +79,8 @@ def main() -> None:
     p.add_argument("--program", choices=("train_step", "logprob"), default="train_step")
     p.add_argument("--flash", choices=("platform", "xla", "both"), default="platform")
     args = p.parse_intermixed_args()
-    cfg, _, mesh, spec, rules, tp, tg, _ = plan_target(
-        load_recipe(args.recipe, args.overrides), args.topology
-    )
+    t = plan_target(load_recipe(args.recipe, args.overrides), args.topology)
+    cfg, mesh, tp, tg = t.cfg, t.mesh, t.tp, t.tg
     sc, M = cfg.sampling, cfg.train.updates_per_batch
     if args.program == "logprob" and "logprob" not in passes(cfg).calls:
         print(
@@ -96,7 +96,7 @@ def main() -> None:
         "tokens_per_row": tp + tg,
     }
     if args.flash == "platform":
-        out.update(_program(args, cfg, spec, mesh, rules, tp, tg))
+        out.update(_program(args, t))
     else:
         out["flash"] = {}
         own = "splash" if kernels.for_mesh(mesh).flash_attention is tpu.flash_attention else "own"
@@ -104,7 +104,7 @@ def main() -> None:
             if name == "xla":  # the TPU registry's flash_attention replaced by the reference
                 kernels.register("tpu", flash_attention=xla.flash_attention)
             try:
-                out["flash"][name] = _program(args, cfg, spec, mesh, rules, tp, tg)
+                out["flash"][name] = _program(args, t)
             finally:
                 kernels.register("tpu", flash_attention=tpu.flash_attention)
     print(json.dumps(out))

@@ -1,6 +1,7 @@
 """The TPU kernels (`rl_jax.kernels.tpu`): splash attention against the portable
 `xla.flash_attention`, in Pallas's interpreter on this CPU, and compiled for a v5e."""
 
+import dataclasses
 import functools
 import re
 
@@ -208,14 +209,14 @@ def test_blockwise_train_step_compiles_splash_for_v5e(no_compilation_cache):
         "mesh.tensor=1",
     ]
     try:
-        cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(
-            load_recipe("scalerl", knobs), "v5e:2x2"
-        )
+        t = pp.plan_target(load_recipe("scalerl", knobs), "v5e:2x2")
     except ConfigError as e:
         pytest.skip(f"libtpu cannot describe a TPU topology here: {e}")
+    cfg, mesh, tg = t.cfg, t.mesh, t.tg
 
     def update_program(mesh):
-        run = pp._programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
+        on = dataclasses.replace(t, mesh=mesh, sample_mesh=mesh)
+        run = on.programs().step_programs(t.tp, tg, minibatches=1)
         fn, args, _ = run["train_step"]
         return fn.trace(*args).lower()
 

@@ -1106,8 +1106,8 @@ def test_a_plan_counts_each_layers_kind(monkeypatch, dense):
             layers[-1] = kv
         return base + sum(layers)
 
-    class Counted:  # `_programs`' result for a counting program's spec
-        def __init__(self, cfg, spec, *args, **kw):
+    class Counted:  # `Target.programs`' result for a counting program's spec
+        def __init__(self, spec):
             assert not spec.scan_layers  # each layer's kind known while tracing
             self.spec = spec
 
@@ -1117,9 +1117,10 @@ def test_a_plan_counts_each_layers_kind(monkeypatch, dense):
     def submit(name, spec, **kw):
         return types.SimpleNamespace(result=lambda: cost(spec, name))
 
-    monkeypatch.setattr(pp, "_programs", Counted)
     monkeypatch.setattr(pp, "_submit", submit)
     spec = SPEC.replace(num_layers=6, dense_layers=dense, scan_layers=True)
-    got = pp._layer_costs(None, spec, None, None, M=1, tp=8, tg=8)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(updates_per_batch=1))
+    t = types.SimpleNamespace(cfg=cfg, spec=spec, mesh=None, tp=8, tg=8, programs=Counted)
+    got = pp._layer_costs(t)
     for name in ("train_step", "prefill_insert"):
         np.testing.assert_allclose(got[name], cost(spec, name))

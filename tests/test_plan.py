@@ -193,19 +193,20 @@ def test_scanned_programs_count_every_layer_and_minibatch(monkeypatch, no_compil
     # The engine's prefill of on_policy's batch.
     knobs = [*TINY, *ON_POLICY, "train.updates_per_batch=2"]
     cfg = load_recipe("scalerl", knobs)
-    cfg, _, mesh, spec2, rules, tp, tg, _ = pp.plan_target(cfg, "v5e:2x2")
-    kw = dict(tp=tp, tg=tg)
+    t2 = pp.plan_target(cfg, "v5e:2x2")
+    spec2, tp, tg = t2.spec, t2.tp, t2.tg
     spec3 = dataclasses.replace(spec2, num_layers=3)
+    t3 = dataclasses.replace(t2, spec=spec3)
     # generate's step loop is counted peeled (test_plan_compiles_the_engines_programs_...).
     counted = ("train_step", "logprob", "prefill_insert")
-    c2 = pp._layer_costs(cfg, spec2, mesh, rules, M=2, programs=counted, **kw)
+    c2 = pp._layer_costs(t2, programs=counted)
     with pp.compile_jobs(2):  # the counting programs compiled on two threads
-        c3 = pp._layer_costs(cfg, spec3, mesh, rules, M=2, programs=counted, **kw)
-    run = pp._programs(cfg, spec3, mesh, rules, tp).step_programs(tp, tg, minibatches=2)
+        c3 = pp._layer_costs(t3, programs=counted)
+    run = t3.programs().step_programs(tp, tg, minibatches=2)
     fn, args, _ = run["train_step"]
     scanned = pp._cost(pp._compile(fn, *args))
     with pp._unrolled_scans(), loops.unrolled():
-        run = pp._programs(cfg, spec3, mesh, rules, tp).step_programs(tp, tg, minibatches=2)
+        run = t3.programs().step_programs(tp, tg, minibatches=2)
         truth = {
             name: pp._cost(pp._compile(fn, *args, **kw))
             for name, (fn, args, kw) in run.items()
@@ -319,10 +320,10 @@ def test_engine_prefill_compiles_with_one_prompt_per_batch_shard(no_compilation_
         "mesh.tensor=4",
         "sampling.engine_slots=96",
     ]
-    cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
-    progs = pp._programs(cfg, spec, mesh, rules, tp)
+    t = pp.plan_target(load_recipe("scalerl", knobs), "v6e-64")
+    progs = t.programs()
     assert (progs.engine.slots, progs.engine.prefill_prompts) == (96, 16)
-    fn, args, kw = progs.step_programs(tp, tg)["prefill_insert"]
+    fn, args, kw = progs.step_programs(t.tp, t.tg)["prefill_insert"]
     compiled, _ = pp._compile(fn, *args, **kw)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
@@ -341,7 +342,7 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     peeled, peel = [], pp._peeled_costs
 
     def recording(*args, **kw):
-        peeled.append(args[5])  # the keys run twice
+        peeled.append(args[3])  # the keys run twice
         return peel(*args, **kw)
 
     monkeypatch.setattr(pp, "_peeled_costs", recording)
@@ -350,13 +351,10 @@ def test_peeled_loops_count_as_the_unrolled_program(monkeypatch, no_compilation_
     # program, where XLA folds and shares them).
     knobs = ["model.attention=blockwise", "model.attention_block=16", "model.logprob_chunk=4"]
     knobs.append("model.head_dim=64")
-    cfg, _, mesh, spec, rules, tp, tg, _ = pp.plan_target(
-        load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2"
-    )
-    kw = dict(tp=tp, tg=tg)
-    got = pp._layer_costs(cfg, spec, mesh, rules, M=1, programs=("train_step",), **kw)
+    t = pp.plan_target(load_recipe("scalerl", [*TINY, *knobs]), "v5e:2x2")
+    got = pp._layer_costs(t, programs=("train_step",))
     with pp._unrolled_scans(), loops.unrolled():
-        run = pp._programs(cfg, spec, mesh, rules, tp).step_programs(tp, tg, minibatches=1)
+        run = t.programs().step_programs(t.tp, t.tg, minibatches=1)
         fn, args, _ = run["train_step"]
         truth = pp._cost(pp._compile(fn, *args))
     # 16 prompt keys in one block: no loop; 16 completions after them over 32 keys in

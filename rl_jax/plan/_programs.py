@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +79,14 @@ def topology_devices(topology: str) -> list:
     return list(desc.devices)
 
 
-class Target(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Target:
     """A run placed on a topology's devices, as every planned program sees it."""
 
-    cfg: RunConfig  # resolved
+    cfg: RunConfig  # resolved, its model the planned one (`planned_model`)
+    source: str  # where the model's shapes come from (`planned_model`)
+    topology: str
+    chip: Chip
     devices: list
     mesh: Mesh
     spec: ModelSpec
@@ -90,6 +94,23 @@ class Target(NamedTuple):
     tp: int  # prompt columns: sampling.max_prompt_len in whole length buckets
     tg: int  # generated columns: sampling.max_new_tokens in whole length buckets
     sample_mesh: Mesh  # the sampler's: `mesh` itself unless split (mesh.sampler_devices)
+
+    def programs(self, spec: ModelSpec | None = None) -> Programs:
+        """The run's programs for `spec` (default the run's), as the trainer builds them
+        (`build_programs`), its engine at the `tp`-column prompts the plan assumes and
+        prefilling every prompt in one block: a call counted whole, the bound the calls
+        are counted against (the run's engine prefills in blocks and skips those a
+        refill leaves empty, which a count of the compiled program cannot know)."""
+        return build_programs(
+            self.cfg,
+            self.spec if spec is None else spec,
+            self.mesh,
+            self.rules,
+            sample_mesh=self.sample_mesh,
+            tokenizer=_StandInTokens,
+            prompt_len=self.tp,
+            prefill_block=None,
+        )
 
 
 def check_prompt_len(cfg: RunConfig) -> None:
@@ -103,15 +124,17 @@ def check_prompt_len(cfg: RunConfig) -> None:
 
 
 def plan_target(cfg: RunConfig, topology: str) -> Target:
-    """`cfg` resolved, on meshes of `topology`'s devices (its mesh.* shape, not a count
-    of this host's devices; in split mode the first mesh.sampler_devices chips the
-    sampler's, as a run lays them out: `make_meshes`), with its model spec, train rules
-    and bucketed lengths. The batch's sizes are checked against the mesh as the trainer
-    checks them, before libtpu loads: a ConfigError, not a compile that cannot shard the
-    minibatch."""
-    cfg = resolved(planned_model(cfg)[0])
+    """`cfg` resolved, its model the planned one (`planned_model`), on meshes of
+    `topology`'s devices (its mesh.* shape, not a count of this host's devices; in split
+    mode the first mesh.sampler_devices chips the sampler's, as a run lays them out:
+    `make_meshes`), with its model spec, train rules and bucketed lengths. The batch's
+    sizes are checked against the mesh as the trainer checks them, before libtpu loads:
+    a ConfigError, not a compile that cannot shard the minibatch."""
+    cfg, source = planned_model(cfg)
+    cfg = resolved(cfg)
     check_prompt_len(cfg)
-    chips = num_chips(parse_topology(topology)[1])
+    chip, dims = parse_topology(topology)
+    chips = num_chips(dims)
     if cfg.mesh.sampler_devices:
         check_split(cfg.mesh.sampler_devices, chips)
     data, fsdp, _ = resolve_axis_sizes(cfg.mesh, chips - cfg.mesh.sampler_devices)
@@ -121,6 +144,9 @@ def plan_target(cfg: RunConfig, topology: str) -> Target:
     sc = cfg.sampling
     return Target(
         cfg,
+        source,
+        topology,
+        chip,
         devices,
         mesh,
         resolve_spec(cfg.model),
@@ -149,16 +175,14 @@ def plan_run(
     every time derived from them null; `flops_if_fits`: only where every program fits.
     A `model.path` this host lacks is planned with the preset's shapes (`planned_model`;
     "model" says where the shapes come from)."""
-    chip, _ = parse_topology(topology)
-    cfg, source = planned_model(cfg)
     t = plan_target(cfg, topology)
-    progs = _programs(t.cfg, t.spec, t.mesh, t.rules, t.tp, sample_mesh=t.sample_mesh)
+    progs = t.programs()
     # Every program is traced here and compiled where `compile_jobs` says: with a pool,
     # the run's programs and the counting programs below compile at once.
     run = progs.step_programs(t.tp, t.tg)
     real = {name: _submit(fn, *args, **kw) for name, (fn, args, kw) in run.items()}
     decode = run["generate"][1][0]  # the engine's DecodeWeights (abstract)
-    step = _Step(t, topology, progs, real, chip, headroom, decode)
+    step = _Step(t, progs, real, headroom, decode)
     # XLA's cost analysis counts a while loop's body once. The programs scan over the
     # layers (and the update over its minibatches), so their counts come from the same
     # programs built with 1 and 2 layers, one minibatch, every scan unrolled: costs are
@@ -172,11 +196,9 @@ def plan_run(
     t0 = time.perf_counter()
     costs = nan_costs  # XLA's own counts of the scanned programs miss all but one iteration
     if count_flops:
-        kw = dict(M=t.cfg.train.updates_per_batch, tp=t.tp, tg=t.tg, sample_mesh=t.sample_mesh)
-        costs = _layer_costs(t.cfg, t.spec, t.mesh, t.rules, **kw)
+        costs = _layer_costs(t)
     plan = step.summary(
         step.reports(costs),
-        source=source,
         budget_rollouts=budget_rollouts,
         cost_s=time.perf_counter() - t0,
         flops_counted=count_flops,
@@ -191,10 +213,8 @@ class _Step:
     the per-chip bytes of what stays resident while each runs."""
 
     t: Target
-    topology: str
     progs: Programs
     real: dict  # program -> future of its `_compile`
-    chip: Chip
     headroom: float
     decode: Any  # the engine's DecodeWeights, abstract and laid out
 
@@ -205,7 +225,7 @@ class _Step:
     def _report(self, name: str, analytic: float, **kw) -> dict[str, Any]:
         mesh = self.t.sample_mesh if name in ENGINE_PROGRAMS else self.t.mesh
         done, chips = self.real[name].result(), mesh.devices.size  # the program's own chips
-        return _report(name, done, analytic, self.chip, chips, self.headroom, **kw)
+        return _report(name, done, analytic, self.t.chip, chips, self.headroom, **kw)
 
     @functools.cached_property
     def bytes(self) -> dict[str, int]:
@@ -322,12 +342,10 @@ class _Step:
         )
         return [prefill, generate]
 
-    def summary(
-        self, programs, *, source, budget_rollouts, cost_s, flops_counted
-    ) -> dict[str, Any]:
+    def summary(self, programs, *, budget_rollouts, cost_s, flops_counted) -> dict[str, Any]:
         """The plan's dict: the target, sizes, every program's report and the RL step's
         roofline time, rollouts per hour and budget."""
-        cfg, mesh, chip, tp, tg = self.t.cfg, self.t.mesh, self.chip, self.t.tp, self.t.tg
+        cfg, mesh, chip, tp, tg = self.t.cfg, self.t.mesh, self.t.chip, self.t.tp, self.t.tg
         P, G, M = cfg.data.prompts_per_batch, cfg.sampling.n, cfg.train.updates_per_batch
         engine, chips, b = self.progs.engine, len(self.t.devices), self.bytes
         # PPO-off-policy-k samples the prompts of its k steps at once; PipelineRL's stream
@@ -337,7 +355,7 @@ class _Step:
         step = self._step(programs)
         hours = budget_rollouts / step["rollouts_per_hour"]
         return {
-            "topology": self.topology,
+            "topology": self.t.topology,
             "chip": chip.name,
             "chips": chips,
             "mesh": _axes(mesh),
@@ -345,7 +363,7 @@ class _Step:
             "hbm_capacity_gb": chip.hbm_bytes / 1e9,
             "headroom": self.headroom,
             "fit_limit_gb": (1 - self.headroom) * chip.hbm_bytes / 1e9,
-            "model": model_facts(cfg, source),
+            "model": model_facts(cfg, self.t.source),
             "batch": {
                 "prompts": P,
                 "samples": G,
@@ -390,7 +408,7 @@ class _Step:
             trainer = _seconds([p for p in programs if p["name"] not in ENGINE_PROGRAMS])
             sampler = _seconds([p for p in programs if p["name"] in ENGINE_PROGRAMS])
             n_sampler, n_trainer = self.t.sample_mesh.devices.size, self.t.mesh.devices.size
-            push_s = self.chip.push_s(self.bytes["push"], n_sampler, n_trainer)
+            push_s = self.t.chip.push_s(self.bytes["push"], n_sampler, n_trainer)
             step_s, step_c = (max(trainer[i], sampler[i]) + push_s for i in (0, 1))
         fwd = self.forward_flops
         useful = (TRAIN_PASSES + extra_forwards(cfg)) * fwd + fwd  # trainer + sampler
@@ -398,7 +416,7 @@ class _Step:
         out = {
             "roofline_s": step_s,
             "flops": useful,
-            "mfu_estimate": self.chip.mfu(useful / len(self.t.devices), step_s),
+            "mfu_estimate": self.t.chip.mfu(useful / len(self.t.devices), step_s),
             "rollouts": rollouts,
             "rollouts_per_hour": per_hour(rollouts, step_s),
             "roofline_s_with_collectives": step_c,
@@ -430,25 +448,6 @@ class _StandInTokens:
     @staticmethod
     def encode(text: str) -> list[int]:
         return [0]
-
-
-def _programs(cfg, spec, mesh, rules, tp, *, sample_mesh=None) -> Programs:
-    """The run's programs for `spec` on `mesh` (the engine's on `sample_mesh`, by default
-    the same), as the trainer builds them
-    (`build_programs`), its engine at the `tp`-column prompts the plan assumes and
-    prefilling every prompt in one block: a call counted whole, the bound the calls are
-    counted against (the run's engine prefills in blocks and skips those a refill leaves
-    empty, which a count of the compiled program cannot know)."""
-    return build_programs(
-        cfg,
-        spec,
-        mesh,
-        rules,
-        sample_mesh=sample_mesh,
-        tokenizer=_StandInTokens,
-        prompt_len=tp,
-        prefill_block=None,
-    )
 
 
 @contextlib.contextmanager
@@ -497,32 +496,30 @@ PROGRAMS = ("train_step", "logprob", "values", "prefill_insert", "generate")
 ENGINE_PROGRAMS = ("prefill_insert", "generate")  # on the sampler's chips in split mode
 
 
-def _layer_costs(
-    cfg, spec, mesh, rules, *, M, tp, tg, programs=PROGRAMS, sample_mesh=None
-) -> dict[str, tuple]:
-    """Per program of `programs`, (FLOPs, bytes accessed) per chip of the
+def _layer_costs(t: Target, programs=PROGRAMS) -> dict[str, tuple]:
+    """Per program of `programs`, (FLOPs, bytes accessed) per chip of the run's
     `spec.num_layers`-layer program with every iteration of its loops counted: the
     1- and 2-layer counts of `_depth_costs` extrapolated linearly in depth,
     c(L) = c(1) + (L - 1) (c(2) - c(1)); the update's M minibatch updates cost M times
     one. The engine's step loop stays a loop: its count is one step plus what runs once
     per call."""
+    spec = t.spec
     L, Ls = spec.num_layers, len(spec.sparse_layers) or spec.num_layers
-    kw = dict(mesh=mesh, rules=rules, tp=tp, tg=tg, programs=programs, sample_mesh=sample_mesh)
     # A mixed model's layers cost by kind: a sparse one the 2-layer sparse program's
     # increment, a dense one that of the 2-layer program whose first layer is dense; a
     # dense last layer (a prefill's last layer is dead code but its keys and values) the
     # 2-layer program ending in it less the one starting with it. Unrolled, each layer's
     # kind is known: no conditional for XLA to count.
     flat = spec.replace(dense_layers=(), scan_layers=False) if spec.mixed else spec
-    c1, c2 = _depth_costs(cfg, flat, **kw)
+    c1, c2 = _depth_costs(t, flat, programs)
     total = {n: c1[n] + (Ls - 1) * _increment(c2[n], c1[n]) for n in c1}
     if L > Ls:
-        _, first = _depth_costs(cfg, flat.replace(dense_layers=(0,)), **kw)
+        _, first = _depth_costs(t, flat.replace(dense_layers=(0,)), programs)
         total = {n: total[n] + (L - Ls) * _increment(first[n], c1[n]) for n in c1}
     if L - 1 in spec.dense_layers:
-        _, last = _depth_costs(cfg, flat.replace(dense_layers=(1,)), **kw)
+        _, last = _depth_costs(t, flat.replace(dense_layers=(1,)), programs)
         total = {n: total[n] + last[n] - first[n] for n in c1}
-    scale = {"train_step": M}
+    scale = {"train_step": t.cfg.train.updates_per_batch}
     return {n: tuple(scale.get(n, 1) * float(x) for x in c) for n, c in total.items()}
 
 
@@ -536,11 +533,9 @@ def _increment(more, fewer) -> np.ndarray:
     return np.array([d[0], max(d[1], 0.0)])
 
 
-def _depth_costs(
-    cfg, spec, mesh, rules, tp, tg, programs=PROGRAMS, *, sample_mesh=None, bodies=None
-):
-    """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program,
-    one minibatch, every iteration of its scans and loops counted.
+def _depth_costs(t: Target, spec: ModelSpec, programs=PROGRAMS, *, bodies=None):
+    """({program: (FLOPs, bytes) per chip} of the 1-layer and of the 2-layer program of
+    `t`'s run for `spec`, one minibatch, every iteration of its scans and loops counted.
 
     The layer and minibatch scans: unrolled. Blocks and chunks (`rl_jax.kernels.loops`):
     peeled, one iteration; a loop key's body costs the difference with the 1-layer
@@ -550,16 +545,14 @@ def _depth_costs(
     per FLOP instead of its stand-in's bytes. `bodies`: a dict to fill with
     {(program, loop key): (one iteration's (FLOPs, bytes), the kernel's bytes per FLOP)}
     (benchmarks/train_step_flops.py)."""
-    meshes = dict(sample_mesh=sample_mesh)
-    one, counts = _peeled_costs(cfg, spec, mesh, rules, 1, (), tp, tg, programs, **meshes)
-    two, _ = _peeled_costs(cfg, spec, mesh, rules, 2, (), tp, tg, programs, **meshes)
+    one, counts = _peeled_costs(t, spec, 1, (), programs)
+    two, _ = _peeled_costs(t, spec, 2, (), programs)
     # Every counting program is submitted before any is waited for (`compile_jobs`).
     keys = sorted({k for c in counts.values() for k, n in c.trips.items() if n > 1})
     twice = {}
     for key in keys:
         names = tuple(p for p in one if key in counts[p].trips)
-        args = (cfg, spec, mesh, rules, 1, (key,), tp, tg, names)
-        twice[key], _ = _peeled_costs(*args, **meshes)
+        twice[key], _ = _peeled_costs(t, spec, 1, (key,), names)
     one, c2 = _results(one), _results(two)
     c1 = dict(one)
     for key in keys:
@@ -585,15 +578,16 @@ def _results(futures: dict) -> dict:
     return {n: np.asarray(f.result()) for n, f in futures.items()}
 
 
-def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs, *, sample_mesh=None):
+def _peeled_costs(t: Target, spec: ModelSpec, layers: int, twice, programs):
     """({program: future of (FLOPs, bytes)}, {program: its `loops.Count`}) of `programs`
-    built with `layers` layers and one minibatch, scans unrolled, loops peeled (the keys
-    in `twice` run two iterations). The counts (trip counts, fused kernels' bytes per
-    FLOP) are known once the programs are traced, before they compile."""
+    of `t`'s run for `spec` built with `layers` layers and one minibatch, scans
+    unrolled, loops peeled (the keys in `twice` run two iterations). The counts (trip
+    counts, fused kernels' bytes per FLOP) are known once the programs are traced,
+    before they compile."""
     dense = tuple(i for i in spec.dense_layers if i < layers)  # a sparse layer kept
     s = dataclasses.replace(spec, num_layers=layers, dense_layers=dense[: layers - 1])
     costs, counts = {}, {}
-    options = COUNTING_OPTIONS.get(mesh_platform(mesh), {})
+    options = COUNTING_OPTIONS.get(mesh_platform(t.mesh), {})
 
     def compile_(name, fn, *args, **kw):
         with loops.counting(twice) as count:
@@ -601,8 +595,8 @@ def _peeled_costs(cfg, spec, mesh, rules, layers, twice, tp, tg, programs, *, sa
         counts[name] = count
 
     with _unrolled_scans():
-        progs = _programs(cfg, s, mesh, rules, tp, sample_mesh=sample_mesh)
-        for name, (fn, args, kw) in progs.step_programs(tp, tg, minibatches=1).items():
+        run = t.programs(s).step_programs(t.tp, t.tg, minibatches=1)
+        for name, (fn, args, kw) in run.items():
             if name in programs:
                 compile_(name, fn, *args, **kw)
     return costs, counts
