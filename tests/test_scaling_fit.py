@@ -174,6 +174,22 @@ def test_refit_at_fixed_a():
         refit(f, a_fixed=0.1)
 
 
+@pytest.mark.parametrize("method", ["grid", "lsq"])
+def test_a_held_by_the_option(method):
+    """`a_fixed` holds A in a fit of its own (both methods): the true A gives the true
+    curve back; another A is held at that value, as `refit` holds it."""
+    x = np.linspace(0, 1e4, 41)
+    y = sigmoid(x, r0=0.2, a=0.6, b=2.0, c_mid=2e3)
+    f = fit_sigmoid(x, y, method=method, a_fixed=0.6)
+    assert f.A == 0.6 and f.n_params == 2
+    assert f.B == pytest.approx(2.0, rel=0.02) and f.C_mid == pytest.approx(2e3, rel=0.02)
+    g = fit_sigmoid(x, y, method=method, a_fixed=0.62)
+    want = refit(fit_sigmoid(x, y, method="lsq"), a_fixed=0.62)
+    assert g.A == 0.62 and g.B == pytest.approx(want.B, rel=0.02)
+    with pytest.raises(FitError, match=r"a_fixed=0\.1 is outside \[0\.2, 1\]"):
+        fit_sigmoid(x, y, method=method, a_fixed=0.1)
+
+
 # ----------------------------------------------------------------------------- degenerate input
 
 

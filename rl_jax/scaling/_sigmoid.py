@@ -264,12 +264,12 @@ def _build_problem(
     else:
         a_lo, r0_lo, r0_hi = float(y.min()), lo, float(y.max())
     a_hi = hi
+    if a_hi <= a_lo:
+        raise FitError(f"R0 = {a_lo:g} is already at the metric's maximum {a_hi:g}: no gain to fit")
     if opts.a_fixed is not None:
         if not a_lo <= opts.a_fixed <= a_hi:
             raise FitError(f"a_fixed={opts.a_fixed:g} is outside [{a_lo:g}, {a_hi:g}]")
         a_lo = a_hi = float(opts.a_fixed)
-    if a_hi <= a_lo:
-        raise FitError(f"R0 = {a_lo:g} is already at the metric's maximum {a_hi:g}: no gain to fit")
     c_lo, c_hi = _c_mid_range(opts.c_mid_grid, pos, x)
     prob = _Problem(
         x=x,
