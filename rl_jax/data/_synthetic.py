@@ -43,10 +43,6 @@ def _operand_range(k: int) -> tuple[int, int]:
     return (0, 10) if k == 1 else (10 ** (k - 1), 10**k)
 
 
-def _arith_terms(cfg: DataConfig) -> int:
-    return cfg.num_terms if cfg.task == "chain" else 2
-
-
 def _draw_distinct(
     rng: np.random.Generator, space: int, need: int, sample: Callable[[], tuple], decode
 ) -> list[tuple]:
@@ -65,7 +61,7 @@ def arith_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
         raise ConfigError(
             f"data.task={cfg.task!r} is not an arith task; one of {list(ARITH_TASKS)}"
         )
-    k, terms = cfg.difficulty, _arith_terms(cfg)
+    k, terms = cfg.difficulty, cfg.num_terms if cfg.task == "chain" else 2
     lo, hi = _operand_range(k)
     width = hi - lo
     space = width**terms
@@ -171,9 +167,4 @@ def countdown_problems(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     return out[cfg.generated_val_size :], out[: cfg.generated_val_size]
 
 
-def arith_space(cfg: DataConfig) -> int:
-    lo, hi = _operand_range(cfg.difficulty)
-    return (hi - lo) ** _arith_terms(cfg)
-
-
-__all__ = ["arith_answer", "arith_problems", "arith_space", "countdown_problems"]
+__all__ = ["arith_answer", "arith_problems", "countdown_problems"]
