@@ -14,7 +14,9 @@ each has problems).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 from rl_jax.config.data import DataConfig
@@ -28,26 +30,19 @@ class Concat(LazySequence):
 
     def __init__(self, parts: Sequence[Sequence]):
         self._parts = list(parts)
-        self._starts = []
-        n = 0
-        for p in self._parts:
-            self._starts.append(n)
-            n += len(p)
-        self._len = n
+        # Where each part starts, then the total: part k holds items starts[k]..starts[k+1]-1.
+        self._starts = [0, *itertools.accumulate(len(p) for p in self._parts)]
 
     def __len__(self) -> int:
-        return self._len
+        return self._starts[-1]
 
     def _item(self, i: int):
-        k = max(j for j, s in enumerate(self._starts) if s <= i and len(self._parts[j]))
+        k = bisect.bisect_right(self._starts, i) - 1  # the part holding i (never an empty one)
         return self._parts[k][i - self._starts[k]]
 
 
 def _interleave(parts: list[Sequence[Problem]]) -> list[Problem]:
-    out, longest = [], max((len(p) for p in parts), default=0)
-    for i in range(longest):
-        out += [p[i] for p in parts if i < len(p)]
-    return out
+    return [p for row in itertools.zip_longest(*parts) for p in row if p is not None]
 
 
 def mixture_task(cfg: DataConfig, build: Callable[[DataConfig, str], Task]) -> Task:
