@@ -247,11 +247,8 @@ def record_layout(first: Record, cfg: DataConfig, source: str) -> Layout:
         return _code_layout(code, first, cfg, source)
     if cfg.format == "auto":
         base = detect_layout(first, cfg.question_field, cfg.answer_field)
-    elif cfg.format in LAYOUTS:
+    else:  # DataConfig admits auto and the names of LAYOUTS and CODE_LAYOUTS
         base = LAYOUTS[cfg.format]
-    else:
-        known = ["auto", *sorted(LAYOUTS), *CODE_LAYOUTS]
-        raise ConfigError(f"data.format={cfg.format!r} is not one of {known}")
     lay = base.mapped(cfg)
     return _with_fields(lay, first, cfg, source, (lay.answer,), also=(lay.plain_answer,))
 
