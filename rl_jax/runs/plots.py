@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
-
-from rl_jax.runs.storage import staged_file
 
 CURVE_PNG = "plots/curve.png"
 
@@ -42,7 +41,8 @@ def draw_curve(
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    with staged_file(run.store, CURVE_PNG) as path:
-        fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    run.store.write(CURVE_PNG, png.getvalue())
     plt.close(fig)
     return run.url(CURVE_PNG)

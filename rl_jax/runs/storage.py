@@ -34,7 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -435,23 +435,6 @@ def _jsonable(x: Any):
     if hasattr(x, "tolist"):
         return x.tolist()
     return str(x)
-
-
-@contextlib.contextmanager
-def staged_file(store: Store, rel: str) -> Iterator[Path]:
-    """A local path to write `rel` at; on exit it is put into the store whole."""
-    if isinstance(store, LocalStore):
-        store.path(rel).parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = store.path(rel).parent
-    else:
-        tmp_dir = None
-    fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=Path(rel).suffix)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        store.write(rel, Path(tmp).read_bytes())
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def check_out_dir(root: str, key: str = "out_dir") -> None:
