@@ -423,18 +423,9 @@ def _cut_torn_tail(f) -> None:
 
 
 def _jsonable(x: Any):
-    try:
-        import numpy as np
-
-        if isinstance(x, np.generic):
-            return x.item()
-        if isinstance(x, np.ndarray):
-            return x.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return str(x)
+    """A value json cannot encode: arrays (numpy, JAX) and their scalars as Python lists
+    and numbers (`tolist`), anything else as its text."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
 def check_out_dir(root: str, key: str = "out_dir") -> None:
