@@ -410,16 +410,8 @@ def _cut_torn_tail(f) -> None:
     f.seek(end - 1)
     if f.read(1) == b"\n":
         return
-    pos = end
-    while pos > 0:
-        start = max(0, pos - 65536)
-        f.seek(start)
-        nl = f.read(pos - start).rfind(b"\n")
-        if nl >= 0:
-            f.truncate(start + nl + 1)
-            return
-        pos = start
-    f.truncate(0)
+    f.seek(0)
+    f.truncate(len(_cut_torn(f.read())))
 
 
 def _jsonable(x: Any):
