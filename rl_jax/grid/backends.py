@@ -154,12 +154,11 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, *, jobs: int = 1, train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD, env=None):
+    def __init__(self, *, jobs: int = 1, train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD):
         super().__init__(train_cmd=train_cmd)
         if jobs < 1:
             raise ConfigError(f"--jobs={jobs} must be >= 1")
         self.jobs = jobs
-        self.env = env
 
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
         return len(active) < self.jobs
@@ -167,7 +166,7 @@ class LocalBackend(Backend):
     def start(
         self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None
     ) -> subprocess.Popen:
-        return _spawn(argv, log_path, env=self.env)
+        return _spawn(argv, log_path)
 
     def poll(self, handle: subprocess.Popen) -> int | None:
         return handle.poll()
@@ -206,8 +205,8 @@ class RayBackend(Backend):
     cluster. Run directories must be on storage every node sees: a bucket
     (`--out gs://BUCKET/grids`; locks are leases there) or a path every node mounts
     (NFS, Filestore, a gcsfuse mount with flock support): the guard's lock and the
-    DONE file live there. Ray retries a task whose worker or node died
-    (`max_retries`); the driver retries runs that exit non-zero.
+    DONE file live there. Ray retries a task whose worker or node died (twice:
+    `max_retries`); the driver retries runs that exit non-zero.
     """
 
     name = "ray"
@@ -218,9 +217,7 @@ class RayBackend(Backend):
         address: str = "",
         resources: Resources = Resources(),
         train_cmd: Sequence[str] = DEFAULT_TRAIN_CMD,
-        max_pending: int = 0,
         num_cpus: int | None = None,
-        max_retries: int = 2,
         grace_s: float = 30.0,
     ):
         super().__init__(train_cmd=train_cmd)
@@ -242,17 +239,15 @@ class RayBackend(Backend):
         opts: dict[str, Any] = {
             "num_cpus": resources.cpus,
             "num_gpus": resources.gpus,
-            "max_retries": max_retries,
+            "max_retries": 2,
         }
         if resources.custom:
             opts["resources"] = dict(resources.custom)
         self._remote = ray.remote(_ray_task).options(**opts)
-        self.max_pending = max_pending
         self.grace_s = grace_s
 
     def can_start(self, plan: RunPlan, active: Sequence[RunPlan]) -> bool:
-        # Ray queues tasks until resources free up; `max_pending` bounds how many wait.
-        return self.max_pending <= 0 or len(active) < self.max_pending
+        return True  # Ray queues tasks until resources free up
 
     def start(self, plan: RunPlan, argv: list[str], log_path: Path, log_url: str | None = None):
         return self._remote.remote(argv, str(log_path), os.getcwd(), self.grace_s, log_url)
@@ -364,9 +359,8 @@ class TpuBackend(LocalBackend):
         dry_run: bool = False,
         warm_start: float = 0.0,
         warm_overrides: Sequence[tuple[str, Any]] = (),
-        **kw,
     ):
-        super().__init__(jobs=options.slices, **kw)
+        super().__init__(jobs=options.slices)
         self.remote_train_cmd = host_train_cmd(warm_start, warm_overrides)
         self.grid = grid
         self.opts = options
