@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rl_jax.runs import locks
-from rl_jax.runs.storage import join, open_store
+from rl_jax.runs.storage import open_store
 
 STATE_FILE = "state.json"
 DRIVER_LOCK = "driver.lock"
@@ -30,15 +30,11 @@ class RunRecord:
     stopped: dict[str, Any] | None = None  # early-stop decision, if any
 
 
+@dataclass
 class GridState:
-    def __init__(self, grid_dir: str, grid: str, runs: dict[str, RunRecord]):
-        self.grid_dir = str(grid_dir)
-        self.grid = grid
-        self.runs = runs
-
-    @property
-    def path(self) -> str:
-        return join(self.grid_dir, STATE_FILE)
+    grid_dir: str
+    grid: str
+    runs: dict[str, RunRecord]
 
     @classmethod
     def load(cls, grid_dir: str, grid: str, plans: Sequence[Any] = ()) -> GridState:
@@ -57,9 +53,7 @@ class GridState:
         return cls(str(grid_dir), grid, runs)
 
     def record(self, run_id: str, name: str) -> RunRecord:
-        if run_id not in self.runs:
-            self.runs[run_id] = RunRecord(name=name)
-        return self.runs[run_id]
+        return self.runs.setdefault(run_id, RunRecord(name=name))
 
     def save(self) -> None:
         open_store(self.grid_dir).write_json(
