@@ -75,25 +75,21 @@ class FileLock:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise LockBusy(f"cannot create the lock {self.path}: {e.strerror or e}") from e
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(os.pread(self._fd, 4096, 0))
-            os.close(self._fd)
-            self._fd = None
+            holder = _read_holder(os.pread(self.fd, 4096, 0))
+            os.close(self.fd)
+            self.fd = None
             raise LockBusy(
                 f"{what} is in use by another process ({_holder_text(holder)}); wait for it "
                 "to finish or stop it"
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, (json.dumps(_me()) + "\n").encode())
-
-    @property
-    def fd(self) -> int | None:
-        return self._fd
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, (json.dumps(_me()) + "\n").encode())
 
     lost = None  # an flock cannot be lost while its process lives
 
@@ -101,11 +97,11 @@ class FileLock:
         """An flock cannot be lost while its process lives."""
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # no holder named once released
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # no holder named once released
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
     def __del__(self):
         self.release()
@@ -218,7 +214,7 @@ class LeaseLock:
         self.lease_s = lease_s() if lease is None else lease
         self.holder = {**_me(), "token": uuid.uuid4().hex, "lease_s": self.lease_s}
         self._gen: int | None = None
-        self._lost: str | None = None
+        self.lost: str | None = None  # why the lock was lost, None while it is held
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._acquire()
@@ -318,18 +314,13 @@ class LeaseLock:
             raise
 
     def _lose(self, why: str) -> None:
-        self._lost = why
+        self.lost = why
         print(f"{self.what}: lost the lock: {why}; stopping", file=sys.stderr, flush=True)
-
-    @property
-    def lost(self) -> str | None:
-        """Why the lock was lost, or None while it is held."""
-        return self._lost
 
     def check(self) -> None:
         """StorageError once the lock is lost (before any further write)."""
-        if self._lost is not None:
-            raise StorageError(f"{self.what}: lost the lock {self.url}: {self._lost}")
+        if self.lost is not None:
+            raise StorageError(f"{self.what}: lost the lock {self.url}: {self.lost}")
 
     def release(self) -> None:
         if self._thread is None:
@@ -337,7 +328,7 @@ class LeaseLock:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if self._lost is not None:
+        if self.lost is not None:
             return
         try:
             got = _read_lease(self.url)
