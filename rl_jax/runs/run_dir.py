@@ -118,11 +118,7 @@ class RunDir:
         return summary if isinstance(summary, dict) else None
 
     def write_config(self, cfg: RunConfig) -> None:
-        doc = {"run_id": self.run_id, "config": to_dict(cfg), "knobs": flatten(cfg)}
-        earlier = self.continued_from()
-        if earlier:
-            doc[CONTINUED] = earlier
-        self.store.write_json(CONFIG, doc)
+        self.store.write_json(CONFIG, _config_doc(self.run_id, cfg, self.continued_from()))
 
     def continued_from(self) -> list[str]:
         """Run ids this run was continued from (`extend_run`): their checkpoints are its."""
@@ -243,6 +239,12 @@ class RunDir:
         return self.url(dest)
 
 
+def _config_doc(rid: str, cfg: RunConfig, continued: list) -> dict[str, Any]:
+    """config.json of run `rid`; `continued`: the run ids it was continued from, if any."""
+    doc = {"run_id": rid, "config": to_dict(cfg), "knobs": flatten(cfg)}
+    return {**doc, CONTINUED: continued} if continued else doc
+
+
 def _step(row: dict[str, Any]) -> int:
     s = row.get("step", -1)
     return s if isinstance(s, int) else -1
@@ -319,15 +321,8 @@ def _rewrite_as_continued(store, path, cfg: RunConfig, old_doc: dict, new_id: st
     try:
         # The knobs as the trainer writes them into its rows.
         _retag_rows(store, old_doc.get("run_id"), new_id, flatten(resolved(cfg)))
-        store.write_json(
-            CONFIG,
-            {
-                "run_id": new_id,
-                "config": to_dict(cfg),
-                "knobs": flatten(cfg),
-                CONTINUED: [*old_doc.get(CONTINUED, []), old_doc.get("run_id")],
-            },
-        )
+        continued = [*old_doc.get(CONTINUED, []), old_doc.get("run_id")]
+        store.write_json(CONFIG, _config_doc(new_id, cfg, continued))
         store.remove(DONE)
     finally:
         lock.release()
