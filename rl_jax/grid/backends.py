@@ -7,6 +7,7 @@ run lock, the DONE check and the attempt records work the same everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -82,14 +83,10 @@ def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to the guard (which passes it to the trainer), then SIGKILL the whole group."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 

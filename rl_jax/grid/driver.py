@@ -11,6 +11,7 @@ Invariants (they are what makes a killed driver safe to rerun):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -392,10 +393,8 @@ class Driver:
         if h.get("host", socket.gethostname()) != socket.gethostname():
             self._say(f"cannot stop {a.plan.name}: it runs on {h.get('host')} (pid {h.get('pid')})")
             return
-        try:
+        with contextlib.suppress(OSError, ValueError, TypeError):
             os.kill(int(h.get("pid", "")), signal.SIGTERM)
-        except (OSError, ValueError, TypeError):
-            pass
 
     def _interrupt(self, st: GridState, active: list[Active]) -> None:
         """Stop every run (they resume from their checkpoints next time), then return."""

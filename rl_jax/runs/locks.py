@@ -21,6 +21,7 @@ theirs synchronized); $RL_JAX_LEASE_S sets the lease (default 120 s).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -237,11 +238,9 @@ class LeaseLock:
     def _acquire(self) -> None:
         failed = _precondition_failed()
         while True:
-            try:
+            with contextlib.suppress(failed):
                 self._gen = retrying(f"creating the lock {self.url}", lambda: self._upload(0))
                 return
-            except failed:
-                pass
             got = _read_lease(self.url)
             if got is None:
                 continue  # released meanwhile: try to create it again

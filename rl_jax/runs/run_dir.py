@@ -16,6 +16,7 @@ directory hold the same run with more steps (`rl-jax train ... --continue`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -487,10 +488,8 @@ def _check_owner(rd: RunDir, *, write: bool) -> None:
     except (OSError, ValueError) as e:
         # Damaged: judge by the run ids the directory's rows and DONE file carry.
         found, source = set(), f"the rows in {rd.root} ({rd.config_path} is damaged: {e})"
-        try:
+        with contextlib.suppress(OSError, ValueError):
             found |= {r.get("run_id") for r in rd.curve() if "run_id" in r}
-        except (OSError, ValueError):
-            pass
         done = rd.read_done()
         if done and "run_id" in done:
             found.add(done["run_id"])
