@@ -220,14 +220,12 @@ class Decoder:
 
     # ---- the compiled loop's pieces -------------------------------------------------------
 
-    def _over_rows(
-        self, loop: Callable, weights, state: SamplerState, *scalars, outs: int = 0, row_outs=0
-    ):
-        """loop(weights, state, *scalars, manual=...) -> state, or (state, `row_outs`
-        trees of row arrays, `outs` scalars): on the whole mesh, or, where rows alone
-        split over devices, on every device's own rows (shard_map), with no collective
-        per token: each device stops when its rows are done. Scalars in and out are
-        replicated (`loop` makes them agree)."""
+    def _over_rows(self, loop: Callable, weights, state: SamplerState, *scalars):
+        """loop(weights, state, *scalars, manual=...) -> (state, a tree of row arrays, a
+        scalar): on the whole mesh, or, where rows alone split over devices, on every
+        device's own rows (shard_map), with no collective per token: each device stops
+        when its rows are done. Scalars in and out are replicated (`loop` makes them
+        agree)."""
         if not self._local_loops:
             return loop(weights, state, *scalars, manual=False)
         specs = jax.tree.map(lambda x: self._row_spec(x.ndim), state)
@@ -237,11 +235,7 @@ class Decoder:
             functools.partial(loop, manual=True),
             mesh=self.mesh,
             in_specs=(rep, specs, *(rep for _ in scalars)),
-            out_specs=(
-                (specs, *(self._row_spec(1) for _ in range(row_outs)), *(rep for _ in range(outs)))
-                if outs or row_outs
-                else specs
-            ),
+            out_specs=(specs, self._row_spec(1), rep),
             check_vma=False,
         )
         return mapped(weights, state, *scalars)

@@ -484,8 +484,6 @@ class EngineBodies(EngineGeometry):
             typed,
             jnp.asarray(version, jnp.int32),
             jnp.asarray(refill_at, jnp.int32),
-            outs=1,
-            row_outs=1,
         )
         slots = dataclasses.replace(slots, keys=jax.random.key_data(slots.keys))
         return dataclasses.replace(state, slots=slots), rows, ran
