@@ -25,7 +25,6 @@ from rl_jax.sampling._dist import sample_with_uniforms
 from rl_jax.sampling._rollouts import Rollouts
 from rl_jax.sampling._state import SamplerState, advance
 from rl_jax.sharding.rules import (
-    BATCH_AXES,
     Rules,
     batch_sharding,
     fit_spec,
@@ -168,9 +167,6 @@ class Decoder:
             return model_params(params)
         return dict(params)
 
-    def _model(self, params: Params) -> Transformer:
-        return Transformer(self.spec, dict(params), mesh=self.mesh, rules=self.rules)
-
     def _rows(self, x: jax.Array) -> jax.Array:
         """Pin an array's leading (row) axis to the mesh's batch axes."""
         if self.mesh is None:
@@ -239,11 +235,6 @@ class Decoder:
             check_vma=False,
         )
         return mapped(weights, state, *scalars)
-
-    @staticmethod
-    def _all_devices_max(x, manual: bool):
-        """x's largest value over the devices of a shard_map'd loop (as is without one)."""
-        return jax.lax.pmax(x, BATCH_AXES) if manual else x
 
     def _expert_parallel(self, h, weights, **kw):
         return expert_parallel_moe_mlp(self.mesh, self.rules, h, weights, **kw)

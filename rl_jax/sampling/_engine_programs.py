@@ -32,7 +32,7 @@ from rl_jax.sampling._dist import interrupt_lengths, row_keys, row_step_uniforms
 from rl_jax.sampling._rollouts import FinishReason
 from rl_jax.sampling._slots import COLUMNS
 from rl_jax.sampling._state import THINK, SamplerState
-from rl_jax.sharding.rules import Rules, batch_sharding, fit_spec, logical_to_spec
+from rl_jax.sharding.rules import BATCH_AXES, Rules, batch_sharding, fit_spec, logical_to_spec
 
 _NO_INTERRUPT = np.iinfo(np.int32).max
 KV_QUANT = (None, "int8")  # the engine's KV cache: the compute dtype, or int8 with scales
@@ -326,7 +326,7 @@ class EngineBodies(EngineGeometry):
     def _prefill(self, params, prompt_pt, lens_p, bucket: int) -> Prefix:
         """Prompts [P, prompt_len] left-padded, of at most `bucket` tokens: every token but
         the last through the model, into a cache whose slots are the decode cache's."""
-        model = self._model(params)
+        model = Transformer(self.spec, dict(params), mesh=self.mesh, rules=self.rules)
         P, Tp = prompt_pt.shape
         W = self.prefix_slots
         kv_start = Tp - lens_p
@@ -527,7 +527,8 @@ class EngineBodies(EngineGeometry):
         if routes is not None:
             rows["routes"] = routes
         rows.update({k: getattr(out, k) for k in _SLOT_VALUES}, start=state.step)
-        return out, rows, self._all_devices_max(i, manual)
+        # The steps run: the most of any device's, in a shard_map'd loop.
+        return out, rows, jax.lax.pmax(i, BATCH_AXES) if manual else i
 
 
 class EnginePrograms(EngineBodies):
