@@ -402,21 +402,12 @@ class Decode(xla.Decode):
         if attention:  # pages of whole key tiles
             self.page_multiple = KEY_TILE
 
-    def paged_shapes(
-        self, *, kv_heads, layers, pages, page, head_dim, dtype, quantized=False
-    ) -> xla.PagedKV:
-        shapes = super().paged_shapes(
-            kv_heads=kv_heads,
-            layers=layers,
-            pages=pages,
-            page=page,
-            head_dim=head_dim,
-            dtype=dtype,
-            quantized=quantized,
-        )
+    def paged_shapes(self, *, quantized=False, **geometry) -> xla.PagedKV:
+        shapes = super().paged_shapes(quantized=quantized, **geometry)
         if not self.tiled or quantized:  # the kernel reads float32 pages
             return shapes
-        keys = (kv_heads, layers, pages, page // KEY_TILE, head_dim, KEY_TILE)
+        *lead, page, head_dim = shapes.keys.shape  # [K, L, N, P, hd]
+        keys = (*lead, page // KEY_TILE, head_dim, KEY_TILE)
         return shapes._replace(keys=jax.ShapeDtypeStruct(keys, shapes.keys.dtype))
 
     def page_keys(self, keys: jax.Array, cache: xla.PagedKV) -> jax.Array:
