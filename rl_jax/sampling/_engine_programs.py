@@ -285,17 +285,12 @@ class EngineGeometry(Decoder):
         table = np.full((I, R), N, np.int32)
         for e, p in zip(entry, pages, strict=True):
             table[e, : len(p)] = p
-        slot_i = np.full((I,), S, np.int32)
-        source_i, row_i, group_i = (np.zeros((I,), np.int32) for _ in range(3))
-        limit_i = np.ones((I,), np.int32)
-        slot_i[entry], source_i[entry], row_i[entry], group_i[entry], limit_i[entry] = (
-            slots,
-            sources,
-            row_ids,
-            group_ids,
-            lim,
-        )
-        return slot_i, source_i, row_i, group_i, limit_i, table
+        cols = []  # each entry's slot, source, row id, group id, limit (or of no row)
+        for blank, given in ((S, slots), (0, sources), (0, row_ids), (0, group_ids), (1, lim)):
+            col = np.full((I,), blank, np.int32)
+            col[entry] = given
+            cols.append(col)
+        return (*cols, table)
 
     def _insert_entries(self, slots: Sequence[int]) -> np.ndarray:
         """The insert entry of each row entering `slots`: entries come in one block of
