@@ -52,7 +52,6 @@ class RLTrainer:
         cfg = resolved(cfg)  # knobs left to the loss's defaults, filled in once for every part
         start_jax(cfg.mesh)
         self.cfg = cfg
-        self.quiet = quiet
         self.is_main = jax.process_index() == 0
         # Progress and evaluation lines (the start, resume and end lines are always said).
         self.talk = cfg.logging.progress and not quiet and self.is_main
@@ -121,7 +120,6 @@ class RLTrainer:
     tokenizer = property(lambda self: self.parts.tokenizer)
     task = property(lambda self: self.parts.task)
     correct_fn = property(lambda self: self.parts.correct_fn)
-    engine = property(lambda self: self.parts.engine)
     mesh = property(lambda self: self.parts.mesh)
     sample_mesh = property(lambda self: self.parts.sample_mesh)
     split = property(lambda self: self.parts.split)

@@ -62,15 +62,6 @@ class RunCheckpoint:
     def name(self) -> str:
         return _name(self.run_dir)
 
-    def meta(self) -> dict:
-        """The checkpoint's JSON metadata (step, version, compute counters, data state);
-        empty if it does not read."""
-        try:
-            meta = _read_meta(self)
-        except Exception:  # noqa: BLE001 - metadata is optional to what reads it
-            return {}
-        return dict(meta) if isinstance(meta, dict) else {}
-
 
 def _name(loc: str) -> str:
     return loc.rstrip("/").rsplit("/", 1)[-1]

@@ -193,7 +193,7 @@ class EngineStream:
         )
         self.rows: dict[int, dict[int, dict]] = {}  # group -> sample -> the row's fields
         # Occupancy: kept tokens / slot-steps run.
-        self.kept_tokens = self.chunks = 0
+        self.kept_tokens = 0
 
     # ---- the trainer's side (locked) ------------------------------------------------------
 
@@ -287,7 +287,6 @@ class EngineStream:
         at = self.refill_min if refill else None
         weights = engine.prepared(params, version)  # once per version
         self.state, out = engine.generate(weights, self.state, version=version, refill_at=at)
-        self.chunks += 1
         self._collect(out)
         return True
 
