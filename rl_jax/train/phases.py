@@ -135,16 +135,6 @@ def score(parts: Parts, rollouts: Rollouts, problems) -> Scores:
 # ---- advantages ---------------------------------------------------------------------------
 
 
-@dataclass
-class Batch:
-    """A scored batch ready for its updates (host arrays, numpy)."""
-
-    host: dict[str, np.ndarray]  # rollout_arrays' arrays, advantages set
-    old_logp: np.ndarray | None  # [B, Tg] the policy before this batch's updates
-    ref_logp: np.ndarray | None  # [B, Tg] the reference policy
-    info: dict[str, Any]  # the advantage function's scalar diagnostics
-
-
 def _policy_logprobs(parts: Parts, state: TrainerState, host, P: int, *, old: bool):
     """(the old policy's log-probs [B, Tg] where `old`, the reference's where the run has
     one; else None). The passes take the update's M minibatches one after another
@@ -165,10 +155,13 @@ def _policy_logprobs(parts: Parts, state: TrainerState, host, P: int, *, old: bo
 
 def advantages(
     parts: Parts, state: TrainerState, rollouts: Rollouts, scores: Scores, keep_p
-) -> Batch:
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The old policy's and the reference's log-probs and the critic's values, all taken
     before this batch's first update, then the advantages (with the KL in the reward,
-    they need the first two)."""
+    they need the first two). Returns the batch ready for its updates (`rollout_arrays`'
+    host arrays with the advantages, and the log-probs the loss reads: the old policy's
+    [B, Tg] where the loss keeps it, the reference's [B, Tg] where the run has one) and
+    the advantage function's scalar diagnostics."""
     cfg, P, G = parts.cfg, len(keep_p), parts.samples_per_prompt
     keep_b = np.repeat(keep_p, G)
     loss_mask = rollouts.completion_mask & keep_b[:, None]
@@ -203,7 +196,11 @@ def advantages(
             **kl,
         )
         host["advantages"] = np.asarray(adv, np.float32) * keep_b
-    return Batch(host=host, old_logp=old if runs.keep_old else None, ref_logp=ref, info=info)
+    if runs.keep_old:
+        host["old_logp"] = old.astype(np.float32)
+    if ref is not None:
+        host["ref_logp"] = ref.astype(np.float32)
+    return host, info
 
 
 # ---- update -------------------------------------------------------------------------------
@@ -246,15 +243,11 @@ def check_staleness(
 
 
 def update(
-    parts: Parts, state: TrainerState, batch: Batch, oldest: int
+    parts: Parts, state: TrainerState, host: dict[str, np.ndarray], oldest: int
 ) -> tuple[TrainerState, dict[str, float]]:
     """The step's M optimizer updates, one per minibatch of P / M prompts, in one jitted
     program; `oldest` is the policy version of the batch's oldest token."""
     M = parts.updates_per_batch
-    host = dict(batch.host)
-    for k, v in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
-        if v is not None:
-            host[k] = v.astype(np.float32)
     P = len(host["group_ids"]) // parts.samples_per_prompt
     stacked = put_minibatches(host, parts.mesh, num_minibatches=M, groups=P)
     hist = dict(state.staleness_hist)
@@ -294,13 +287,12 @@ def train_on(
         if parts.cfg.train.off_policy == "pipeline":
             k, M = parts.cfg.train.off_policy_k, parts.updates_per_batch
             check_staleness(rollouts.versions, rollouts.completion_mask, state.version, M, k, ga)
-        batch = advantages(parts, state, rollouts, scores, keep_p)
-        state, metrics = update(parts, state, batch, oldest)
+        host, info = advantages(parts, state, rollouts, scores, keep_p)
+        state, metrics = update(parts, state, host, oldest)
         tp = rollouts.prompt_mask.sum(axis=1)[::G]
         state = state.count(
             trainer_flops=step_flops(parts.spec, parts.cfg, tp, rollouts.lengths)["trainer_flops"]
         )
-        info = batch.info
     else:
         state, info = state.replace(nonfinite_streak=0), {}
         metrics = {"train/skipped_all_zero_variance": 1.0, "train/rows_trained": 0.0}
