@@ -33,7 +33,7 @@ TRAIN_PASSES = 3.0  # forward + backward, in forward passes
 
 @dataclass
 class ComputeCounters:
-    """Cumulative counters; `add` returns the per-step increments for logging."""
+    """Cumulative counters."""
 
     rollouts: int = 0  # completed sampled rows used for training
     prompts: int = 0
@@ -50,12 +50,11 @@ class ComputeCounters:
         """Training compute (sampler + trainer); evaluation is accounted separately."""
         return self.sampler_flops + self.trainer_flops
 
-    def add(self, **inc) -> dict[str, float]:
+    def add(self, **inc) -> None:
         for k, v in inc.items():
             if not hasattr(self, k):
                 raise KeyError(f"unknown compute counter {k!r}")
             setattr(self, k, getattr(self, k) + v)
-        return inc
 
     def as_dict(self) -> dict[str, float]:
         d = dataclasses.asdict(self)

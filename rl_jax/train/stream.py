@@ -137,11 +137,6 @@ class StreamBook:
         self.trained += 1
 
     @property
-    def in_flight(self) -> int:
-        """Groups admitted and in no batch yet."""
-        return len(self.groups)
-
-    @property
     def idle(self) -> bool:
         """Nothing admitted and untrained: a checkpoint here resumes exactly."""
         return not self.groups and self.formed == self.trained
@@ -160,19 +155,10 @@ class EngineStream:
     own thread while the sampler thread runs `step` (the engine's work runs outside it).
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        book: StreamBook,
-        *,
-        n: int,
-        key,
-        source: Source,
-        refill_min: int | None = None,
-    ):
+    def __init__(self, engine: Engine, book: StreamBook, *, n: int, key, source: Source):
         self.engine, self.book, self.G = engine, book, int(n)
         self.key, self.source = key, source
-        self.refill_min = max(1, engine.slots // 64) if refill_min is None else int(refill_min)
+        self.refill_min = max(1, engine.slots // 64)
         self.cond = threading.Condition(threading.RLock())
         self.state = None  # the engine's EngineState, made at the first step
         self.prompts: dict[int, tuple[Any, list[int], np.ndarray, np.ndarray | None]] = {}
