@@ -220,6 +220,17 @@ def test_rank_fits_tiers_and_table():
     assert len(csv_text.splitlines()) == 4
 
 
+@pytest.mark.parametrize("a_tol", [-0.01, float("nan"), float("inf")])
+def test_a_tie_width_must_be_finite_and_not_negative(a_tol):
+    # A negative or NaN width left the best recipe outside its own tier: rank_fits looped
+    # forever (and `rl-jax fit --a-tol -1` hung).
+    fits = {"a": _fit(0.61, 2.2, seed=5), "b": _fit(0.52, 2.0, seed=7)}
+    with pytest.raises(FitError, match="a_tol="):
+        rank_fits(fits, a_tol=a_tol)
+    with pytest.raises(FitError, match="a_tol="):
+        compare_fits(fits["a"], fits["b"], a_tol=a_tol)
+
+
 # ----------------------------------------------------------------------------- early decision
 
 

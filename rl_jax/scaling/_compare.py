@@ -17,9 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from rl_jax.scaling._bootstrap import Bootstrap
-from rl_jax.scaling._sigmoid import SigmoidFit, refit
+from rl_jax.scaling._sigmoid import FitError, SigmoidFit, refit
 
 PAPER_A_TOL = 0.02
+
+
+def check_a_tol(a_tol: float) -> None:
+    """A tie width is a finite number >= 0 (a negative or NaN one would leave every recipe
+    outside its own tier)."""
+    if not (isinstance(a_tol, (int, float)) and math.isfinite(a_tol) and a_tol >= 0):
+        raise FitError(f"a_tol={a_tol!r} must be a finite number >= 0 (the paper's: {PAPER_A_TOL})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +50,7 @@ def compare_fits(
 ) -> Comparison:
     """The paper's rule: A within a_tol counts as equal; then refit both at the mean A and
     compare B."""
+    check_a_tol(a_tol)
     a = (first.A, second.A)
     if abs(a[0] - a[1]) > a_tol:
         w = 0 if a[0] > a[1] else 1
@@ -84,6 +92,7 @@ class Ranked:
 def rank_fits(fits: Mapping[str, SigmoidFit], *, a_tol: float = PAPER_A_TOL) -> list[Ranked]:
     """Rank recipes: tiers by A (each within a_tol of the tier's best), B at the tier's mean A
     within a tier. For two recipes this is exactly compare_fits."""
+    check_a_tol(a_tol)
     order = sorted(fits, key=lambda k: -fits[k].A)
     out: list[Ranked] = []
     tier = 0

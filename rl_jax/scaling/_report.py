@@ -21,6 +21,7 @@ import numpy as np
 from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, bootstrap_runs
 from rl_jax.scaling._compare import (
     PAPER_A_TOL,
+    check_a_tol,
     recipe_table_rows,
     table_csv,
     table_markdown,
@@ -149,7 +150,10 @@ def parse_fit_start(value: float | str | None, x_max: float) -> float | None:
     return frac * x_max
 
 
-def _check_choices(*, bootstrap_kind: str, frontier: str, extrapolate: float | None) -> None:
+def _check_choices(
+    *, bootstrap_kind: str, frontier: str, extrapolate: float | None, a_tol: float
+) -> None:
+    check_a_tol(a_tol)
     if bootstrap_kind not in BOOTSTRAP_KINDS:
         raise FitError(f"unknown bootstrap kind {bootstrap_kind!r}; known: {BOOTSTRAP_KINDS}")
     if frontier not in FRONTIER_MODES:
@@ -248,7 +252,9 @@ def fit_runs(
     sigmoid_kwargs are SigmoidOptions fields (r0, method, a_grid, c_mid_grid, metric_range,
     ...). A recipe with several runs (seeds) gets a pooled fit with a bootstrap over runs.
     """
-    _check_choices(bootstrap_kind=bootstrap_kind, frontier=frontier, extrapolate=extrapolate)
+    _check_choices(
+        bootstrap_kind=bootstrap_kind, frontier=frontier, extrapolate=extrapolate, a_tol=a_tol
+    )
     base = _merge_options(None, **sigmoid_kwargs)
     if rows and isinstance(rows[0], Curve):
         curves = list(rows)
