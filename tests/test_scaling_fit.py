@@ -257,6 +257,26 @@ def test_options_validation_names_the_field():
         SigmoidOptions(metric_range=(1.0, 0.0))
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"metric_range": (0.0, math.inf)},
+        {"metric_range": (-math.inf, 1.0)},
+        {"b_bounds": (0.1, math.inf)},
+        {"c_mid_grid": (math.nan, 1e3)},
+        {"a_grid": (0.5, math.nan, 0.7)},
+    ],
+)
+def test_non_finite_option_values_are_refused(kw):
+    # An infinite metric range gave A = NaN silently; an infinite B bound or a NaN C_mid
+    # grid value a bare "All-NaN slice"; a NaN A grid value was dropped without a word.
+    x = np.linspace(0, 1e4, 21)
+    y = sigmoid(x, r0=0.1, a=0.6, b=1.5, c_mid=2e3)
+    name = next(iter(kw))
+    with pytest.raises(FitError, match=f"{name}=.*finite"):
+        fit_sigmoid(x, y, **kw)
+
+
 def test_metric_range_for_other_metrics():
     # Rewards in [-1, 1] (e.g. train/reward with +-1 rewards) fit with the range widened.
     x = np.linspace(0, 1e4, 41)

@@ -80,15 +80,19 @@ class SigmoidOptions:
                 object.__setattr__(self, name, tuple(float(t) for t in v))
                 if not getattr(self, name):
                     raise FitError(f"{name} is empty")
+                if not all(math.isfinite(t) for t in getattr(self, name)):
+                    raise FitError(f"{name}={v!r}: grid values must be finite numbers")
         if self.b_solver not in ("vectorized", "curve_fit"):
             raise FitError(f"b_solver={self.b_solver!r}: use 'vectorized' or 'curve_fit'")
         lo, hi = (float(t) for t in self.metric_range)
-        if not lo < hi:
-            raise FitError(f"metric_range={self.metric_range!r} must be (low, high), low < high")
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise FitError(
+                f"metric_range={self.metric_range!r} must be finite (low, high), low < high"
+            )
         object.__setattr__(self, "metric_range", (lo, hi))
         blo, bhi = (float(t) for t in self.b_bounds)
-        if not 0 < blo < bhi:
-            raise FitError(f"b_bounds={self.b_bounds!r} must satisfy 0 < low < high")
+        if not (0 < blo < bhi and math.isfinite(bhi)):
+            raise FitError(f"b_bounds={self.b_bounds!r} must be finite, 0 < low < high")
         object.__setattr__(self, "b_bounds", (blo, bhi))
         if self.n_a < 3 or self.n_c_mid < 3 or self.n_starts < 1:
             raise FitError("n_a and n_c_mid must be >= 3 and n_starts >= 1")
