@@ -150,6 +150,19 @@ def test_curve_fit_b_solver_matches_vectorized():
     assert a.B == pytest.approx(b.B, rel=1e-3)
 
 
+@pytest.mark.parametrize("r0", ["fit", 0.25])
+def test_curve_fit_b_solver_fits_the_step_0_point(r0):
+    """With R0 fitted or given, the evaluation at compute 0 is fitted; curve_fit refused its
+    log (-inf) in every cell, and the grid kept the start B = 1 as if it were the fit."""
+    x = np.linspace(0, 1e4, 31)
+    y = sigmoid(x, r0=0.25, a=0.6, b=1.7, c_mid=1.5e3)
+    kw = dict(r0=r0, refine=False, a_grid=(0.55, 0.6, 0.65), c_mid_grid=(1e3, 1.5e3, 2e3))
+    a = fit_sigmoid(x, y, b_solver="curve_fit", **kw)
+    b = fit_sigmoid(x, y, b_solver="vectorized", **kw)
+    assert (a.A, a.C_mid) == (b.A, b.C_mid) == (0.6, pytest.approx(1.5e3))
+    assert a.B == pytest.approx(1.7, rel=1e-3) and a.R0 == pytest.approx(0.25, abs=1e-6)
+
+
 def test_pooled_runs_mean_first_r0():
     rng = np.random.default_rng(5)
     runs = [

@@ -378,7 +378,8 @@ def _solve_b_curve_fit(a, m, prob):
                 hi[1] = lo[1] + 1e-12
         p0 = np.clip(p0, lo, hi)
         try:
-            p, _ = optimize.curve_fit(f, u, y, p0=p0, bounds=(lo, hi))
+            # u is -inf at compute 0 (where f is R0): the point is data, not a bad value.
+            p, _ = optimize.curve_fit(f, u, y, p0=p0, bounds=(lo, hi), check_finite=False)
         except (RuntimeError, ValueError):
             p = p0
         bs[k] = p[0]
