@@ -221,6 +221,23 @@ def test_write_report_files(tmp_path):
     assert csv_lines[1].startswith("1,scalerl,2,48,")
 
 
+def test_hostile_names_keep_the_markdown_tables_whole(tmp_path):
+    """A recipe or run name with '|' or a line break is one cell of its row, not extra
+    columns or a row cut in two."""
+    hostile = (("a|b", 0.65, 2.0, 1), ("new\nline", 0.58, 1.7, 1))
+    rep = fit_runs(_recipe_rows(recipes=hostile), method="lsq", n_boot=40, extrapolate=0.5)
+    write_report(rep, tmp_path, plots=False)
+    for name in ("recipes.md", "report.md"):
+        for line in (tmp_path / name).read_text().splitlines():
+            if line.startswith("|"):
+                cells = line.replace("\\|", "").count("|")
+                assert cells in (13, 11, 8, 19), line  # the column count of one of its tables
+            else:
+                assert not line.startswith("line"), line
+    md = (tmp_path / "recipes.md").read_text()
+    assert "| a\\|b |" in md and "| new line |" in md
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

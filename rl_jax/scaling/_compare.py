@@ -178,6 +178,12 @@ def recipe_table_rows(
     return rows
 
 
+def md_cell(v) -> str:
+    """v as the text of one markdown table cell: a '|' escaped and line breaks turned into
+    spaces, so that a run or recipe name cannot end its row or add columns."""
+    return " ".join(str(v).splitlines()).replace("|", "\\|")
+
+
 def _fmt(v) -> str:
     if isinstance(v, bool):
         return "yes" if v else "NO"
@@ -185,7 +191,7 @@ def _fmt(v) -> str:
         if not math.isfinite(v):
             return "-"
         return f"{v:.4g}" if abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3) else f"{v:.3f}"
-    return str(v)
+    return md_cell(v)
 
 
 def table_markdown(rows: Sequence[Mapping], columns: Sequence[str] = TABLE_COLUMNS) -> str:

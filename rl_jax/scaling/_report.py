@@ -22,6 +22,7 @@ from rl_jax.scaling._bootstrap import BOOTSTRAP_KINDS, Bootstrap, bootstrap, boo
 from rl_jax.scaling._compare import (
     PAPER_A_TOL,
     check_a_tol,
+    md_cell,
     recipe_table_rows,
     table_csv,
     table_markdown,
@@ -543,11 +544,13 @@ def _fits_rows(rep: FitReport) -> list[str]:
     for e in rep.entries:
         f, bs = e.fit, e.boot
         if f is None:
-            lines.append(f"| {e.name} | {e.kind} | - | - | - | - | - | - | - | - | - | ERROR |")
+            lines.append(
+                f"| {md_cell(e.name)} | {e.kind} | - | - | - | - | - | - | - | - | - | ERROR |"
+            )
             continue
         ci = {p: _ci(bs.interval(p) if bs is not None else None) for p in ("A", "B", "C_mid")}
         lines.append(
-            f"| {e.name} | {e.kind} | {f.n_points} | {_f(f.R0)} | {_f(f.A)} | {ci['A']} | "
+            f"| {md_cell(e.name)} | {e.kind} | {f.n_points} | {_f(f.R0)} | {_f(f.A)} | {ci['A']} | "
             f"{_f(f.B, 2)} | {ci['B']} | {_f(f.C_mid)} | {ci['C_mid']} | {_f(f.r2)} | "
             f"{_f(e.reliable)} |"
         )
@@ -564,7 +567,7 @@ def _problems(rep: FitReport) -> list[str]:
         + (list(e.fit.warnings) if e.fit is not None else [])
         + (list(e.boot.warnings) if e.boot is not None else [])
     ]
-    return [f"- **{e.name}**: {w}" for e, w in problems] or ["None."]
+    return [f"- **{md_cell(e.name)}**: {md_cell(w)}" for e, w in problems] or ["None."]
 
 
 def _power_law_rows(rep: FitReport) -> list[str]:
@@ -574,8 +577,8 @@ def _power_law_rows(rep: FitReport) -> list[str]:
             continue
         pl = e.power_law
         lines.append(
-            f"| {e.name} | {_f(e.fit.A)} | {_f(e.fit.r2)} | {_f(pl.A)} | {_f(pl.B)} | "
-            f"{_f(pl.r2)} | {'; '.join(pl.warnings) or '-'} |"
+            f"| {md_cell(e.name)} | {_f(e.fit.A)} | {_f(e.fit.r2)} | {_f(pl.A)} | {_f(pl.B)} | "
+            f"{_f(pl.r2)} | {md_cell('; '.join(pl.warnings) or '-')} |"
         )
     return lines
 
@@ -598,7 +601,7 @@ def _extrapolation_md(rep: FitReport, files, out) -> list[str]:
         x = e.extrapolation
         sm = x.summary()
         lines.append(
-            f"| {e.name} | {sm['n_fit']} / {sm['n_test']} | {_f(x.fit.A)} | "
+            f"| {md_cell(e.name)} | {sm['n_fit']} / {sm['n_test']} | {_f(x.fit.A)} | "
             f"{_ci(x.boot.interval('A'))} | {_f(e.fit.A)} | {x.final_error:+.4f} | "
             f"{_f(x.final_within)} | {x.coverage:.0%} | {_f(x.rmse, 4)} | "
             f"{_f(x.power_law_rmse, 4)} |"
@@ -622,7 +625,7 @@ def _early_md(rep: FitReport) -> list[str]:
     for r in ed.rows:
         pb = "leader" if r.p_beats_leader is None else f"{r.p_beats_leader:.3f}"
         lines.append(
-            f"| {r.name} | {_f(r.A)} | {_ci(r.A_interval)} | "
+            f"| {md_cell(r.name)} | {_f(r.A)} | {_ci(r.A_interval)} | "
             f"{pb} | {r.p_best:.3f} | {'STOP' if r.stop else 'continue'} | "
             f"{_f(r.reliable)} |"
         )

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rl_jax.scaling._compare import md_cell
 from rl_jax.scaling._report import FitReport, fit_runs
 from rl_jax.scaling._sigmoid import FitError
 
@@ -68,11 +69,12 @@ def task_table_markdown(rows: list[dict[str, Any]], x: str) -> str:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['task']} | {r['name']} | no fit: {r['error']} | | | | | |")
+            name, error = md_cell(r["name"]), md_cell(r["error"])
+            lines.append(f"| {r['task']} | {name} | no fit: {error} | | | | | |")
             continue
         flag = "" if r["reliable"] else " (unreliable)"
         lines.append(
-            f"| {r['task']} | {r['name']}{flag} | {r['A']:.3f} | {r['B']:.2f} | "
+            f"| {r['task']} | {md_cell(r['name'])}{flag} | {r['A']:.3f} | {r['B']:.2f} | "
             f"{r['C_mid']:.3g} | {r['R0']:.3f} | {r['points']} | {r['r2']:.3f} |"
         )
     return "\n".join(lines)
