@@ -94,6 +94,22 @@ def test_load_rows_formats_and_flattening(tmp_path):
         load_rows(tmp_path / "runs" / "exp1" / "plots")
 
 
+def test_csv_with_a_byte_order_mark_keeps_its_first_column(tmp_path):
+    """A spreadsheet's CSV starts with a BOM; its first header is still `run_id`, so two runs
+    stay two (they were merged into one run named after the file, step by step)."""
+    lines = ["run_id,step,flops,val/pass@1"]
+    lines += [
+        f"{r},{i},{i}e15,{0.1 * (i + 1) + d:.2f}"
+        for r, d in (("a", 0), ("b", 0.05))
+        for i in range(6)
+    ]
+    p = tmp_path / "curves.csv"
+    p.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    rows = load_rows(p)
+    assert rows[0]["run_id"] == "a"
+    assert [c.run_id for c in curves_from_rows(rows, group_by=None)] == ["a", "b"]
+
+
 def test_curves_from_rows_groups_sorts_and_checks():
     rows = _recipe_rows()
     rows = rows[::-1]  # arrival order must not matter: sorted by step

@@ -84,7 +84,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
-    with open(path, newline="", encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (spreadsheets write one) is not part of the first header.
+    with open(path, newline="", encoding="utf-8-sig") as f:
         # A blank cell is an absent value (the row did not record that column).
         try:
             return [
