@@ -290,6 +290,14 @@ def test_non_finite_option_values_are_refused(kw):
         fit_sigmoid(x, y, **kw)
 
 
+def test_a_given_r0_outside_the_metric_range_is_named():
+    # The error described the metric's span (inside the range) and not R0, the bad value.
+    x = np.linspace(0, 1e4, 21)
+    y = sigmoid(x, r0=0.1, a=0.6, b=1.5, c_mid=2e3)
+    with pytest.raises(FitError, match=r"R0 = 5 is outside metric_range=\(0, 1\)"):
+        fit_sigmoid(x, y, r0=5.0)
+
+
 def test_metric_range_for_other_metrics():
     # Rewards in [-1, 1] (e.g. train/reward with +-1 rewards) fit with the range widened.
     x = np.linspace(0, 1e4, 41)

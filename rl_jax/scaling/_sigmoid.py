@@ -257,11 +257,15 @@ def _build_problem(
             f"need at least 2 distinct positive compute values to fit B and C_mid, got "
             f"{np.unique(pos).size}"
         )
-    if (y > hi).any() or (y < lo).any() or (r0 is not None and not lo <= r0 <= hi):
+    if (y > hi).any() or (y < lo).any():
         raise FitError(
-            f"metric values span [{min(y.min(), r0 if r0 is not None else y.min()):g}, "
-            f"{y.max():g}], outside metric_range=({lo:g}, {hi:g}); pass a metric_range "
-            "that holds the metric (pass rates live in [0, 1])"
+            f"metric values span [{y.min():g}, {y.max():g}], outside metric_range=({lo:g}, "
+            f"{hi:g}); pass a metric_range that holds the metric (pass rates live in [0, 1])"
+        )
+    if r0 is not None and not lo <= r0 <= hi:
+        raise FitError(
+            f"R0 = {r0:g} is outside metric_range=({lo:g}, {hi:g}); give an r0 in that range "
+            "(or 'first' or 'fit')"
         )
     if r0 is not None:
         a_lo, r0_lo, r0_hi = r0, r0, r0
