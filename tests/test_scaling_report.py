@@ -254,6 +254,19 @@ def test_hostile_names_keep_the_markdown_tables_whole(tmp_path):
     assert "| a\\|b |" in md and "| new line |" in md
 
 
+def test_plot_files_of_two_runs_never_collide_and_long_names_fit(tmp_path):
+    """Run ids that differ only in characters a file name cannot hold ('a|b', 'a b') had
+    one extrapolation plot between them (the second overwrote the first, and the report
+    showed it for both); a 300-character id raised OSError (file name too long)."""
+    names = (("a|b", 0.65, 2.0, 1), ("a b", 0.58, 1.7, 1), ("r" * 300, 0.6, 1.8, 1))
+    rep = fit_runs(_recipe_rows(recipes=names), method="lsq", n_boot=40, extrapolate=0.5)
+    written = write_report(rep, tmp_path)
+    plots = [p for p in written if p.name.startswith("extrapolation_") and p.suffix == ".png"]
+    assert len(set(plots)) == 3 and all(p.exists() and len(p.name) < 120 for p in plots)
+    md = (tmp_path / "report.md").read_text()
+    assert len({p.name for p in plots if p.name in md}) == 3
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -7,6 +7,7 @@ analyst's interactive session.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -47,8 +48,24 @@ def recipe_plot(report, recipe: str) -> CurvePlot:
 
 
 def safe_name(name: str) -> str:
-    """A file-name-safe version of a run id or recipe name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
+    """A file-name-safe version of a run id or recipe name; at most 80 characters (a longer
+    one keeps its start and ends in a hash of the whole name)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
+    return safe if len(safe) <= 80 else f"{safe[:69]}-{_digest(name)}"
+
+
+def safe_names(names) -> dict[str, str]:
+    """{name: safe_name(name)}, but a name whose safe name an earlier one took ('a b' after
+    'a|b') gets a hash of itself appended: two names never share a file."""
+    out: dict[str, str] = {}
+    for n in names:
+        s = safe_name(n)
+        out[n] = f"{s}-{_digest(n)}" if s in out.values() else s
+    return out
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
 def _figure(w=7.0, h=4.5):

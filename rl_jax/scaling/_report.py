@@ -453,7 +453,7 @@ def _write_plots(report: FitReport, pdir: Path) -> dict[str, list[Path]]:
         plot_heatmaps,
         plot_n_star,
         recipe_plot,
-        safe_name,
+        safe_names,
     )
 
     by_run = {c.run_id: c for c in report.curves}
@@ -463,6 +463,7 @@ def _write_plots(report: FitReport, pdir: Path) -> dict[str, list[Path]]:
         files["curves"] = plot_curves(
             items, pdir / "curves", x_label=report.x, y_label=report.metric, title="fitted curves"
         )
+    stems = safe_names(e.name for e in report.entries if e.extrapolation is not None)
     for e in report.entries:
         if e.extrapolation is not None:
             c = by_run[e.name]
@@ -470,7 +471,7 @@ def _write_plots(report: FitReport, pdir: Path) -> dict[str, list[Path]]:
                 e.extrapolation,
                 c.x,
                 c.y,
-                pdir / f"extrapolation_{safe_name(e.name)}",
+                pdir / f"extrapolation_{stems[e.name]}",
                 x_label=report.x,
                 y_label=report.metric,
             )

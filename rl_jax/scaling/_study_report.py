@@ -105,10 +105,11 @@ def study_json(study: Study) -> dict[str, Any]:
 def plot_names(study: Study) -> dict[str, str]:
     """Plot key -> its PNG's path under the study directory (drawn or not, the report links
     the same names, so its text does not depend on whether plots were drawn)."""
-    from rl_jax.scaling._plots import safe_name
+    from rl_jax.scaling._plots import safe_names
 
     names = {"recipes": "plots/recipes.png"}
-    names.update({f"loo:{e.group}": f"plots/loo_{safe_name(e.group)}.png" for e in study.effects})
+    stems = safe_names(e.group for e in study.effects)
+    names.update({f"loo:{g}": f"plots/loo_{s}.png" for g, s in stems.items()})
     if study.baseline_mean is not None:
         names["baseline_mean"] = "plots/baseline_mean_extrapolation.png"
     return names
