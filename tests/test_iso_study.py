@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from rl_jax.cli import main as cli_main
-from rl_jax.scaling import HIST_KEY, additive_fit, analyse_isocompute, iso_study_json
+from rl_jax.scaling import (
+    HIST_KEY,
+    additive_fit,
+    analyse_isocompute,
+    iso_study_json,
+    write_iso_study,
+)
 from rl_jax.scaling._iso_report import findings
 from rl_jax.scaling._iso_study import (
     _bin_values,
@@ -159,6 +165,20 @@ def test_a_split_with_nothing_planted_is_not_resolved(study):
     assert e.diff_interval[0] < 0 < e.diff_interval[1] or e.diff_interval[1] < 0
     verdicts = {f["id"]: f["verdict"] for f in findings(study) if f["split"] == "hard"}
     assert verdicts["n_vs_bp"] != "agree"
+
+
+def test_split_names_are_not_paths(tmp_path):
+    """A split is a value of the rows; '../../escaped' wrote its plots two directories above
+    the study's, and 'a/b' into a directory of its own."""
+    rows = _rows(0, "../../escaped", _cells(0.08, 0.005, grows=True))
+    rows += _rows(1, "a/b", _cells(0.0, 0.0, grows=False))
+    out = tmp_path / "deep" / "study"
+    write_iso_study(analyse_isocompute(rows, split_by="split", n_boot=50), out, title="t")
+    pngs = list(tmp_path.rglob("*.png"))
+    assert pngs and all(p.parent == out / "plots" for p in pngs)
+    md = (out / "report.md").read_text()
+    links = [ln.split("](")[1][:-1] for ln in md.splitlines() if ln.startswith("![frontier]")]
+    assert len(links) == 2 and all((out / link).is_file() for link in links)
 
 
 def test_study_json_is_plain_json_and_deterministic(study):

@@ -295,8 +295,11 @@ def _interference_md(s: SplitStudy) -> list[str]:
 
 
 def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
+    from rl_jax.scaling._plots import safe_name
+
+    stem = safe_name(name)  # a split is a value of the rows: no path of its own
     lines = ["", f"## Split `{name}` ({s.runs} runs)", "", "### Frontier", "", *_frontier_md(s)]
-    lines += ["", f"![frontier](plots/{name}_frontier.png)", f"![n*](plots/{name}_n_star.png)"]
+    lines += ["", f"![frontier](plots/{stem}_frontier.png)", f"![n*](plots/{stem}_n_star.png)"]
     lines += [
         "",
         "### Reward per cell at each budget",
@@ -305,7 +308,7 @@ def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
         " evaluations).",
         "",
         *_heat_md(s),
-        f"![heat maps](plots/{name}_heat.png)",
+        f"![heat maps](plots/{stem}_heat.png)",
         "",
         "### n against B_p (additive model)",
         "",
@@ -315,8 +318,8 @@ def _split_md(name: str, s: SplitStudy, lvl: str) -> list[str]:
         "",
         *_interference_md(s),
         "",
-        f"![interference](plots/{name}_interference.png)",
-        f"![polarization over training](plots/{name}_polarization.png)",
+        f"![interference](plots/{stem}_interference.png)",
+        f"![polarization over training](plots/{stem}_polarization.png)",
         "",
     ]
     return lines + [f"- {n}" for n in (*s.notes, *s.frontier.warnings)]
@@ -371,11 +374,12 @@ def _plot_polarization(s: SplitStudy, stem: Path, x: str) -> list[Path]:
 
 
 def _write_plots(study: IsoStudy, out: Path) -> list[Path]:
-    from rl_jax.scaling._plots import plot_frontier, plot_heatmaps, plot_n_star
+    from rl_jax.scaling._plots import plot_frontier, plot_heatmaps, plot_n_star, safe_name
 
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
-    for name, s in study.splits.items():
+    for split, s in study.splits.items():
+        name = safe_name(split)  # a value of the rows, e.g. '../x': never a path
         fr = s.frontier
         labels = {"x_label": study.x, "y_label": study.metric, "formats": ("png",)}
         files += plot_frontier(fr, out / f"{name}_frontier", **labels)
