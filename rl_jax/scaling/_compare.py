@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ PAPER_A_TOL = 0.02
 def check_a_tol(a_tol: float) -> None:
     """A tie width is a finite number >= 0 (a negative or NaN one would leave every recipe
     outside its own tier)."""
-    if not (isinstance(a_tol, (int, float)) and math.isfinite(a_tol) and a_tol >= 0):
+    if not (isinstance(a_tol, numbers.Real) and math.isfinite(a_tol) and a_tol >= 0):
         raise FitError(f"a_tol={a_tol!r} must be a finite number >= 0 (the paper's: {PAPER_A_TOL})")
 
 
