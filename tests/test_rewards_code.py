@@ -236,6 +236,15 @@ def test_options_and_knobs():
         apply_overrides(RunConfig(), ["rewards.code_memory_mb=8"])
 
 
+def test_memory_limits_above_the_workers_own_work():
+    # A program's process is forked from a sandbox worker, whose own address-space limit
+    # (2 GiB over its size) it cannot raise without CAP_SYS_RESOURCE.
+    fn = rewards.get("code", scale="01", timeout_s=TIMEOUT_S, workers=1, memory_mb=4096)
+    prog = "import resource\ndef f(n):\n    return resource.getrlimit(resource.RLIMIT_AS)[1]"
+    assert fn(prog, json.dumps({"entry_point": "f", "tests": [f"assert f(0) == {4096 << 20}"]}))
+    assert fn.last_outcomes == ["pass"]
+
+
 def test_code_knobs_keep_run_ids():
     from rl_jax.config import load_recipe, run_id
 

@@ -13,7 +13,7 @@ from rl_jax.rewards import _code, _gym, _math
 from rl_jax.rewards._arith import arith_score, arith_well_formed
 from rl_jax.rewards._countdown import countdown_score, countdown_well_formed
 from rl_jax.rewards._numeric import last_boxed, numeric_score, numeric_well_formed
-from rl_jax.rewards._sandbox import shared_pool
+from rl_jax.rewards._sandbox import WORKER_MEMORY_MB, shared_pool
 from rl_jax.rewards._text import bounded_text
 
 if TYPE_CHECKING:  # rl_jax.config.rewards checks names against this registry
@@ -261,7 +261,12 @@ class _CodeRewardFn(RewardFn):
 
     @property
     def pool(self):
-        return shared_pool(workers=self._workers, preload=("rl_jax.rewards._code",))
+        # A program's process is forked from its worker and cannot raise its limit above
+        # the worker's (without CAP_SYS_RESOURCE): the worker's must cover memory_mb.
+        mem = max(WORKER_MEMORY_MB, self.memory_mb)
+        return shared_pool(
+            workers=self._workers, preload=("rl_jax.rewards._code",), mem_limit_mb=mem
+        )
 
     def _tests_ok(self, answer: str) -> bool:
         try:

@@ -38,6 +38,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 START_TIMEOUT_S = 120.0
+# Address space a worker may add to its size at start (the code verifier asks more where
+# its programs' own limit is larger: they are forked from the worker, under its hard limit).
+WORKER_MEMORY_MB = 2048
 
 
 def _vm_bytes() -> int:
@@ -177,7 +180,9 @@ class _Slot:
 class SandboxPool:
     """`workers` processes running `module:function` targets with a per-call time limit."""
 
-    def __init__(self, *, workers: int, preload: tuple[str, ...] = (), mem_limit_mb: int = 2048):
+    def __init__(
+        self, *, workers: int, preload: tuple[str, ...] = (), mem_limit_mb: int = WORKER_MEMORY_MB
+    ):
         if workers < 1:
             raise ValueError(f"SandboxPool needs workers >= 1, got {workers}")
         self._preload = tuple(preload)
@@ -289,15 +294,20 @@ class SandboxPool:
         zygote[0].close()
 
 
-_POOLS: dict[tuple[int, tuple[str, ...]], SandboxPool] = {}
+_POOLS: dict[tuple[int, tuple[str, ...], int], SandboxPool] = {}
 
 
-def shared_pool(*, workers: int, preload: tuple[str, ...]) -> SandboxPool:
-    """One pool per (workers, preload) per process, so repeated `rewards.get` calls share it."""
-    key = (workers, preload)
+def shared_pool(
+    *, workers: int, preload: tuple[str, ...], mem_limit_mb: int = WORKER_MEMORY_MB
+) -> SandboxPool:
+    """One pool per (workers, preload, memory limit) per process, so repeated `rewards.get`
+    calls share it."""
+    key = (workers, preload, mem_limit_mb)
     pool = _POOLS.get(key)
     if pool is None or not pool._slots:
-        pool = _POOLS[key] = SandboxPool(workers=workers, preload=preload)
+        pool = _POOLS[key] = SandboxPool(
+            workers=workers, preload=preload, mem_limit_mb=mem_limit_mb
+        )
     return pool
 
 
