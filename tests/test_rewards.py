@@ -85,6 +85,10 @@ def test_countdown_exact_fractions_and_grammar():
         ("answer: 71", "7", False),
         ("no number", "7", False),
         ("1e3", "1000", False),  # no exponents: no huge numbers can be built
+        ("the answer is \u22125", "5", False),  # U+2212 MINUS SIGN: minus five
+        ("\\boxed{\u22125}", "5", False),
+        ("the answer is \u22125", "-5", True),
+        ("\\boxed{\u2212\\frac{1}{2}}", "-0.5", True),
     ],
 )
 def test_numeric(completion, answer, right):

@@ -18,13 +18,15 @@ _CANONICAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", re.ASCII)
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}", re.ASCII)
 _LATEX_NOISE = re.compile(r"\\text\{[^{}]{0,64}\}|\\[,!;: ]|\\\$|\\%|\$|%|\\left|\\right")
 _ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
+# U+2212 MINUS SIGN is a minus: read as '-', so that "−5" is never the number 5.
+_MINUS = str.maketrans({"\u2212": "-"})
 
 
 def parse_number(text: str) -> Fraction | None:
     """A number written as `-1,234.5`, `3/4`, `\\frac{3}{4}` or `$72`; None if it is not one."""
     if len(text) > 4 * MAX_NUMBER_CHARS:
         return None
-    s = _LATEX_FRAC.sub(r"\1/\2", text)
+    s = _LATEX_FRAC.sub(r"\1/\2", text.translate(_MINUS))
     s = _LATEX_NOISE.sub("", s).replace(",", "").replace(" ", "").strip().rstrip(".")
     if not s or len(s) > MAX_NUMBER_CHARS or not _CANONICAL.fullmatch(s):
         return None
@@ -62,7 +64,7 @@ def _last_number(text: str) -> str | None:
 def extract_numeric(completion: object) -> str | None:
     """The final-answer string of a completion: last \\boxed{}, else after `####`,
     else after the last "answer is", else the last number in the text."""
-    text = bounded_text(completion, limit=TAIL_CHARS, keep="tail")
+    text = bounded_text(completion, limit=TAIL_CHARS, keep="tail").translate(_MINUS)
     boxed = last_boxed(text)
     if boxed is not None:
         if parse_number(boxed) is not None:
