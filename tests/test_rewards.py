@@ -85,6 +85,10 @@ def test_countdown_exact_fractions_and_grammar():
         ("answer: 71", "7", False),
         ("no number", "7", False),
         ("1e3", "1000", False),  # no exponents: no huge numbers can be built
+        ("1e3", "3", False),  # nor a part of one read as a number
+        ("the answer is 2.5e-3", "2.5", False),
+        ("the answer is 1E5", "1", False),
+        ("the answer is \u06612", "2", False),  # no part of another script's digits either
         ("the answer is \u22125", "5", False),  # U+2212 MINUS SIGN: minus five
         ("\\boxed{\u22125}", "5", False),
         ("the answer is \u22125", "-5", True),

@@ -12,8 +12,11 @@ TAIL_CHARS = 4096
 # Longer "numbers" are refused before Fraction sees them, so no huge integer is ever built.
 MAX_NUMBER_CHARS = 48
 
-# re.ASCII: only 0-9 are digits (Python's int() would also read other scripts' digits).
-_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?", re.ASCII)
+# A number token is read whole, exponent and other scripts' digits included, so that
+# parse_number refuses it rather than a part of it ("1e3" is never the number 3).
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
+# re.ASCII: only 0-9 are digits (Python's int() would also read other scripts' digits), and
+# no exponent: no huge number is ever built.
 _CANONICAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", re.ASCII)
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}", re.ASCII)
 _LATEX_NOISE = re.compile(r"\\text\{[^{}]{0,64}\}|\\[,!;: ]|\\\$|\\%|\$|%|\\left|\\right")
