@@ -89,6 +89,10 @@ def test_countdown_exact_fractions_and_grammar():
         ("the answer is 2.5e-3", "2.5", False),
         ("the answer is 1E5", "1", False),
         ("the answer is \u06612", "2", False),  # no part of another script's digits either
+        ("\\boxed{1{,}000}", "1000", True),  # LaTeX's thousands separator
+        ("\\boxed{1{,}000}", "0", False),
+        ("The answer is $1{,}000$.", "1", False),
+        ("The answer is $12{,}345.5$.", "12345.5", True),
         ("the answer is \u22125", "5", False),  # U+2212 MINUS SIGN: minus five
         ("\\boxed{\u22125}", "5", False),
         ("the answer is \u22125", "-5", True),

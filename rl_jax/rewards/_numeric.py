@@ -25,11 +25,17 @@ _ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
 _MINUS = str.maketrans({"\u2212": "-"})
 
 
+def _plain(text: str) -> str:
+    """`text` with U+2212 as '-' and LaTeX's `{,}` thousands separator as ',' (so that
+    "1{,}000" is 1000, not 1 or 000)."""
+    return text.translate(_MINUS).replace("{,}", ",")
+
+
 def parse_number(text: str) -> Fraction | None:
     """A number written as `-1,234.5`, `3/4`, `\\frac{3}{4}` or `$72`; None if it is not one."""
     if len(text) > 4 * MAX_NUMBER_CHARS:
         return None
-    s = _LATEX_FRAC.sub(r"\1/\2", text.translate(_MINUS))
+    s = _LATEX_FRAC.sub(r"\1/\2", _plain(text))
     s = _LATEX_NOISE.sub("", s).replace(",", "").replace(" ", "").strip().rstrip(".")
     if not s or len(s) > MAX_NUMBER_CHARS or not _CANONICAL.fullmatch(s):
         return None
@@ -67,7 +73,7 @@ def _last_number(text: str) -> str | None:
 def extract_numeric(completion: object) -> str | None:
     """The final-answer string of a completion: last \\boxed{}, else after `####`,
     else after the last "answer is", else the last number in the text."""
-    text = bounded_text(completion, limit=TAIL_CHARS, keep="tail").translate(_MINUS)
+    text = _plain(bounded_text(completion, limit=TAIL_CHARS, keep="tail"))
     boxed = last_boxed(text)
     if boxed is not None:
         if parse_number(boxed) is not None:
