@@ -208,3 +208,13 @@ def test_sandbox_kills_stuck_worker_and_recovers():
         assert pool.run("rl_jax.rewards._sandbox:_sleep", [(0.01,)], timeout_s=30) == [0.01]
     finally:
         pool.close()
+
+
+def test_sandbox_takes_any_finite_time_limit():
+    # A limit longer than one poll can wait (2**31 - 1 ms, about 25 days) is waited out in
+    # several waits, not an OverflowError into the training loop.
+    pool = rewards.SandboxPool(workers=1)
+    try:
+        assert pool.run("rl_jax.rewards._sandbox:_sleep", [(0.01,)], timeout_s=1e7) == [0.01]
+    finally:
+        pool.close()

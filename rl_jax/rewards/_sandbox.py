@@ -38,6 +38,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 START_TIMEOUT_S = 120.0
+# Longest single wait for a worker (poll takes at most 2**31 - 1 ms); a longer time limit
+# is waited out in several.
+MAX_WAIT_S = 3600.0
 # Address space a worker may add to its size at start (the code verifier asks more where
 # its programs' own limit is larger: they are forked from the worker, under its hard limit).
 WORKER_MEMORY_MB = 2048
@@ -237,7 +240,8 @@ class SandboxPool:
             limits = [
                 s.deadline if s.state == "busy" else s.since + START_TIMEOUT_S for s in active
             ]
-            ready = wait([s.conn for s in active], timeout=max(0.0, min(limits) - now))
+            left = min(max(0.0, min(limits) - now), MAX_WAIT_S)
+            ready = wait([s.conn for s in active], timeout=left)
             for conn in ready:
                 i = next(k for k, s in enumerate(self._slots) if s.conn is conn)
                 s = self._slots[i]
