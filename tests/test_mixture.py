@@ -44,6 +44,7 @@ def test_spellings_parse_to_tasks():
         ("{arith: {difficulty: two}}", "difficulty='two': expected int"),
         ("{arith: {difficulty: 30}}", "data.difficulty=30 must be in"),
         ("{arith: {reward: nope}}", "reward='nope' is not one of"),
+        ("{arith: {reward: mixture}}", "reward='mixture' is not one of"),
         ("arith,arith", "names task 'arith' twice"),
         ("{'1st': {source: arith}}", "task name '1st'"),
         ("[1, 2]", "must be 'name:weight,...'"),

@@ -137,9 +137,11 @@ def parse_mixture(
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
             raise ConfigError(f"data.mixture task {name!r}: weight={weight!r} must be > 0")
         reward = v.get("reward", "")
-        if reward and reward not in reward_names():
+        # 'mixture' routes each answer to the verifier it names: a task's own is one of the rest.
+        verifiers = [n for n in reward_names() if n != "mixture"]
+        if reward and reward not in verifiers:
             raise ConfigError(
-                f"data.mixture task {name!r}: reward={reward!r} is not one of {reward_names()}"
+                f"data.mixture task {name!r}: reward={reward!r} is not one of {verifiers}"
             )
         settings = {}
         if "source" not in v:
