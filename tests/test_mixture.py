@@ -179,6 +179,20 @@ def test_mixture_verifier_routes_each_answer(caplog):
     assert pickle.loads(pickle.dumps(a)).verifier == "arith"
 
 
+def test_a_tasks_verifier_is_checked_before_the_run(monkeypatch, tmp_path):
+    from rl_jax.rewards import _gym
+    from rl_jax.train.preflight import check_run_inputs
+
+    # The mixture verifier builds a task's verifier at its first answer: one whose extra is
+    # not installed is refused before the run, not raised from the training loop.
+    monkeypatch.setattr(_gym, "available", lambda: False)
+    mix = "{a: {source: arith}, g: {source: arith, reward: gym}}"
+    for name in ("auto", "mixture"):
+        over = [f"data.mixture={mix}", f"rewards.name={name}", f"out_dir={tmp_path}"]
+        with pytest.raises(ConfigError, match="data.mixture task 'g': reward 'gym' needs"):
+            check_run_inputs(load_recipe("code_mix_cpu", over))
+
+
 def test_per_task_metrics():
     c = np.array([[1, 0], [1, 1], [0, 0], [0, 1]])
     m = pass_metrics(c, task_p=["math", "code", "math", "code"])

@@ -36,6 +36,8 @@ def check_run_inputs(cfg: RunConfig, *, out=None) -> None:
     reads = cfg.data.source in ("file", "hf") or cfg.data.split_file or cfg.data.mixture
     if reads or cfg.sampling.max_prompt_len:
         task = run_task(cfg, run_tokenizer(cfg))
+    if task is not None:
+        check_mixture_rewards(cfg.rewards, task)
     if task is not None and reads:
         if not cfg.data.split_file and len(task.val) < cfg.eval.num_prompts:
             print(
@@ -312,3 +314,20 @@ def check_reward(rewards: RewardConfig, *, task_reward: str) -> None:
         raise ConfigError(f"rewards.name={rewards.name!r}: {e}") from None
     except KeyError as e:  # rewards.name=auto picked a name the registry lacks
         raise ConfigError(f"rewards.name={rewards.name!r}: {e.args[0]}") from None
+
+
+def check_mixture_rewards(rewards: RewardConfig, task: Task) -> None:
+    """Each verifier a task mixture's problems name can be built (the mixture verifier
+    builds them at their first answers, in the training loop)."""
+    from rl_jax.rewards import get
+    from rl_jax.rewards._registry import config_options
+
+    routed = rewards.name == "mixture" or (rewards.name == "auto" and task.reward_name == "mixture")
+    if not routed:
+        return
+    for name, info in task.info.get("tasks", {}).items():
+        verifier = info["verifier"]
+        try:
+            get(verifier, scale=rewards.scale, **config_options(rewards, verifier))
+        except ImportError as e:
+            raise ConfigError(f"data.mixture task {name!r}: {e}") from None
