@@ -102,6 +102,7 @@ OWN_REASONS = {
     ("sampling.length_control", "interrupt"): r"max_new_tokens=\d+ leaves no room for an",
     # A knob that needs another's value, switched on alone where that is absent.
     ("data.answer_extract", "regex"): r"data.answer_extract='regex' needs data.answer_regex",
+    ("rewards.name", "mixture"): r"rewards.name='mixture' .* needs data.mixture",
     ("lora.lr_scale", ANY): r"lora.lr_scale=.* needs lora.enabled=true",
     # The knob's own value is one another choice of the recipe rules out.
     ("train.off_policy_k", ANY): r"train.off_policy_k=\d+ needs train.off_policy in",

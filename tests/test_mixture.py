@@ -179,6 +179,15 @@ def test_mixture_verifier_routes_each_answer(caplog):
     assert pickle.loads(pickle.dumps(a)).verifier == "arith"
 
 
+def test_the_mixture_verifier_needs_a_mixture():
+    with pytest.raises(ConfigError, match="rewards.name='mixture' .* needs data.mixture"):
+        apply_overrides(RunConfig(), ["rewards.name=mixture"])
+    cfg = apply_overrides(RunConfig(), ["rewards.name=mixture", "data.mixture=arith:1,code:1"])
+    assert cfg.rewards.name == "mixture"
+    # a command that drops the mixture puts the config's rewards.name=mixture back to auto
+    assert apply_overrides(cfg, ["data.mixture="]).rewards.name == "auto"
+
+
 def test_a_tasks_verifier_is_checked_before_the_run(monkeypatch, tmp_path):
     from rl_jax.rewards import _gym
     from rl_jax.train.preflight import check_run_inputs

@@ -90,6 +90,13 @@ class RunConfig:
                 knob="model.value_head",
                 on=("loss.advantage", "loss.name"),
             )
+        if self.rewards.name == "mixture" and not self.data.mixture:
+            raise DependentKnobError(
+                "rewards.name='mixture' scores each answer with the verifier its task names: "
+                "it needs data.mixture (the answers of one source name none)",
+                knob="rewards.name",
+                on=("data.mixture",),
+            )
         if self.rewards.overlong_penalty:
             l_max, l_cache = self.rewards.overlong_window(self.sampling.max_new_tokens)
             filled = (
