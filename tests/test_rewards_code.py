@@ -358,3 +358,19 @@ def test_group_kill_alone_leaves_no_process(pool, tmp_path):
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_child_killed_before_its_setsid_is_killed_and_reaped():
+    import subprocess
+
+    # A call whose deadline falls right at its start kills its child before the child's
+    # setsid(), while it is still in this process's group rather than its own.
+    p = subprocess.Popen(["sleep", "60"])
+    r, w = os.pipe()
+    try:
+        _code_jail.Child(pid=p.pid, req=w, resp=r).kill()
+        with pytest.raises(ProcessLookupError):  # killed, and reaped: no such process
+            os.kill(p.pid, 0)
+    finally:
+        p.kill()
+        p.wait()

@@ -352,18 +352,27 @@ class Child:
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the group is gone; the child may still be a zombie
-            pass
-        status = 0
+        # Until its setsid() the child is in this process's group, not its own: it is
+        # killed by its pid too, and reaped by it where the group's wait does not find it.
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # gone; the child may still be a zombie
+                pass
+        status = None
         while True:
             try:
                 pid, st = os.waitpid(-self.pid, 0)
             except ChildProcessError:
-                return status
+                break
             if pid == self.pid:
                 status = st
+        if status is None:
+            try:
+                status = os.waitpid(self.pid, 0)[1]
+            except ChildProcessError:
+                status = 0
+        return status
 
 
 _subreaper = False
