@@ -374,3 +374,26 @@ def test_a_child_killed_before_its_setsid_is_killed_and_reaped():
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_programs_process_starts_before_the_alarm():
+    import subprocess
+    import sys
+
+    # An alarm inside spawn (between its fork and its return) would leave the child and its
+    # pipes with no owner to kill and close them. Run apart: code_score forks, as a worker.
+    script = (
+        "import json, signal\n"
+        "from rl_jax.rewards import _code, _code_jail\n"
+        "armed, real = [], _code_jail.spawn\n"
+        "def spawn(*a, **k):\n"
+        "    armed.append(signal.getitimer(signal.ITIMER_REAL)[0] > 0)\n"
+        "    return real(*a, **k)\n"
+        "_code_jail.spawn = spawn\n"
+        "ans = json.dumps({'entry_point': 'f', 'tests': ['assert f(1) == 2']})\n"
+        "print(_code.code_score('def f(n):\\n    return n + 1', ans, 30.0, 512)[2], armed)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["pass", "[False]"], out.stdout + out.stderr

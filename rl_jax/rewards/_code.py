@@ -648,9 +648,11 @@ def code_score(
     tmp = tempfile.mkdtemp(prefix="rl_jax_code_")
     child, s, ok, status = None, None, [], 0
     try:
+        # Started before the alarm is armed: an alarm between the fork and `child` being
+        # set would leave the child unkilled.
+        limits = Limits(time_s=time_s, memory_mb=memory_mb)
+        child = _code_jail.spawn(tmp, limits, off=frozenset(off))
         with _alarm(deadline):
-            limits = Limits(time_s=time_s, memory_mb=memory_mb)
-            child = _code_jail.spawn(tmp, limits, off=frozenset(off))
             s = _Session(child, deadline)
             s.ask(
                 "setup",
