@@ -89,6 +89,14 @@ def test_countdown_exact_fractions_and_grammar():
         ("the answer is 2.5e-3", "2.5", False),
         ("the answer is 1E5", "1", False),
         ("the answer is \u06612", "2", False),  # no part of another script's digits either
+        ("\\boxed{x = 7}", "7", True),  # a \boxed{} with an equation: its value
+        ("\\boxed{72 dollars}", "72", True),  # or its one number among words
+        ("\\boxed{7 \\mathrm{cm}}", "7", True),
+        ("\\boxed{\\textbf{12}}", "12", True),
+        ("\\boxed{2^{10}}", "10", False),  # other math: no part of it is the answer
+        ("\\boxed{\\sqrt{2}}", "2", False),
+        ("\\boxed{3 \\times 4}", "4", False),
+        ("\\boxed{\\frac{1.5}{2}}", "2", False),
         ("\\boxed{1{,}000}", "1000", True),  # LaTeX's thousands separator
         ("\\boxed{1{,}000}", "0", False),
         ("The answer is $1{,}000$.", "1", False),

@@ -21,6 +21,9 @@ _CANONICAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", re.ASCII)
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}", re.ASCII)
 _LATEX_NOISE = re.compile(r"\\text\{[^{}]{0,64}\}|\\[,!;: ]|\\\$|\\%|\$|%|\\left|\\right")
 _ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
+# Units and words in a \boxed{} beside its number; anything else there is math.
+_LATEX_WORDS = re.compile(r"\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{([^{}]{0,64})\}")
+_MATH = re.compile(r"[\\^_{}*/+=()\[\]|<>\u00d7\u00f7\u00b7\u221a]")
 # U+2212 MINUS SIGN is a minus: read as '-', so that "−5" is never the number 5.
 _MINUS = str.maketrans({"\u2212": "-"})
 
@@ -63,6 +66,21 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _boxed_number(boxed: str) -> str | None:
+    """The number a \\boxed{} holds: all of it, the value after its last '=' ("x = 7"), or
+    its one number among words ("72 dollars"); None where it holds other math, no part
+    of which is the answer ("2^{10}", "3\\sqrt{2}", "3 \\times 4")."""
+    value = boxed.rsplit("=", 1)[-1]
+    for part in (boxed, value):
+        if parse_number(part) is not None:
+            return part
+    words = _LATEX_WORDS.sub(r" \1 ", _LATEX_NOISE.sub("", _LATEX_FRAC.sub(r"\1/\2", value)))
+    numbers = _NUMBER.findall(words)
+    if len(numbers) == 1 and not _MATH.search(_NUMBER.sub(" ", words)):
+        return numbers[0]
+    return None
+
+
 def _last_number(text: str) -> str | None:
     last = None
     for m in _NUMBER.finditer(text):
@@ -76,9 +94,7 @@ def extract_numeric(completion: object) -> str | None:
     text = _plain(bounded_text(completion, limit=TAIL_CHARS, keep="tail"))
     boxed = last_boxed(text)
     if boxed is not None:
-        if parse_number(boxed) is not None:
-            return boxed
-        return _last_number(_LATEX_FRAC.sub(r"\1/\2", boxed))
+        return _boxed_number(boxed)
     hashes = text.rfind("####")
     if hashes >= 0:
         m = _NUMBER.search(text, hashes + 4)
