@@ -219,6 +219,13 @@ def test_outcome_classes(code):
     assert not code.well_formed("The answer is 4.")
 
 
+def test_blank_output_is_no_code_not_a_timeout(code):
+    # A degenerate completion of blank lines (64 Ki of them, what the verifier reads).
+    assert code("\n" * 65536, _asserts()) == 0.0
+    assert code.last_outcomes == ["no_code"]
+    assert code(" \t\n" * 20000 + "def f(n):\n    return n + 1\n", _asserts()) == 1.0
+
+
 def test_a_bad_answer_is_no_credit_not_a_crash(code, caplog):
     assert code("def f(n): return 1", "{not json") == 0.0
     assert code.last_outcomes == ["bad_tests"]

@@ -179,7 +179,10 @@ def _defines(program: str, name: str) -> bool:
     if not name:
         return True
     n = re.escape(name)
-    return re.search(rf"^\s*(?:async\s+def|def|class)\s+{n}\b|^{n}\s*=", program, re.M) is not None
+    # [ \t], not \s: a definition is on one line, and \s* from every line start over a run
+    # of blank lines would take time quadratic in its length.
+    found = re.search(rf"^[ \t]*(?:async[ \t]+def|def|class)[ \t]+{n}\b|^{n}[ \t]*=", program, re.M)
+    return found is not None
 
 
 def _compiles(src: str) -> bool:
