@@ -93,6 +93,10 @@ def test_countdown_exact_fractions_and_grammar():
         ("\\boxed{72 dollars}", "72", True),  # or its one number among words
         ("\\boxed{7 \\mathrm{cm}}", "7", True),
         ("\\boxed{\\textbf{12}}", "12", True),
+        ("\\boxed{72^\\circ}", "72", True),  # degrees and a unit's power are units
+        ("\\boxed{72^{\\circ}}", "72", True),
+        ("\\boxed{12 \\text{ cm}^2}", "12", True),
+        ("\\boxed{\\sqrt{2}^2}", "2", False),
         ("\\boxed{2^{10}}", "10", False),  # other math: no part of it is the answer
         ("\\boxed{\\sqrt{2}}", "2", False),
         ("\\boxed{3 \\times 4}", "4", False),

@@ -24,6 +24,12 @@ _ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
 # Units and words in a \boxed{} beside its number; anything else there is math.
 _LATEX_WORDS = re.compile(r"\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{([^{}]{0,64})\}")
 _MATH = re.compile(r"[\\^_{}*/+=()\[\]|<>\u00d7\u00f7\u00b7\u221a]")
+# Degrees and a unit's power are units too: "72^\circ", "12 \text{cm}^2" (a power only
+# of a unit's text).
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
+_UNIT_POWER = re.compile(
+    r"(\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{[^{}]{0,64}\})\s*\^\s*\{?[23]\}?"
+)
 # U+2212 MINUS SIGN is a minus: read as '-', so that "−5" is never the number 5.
 _MINUS = str.maketrans({"\u2212": "-"})
 
@@ -74,7 +80,8 @@ def _boxed_number(boxed: str) -> str | None:
     for part in (boxed, value):
         if parse_number(part) is not None:
             return part
-    words = _LATEX_WORDS.sub(r" \1 ", _LATEX_NOISE.sub("", _LATEX_FRAC.sub(r"\1/\2", value)))
+    units = _UNIT_POWER.sub(r"\1", _DEGREES.sub(" ", value))
+    words = _LATEX_WORDS.sub(r" \1 ", _LATEX_NOISE.sub("", _LATEX_FRAC.sub(r"\1/\2", units)))
     numbers = _NUMBER.findall(words)
     if len(numbers) == 1 and not _MATH.search(_NUMBER.sub(" ", words)):
         return numbers[0]
