@@ -232,6 +232,28 @@ def test_a_recipe_without_a_fit_is_named_not_compared():
     assert st.effects == [] and any("no fit of base" in n for n in st.notes)
 
 
+def test_hostile_recipe_names_keep_the_study_tables_whole(tmp_path):
+    """A recipe named with '|' or a line break is one cell of each table's row."""
+    from rl_jax.scaling import write_study
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for g, a in (("base", 0.8), ("v|1\nx", 0.7)):
+        for s in range(2):
+            x, y = synthetic_curve(
+                rng, r0=0.3, a=a, b=1.5, c_mid=2e12, c_max=1.6e13, n_points=24, noise=0.005
+            )
+            rows += curve_rows(f"r{a}{s}", x, y, knobs={"group": g, "seed": s})
+    st = analyse_study(curves_from_rows(rows, group_by="group"), baseline="base", n_boot=20)
+    write_study(st, tmp_path, title="t", plots=False)
+    md = (tmp_path / "report.md").read_text().splitlines()
+    assert not any(ln.startswith(("x |", "x]", "x**")) for ln in md)  # no name cut in two
+    for ln in md:
+        if ln.startswith("| v"):
+            head = next(h for h in md[: md.index(ln)][::-1] if h.startswith("|---"))
+            assert ln.replace("\\|", "").count("|") == head.count("|"), ln
+
+
 def test_paired_differences_cancel_a_shared_seed_start(tmp_path):
     """Each seed shifts both recipes' A alike (a shared warm-up): compared seed by seed,
     the variant's 0.04 lower A is resolved; pooled over seeds, the seeds' spread hides it."""

@@ -489,7 +489,7 @@ def _img(files: dict[str, list[Path]], key: str, out: Path) -> str:
     if not ps:
         return ""
     png = next(p for p in ps if p.suffix == ".png")
-    return f"![{key}]({png.relative_to(out).as_posix()})\n"
+    return f"![{md_cell(key)}]({png.relative_to(out).as_posix()})\n"
 
 
 def _markdown(rep: FitReport, files: dict[str, list[Path]], out: Path) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rl_jax.scaling._compare import TABLE_COLUMNS, table_markdown
+from rl_jax.scaling._compare import TABLE_COLUMNS, md_cell, table_markdown
 from rl_jax.scaling._report import _ci, _f, _json_text, _jsonable, _signed, write_texts
 from rl_jax.scaling._study import Effect, Study, mean_curve
 
@@ -116,7 +116,7 @@ def plot_names(study: Study) -> dict[str, str]:
 
 
 def _img(names: dict[str, str], key: str) -> list[str]:
-    return [f"![{key}]({names[key]})", ""] if key in names else []
+    return [f"![{md_cell(key)}]({names[key]})", ""] if key in names else []
 
 
 def _seed_table(study: Study) -> list[str]:
@@ -129,7 +129,7 @@ def _seed_table(study: Study) -> list[str]:
         b = [s.fit.B for s in fits]
         sd = (lambda v: _f(float(np.std(v, ddof=1)))) if len(fits) > 1 else (lambda v: "-")
         lines.append(
-            f"| {g} | {len(fits)} | {', '.join(_f(v) for v in a)} | {sd(a)} | "
+            f"| {md_cell(g)} | {len(fits)} | {', '.join(_f(v) for v in a)} | {sd(a)} | "
             f"{', '.join(_f(v, 2) for v in b)} | {sd(b)} | "
             f"{sum(s.fit.reliable for s in fits)}/{len(fits)} |"
         )
@@ -149,11 +149,11 @@ def _effects_table(study: Study) -> list[str]:
         a_mark = " *" if e.a_exceeds_noise else ""
         b_mark = " *" if e.b_exceeds_noise else ""
         lines.append(
-            f"| {e.group} | {_signed(e.dA)}{a_mark} {_ci(e.dA_interval)} | {e.a_class} | "
+            f"| {md_cell(e.group)} | {_signed(e.dA)}{a_mark} {_ci(e.dA_interval)} | {e.a_class} | "
             f"{_signed(e.dB, 2)}{b_mark} {_ci(e.dB_interval)} | {e.b_class} | {paper} | "
             f"{e.verdict} |"
         )
-    notes = [f"- **{e.group}** (paper): {e.paper.note}" for e in study.effects if e.paper]
+    notes = [f"- **{md_cell(e.group)}** (paper): {e.paper.note}" for e in study.effects if e.paper]
     return lines + ([""] + notes if notes else [])
 
 
@@ -194,10 +194,10 @@ def _extrapolation_md(study: Study, summary: dict[str, Any], rows) -> list[str]:
     ]
     for r in rows:
         if "final_error" not in r:
-            lines.append(f"| {r['group']} | {r['seed']} | - | - | - | - | - |")
+            lines.append(f"| {md_cell(r['group'])} | {r['seed']} | - | - | - | - | - |")
             continue
         lines.append(
-            f"| {r['group']} | {r['seed']} | {r['n_fit']} / {r['n_test']} | "
+            f"| {md_cell(r['group'])} | {r['seed']} | {r['n_fit']} / {r['n_test']} | "
             f"{_f(r['A_partial'])} | {r['final_error']:+.4f} | {_f(r['final_within'])} | "
             f"{r['coverage']:.0%} |"
         )
@@ -229,7 +229,7 @@ def _unpaired_lines(study: Study) -> list[str]:
     lines = ["Unpaired, as the seeds-pooled study computes them (for comparison):", ""]
     for e in study.effects:
         lines.append(
-            f"- {e.group}: dA {_ci(e.dA_interval_unpaired)} (pooled seed variance), "
+            f"- {md_cell(e.group)}: dA {_ci(e.dA_interval_unpaired)} (pooled seed variance), "
             f"dB {_ci(e.dB_interval_unpaired)}"
         )
     return [*lines, ""]
