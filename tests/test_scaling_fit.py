@@ -298,6 +298,13 @@ def test_a_given_r0_outside_the_metric_range_is_named():
         fit_sigmoid(x, y, r0=5.0)
 
 
+@pytest.mark.parametrize("kw", [{"n_a": 5.5}, {"n_c_mid": "80"}, {"n_starts": 2.0}])
+def test_grid_sizes_must_be_integers(kw):
+    # A float size passed the ">= 3" check and then raised a bare TypeError inside numpy.
+    with pytest.raises(FitError, match=f"{next(iter(kw))}=.*integer"):
+        SigmoidOptions(**kw)
+
+
 def test_metric_range_for_other_metrics():
     # Rewards in [-1, 1] (e.g. train/reward with +-1 rewards) fit with the range widened.
     x = np.linspace(0, 1e4, 41)

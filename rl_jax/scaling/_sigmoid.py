@@ -94,6 +94,10 @@ class SigmoidOptions:
         if not (0 < blo < bhi and math.isfinite(bhi)):
             raise FitError(f"b_bounds={self.b_bounds!r} must be finite, 0 < low < high")
         object.__setattr__(self, "b_bounds", (blo, bhi))
+        for name in ("n_a", "n_c_mid", "n_starts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise FitError(f"{name}={v!r} must be an integer")
         if self.n_a < 3 or self.n_c_mid < 3 or self.n_starts < 1:
             raise FitError("n_a and n_c_mid must be >= 3 and n_starts >= 1")
 
