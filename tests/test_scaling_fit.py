@@ -305,6 +305,17 @@ def test_grid_sizes_must_be_integers(kw):
         SigmoidOptions(**kw)
 
 
+def test_r0_first_from_an_evaluation_after_step_0_is_flagged():
+    """R0 is R(0): a curve whose first evaluation is at compute > 0 gave R0 = R(C1) and a
+    biased B and C_mid (1.98 and 6.7e3 for 1.5 and 5e3 here), flagged reliable."""
+    x = np.geomspace(2e3, 1e5, 20)
+    y = sigmoid(x, r0=0.1, a=0.6, b=1.5, c_mid=5e3)
+    f = fit_sigmoid(x, y)
+    assert not f.reliable and any("compute 2000 > 0" in w for w in f.warnings)
+    assert fit_sigmoid(np.r_[0.0, x], np.r_[0.1, y]).reliable
+    assert fit_sigmoid(x, y, r0="fit").reliable
+
+
 def test_metric_range_for_other_metrics():
     # Rewards in [-1, 1] (e.g. train/reward with +-1 rewards) fit with the range widened.
     x = np.linspace(0, 1e4, 41)

@@ -709,8 +709,16 @@ def _fit_pooled(runs: Sequence[tuple[np.ndarray, np.ndarray]], options) -> Sigmo
     """The fit of runs (checked by check_xy; none empty with r0='first') with their points
     pooled and sorted by compute. With r0='first', R0 is the mean of the runs' first
     evaluations, which are not fitted."""
+    problems = []
     if options.r0 == "first":
         r0_val, src, cnt = float(np.mean([yr[0] for _, yr in runs])), "first", len(runs)
+        late = [float(xr[0]) for xr, _ in runs if xr[0] > 0]
+        if late:
+            # R0 is the base model's rate, R(0); an evaluation after training began is higher.
+            problems.append(
+                f"R0 is taken from a first evaluation at compute {min(late):.4g} > 0, not the "
+                "base model's (compute 0); evaluate at step 0 or use r0='fit'"
+            )
         runs = [(xr[1:], yr[1:]) for xr, yr in runs]
     elif options.r0 == "fit":
         r0_val, src, cnt = None, "fit", 0
@@ -721,7 +729,8 @@ def _fit_pooled(runs: Sequence[tuple[np.ndarray, np.ndarray]], options) -> Sigmo
     order = np.argsort(x, kind="stable")
     x, y = x[order], y[order]
     prob, notes = _build_problem(x, y, options, r0=r0_val)
-    p, problems = SIGMOID_METHODS[options.method](prob, options)
+    p, method_problems = SIGMOID_METHODS[options.method](prob, options)
+    problems += method_problems
     return _finish(prob, p, options, r0_source=src, r0_count=cnt, notes=notes, problems=problems)
 
 
