@@ -140,6 +140,29 @@ def test_spec_errors(kw, match):
         expand(_spec(**kw))
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"constraints": ("B / (n - n) > 1",)}, r"run n2_bp2: constraint .*ZeroDivisionError"),
+        ({"constraints": ("n > 'a'",)}, r"run n2_bp2: constraint .*TypeError"),
+        (
+            {
+                "axes": (
+                    Axis.variants("v", {"a": {}, "b": {"sampling.n": 4}}, vars={"a": {"x": 1}}),
+                ),
+                "constraints": ("x > 0",),
+            },
+            r"run b: constraint 'x > 0': 'x' has no value here",
+        ),
+    ],
+)
+def test_constraint_that_cannot_be_evaluated_is_a_config_error(kw, match):
+    """A constraint that divides by zero, compares a number with a string or reads a var
+    that its run's axis point lacks: a ConfigError naming the run and the constraint."""
+    with pytest.raises(ConfigError, match=match):
+        expand(_spec(**kw))
+
+
 def test_dataclass_validation():
     with pytest.raises(ConfigError, match="budget unit 'gpu_hours'"):
         Budget(amount=1, unit="gpu_hours")

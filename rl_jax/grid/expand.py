@@ -147,7 +147,15 @@ class Constraint:
             )
 
     def __call__(self, env: dict[str, Any]) -> bool:
-        return bool(self._eval(self._tree.body, env))
+        try:
+            return bool(self._eval(self._tree.body, env))
+        except KeyError as e:
+            raise ConfigError(
+                f"constraint {self.text!r}: {e.args[0]!r} has no value here (a var that only"
+                " some axis points give); give it on every point of the axis"
+            ) from None
+        except (ArithmeticError, TypeError, ValueError) as e:
+            raise ConfigError(f"constraint {self.text!r}: {type(e).__name__}: {e}") from None
 
     def _eval(self, node: ast.AST, env: dict[str, Any]) -> Any:
         name = _dotted(node)
@@ -213,9 +221,9 @@ def step_compute(cfg: RunConfig, budget: Budget | None = None) -> dict[str, floa
 # ---- expansion ------------------------------------------------------------------------
 
 
-def _at(where: str, fn: Callable[..., RunConfig], *args: Any) -> RunConfig:
-    """`fn(*args)` (a config with overrides or values set), `where` put before a ConfigError's
-    message."""
+def _at(where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` (a config with overrides or values set, a constraint's verdict), `where`
+    put before a ConfigError's message."""
     try:
         return fn(*args)
     except ConfigError as e:
@@ -309,7 +317,8 @@ def expand(spec: GridSpec, *, extra: Sequence[str] = ()) -> list[RunPlan]:
             cfg = _at(where, with_values, base_cfg, point)
             per_step = step_compute(cfg, spec.budget)
             steps, derived = _derived(spec, cfg, per_step, end_only)
-            failed = [c.text for c in constraints if not c(_constraint_env(cfg, combo, steps))]
+            env = _constraint_env(cfg, combo, steps)
+            failed = [c.text for c in constraints if not _at(where, c, env)]
             if failed:
                 dropped.append(f"{group} (fails {failed[0]!r})")
                 continue
