@@ -172,6 +172,14 @@ def test_dataclass_validation():
         Axis.zipped("z", {"sampling.n": [1, 2], "train.lr": [0.1]})
 
 
+@pytest.mark.parametrize("name", [".", "..", "a/b", ""])
+def test_grid_name_that_is_not_one_directory_is_refused(name):
+    """The grid's name is its directory under --out: '..' would put its runs and report
+    beside --out."""
+    with pytest.raises(ConfigError, match="grid name"):
+        _spec(name=name)
+
+
 def test_cli_spec_errors_exit_2(tmp_path, capsys):
     """Through the `rl-jax` entry point: a bad spec exits 2 with the message on stderr."""
     bad = tmp_path / "bad.py"

@@ -281,8 +281,13 @@ class GridSpec:
     description: str = ""
 
     def __post_init__(self):
-        if not re.match(r"^[A-Za-z0-9_.-]+$", self.name or ""):
-            raise ConfigError(f"grid name {self.name!r} must use only letters, digits, _ . -")
+        # The name is a directory under --out: '.' or '..' would put the grid in --out or
+        # beside it.
+        if not re.match(r"^[A-Za-z0-9_.-]+$", self.name or "") or self.name in (".", ".."):
+            raise ConfigError(
+                f"grid name {self.name!r} must use only letters, digits, _ . - and not be"
+                " '.' or '..' (it names the grid's directory under --out)"
+            )
         for k in ("base", "warm_start_overrides"):  # a mapping given: its (key, value) pairs
             if not isinstance(getattr(self, k), tuple):
                 object.__setattr__(self, k, _pairs(getattr(self, k)))
