@@ -410,6 +410,20 @@ def test_null_field_in_data_file(tmp_path, field):
         build_task(DataConfig(source="file", path=str(f), val_size=1))
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_number_in_data_file(tmp_path, value):
+    """JSON's NaN / Infinity (which Python's json reads): not an answer 'nan' that switches
+    the whole file to the math verifier, but an error naming the row."""
+    from rl_jax.config import DataConfig
+    from rl_jax.data import build_task
+
+    rows = [json.dumps({"question": f"{i}+1", "answer": i + 1}).encode() for i in range(6)]
+    rows[3] = b'{"question": "x", "answer": ' + value.encode() + b"}"
+    f = _data(tmp_path, rows)
+    with pytest.raises(ConfigError, match=r"row 3.*answer=-?(nan|inf).*finite number"):
+        build_task(DataConfig(source="file", path=str(f), val_size=1))
+
+
 def test_null_answer_refused_at_the_cli(capsys, tmp_path, no_trainer):
     f = _data(tmp_path, [GOOD_ROW, b'{"question": "2+2", "answer": null}', GOOD_ROW])
     rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", "data.val_size=1")

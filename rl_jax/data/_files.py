@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -94,14 +95,17 @@ def _text(x: Any) -> str:
 
 
 def _field(r: Record, key: str) -> str:
-    """A question/answer/solution field as text. Null, a list or an object is refused: as
-    `str()` they would become 'None' or '[...]', a wrong answer that also switches the
-    verifier (a non-number answer makes the jsonl layout pick `math`)."""
+    """A question/answer/solution field as text. Null, NaN, inf, a list or an object is
+    refused: as `str()` they would become 'None', 'nan' or '[...]', a wrong answer that also
+    switches the verifier (a non-number answer makes the jsonl layout pick `math`)."""
     if key not in r:
         raise RowError(f"no {key!r} field (fields: {sorted(r)})")
     x = r[key]
     if x is None or isinstance(x, bool | list | dict):
         raise RowError(f"{key}={x!r}: expected a string or a number")
+    # JSON's NaN / Infinity (and 1e400) read as floats that are no answer either.
+    if isinstance(x, float) and not math.isfinite(x):
+        raise RowError(f"{key}={x!r}: expected a string or a finite number")
     return _text(x)
 
 
