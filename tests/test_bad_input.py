@@ -424,6 +424,21 @@ def test_non_finite_number_in_data_file(tmp_path, value):
         build_task(DataConfig(source="file", path=str(f), val_size=1))
 
 
+def test_float_answer_written_with_an_exponent(tmp_path):
+    """json.dumps writes 0.00001 as 1e-05: read back as 0.00001, a number the numeric
+    verifier reads, not the text '1e-05' that switched the file to the math verifier."""
+    from rl_jax.config import DataConfig
+    from rl_jax.data import build_task
+
+    values = [1e-05, 2e-05, 1e16, 1.5e-07, 3.0, 0.25]
+    rows = [json.dumps({"question": f"q{i}", "answer": v}).encode() for i, v in enumerate(values)]
+    f = _data(tmp_path, rows)
+    task = build_task(DataConfig(source="file", path=str(f), val_size=1))
+    assert task.reward_name == "numeric"
+    want = {"0.00001", "0.00002", "10000000000000000", "0.00000015", "3.0", "0.25"}
+    assert {p.answer for p in [*task.train, *task.val]} == want
+
+
 def test_null_answer_refused_at_the_cli(capsys, tmp_path, no_trainer):
     f = _data(tmp_path, [GOOD_ROW, b'{"question": "2+2", "answer": null}', GOOD_ROW])
     rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", "data.val_size=1")

@@ -29,6 +29,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,14 @@ def read_records(path: str | Path, key: str = "data.path") -> list[dict[str, Any
 
 
 def _text(x: Any) -> str:
-    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+    """A field's value as text: bytes decoded; a float that `str` writes with an exponent
+    (JSON's 1e-05, as json.dumps writes 0.00001) in positional notation, the form the
+    verifiers read and models write."""
+    if isinstance(x, bytes):
+        return x.decode("utf-8", "replace")
+    if isinstance(x, float) and math.isfinite(x) and "e" in repr(x):
+        return format(Decimal(repr(x)), "f")
+    return str(x)
 
 
 def _field(r: Record, key: str) -> str:
