@@ -439,6 +439,16 @@ def test_float_answer_written_with_an_exponent(tmp_path):
     assert {p.answer for p in [*task.train, *task.val]} == want
 
 
+def test_validation_file_holding_every_training_problem(capsys, tmp_path, no_trainer):
+    """data.val_path with every problem of data.path (the same file): no training problem
+    is left; an error naming both, not the prompt pipeline's ValueError."""
+    f = _data(
+        tmp_path, [json.dumps({"question": f"{i}+1", "answer": i + 1}).encode() for i in range(4)]
+    )
+    rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", f"data.val_path={f}")
+    assert_refused(rc, err, "data.path", "data.val_path", "none to train on")
+
+
 def test_null_answer_refused_at_the_cli(capsys, tmp_path, no_trainer):
     f = _data(tmp_path, [GOOD_ROW, b'{"question": "2+2", "answer": null}', GOOD_ROW])
     rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", "data.val_size=1")

@@ -56,6 +56,12 @@ def _splits(
         # dropped there.
         held = {p.id for p in val}
         train = [p for p in problems if p.id not in held]
+        if not train:
+            raise ConfigError(
+                f"every one of the {len(problems)} problems of {where} is also in {val_where},"
+                " leaving none to train on; give data.val_path a file of other problems, or"
+                " leave it empty to hold data.val_size out of the training data"
+            )
         if len(train) < len(problems):
             report.dropped["also in validation"] = len(problems) - len(train)
     report.train, report.val = len(train), len(val)
