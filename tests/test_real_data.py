@@ -407,6 +407,26 @@ def test_samples_command_without_samples(capsys, tmp_path):
     assert "no samples in" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        (b'{"step": 1}\n{oops\n{"step": 2}\n', ["line 2 is not JSON", "is damaged"]),
+        (b'\xff\xfe\n{"step": 1}\n', ["line 1 is not UTF-8"]),
+        (b'{"step": 1}\n{"prompt": "x"}\n', ["row 2 has step=None"]),
+        (b'{"step": "a"}\n', ["row 1 has step='a'"]),
+    ],
+)
+def test_samples_command_on_a_damaged_file(capsys, tmp_path, text, names):
+    """A samples.jsonl with a bad line or a row without an integer step: exit 2 naming the
+    file, not a ValueError / KeyError traceback."""
+    (tmp_path / "samples.jsonl").write_bytes(text)
+    rc = main(["samples", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    for n in [str(tmp_path / "samples.jsonl"), *names]:
+        assert n in err, err
+
+
 # ---- the shipped real-model recipes ----------------------------------------------------
 
 

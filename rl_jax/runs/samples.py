@@ -73,10 +73,20 @@ def format_row(r: dict[str, Any]) -> str:
 
 def logged_rows(run_dir: str | Path, *, step: int | None = None, rows: int = 0) -> list[dict]:
     """The rows `<run_dir>/samples.jsonl` holds for `step` (None: the newest logged step),
-    the first `rows` of them (0: all). A step that logged none is a ConfigError naming the
-    steps that did."""
+    the first `rows` of them (0: all). A step that logged none, a line that is not a JSON
+    row (but a torn last one) and a row without an integer step are ConfigErrors naming the
+    steps that did or the file."""
     path = join(run_dir, SAMPLES_FILE)
-    logged = read_jsonl(path)
+    try:
+        logged = read_jsonl(path)
+    except ValueError as e:
+        raise ConfigError(f"{e}: {SAMPLES_FILE} is damaged") from None
+    for n, r in enumerate(logged, 1):
+        if type(r.get("step")) is not int:
+            raise ConfigError(
+                f"{path}: row {n} has step={r.get('step')!r}, not an integer step:"
+                f" {SAMPLES_FILE} is damaged"
+            )
     if not logged:
         raise ConfigError(f"no samples in {path} (logging.samples_every=0, or no step logged yet)")
     steps = sorted({int(r["step"]) for r in logged})
