@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from rl_jax.config import ConfigError
 from rl_jax.grid import Axis, EarlyStop, GridSpec, ReportSpec, expand
-from rl_jax.grid.results import early_stopper, fit_grid
+from rl_jax.grid.results import early_stopper, fit_grid, gather
 
 
 def sig(c, *, r0=0.1, a, b=2.0, c_mid):
@@ -125,3 +126,16 @@ def test_early_stopper_flags_the_hopeless_group_after_min_fraction():
     assert out[by_n[2].run_id]["leader"] == by_n[4].group and out[by_n[2].run_id]["p"] < 0.05
     # 3 evaluations (step 20 < 30): too few points and too early to judge.
     assert check(curves_upto(3), plans) == {}
+
+
+def test_report_of_a_run_with_a_damaged_curve_names_the_file(tmp_path):
+    """A curve.jsonl with a bad line before its last: a ConfigError naming the file and
+    line (exit 2 from `rl-jax grid --report-only`), not a ValueError traceback."""
+    spec = GridSpec(name="g", recipe="scalerl", axes=(Axis.of("sampling.n", [2, 4]),))
+    plans = expand(spec)
+    bad = tmp_path / "runs" / plans[1].name / "curve.jsonl"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"step": 1, "rollouts": 8}\n{oops\n{"step": 2, "rollouts": 16}\n')
+    status = {p.run_id: "done" for p in plans}
+    with pytest.raises(ConfigError, match=rf"{bad}: line 2 is not JSON.*{plans[1].name}"):
+        gather(spec, plans, str(tmp_path), str(tmp_path / "runs"), status)

@@ -29,6 +29,7 @@ from rl_jax.grid.driver import run_dir, run_status
 from rl_jax.grid.expand import RunPlan
 from rl_jax.grid.spec import GridSpec
 from rl_jax.grid.state import GridState
+from rl_jax.knobs import ConfigError
 from rl_jax.runs.atomic import atomic_write_text, read_jsonl
 from rl_jax.runs.storage import is_remote, join, open_store
 
@@ -44,7 +45,7 @@ def gather(
 ) -> list[dict[str, Any]]:
     """Every curve row of the grid, labelled, in plan order; written to curves.jsonl.
     `runs`: where the runs' directories are (Backend.runs_root); `status`: each run id's
-    (driver.run_status)."""
+    (driver.run_status). A damaged curve file is a ConfigError naming it and its line."""
     out = []
     for p in plans:
         extra = {
@@ -55,7 +56,14 @@ def gather(
             "status": status[p.run_id],
             **dict(p.labels),
         }
-        for row in read_jsonl(join(run_dir(runs, p), "curve.jsonl")):
+        try:
+            curve = read_jsonl(join(run_dir(runs, p), "curve.jsonl"))
+        except ValueError as e:  # a bad line before the last: rows that cannot be read
+            raise ConfigError(
+                f"{e}; run {p.name}'s curve is damaged: restore the file, or remove the run's"
+                " directory to run it again"
+            ) from None
+        for row in curve:
             out.append({**row, **extra, "run_id": p.run_id})
     text = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in out)
     open_store(root).write_text("curves.jsonl", text)
