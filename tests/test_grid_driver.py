@@ -334,6 +334,32 @@ def test_early_stop_stops_runs_that_cannot_catch_the_leader(tmp_path, monkeypatc
     )
 
 
+def test_early_stop_check_survives_a_damaged_curve(tmp_path):
+    """A run's curve.jsonl with a bad line before its last: the early-stop check is skipped
+    with a line saying why, the driver goes on (it died with a ValueError)."""
+    from rl_jax.grid import expand
+    from rl_jax.grid.backends import LocalBackend
+    from rl_jax.grid.driver import Driver
+
+    spec = load_spec(str(write_spec(tmp_path)))
+    plans = expand(spec)
+    said = []
+    driver = Driver(
+        spec,
+        plans,
+        LocalBackend(jobs=1),
+        root=str(tmp_path / "g"),
+        recipe="scalerl",
+        early_stop=lambda curves, running: {},
+        log=said.append,
+    )
+    bad = tmp_path / "g" / "runs" / plans[0].name / "curve.jsonl"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"step": 1}\n{oops\n{"step": 2}\n')
+    driver._check_early_stop(GridState.load(str(tmp_path / "g"), spec.name, plans), [])
+    assert len(said) == 1 and "early-stop check skipped" in said[0] and str(bad) in said[0]
+
+
 def test_ray_backend_runs_the_tiny_grid(tmp_path, reference):
     pytest.importorskip("ray")
     spec = write_spec(tmp_path)

@@ -368,13 +368,13 @@ class Driver:
     def _check_early_stop(self, st: GridState, active: list[Active]) -> None:
         from rl_jax.runs.atomic import read_jsonl
 
-        curves = {
-            p.run_id: read_jsonl(join(run_dir(self.runs, p), "curve.jsonl")) for p in self.plans
-        }
         running = [a.plan for a in active if not a.stopping]
         try:
+            curves = {
+                p.run_id: read_jsonl(join(run_dir(self.runs, p), "curve.jsonl")) for p in self.plans
+            }
             decisions = self.early_stop(curves, running)
-        except Exception as e:  # a failed fit must not take the grid down
+        except Exception as e:  # a damaged curve or a failed fit must not take the grid down
             self._say(f"early-stop check skipped: {type(e).__name__}: {e}")
             return
         for a in active:
