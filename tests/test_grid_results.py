@@ -5,7 +5,7 @@ import pytest
 
 from rl_jax.config import ConfigError
 from rl_jax.grid import Axis, EarlyStop, GridSpec, ReportSpec, expand
-from rl_jax.grid.results import early_stopper, fit_grid, gather
+from rl_jax.grid.results import early_stopper, evaluations, fit_grid, gather
 
 
 def sig(c, *, r0=0.1, a, b=2.0, c_mid):
@@ -139,3 +139,13 @@ def test_report_of_a_run_with_a_damaged_curve_names_the_file(tmp_path):
     status = {p.run_id: "done" for p in plans}
     with pytest.raises(ConfigError, match=rf"{bad}: line 2 is not JSON.*{plans[1].name}"):
         gather(spec, plans, str(tmp_path), str(tmp_path / "runs"), status)
+
+
+@pytest.mark.parametrize("step", ["x", None, [1]])
+def test_curve_row_whose_step_is_not_a_number_is_a_config_error(step):
+    """`rl-jax grid --replay-early CURVES` and the report sort evaluations by step: a row
+    with step 'x' or null is a ConfigError naming its run, not a TypeError traceback."""
+    rows = [{"run_id": "r0", "step": s, "rollouts": 8.0 * s, "val/pass@1": 0.1} for s in (1, 2)]
+    rows.append({"run_id": "r1", "step": step, "rollouts": 8.0, "val/pass@1": 0.1})
+    with pytest.raises(ConfigError, match=r"run r1 has step=.*not a number"):
+        evaluations(rows, "rollouts", "val/pass@1")

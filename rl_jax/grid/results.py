@@ -302,10 +302,15 @@ def _finite(v) -> bool:
 
 def evaluations(rows: Sequence[Mapping[str, Any]], *keys: str) -> list:
     """The rows with a finite number in each of `keys` (an evaluation's x and metric), in
-    step order."""
-    return sorted(
-        (r for r in rows if all(_finite(r.get(k)) for k in keys)), key=lambda r: r.get("step", 0)
-    )
+    step order; one whose step is not a number is a ConfigError naming its run."""
+    out = [r for r in rows if all(_finite(r.get(k)) for k in keys)]
+    for r in out:
+        if not _finite(r.get("step", 0)):
+            raise ConfigError(
+                f"a curve row of run {r.get('run_id', '?')} has step={r.get('step')!r}, not"
+                " a number: its curve file is damaged"
+            )
+    return sorted(out, key=lambda r: r.get("step", 0))
 
 
 # ---- report -----------------------------------------------------------------------------
