@@ -360,6 +360,26 @@ def test_early_stop_check_survives_a_damaged_curve(tmp_path):
     assert len(said) == 1 and "early-stop check skipped" in said[0] and str(bad) in said[0]
 
 
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        (b"", "Expecting value"),
+        (b'{"grid": "tiny", "runs": {"a', "Unterminated string"),
+        (b"\xff\xfe", "utf-8"),
+        (b"[1, 2]", "a JSON list without a 'runs' object"),
+        (b'{"runs": {"r": {"nme": "x"}}}', "unexpected keyword argument 'nme'"),
+        (b'{"runs": {"r": {"name": "x", "launches": "3"}}}', "run r:"),
+    ],
+)
+def test_damaged_state_file_is_a_config_error(tmp_path, text, why):
+    """A damaged state.json: a ConfigError naming it (exit 2), not a JSONDecodeError /
+    AttributeError / TypeError traceback."""
+    (tmp_path / "state.json").write_bytes(text)
+    with pytest.raises(ConfigError, match="state.json is damaged") as e:
+        GridState.load(str(tmp_path), "tiny")
+    assert why in str(e.value) and str(tmp_path / "state.json") in str(e.value)
+
+
 def test_ray_backend_runs_the_tiny_grid(tmp_path, reference):
     pytest.importorskip("ray")
     spec = write_spec(tmp_path)

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rl_jax.knobs import ConfigError
 from rl_jax.runs import locks
-from rl_jax.runs.storage import open_store
+from rl_jax.runs.storage import join, open_store
 
 STATE_FILE = "state.json"
 DRIVER_LOCK = "driver.lock"
@@ -39,12 +40,15 @@ class GridState:
     @classmethod
     def load(cls, grid_dir: str, grid: str, plans: Sequence[Any] = ()) -> GridState:
         """The state file's records; `plans` (RunPlans): a record kept under another id of a
-        plan's run directory (a grid run under an earlier run-id version) is that plan's."""
+        plan's run directory (a grid run under an earlier run-id version) is that plan's. A
+        damaged state file is a ConfigError naming it."""
         try:
             d = json.loads(open_store(grid_dir).read_bytes(STATE_FILE).decode("utf-8"))
         except FileNotFoundError:
             d = {}
-        runs = {rid: RunRecord(**r) for rid, r in d.get("runs", {}).items()}
+        except ValueError as e:  # not JSON, not UTF-8
+            raise _damaged(grid_dir, str(e)) from None
+        runs = _records(grid_dir, d)
         by_name = {r.name: rid for rid, r in runs.items()}
         for p in plans:
             rid = by_name.get(p.name)
@@ -64,6 +68,32 @@ class GridState:
                 "runs": {k: asdict(v) for k, v in sorted(self.runs.items())},
             },
         )
+
+
+def _records(grid_dir: str, d: Any) -> dict[str, RunRecord]:
+    """The RunRecords of a state file's content; one of another shape is a ConfigError."""
+    runs = d.get("runs", {}) if isinstance(d, dict) else None
+    if not isinstance(runs, dict):
+        raise _damaged(grid_dir, f"a JSON {type(d).__name__} without a 'runs' object")
+    out = {}
+    for rid, r in runs.items():
+        try:
+            rec = RunRecord(**r)
+        except TypeError as e:  # not an object, or fields RunRecord does not have
+            raise _damaged(grid_dir, f"run {rid}: {e}") from None
+        counts = (rec.launches, rec.failures)
+        if not all(type(n) is int for n in counts) or not isinstance(rec.name, str):
+            raise _damaged(grid_dir, f"run {rid}: {r}")
+        out[rid] = rec
+    return out
+
+
+def _damaged(grid_dir: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{join(grid_dir, STATE_FILE)} is damaged ({why}); move it aside to start the grid's"
+        " record over (finished runs stay finished: their DONE files say so; retry counts"
+        " restart)"
+    )
 
 
 def driver_lock(grid_dir: str):
