@@ -55,6 +55,15 @@ def test_bad_mixtures_are_named(value, why):
         DataConfig(mixture=value)
 
 
+@pytest.mark.parametrize("value", ["arith:0.5.5", "arith:e", "arith:.", "code:1,arith:-"])
+def test_short_spelling_weight_that_is_no_number_is_named(value):
+    """A weight of the characters the short spelling admits that makes no number: a
+    ConfigError naming the task, not float()'s ValueError traceback."""
+    weight = value.rsplit(":", 1)[1]
+    with pytest.raises(ConfigError, match=f"task 'arith': weight '{weight}' is not a number"):
+        DataConfig(mixture=value)
+
+
 def test_a_tasks_knob_at_the_top_goes_back_to_its_default_when_a_mixture_is_set(capsys):
     cfg = RunConfig(data=DataConfig(source="countdown", difficulty=4))
     mixed = apply_overrides(cfg, ["data.mixture=arith:1,code:1"])

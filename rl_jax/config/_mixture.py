@@ -70,7 +70,13 @@ def _read(text: str) -> list[tuple[str, dict]]:
         out = []
         for item in text.split(","):
             name, _, w = item.partition(":")
-            out.append((name.strip(), {"source": name.strip(), "weight": float(w) if w else 1.0}))
+            try:
+                weight = float(w) if w else 1.0
+            except ValueError:  # digits, dots and signs that make no number: 0.5.5, e, -
+                raise ConfigError(
+                    f"data.mixture task {name.strip()!r}: weight {w.strip()!r} is not a number"
+                ) from None
+            out.append((name.strip(), {"source": name.strip(), "weight": weight}))
         return out
     import yaml
 
