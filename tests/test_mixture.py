@@ -64,6 +64,19 @@ def test_short_spelling_weight_that_is_no_number_is_named(value):
         DataConfig(mixture=value)
 
 
+@pytest.mark.parametrize("value", ["arith:1e400,code:1", "{a: {source: arith, weight: .inf}}"])
+def test_infinite_weight_is_refused(value):
+    """An infinite weight (1e400 reads as inf) normalized to nan: refused, naming it."""
+    with pytest.raises(ConfigError, match=r"weight=inf must be > 0 and finite"):
+        DataConfig(mixture=value)
+
+
+def test_weights_near_the_float_limit_normalize():
+    """Two weights of 1e308 sum to inf: each normalized to 0.0 before; 0.5 each now."""
+    tasks = DataConfig(mixture="arith:1e308,code:1e308").mixture_tasks()
+    assert [t.weight for t in tasks] == [0.5, 0.5]
+
+
 def test_a_tasks_knob_at_the_top_goes_back_to_its_default_when_a_mixture_is_set(capsys):
     cfg = RunConfig(data=DataConfig(source="countdown", difficulty=4))
     mixed = apply_overrides(cfg, ["data.mixture=arith:1,code:1"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -140,8 +141,11 @@ def parse_mixture(
             raise ConfigError(f"data.mixture names task {name!r} twice")
         seen.add(name)
         weight = v.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-            raise ConfigError(f"data.mixture task {name!r}: weight={weight!r} must be > 0")
+        number = isinstance(weight, int | float) and not isinstance(weight, bool)
+        if not number or not 0 < weight < math.inf:
+            raise ConfigError(
+                f"data.mixture task {name!r}: weight={weight!r} must be > 0 and finite"
+            )
         reward = v.get("reward", "")
         # 'mixture' routes each answer to the verifier it names: a task's own is one of the rest.
         verifiers = [n for n in reward_names() if n != "mixture"]
@@ -170,7 +174,17 @@ def parse_mixture(
             _check_value(name, key, value, hints[key])
             settings[key] = float(value) if hints[key] is float else value
         tasks.append((name, float(weight), reward, tuple(sorted(settings.items()))))
+    return _normalized(tasks)
+
+
+def _normalized(tasks: list[tuple]) -> tuple[MixtureTask, ...]:
+    """MixtureTasks of (name, weight, reward, settings), the weights divided by their sum
+    (by the largest first where they sum past the float range)."""
     total = sum(w for _, w, _, _ in tasks)
+    if total == math.inf:
+        top = max(w for _, w, _, _ in tasks)
+        tasks = [(n, w / top, r, s) for n, w, r, s in tasks]
+        total = sum(w for _, w, _, _ in tasks)
     return tuple(MixtureTask(n, w / total, r, s) for n, w, r, s in tasks)
 
 
