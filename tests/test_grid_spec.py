@@ -7,7 +7,7 @@ import pytest
 from rl_jax.cli import main as rl_jax_main
 from rl_jax.config import ConfigError, apply_overrides, flatten, load_recipe, run_id
 from rl_jax.grid import Axis, Budget, Constraint, GridSpec, expand, format_override, load_spec
-from rl_jax.grid.spec import known_specs
+from rl_jax.grid.spec import EarlyStop, ReportSpec, known_specs
 
 
 def _spec(**kw):
@@ -178,6 +178,27 @@ def test_grid_name_that_is_not_one_directory_is_refused(name):
     beside --out."""
     with pytest.raises(ConfigError, match="grid name"):
         _spec(name=name)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Budget(amount=10, prompt_tokens="a"), r"budget.prompt_tokens='a': expected float"),
+        (lambda: Budget(amount=True), r"budget.amount=True: expected float, got bool"),
+        (lambda: EarlyStop(threshold="0.1"), r"early_stop.threshold='0.1': expected float"),
+        (lambda: EarlyStop(min_points=3.5), r"early_stop.min_points=3.5: expected int"),
+        (lambda: ReportSpec(fit_fraction="0.5"), r"report.fit_fraction='0.5': expected float"),
+        (lambda: ReportSpec(n_boot=20.5), r"report.n_boot=20.5: expected int"),
+        (lambda: _spec(evals_per_run="3"), r"grid.evals_per_run='3': expected int"),
+        (lambda: _spec(max_attempts=1.5), r"grid.max_attempts=1.5: expected int"),
+        (lambda: _spec(warm_start="0.3"), r"grid.warm_start='0.3': expected float"),
+    ],
+)
+def test_spec_field_of_the_wrong_type_names_it(make, match):
+    """A spec field of the wrong type: a ConfigError naming the field, not a TypeError
+    from comparing it ('<' between str and float) and not a fraction of a count taken."""
+    with pytest.raises(ConfigError, match=match):
+        make()
 
 
 def test_cli_spec_errors_exit_2(tmp_path, capsys):

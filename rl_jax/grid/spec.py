@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,26 @@ def value_label(v: Any) -> str:
     return re.sub(r"[^A-Za-z0-9.+=-]+", "-", str(v)).strip("-") or "empty"
 
 
+_KINDS = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    bool: lambda v: isinstance(v, bool),
+}
+
+
+def _check_types(obj: Any, owner: str) -> None:
+    """Each field of `obj` annotated int, float, str or bool holds one (an int for a
+    float too): a ConfigError naming `owner.field`, before any comparison of its value."""
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        ok = _KINDS.get(hint)
+        value = getattr(obj, name)
+        if ok is not None and not ok(value):
+            raise ConfigError(
+                f"{owner}.{name}={value!r}: expected {hint.__name__}, got {type(value).__name__}"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Point:
     """One value of an axis: the knobs it sets and free variables for constraints."""
@@ -61,6 +82,7 @@ class Point:
     vars: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
+        _check_types(self, "axis point")
         if not _LABEL_OK.match(self.label):
             raise ConfigError(
                 f"axis point label {self.label!r} must use only letters, digits and _ . + = -"
@@ -80,6 +102,7 @@ class Axis:
     points: tuple[Point, ...]
 
     def __post_init__(self):
+        _check_types(self, "axis")
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.name):
             raise ConfigError(f"axis name {self.name!r} must be an identifier (used in reports)")
         if not self.points:
@@ -151,6 +174,7 @@ class Budget:
     generated_tokens: float = 0.0  # mean generated tokens per rollout (0: max_new_tokens)
 
     def __post_init__(self):
+        _check_types(self, "budget")
         if self.unit not in UNITS:
             raise ConfigError(f"budget unit {self.unit!r} is not one of {list(UNITS)}")
         if not (isinstance(self.amount, int | float) and math.isfinite(self.amount)):
@@ -188,6 +212,7 @@ class ReportSpec:
     paired: bool = False
 
     def __post_init__(self):
+        _check_types(self, "report")
         if self.kind not in REPORT_KINDS:
             raise ConfigError(f"report.kind={self.kind!r} is not one of {list(REPORT_KINDS)}")
         if not 0.0 < self.fit_fraction < 1.0:
@@ -225,6 +250,7 @@ class EarlyStop:
     every_s: float = 30.0
 
     def __post_init__(self):
+        _check_types(self, "early_stop")
         if not 0.0 < self.threshold < 0.5:
             raise ConfigError(f"early_stop.threshold={self.threshold!r} must be in (0, 0.5)")
         if not 0.0 < self.min_fraction < 1.0:
@@ -243,6 +269,7 @@ class Resources:
     custom: tuple[tuple[str, float], ...] = ()  # e.g. (("TPU", 4),)
 
     def __post_init__(self):
+        _check_types(self, "resources")
         for k, v in (("cpus", self.cpus), ("gpus", self.gpus), *self.custom):
             check_range("resources", k, v, lo=0.0)
 
@@ -283,6 +310,7 @@ class GridSpec:
     def __post_init__(self):
         # The name is a directory under --out: '.' or '..' would put the grid in --out or
         # beside it.
+        _check_types(self, "grid")
         if not re.match(r"^[A-Za-z0-9_.-]+$", self.name or "") or self.name in (".", ".."):
             raise ConfigError(
                 f"grid name {self.name!r} must use only letters, digits, _ . - and not be"
