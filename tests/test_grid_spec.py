@@ -201,6 +201,22 @@ def test_spec_field_of_the_wrong_type_names_it(make, match):
         make()
 
 
+def test_names_too_long_for_a_file_name_are_refused():
+    """Run names past a file name's length (long labels on two axes): refused at expansion,
+    not an OSError (File name too long) when the driver opens the run's log mid-grid."""
+    long = "x" * 130
+    axes = (
+        Axis.variants("a", {long + "a": {"train.lr": 1e-3}, long + "b": {"train.lr": 2e-3}}),
+        Axis.of("sampling.n", [2, 4], short="n"),
+    )
+    assert len(expand(_spec(axes=axes))[0].name) < 240
+    axes = (axes[0], Axis.variants("b", {long + "c": {"sampling.n": 2}}))
+    with pytest.raises(ConfigError, match=r"run name 'x+'\.\.\. is 281 characters"):
+        expand(_spec(axes=axes))
+    with pytest.raises(ConfigError, match="is 241 characters; at most 240"):
+        _spec(name="g" * 241)
+
+
 def test_cli_spec_errors_exit_2(tmp_path, capsys):
     """Through the `rl-jax` entry point: a bad spec exits 2 with the message on stderr."""
     bad = tmp_path / "bad.py"

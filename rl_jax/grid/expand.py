@@ -24,7 +24,7 @@ from rl_jax.config import (
     resolved,
     run_id,
 )
-from rl_jax.grid.spec import Budget, GridSpec
+from rl_jax.grid.spec import MAX_NAME, Budget, GridSpec
 
 # Constraint aliases (IsoCompute's letters) -> how to compute them from a config.
 ALIASES = {
@@ -431,8 +431,8 @@ def _constraint_env(cfg: RunConfig, combo, steps: int) -> dict[str, Any]:
 
 
 def _check_plans(spec: GridSpec, plans: list, dropped: list[str], too_small: list[str]) -> None:
-    """The expansion's errors: a budget under one step, every run dropped, two runs of
-    one config."""
+    """The expansion's errors: a budget under one step, every run dropped, a run name too
+    long for a file name, two runs of one config."""
     if too_small:
         b = spec.budget
         raise ConfigError(
@@ -446,6 +446,13 @@ def _check_plans(spec: GridSpec, plans: list, dropped: list[str], too_small: lis
         raise ConfigError(
             f"grid {spec.name!r}: no run satisfies the constraints {list(spec.constraints)};"
             f" all {n} combinations were dropped, e.g. " + "; ".join(dropped[:3])
+        )
+    long = next((p.name for p in plans if len(p.name) > MAX_NAME), None)
+    if long:
+        raise ConfigError(
+            f"grid {spec.name!r}: run name {long[:40]!r}... is {len(long)} characters, over"
+            f" the {MAX_NAME} a run directory's and its log's file names take; shorten the"
+            " axis point labels (Axis.of's short=, Axis.variants' labels)"
         )
     ids = [p.run_id for p in plans]
     if len(set(ids)) != len(ids):

@@ -30,6 +30,9 @@ REPORT_KINDS = ("compare", "isocompute")
 # holds or is initialized with, so the warm-up starts from the run's own initial weights.
 WARM_START_KNOBS = ("model.compute_dtype", "model.fp32_lm_head")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9._+=-]+$")
+# Longest grid or run name: a file name (255 bytes on common file systems) with room for
+# a run's log file suffix, `.<attempt>.log`.
+MAX_NAME = 240
 
 
 def _pairs(d: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
@@ -315,6 +318,11 @@ class GridSpec:
             raise ConfigError(
                 f"grid name {self.name!r} must use only letters, digits, _ . - and not be"
                 " '.' or '..' (it names the grid's directory under --out)"
+            )
+        if len(self.name) > MAX_NAME:
+            raise ConfigError(
+                f"grid name {self.name[:40]!r}... is {len(self.name)} characters; at most"
+                f" {MAX_NAME} (it names the grid's directory)"
             )
         for k in ("base", "warm_start_overrides"):  # a mapping given: its (key, value) pairs
             if not isinstance(getattr(self, k), tuple):
