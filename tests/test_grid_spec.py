@@ -115,6 +115,22 @@ def test_format_override_round_trips(value):
     )
 
 
+@pytest.mark.parametrize(
+    "value", ["Okay.\n</think>", "a\r\nb", "a\n\n b ", "tab\there", "\x1b[0m", "a\u2028b"]
+)
+def test_format_override_keeps_line_breaks(value):
+    """A string with a line break (a multi-line interrupt text or prompt template): the
+    trainer parses the override back to the same text, so it runs the config (and run id)
+    the grid planned; YAML's single quotes folded 'a\\nb' into 'a b'."""
+    key = "sampling.interrupt_text"
+    cfg = apply_overrides(load_recipe("scalerl"), [format_override(key, value)])
+    assert flatten(cfg)[key] == value
+    axes = (Axis.variants("t", {"multi": {key: value}}),)
+    plan = expand(_spec(axes=axes, budget=Budget(amount=1280)))[0]
+    args = plan.train_args("scalerl", out_dir="x")
+    assert run_id(load_recipe(args[0], args[1:])) == plan.run_id
+
+
 def test_constraint_evaluator_is_not_eval():
     c = Constraint("B_p * n <= 16 and not (n == 8) or M > 1000")
     assert c({"B_p": 2, "n": 4, "M": 1}) is True

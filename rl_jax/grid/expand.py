@@ -78,8 +78,13 @@ def format_override(key: str, value: Any) -> str:
     elif isinstance(value, str):
         if "${" in value:
             raise ConfigError(f"{key}={value!r}: '${{' would be read as an OmegaConf interpolation")
-        # Quoted so that '01' stays a string and ': ' is not YAML syntax.
-        text = "'" + value.replace("'", "''") + "'"
+        # Quoted so that '01' stays a string and ': ' is not YAML syntax: single quotes,
+        # or for text YAML's single quotes cannot hold (they fold a line break into a
+        # space; control characters), a double-quoted JSON string with escapes.
+        if value.isprintable():
+            text = "'" + value.replace("'", "''") + "'"
+        else:
+            text = json.dumps(value, ensure_ascii=False)
     else:
         raise ConfigError(f"{key}={value!r}: cannot pass a {type(value).__name__} as an override")
     return f"{key}={text}"
