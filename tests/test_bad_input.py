@@ -449,6 +449,20 @@ def test_validation_file_holding_every_training_problem(capsys, tmp_path, no_tra
     assert_refused(rc, err, "data.path", "data.val_path", "none to train on")
 
 
+@pytest.mark.parametrize("value", [None, ["x", "y"], {"text": "x"}])
+def test_code_row_whose_question_is_not_text(tmp_path, value):
+    """A code-layout row whose prompt is null, a list or an object: an error naming the
+    row, as for the math layouts; it prompted the model with 'None' or "['x', 'y']"."""
+    from rl_jax.config import DataConfig
+    from rl_jax.data import build_task
+
+    rows = [{"prompt": f"Write f{i}", "tests": [f"assert f() == {i}"]} for i in range(5)]
+    rows[2]["prompt"] = value
+    f = _data(tmp_path, [json.dumps({**r, "entry_point": "f"}).encode() for r in rows])
+    with pytest.raises(ConfigError, match=r"row 2 \(code layout\): prompt=.*expected a string"):
+        build_task(DataConfig(source="file", path=str(f), val_size=1))
+
+
 def test_null_answer_refused_at_the_cli(capsys, tmp_path, no_trainer):
     f = _data(tmp_path, [GOOD_ROW, b'{"question": "2+2", "answer": null}', GOOD_ROW])
     rc, err = _train(capsys, tmp_path, "data.source=file", f"data.path={f}", "data.val_size=1")

@@ -72,6 +72,9 @@ class CodeLayout:
         if q is None or t is None:
             missing = self.question if q is None else self.tests
             raise RowError(f"no {' or '.join(map(repr, missing))} field (fields: {sorted(r)})")
+        # Null, a list or an object as str() would prompt 'None' or '[...]'.
+        if r[q] is None or isinstance(r[q], bool | list | dict):
+            raise RowError(f"{q}={r[q]!r}: expected a string or a number")
         question = str(r[q])
         try:
             spec = _READERS[self.name](r, t)
