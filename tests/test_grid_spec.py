@@ -233,6 +233,19 @@ def test_names_too_long_for_a_file_name_are_refused():
         _spec(name="g" * 241)
 
 
+@pytest.mark.parametrize(
+    "kw", [{"constraints": "B <= 64"}, {"seed_keys": "train.seed"}, {"seeds": 3}, {"axes": None}]
+)
+def test_one_value_where_a_tuple_is_meant_is_named(kw):
+    """constraints='B <= 64' made each character a constraint ("constraint ' ' is not an
+    expression"), seed_keys='train.seed' each a seed key ("seed key 't'"), an Axis or an
+    int a TypeError: now a ConfigError naming the field."""
+    if "axes" in kw:
+        kw = {"axes": Axis.of("sampling.n", [2, 4])}
+    with pytest.raises(ConfigError, match=rf"{next(iter(kw))}=.* must be a tuple of them"):
+        _spec(**kw)
+
+
 def test_cli_spec_errors_exit_2(tmp_path, capsys):
     """Through the `rl-jax` entry point: a bad spec exits 2 with the message on stderr."""
     bad = tmp_path / "bad.py"

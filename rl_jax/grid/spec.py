@@ -327,8 +327,16 @@ class GridSpec:
         for k in ("base", "warm_start_overrides"):  # a mapping given: its (key, value) pairs
             if not isinstance(getattr(self, k), tuple):
                 object.__setattr__(self, k, _pairs(getattr(self, k)))
-        for k in ("axes", "constraints", "seeds"):
-            object.__setattr__(self, k, tuple(getattr(self, k)))
+        for k in ("axes", "constraints", "seeds", "seed_keys"):
+            value = getattr(self, k)
+            # One string or Axis where a sequence of them is meant: a string's characters
+            # would each become a constraint or seed key, and an Axis is not iterable.
+            if isinstance(value, str | int | Axis):
+                raise ConfigError(
+                    f"grid {self.name!r}: {k}={value!r} must be a tuple of them, e.g."
+                    f" {k}=({value!r},)"
+                )
+            object.__setattr__(self, k, tuple(value))
         names = [a.name for a in self.axes]
         dup = sorted({x for x in names if names.count(x) > 1})
         if dup:
