@@ -80,3 +80,22 @@ def test_sample_errors(model_dir, tmp_path):
         (bare / f).write_bytes((model_dir / f).read_bytes())
     with pytest.raises(ConfigError, match="no tokenizer"):
         main(["--model", str(bare), "--prompt", "hello"])
+
+
+@pytest.mark.parametrize("ids", ["2,64", "-1,2", "99999999999999999999999"])
+def test_sample_refuses_token_ids_outside_the_vocabulary(model_dir, capsys, ids):
+    # The tiny model's vocabulary is [0, 64): an id outside it was clamped by the embedding
+    # lookup and sampled from (a huge one raised OverflowError).
+    argv = ["sample", "--model", str(model_dir), f"--prompt-token-ids={ids}", "sampling.n=1"]
+    assert rl_jax_main(argv + ["sampling.max_new_tokens=2", "sampling.length_bucket=8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "outside the model's vocabulary [0, 64)" in err, err
+
+
+def test_sample_refuses_token_ids_outside_the_vocabulary_in_a_prompts_file(model_dir, tmp_path):
+    from rl_jax.cli.sample import main
+
+    f = tmp_path / "prompts.txt"
+    f.write_text('hello world\n{"token_ids": [4, 70]}\n')
+    with pytest.raises(ConfigError, match=r"prompt 1: token ids \[70\]"):
+        main(["--model", str(model_dir), "--prompts", str(f), "sampling.max_new_tokens=2"])

@@ -71,6 +71,17 @@ def parse_ids(text: str, where: str = "--prompt-token-ids") -> list[int]:
     return ids
 
 
+def check_vocab(prompts: list[list[int]], vocab: int) -> None:
+    """Every prompt's token ids within [0, vocab): an id outside would be clamped by the
+    embedding lookup and sampled from silently."""
+    for n, ids in enumerate(prompts):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ConfigError(
+                f"prompt {n}: token ids {bad[:5]} are outside the model's vocabulary [0, {vocab})"
+            )
+
+
 def read_prompts(path: str) -> list[str | list[int]]:
     """Text prompts or token-id lists from a file (see the module docstring)."""
     p = Path(path)
@@ -159,6 +170,7 @@ def main(argv: list[str]) -> int:
 
     model = _load(args, cfg, run_ck, model_cfg)
     spec = model.spec
+    check_vocab(prompts, spec.vocab_size)
     if tok is not None:
         eos, pad = tok.eos_id, tok.pad_id
     else:
