@@ -99,3 +99,10 @@ def test_sample_refuses_token_ids_outside_the_vocabulary_in_a_prompts_file(model
     f.write_text('hello world\n{"token_ids": [4, 70]}\n')
     with pytest.raises(ConfigError, match=r"prompt 1: token ids \[70\]"):
         main(["--model", str(model_dir), "--prompts", str(f), "sampling.max_new_tokens=2"])
+
+
+def test_sample_refuses_a_seed_that_does_not_fit_64_bits(model_dir, capsys):
+    argv = ["sample", "--model", str(model_dir), "--prompt", "hello", "--seed", str(2**64)]
+    assert rl_jax_main(argv + ["sampling.n=1", "sampling.max_new_tokens=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--seed={2**64} must fit a 64-bit integer" in err, err

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from rl_jax.cli import raw_parser
-from rl_jax.knobs import ConfigError
+from rl_jax.knobs import INT_MAX, INT_MIN, ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +153,8 @@ def sampling_config(args):
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if not INT_MIN <= args.seed <= INT_MAX:
+        raise ConfigError(f"--seed={args.seed} must fit a 64-bit integer")
     cfg, run_ck = sampling_config(args)
     model_cfg = dataclasses.replace(cfg.model, path=args.model, preset="")
     scfg = cfg.sampling
