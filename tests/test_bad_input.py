@@ -578,3 +578,16 @@ def test_small_validation_split_of_a_file_is_said(capsys, tmp_path, no_trainer):
         _train(capsys, tmp_path, *overrides)
     err = capsys.readouterr().err
     assert "eval.num_prompts=64 but the validation split holds 4 problems" in err
+
+
+@pytest.mark.parametrize("target", ["nan", "-1", "2", "0"])
+def test_demo_warmup_target_outside_0_1_refused(capsys, monkeypatch, target):
+    # The supervised warm-up stops at this greedy pass rate: NaN stopped it at once, 2 never.
+    import rl_jax.train.demo as demo
+
+    def tripwire(*a, **k):
+        raise AssertionError("bad input reached the demo")
+
+    monkeypatch.setattr(demo, "run_demo", tripwire)
+    rc, err = run(capsys, "demo", f"--warmup-target={target}")
+    assert_refused(rc, err, "--warmup-target", "(0, 1)")

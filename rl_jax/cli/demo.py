@@ -13,6 +13,7 @@ import time
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
+from rl_jax.knobs import ConfigError
 
 
 def main(argv: list[str]) -> int:
@@ -26,6 +27,8 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if not 0.0 < a.warmup_target < 1.0:
+        raise ConfigError(f"--warmup-target={a.warmup_target} must be in (0, 1)")
     cfg = load_recipe("scalerl", ["name=demo", *a.overrides])
 
     from rl_jax.train.demo import run_demo, write_report
