@@ -591,3 +591,13 @@ def test_demo_warmup_target_outside_0_1_refused(capsys, monkeypatch, target):
     monkeypatch.setattr(demo, "run_demo", tripwire)
     rc, err = run(capsys, "demo", f"--warmup-target={target}")
     assert_refused(rc, err, "--warmup-target", "(0, 1)")
+
+
+@pytest.mark.parametrize("flag, value", [("--poll", "-1"), ("--poll", "nan"), ("--grace", "-2")])
+def test_grid_poll_and_grace_must_be_seconds_at_least_zero(capsys, tmp_path, flag, value):
+    # The driver sleeps --poll seconds between polls: a negative or NaN one raised
+    # ValueError from time.sleep once the grid's runs had started.
+    out = str(tmp_path / "grids")
+    rc, err = run(capsys, "grid", "isocompute_cpu", "--dry-run", "--out", out, f"{flag}={value}")
+    assert_refused(rc, err, flag, ">= 0")
+    assert not (tmp_path / "grids").exists()

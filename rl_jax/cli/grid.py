@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -178,6 +179,9 @@ def replay(spec: GridSpec, a: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    for flag, seconds in (("--poll", a.poll), ("--grace", a.grace)):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ConfigError(f"{flag}={seconds} must be a finite number of seconds >= 0")
     check_out_dir(a.out, "--out")
     if a.backend == "tpu":
         check_out_dir(a.tpu_remote_out, "--tpu-remote-out")
