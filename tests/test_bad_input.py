@@ -601,3 +601,37 @@ def test_grid_poll_and_grace_must_be_seconds_at_least_zero(capsys, tmp_path, fla
     rc, err = run(capsys, "grid", "isocompute_cpu", "--dry-run", "--out", out, f"{flag}={value}")
     assert_refused(rc, err, flag, ">= 0")
     assert not (tmp_path / "grids").exists()
+
+
+# ---- output directories that are files ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["grid", "isocompute_cpu", "--dry-run", "--out", "{out}"],
+        ["plan", RECIPE, "--topology", "v5e:2x2", "--search", "--estimate-only", "--out", "{out}"],
+        ["fit", "experiments/results/scalerl_cpu/curves.jsonl", "--no-plots", "--out", "{out}"],
+        ["study", "isocompute_study_cpu", "--from", "experiments/results/isocompute_cpu"]
+        + ["--out", "{out}"],
+        ["convert", "{hf}", "{out}"],
+    ],
+    ids=lambda argv: argv[0],
+)
+@pytest.mark.parametrize("under", [False, True], ids=["file", "under_a_file"])
+def test_an_output_directory_that_is_or_lies_under_a_file_is_refused(
+    capsys, monkeypatch, tmp_path, argv, under
+):
+    # A mkdir there raised FileExistsError or NotADirectoryError (after a plan's search or
+    # a fit's bootstrap): refused first, naming the flag and the file.
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    out = blocker / "out" if under else blocker
+    hf = _tiny_hf_dir(tmp_path / "hf") if argv[0] == "convert" else ""
+    rc, err = run(capsys, *[a.format(out=out, hf=hf) for a in argv])
+    if argv[0] == "convert" and not under:
+        assert_refused(rc, err, str(blocker))  # refused before as "is a file"
+        return
+    assert_refused(rc, err, f"{blocker} is a file, not a directory")
+    assert blocker.read_text() == "x"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_jax.cli import raw_parser
-from rl_jax.knobs import ConfigError
+from rl_jax.knobs import ConfigError, check_dir_path
 
 TARGETS = ("hf", "rl_jax")
 
@@ -121,6 +121,7 @@ def check_output_dir(out: Path, target: str, *, force: bool) -> None:
     """OUT may be new, empty, a previous export of `target`, or anything with --force."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output {out} is a file; convert writes a directory")
+    check_dir_path(out, "output")
     entries = sorted(out.iterdir()) if out.is_dir() else []
     others = [e.name for e in entries if not _is_export_file(e, target)]
     if not entries or force or (not others and _is_export(out, target)):

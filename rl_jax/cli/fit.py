@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from rl_jax.cli import one_line
+from rl_jax.knobs import check_dir_path
 from rl_jax.scaling import (
     BOOTSTRAP_KINDS,
     FRONTIER_MODES,
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         metric_range=tuple(args.metric_range),
     )
     try:
+        check_dir_path(args.out, "--out")
         rows = load_rows(args.curves)
         report = fit_runs(rows, metric=args.metric, **opts)
         fitted = [e for e in report.entries if e.fit is not None]

@@ -15,7 +15,7 @@ from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOption
 from rl_jax.grid.driver import Driver, find_runs, grid_dir, plan_rows, print_plan
 from rl_jax.grid.expand import expand
 from rl_jax.grid.spec import EarlyStop, GridSpec, known_specs, load_spec
-from rl_jax.knobs import ConfigError
+from rl_jax.knobs import ConfigError, check_dir_path
 from rl_jax.runs.storage import STORAGE_EXIT, StorageError, check_out_dir, is_remote, join
 
 
@@ -183,6 +183,7 @@ def main(argv: list[str]) -> int:
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ConfigError(f"{flag}={seconds} must be a finite number of seconds >= 0")
     check_out_dir(a.out, "--out")
+    check_dir_path(a.out, "--out")
     if a.backend == "tpu":
         check_out_dir(a.tpu_remote_out, "--tpu-remote-out")
     spec = with_early_stop(load_spec(a.spec), a)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
-from rl_jax.knobs import ConfigError
+from rl_jax.knobs import ConfigError, check_dir_path
 from rl_jax.plan.chips import canonical_topology, parse_topology
 
 
@@ -100,6 +100,8 @@ def main(argv: list[str]) -> int:
     parse_topology(a.topology)  # a bad name is refused before JAX starts
     given_topology, a.topology = a.topology, canonical_topology(a.topology)
     _check_options(a)
+    if a.out:
+        check_dir_path(a.out, "--out")
     # Compiling for TPU needs no TPU, but JAX must not claim one as its default backend.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see plan.topology_devices

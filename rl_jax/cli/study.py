@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rl_jax.grid import load_spec
 from rl_jax.grid.results import GROUP_KEY as GROUP
+from rl_jax.knobs import check_dir_path
 from rl_jax.scaling import (
     HIST_KEY,
     FitError,
@@ -74,6 +75,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    check_dir_path(a.out, "--out")
     out = Path(a.out)
     dest = out / CURVES
     if a.grid_dir and not _collect(spec, Path(a.grid_dir) / CURVES, dest):
