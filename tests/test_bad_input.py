@@ -635,3 +635,22 @@ def test_an_output_directory_that_is_or_lies_under_a_file_is_refused(
         return
     assert_refused(rc, err, f"{blocker} is a file, not a directory")
     assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "where, key",
+    [
+        (["out_dir={blocker}"], "the run directory (out_dir/name)"),
+        (["out_dir={blocker}/runs"], "the run directory (out_dir/name)"),
+        (["--run-dir", "{blocker}"], "--run-dir"),
+        (["--run-dir", "{blocker}/run"], "--run-dir"),
+    ],
+)
+def test_train_run_directory_that_is_or_lies_under_a_file_refused(
+    capsys, tmp_path, no_trainer, where, key
+):
+    # Found only once the trainer had started JAX and built the model, on creating it.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    rc, err = run(capsys, "train", RECIPE, *[w.format(blocker=blocker) for w in where])
+    assert_refused(rc, err, key, f"{blocker} is a file, not a directory")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
+from rl_jax.knobs import check_dir_path
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +31,11 @@ def main(argv: list[str]) -> int:
     )
     a = p.parse_intermixed_args(argv)
     cfg = load_recipe(a.recipe, a.overrides)
+    from rl_jax.runs.run_dir import run_root
     from rl_jax.train.preflight import check_run_inputs
+
+    where = "--run-dir" if a.run_dir is not None else "the run directory (out_dir/name)"
+    check_dir_path(run_root(cfg, a.run_dir), where)
 
     check_run_inputs(cfg)
     if a.extend:
