@@ -160,3 +160,12 @@ def load_tokenizer_ids(path, text):
     from rl_jax.models.tokenizer import load_tokenizer
 
     return load_tokenizer(path).encode(text)
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf"])
+def test_score_temperature_must_be_finite(hf_dir, capsys, temperature):
+    # Logits divided by NaN printed NaN log-probs (invalid JSON); by inf, a uniform model.
+    argv = ["score", "--model", str(hf_dir), "--token-ids", "1,2", f"--temperature={temperature}"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--temperature" in err and "finite" in err, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from rl_jax.cli.sample import parse_ids
@@ -35,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.temperature <= 0:
-        raise ConfigError(f"--temperature={args.temperature} must be > 0")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature={args.temperature} must be a finite number > 0")
     from rl_jax.config.model import ModelConfig
     from rl_jax.models.load import load_model
     from rl_jax.models.logprobs import score_tokens
