@@ -169,3 +169,10 @@ def test_score_temperature_must_be_finite(hf_dir, capsys, temperature):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--temperature" in err and "finite" in err, err
+
+
+def test_score_chunk_below_minus_one_refused(hf_dir, capsys):
+    # A negative chunk other than -1 (auto) reached the LM head's map and raised ValueError.
+    assert cli(["score", "--model", str(hf_dir), "--token-ids", "1,2,3", "--chunk=-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--chunk=-5 must be >= -1" in err, err

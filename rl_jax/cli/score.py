@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text", help="text to score (needs the model's tokenizer)")
     src.add_argument("--token-ids", help="comma-separated token ids, scored as given")
     p.add_argument("--no-special-tokens", action="store_true", help="--text: add no BOS etc.")
-    p.add_argument("--chunk", type=int, default=0, help="log-prob chunk over T (0 = none)")
+    p.add_argument(
+        "--chunk", type=int, default=0, help="log-prob chunk over T (0 = none, -1 = auto)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="divide logits by this")
     p.add_argument(
         "--compute-dtype", default="float32", choices=("float32", "bfloat16"), help="precision"
@@ -38,6 +40,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise ConfigError(f"--temperature={args.temperature} must be a finite number > 0")
+    if args.chunk < -1:
+        raise ConfigError(f"--chunk={args.chunk} must be >= -1 (0: none, -1: auto)")
     from rl_jax.config.model import ModelConfig
     from rl_jax.models.load import load_model
     from rl_jax.models.logprobs import score_tokens
