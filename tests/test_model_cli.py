@@ -176,3 +176,13 @@ def test_score_chunk_below_minus_one_refused(hf_dir, capsys):
     assert cli(["score", "--model", str(hf_dir), "--token-ids", "1,2,3", "--chunk=-5"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--chunk=-5 must be >= -1" in err, err
+
+
+@pytest.mark.parametrize("gb", ["nan", "inf", "-1", "0"])
+def test_convert_max_shard_gb_must_be_a_finite_number_above_zero(hf_dir, tmp_path, capsys, gb):
+    # NaN raised ValueError once the model had loaded; -1 and 0 wrote a file per tensor.
+    out = tmp_path / "out"
+    assert cli(["convert", str(hf_dir), str(out), "--to", "hf", f"--max-shard-gb={gb}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-shard-gb" in err, err
+    assert not out.exists()

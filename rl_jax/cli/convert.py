@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,8 @@ def main(argv: list[str]) -> int:
     target = args.to or ("rl_jax" if kind == "hf" else "hf")
     if out.resolve() == src.resolve():
         raise ConfigError(f"output {out} is the source itself; pick another directory")
+    if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        raise ConfigError(f"--max-shard-gb={args.max_shard_gb} must be a finite number > 0")
     if args.step is not None and kind != "run":
         raise ConfigError(f"--step needs a run directory as the source, not {src}")
     check_output_dir(out, target, force=args.force)
