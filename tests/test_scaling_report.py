@@ -338,3 +338,16 @@ def test_cli_runs_without_jax(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "o" / "plots" / "curves.png").exists()
+
+
+@pytest.mark.parametrize("flag, values", [("--a-grid", "nan,0.5"), ("--c-mid-grid", "nan,1e12")])
+def test_cli_refuses_a_grid_with_a_value_that_is_not_finite(tmp_path, capsys, flag, values):
+    # A NaN in the A grid was fitted around silently; one in the C_mid grid failed as
+    # "All-NaN slice encountered", naming neither the flag nor the value.
+    _write_jsonl(tmp_path / "c.jsonl", _recipe_rows())
+    out = tmp_path / "o"
+    assert main([str(tmp_path / "c.jsonl"), "--out", str(out), flag, values]) == 2
+    err = capsys.readouterr().err.strip()
+    name = flag[2:].replace("-", "_")
+    assert len(err.splitlines()) == 1 and f"{name}=(nan" in err and "finite" in err, err
+    assert not out.exists()
