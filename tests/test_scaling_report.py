@@ -351,3 +351,14 @@ def test_cli_refuses_a_grid_with_a_value_that_is_not_finite(tmp_path, capsys, fl
     name = flag[2:].replace("-", "_")
     assert len(err.splitlines()) == 1 and f"{name}=(nan" in err and "finite" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fit_start", ["nan", "inf", "nan%"])
+def test_cli_refuses_a_fit_start_that_is_not_finite(tmp_path, capsys, fit_start):
+    # A NaN fit_start left every run no point to fit, said as too few evaluations per run.
+    _write_jsonl(tmp_path / "c.jsonl", _recipe_rows())
+    out = tmp_path / "o"
+    assert main([str(tmp_path / "c.jsonl"), "--out", str(out), "--fit-start", fit_start]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"fit_start={fit_start!r} must be a finite" in err, err
+    assert not out.exists()

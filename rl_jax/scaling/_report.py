@@ -136,13 +136,18 @@ def parse_fit_start(value: float | str | None, x_max: float) -> float | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        return float(value)
+        value = float(value)
+        if not math.isfinite(value):
+            raise FitError(f"fit_start={value!r} must be a finite number")
+        return value
     v = value.strip()
     percent = v.endswith("%")
     try:
         number = float(v[:-1] if percent else v)
     except ValueError:
         raise FitError(f"fit_start={value!r}: use a number or a percentage") from None
+    if not math.isfinite(number):
+        raise FitError(f"fit_start={value!r} must be a finite number or percentage")
     if not percent:
         return number
     frac = number / 100
@@ -152,9 +157,10 @@ def parse_fit_start(value: float | str | None, x_max: float) -> float | None:
 
 
 def _check_choices(
-    *, bootstrap_kind: str, frontier: str, extrapolate: float | None, a_tol: float
+    bootstrap_kind: str, frontier: str, extrapolate: float | None, a_tol: float, fit_start
 ) -> None:
     check_a_tol(a_tol)
+    parse_fit_start(fit_start, 1.0)  # its form; a percentage is of each run's compute
     if bootstrap_kind not in BOOTSTRAP_KINDS:
         raise FitError(f"unknown bootstrap kind {bootstrap_kind!r}; known: {BOOTSTRAP_KINDS}")
     if frontier not in FRONTIER_MODES:
@@ -253,9 +259,7 @@ def fit_runs(
     sigmoid_kwargs are SigmoidOptions fields (r0, method, a_grid, c_mid_grid, metric_range,
     ...). A recipe with several runs (seeds) gets a pooled fit with a bootstrap over runs.
     """
-    _check_choices(
-        bootstrap_kind=bootstrap_kind, frontier=frontier, extrapolate=extrapolate, a_tol=a_tol
-    )
+    _check_choices(bootstrap_kind, frontier, extrapolate, a_tol, fit_start)
     base = _merge_options(None, **sigmoid_kwargs)
     if rows and isinstance(rows[0], Curve):
         curves = list(rows)
