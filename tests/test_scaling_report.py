@@ -362,3 +362,11 @@ def test_cli_refuses_a_fit_start_that_is_not_finite(tmp_path, capsys, fit_start)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"fit_start={fit_start!r} must be a finite" in err, err
     assert not out.exists()
+
+
+def test_cli_negative_seed_is_refused_naming_the_flag(tmp_path, capsys):
+    # numpy refused it as "expected non-negative integer", naming no flag.
+    _write_jsonl(tmp_path / "c.jsonl", _recipe_rows())
+    assert main([str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o"), "--seed=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--seed=-1" in err, err

@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         metric_range=tuple(args.metric_range),
     )
     try:
+        if args.seed < 0:
+            raise FitError(f"--seed={args.seed} must be an integer >= 0 (numpy's seeds are)")
         check_dir_path(args.out, "--out")
         rows = load_rows(args.curves)
         report = fit_runs(rows, metric=args.metric, **opts)
