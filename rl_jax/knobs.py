@@ -122,23 +122,6 @@ def check_numbers(owner: str, cfg: Any) -> None:
                 check_finite(owner, f.name, v)
 
 
-def check_dir_path(path, key: str) -> None:
-    """A local directory a command writes (`key`: the flag or knob naming it) that is, or
-    can be created as, a directory: ConfigError where it, or a folder above it, is a file.
-    URLs pass (their stores check them)."""
-    from pathlib import Path
-
-    from rl_jax.config.paths import is_url
-
-    if is_url(str(path)):
-        return
-    for p in (Path(path), *Path(path).parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ConfigError(f"{key}={str(path)!r}: {p} is a file, not a directory")
-            return
-
-
 def read_json_object(path, error: type[ConfigError] = ConfigError) -> dict[str, Any]:
     """A user's JSON file holding one object; anything else raises `error` naming the file."""
     import json

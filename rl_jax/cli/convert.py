@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from rl_jax.cli import raw_parser
-from rl_jax.knobs import ConfigError, check_dir_path
+from rl_jax.config.paths import check_dir_path
+from rl_jax.knobs import ConfigError
 
 TARGETS = ("hf", "rl_jax")
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from rl_jax.cli import one_line
-from rl_jax.knobs import check_dir_path
+from rl_jax.config.paths import check_dir_path
 from rl_jax.scaling import (
     BOOTSTRAP_KINDS,
     FRONTIER_MODES,

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 from rl_jax.config import resolve_recipe_path
+from rl_jax.config.paths import check_dir_path
 from rl_jax.grid.backends import LocalBackend, RayBackend, TpuBackend, TpuOptions, train_cmd_for
 from rl_jax.grid.driver import Driver, find_runs, grid_dir, plan_rows, print_plan
 from rl_jax.grid.expand import expand
 from rl_jax.grid.spec import EarlyStop, GridSpec, known_specs, load_spec
-from rl_jax.knobs import ConfigError, check_dir_path
+from rl_jax.knobs import ConfigError
 from rl_jax.runs.storage import STORAGE_EXIT, StorageError, check_out_dir, is_remote, join
 
 

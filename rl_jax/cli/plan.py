@@ -24,7 +24,8 @@ from pathlib import Path
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
-from rl_jax.knobs import ConfigError, check_dir_path
+from rl_jax.config.paths import check_dir_path
+from rl_jax.knobs import ConfigError
 from rl_jax.plan.chips import canonical_topology, parse_topology
 
 

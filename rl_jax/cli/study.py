@@ -23,9 +23,9 @@ import json
 import sys
 from pathlib import Path
 
+from rl_jax.config.paths import check_dir_path
 from rl_jax.grid import load_spec
 from rl_jax.grid.results import GROUP_KEY as GROUP
-from rl_jax.knobs import check_dir_path
 from rl_jax.scaling import (
     HIST_KEY,
     FitError,

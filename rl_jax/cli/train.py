@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from rl_jax.cli import raw_parser
 from rl_jax.config import load_recipe
-from rl_jax.knobs import check_dir_path
+from rl_jax.config.paths import check_dir_path
 
 
 def main(argv: list[str]) -> int:

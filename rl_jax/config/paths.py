@@ -177,3 +177,16 @@ def stage(path: str | os.PathLike, key: str, *, files: Sequence[str] = ()) -> Pa
             shutil.rmtree(tmp, ignore_errors=True)
     _STAGED[memo] = final
     return final
+
+
+def check_dir_path(path, key: str) -> None:
+    """A local directory a command writes (`key`: the flag or knob naming it) that is, or
+    can be created as, a directory: ConfigError where it, or a folder above it, is a file.
+    URLs pass (their stores check them)."""
+    if is_url(str(path)):
+        return
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"{key}={str(path)!r}: {p} is a file, not a directory")
+            return
