@@ -51,6 +51,14 @@ class TrainBatch:
     # forward runs each prompt once per G rows; 1 = every row whole.
     group_size: int = dataclasses.field(default=1, metadata=dict(static=True))
 
+    @property
+    def prompt_len(self) -> int:
+        return int(self.tokens.shape[1] - self.mask.shape[1])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
 
 def assemble_batch(
     prompt_tokens: np.ndarray,
@@ -185,8 +193,8 @@ def completion_forward(
     to one forward over each whole row up to float32 rounding.
     """
     model = Transformer(spec, params, mesh=mesh, rules=rules)
-    B, tg = batch.tokens.shape[0], batch.mask.shape[1]
-    tp = batch.tokens.shape[1] - tg
+    tp, tg = batch.prompt_len, batch.mask.shape[1]
+    B = batch.num_rows
     G = batch.group_size if group_size is None else group_size
     G = G if G > 1 and B % G == 0 else 1
     h, stats = _completion_hidden(model, batch, tp, tg, G, router=router)
