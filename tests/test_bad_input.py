@@ -136,6 +136,18 @@ def test_logging_every_is_gone_and_old_configs_still_load(capsys):
     assert from_dict(old) == RunConfig()
 
 
+@pytest.mark.parametrize("config", [[], ""])
+def test_run_config_that_is_not_a_mapping_is_refused(capsys, tmp_path, no_trainer, config):
+    # OmegaConf reads [] and "" as an empty config: eval and --continue took the defaults
+    # for the run's knobs (--continue: "train.steps=3 must be more than the run's 100").
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"run_id": "v2x", "config": config}))
+    assert_refused(*run(capsys, "eval", str(run_dir)), "config.json", "not a mapping")
+    rc, err = run(capsys, "train", RECIPE, "train.steps=3", f"--run-dir={run_dir}", "--continue")
+    assert_refused(rc, err.splitlines()[-1], "config.json", "not a mapping")
+
+
 @pytest.mark.parametrize(
     "overrides, names",
     [

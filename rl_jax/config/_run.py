@@ -319,6 +319,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def from_dict(d: dict[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from `to_dict` output (a resolved config.json)."""
+    if not isinstance(d, dict):
+        # OmegaConf reads [] and "" as an empty config: the defaults, not the run's.
+        raise ConfigError(f"bad config dict: a {type(d).__name__}, not a mapping of knobs")
     d = _drop_retired(d)
     base = OmegaConf.structured(RunConfig())
     OmegaConf.set_readonly(base, False)
