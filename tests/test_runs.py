@@ -141,6 +141,21 @@ def test_damaged_config_json_is_rewritten_unless_rows_say_another_run(tmp_path):
         create_run_dir(apply_overrides(cfg, ["train.seed=3"]))
 
 
+def test_config_json_that_is_a_directory_is_refused_naming_it(tmp_path):
+    # It raised IsADirectoryError from the trainer, and from `rl-jax train --continue`.
+    from rl_jax.runs.run_dir import extend_run
+
+    cfg = RunConfig(out_dir=str(tmp_path), name="r")
+    create_run_dir(cfg).close()
+    config = tmp_path / "r" / "config.json"
+    config.unlink()
+    config.mkdir()
+    with pytest.raises(RunDirError, match="config.json is a directory"):
+        create_run_dir(cfg)
+    with pytest.raises(ConfigError, match="config.json is a directory"):
+        extend_run(apply_overrides(cfg, ["train.steps=200"]))
+
+
 def test_unwritable_run_directory_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

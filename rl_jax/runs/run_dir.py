@@ -272,6 +272,10 @@ def extend_run(cfg: RunConfig, root: str | Path | None = None) -> int:
         old = from_dict(old_doc["config"])
     except FileNotFoundError:
         raise ConfigError(f"--continue: {path} holds no run to continue") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"--continue: {store.url(CONFIG)} is a directory, not a run config"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--continue: {store.url(CONFIG)} is not a run config ({e})") from None
     new_id, had = run_id(cfg), old.train.steps
@@ -483,6 +487,11 @@ def _check_owner(rd: RunDir, *, write: bool) -> None:
             return
     except FileNotFoundError:
         return
+    except IsADirectoryError:
+        # Unlike a damaged file, it cannot be rewritten in place.
+        raise RunDirError(
+            f"{rd.config_path} is a directory, not a run config; move it away"
+        ) from None
     except StorageError:
         raise
     except (OSError, ValueError) as e:
