@@ -414,6 +414,8 @@ def test_samples_command_without_samples(capsys, tmp_path):
         (b'\xff\xfe\n{"step": 1}\n', ["line 1 is not UTF-8"]),
         (b'{"step": 1}\n{"prompt": "x"}\n', ["row 2 has step=None"]),
         (b'{"step": "a"}\n', ["row 1 has step='a'"]),
+        (b'{"step": 1, "reward": "x"}\n', ["row 1 has reward='x'"]),
+        (b'{"step": 1, "reward": null}\n', ["row 1 has reward=None"]),
     ],
 )
 def test_samples_command_on_a_damaged_file(capsys, tmp_path, text, names):

@@ -74,8 +74,8 @@ def format_row(r: dict[str, Any]) -> str:
 def logged_rows(run_dir: str | Path, *, step: int | None = None, rows: int = 0) -> list[dict]:
     """The rows `<run_dir>/samples.jsonl` holds for `step` (None: the newest logged step),
     the first `rows` of them (0: all). A step that logged none, a line that is not a JSON
-    row (but a torn last one) and a row without an integer step are ConfigErrors naming the
-    steps that did or the file."""
+    row (but a torn last one) and a row without an integer step or with a reward that is not
+    a number are ConfigErrors naming the steps that did or the file."""
     path = join(run_dir, SAMPLES_FILE)
     try:
         logged = read_jsonl(path)
@@ -86,6 +86,11 @@ def logged_rows(run_dir: str | Path, *, step: int | None = None, rows: int = 0) 
             raise ConfigError(
                 f"{path}: row {n} has step={r.get('step')!r}, not an integer step:"
                 f" {SAMPLES_FILE} is damaged"
+            )
+        reward = r.get("reward", 0.0)
+        if type(reward) not in (int, float):
+            raise ConfigError(
+                f"{path}: row {n} has reward={reward!r}, not a number: {SAMPLES_FILE} is damaged"
             )
     if not logged:
         raise ConfigError(f"no samples in {path} (logging.samples_every=0, or no step logged yet)")
