@@ -49,3 +49,17 @@ def test_batch_rows_is_memory_only():
     assert run_id(chunked) == run_id(cfg)
     with pytest.raises(ConfigError, match="eval.batch_rows"):
         EvalConfig(batch_rows=-1)
+
+
+def test_eval_engine_has_slots_for_the_problems_there_are(monkeypatch):
+    """eval.num_prompts above the validation problems (a small file, `rl-jax eval RUN
+    eval.num_prompts=100000`): the engine got slots for eval.num_prompts x eval.k rows and
+    ran out of device memory before sampling the 8 problems there are."""
+    import rl_jax.train.evaluation as ev
+
+    got = []
+    monkeypatch.setattr(ev, "make_engine", lambda *a, rows, **k: got.append(rows))
+    cfg = RunConfig(eval=EvalConfig(num_prompts=100000, k=2))
+    ev.make_eval_sampler(SPEC, cfg, None, mesh=None, problems=8)
+    ev.make_eval_sampler(SPEC, cfg, None, mesh=None)
+    assert got == [16, 200000]

@@ -90,7 +90,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(
             f"data.source={cfg.data.source!r} has no validation problems (data.val_size)"
         )
-    sampler = make_eval_sampler(spec, cfg, tok, mesh=mesh, prompt_len=prompt_len)
+    sampler = make_eval_sampler(
+        spec, cfg, tok, mesh=mesh, prompt_len=prompt_len, problems=len(problems)
+    )
     version = int(meta.get("version", ck.step))
     metrics, _ = evaluate_policy(
         sampler,

@@ -33,15 +33,17 @@ def eval_prompts_per_batch(num_prompts: int, k: int, batch_rows: int) -> int:
     return max(1, min(num_prompts, batch_rows // k))
 
 
-def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0):
+def make_eval_sampler(spec, cfg, tokenizer, *, mesh, prompt_len: int = 0, problems=None):
     """The validation engine of run config `cfg`: its sampling settings with eval.k
     samples per prompt at eval.temperature, decoded in one piece, with a slot for every
     row of a batch (eval.batch_rows, whole prompts, else eval.num_prompts x eval.k; or
     sampling.engine_slots), its prompts up to `prompt_len` tokens (0:
-    sampling.max_prompt_len)."""
+    sampling.max_prompt_len). `problems`: how many validation problems there are, when
+    fewer than eval.num_prompts (an evaluation samples no more)."""
     ev = cfg.eval
+    n = ev.num_prompts if problems is None else max(1, min(problems, ev.num_prompts))
     sampling = dataclasses.replace(cfg.sampling, n=ev.k, temperature=ev.temperature, decode_chunk=0)
-    rows = eval_prompts_per_batch(ev.num_prompts, ev.k, ev.batch_rows) * ev.k
+    rows = eval_prompts_per_batch(n, ev.k, ev.batch_rows) * ev.k
     return make_engine(spec, sampling, cfg, tokenizer, mesh=mesh, rows=rows, prompt_len=prompt_len)
 
 

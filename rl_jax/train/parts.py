@@ -202,16 +202,22 @@ def build_parts(cfg: RunConfig) -> tuple[Parts, dict, Any]:
     params = jax.device_put(params, _shardings(programs.state_shapes[0]))
     opt_state = init_opt_state(programs.tx, mesh, params, plan)
     reward_fn = reward_from_config(cfg.rewards, task_reward=task.reward_name)
+    val_problems = list(task.val)[: cfg.eval.num_prompts]
     parts = Parts(
         **{f.name: getattr(programs, f.name) for f in dataclasses.fields(Programs)},
         tokenizer=tokenizer,
         eval_sampler=make_eval_sampler(
-            spec, cfg, tokenizer, mesh=sample_mesh, prompt_len=prompt_len
+            spec,
+            cfg,
+            tokenizer,
+            mesh=sample_mesh,
+            prompt_len=prompt_len,
+            problems=len(val_problems),
         ),
         task=task,
         reward_fn=reward_fn,
         correct_fn=correctness_fn(cfg.rewards, task, reward_fn),
-        val_problems=list(task.val)[: cfg.eval.num_prompts],
+        val_problems=val_problems,
     )
     return parts, params, opt_state
 
