@@ -141,6 +141,21 @@ def test_damaged_config_json_is_rewritten_unless_rows_say_another_run(tmp_path):
         create_run_dir(apply_overrides(cfg, ["train.seed=3"]))
 
 
+def test_missing_config_json_is_judged_by_the_rows(tmp_path):
+    # Without config.json, another config's run took the directory over: it wrote its own
+    # config.json, read the other run's DONE and exited 0 printing that run's summary.
+    cfg = RunConfig(out_dir=str(tmp_path), name="r")
+    rd = create_run_dir(cfg)
+    rd.append_curve({"run_id": rd.run_id, "step": 0})
+    rd.mark_done({"run_id": rd.run_id, "steps": 1})
+    rd.close()
+    Path(rd.config_path).unlink()
+    with pytest.raises(RunDirError, match="has no config.json"):
+        create_run_dir(apply_overrides(cfg, ["train.seed=3"]))
+    create_run_dir(cfg).close()  # its own run: config.json written again
+    assert json.loads(Path(rd.config_path).read_text())["run_id"] == rd.run_id
+
+
 def test_config_json_that_is_a_directory_is_refused_naming_it(tmp_path):
     # It raised IsADirectoryError from the trainer, and from `rl-jax train --continue`.
     from rl_jax.runs.run_dir import extend_run

@@ -486,7 +486,8 @@ def _check_owner(rd: RunDir, *, write: bool) -> None:
             adopt(rd, old, write=write)
             return
     except FileNotFoundError:
-        return
+        # No config.json (deleted, or not written yet): judge by the rows and DONE file.
+        found, source = _row_ids(rd), f"the rows in {rd.root}, which has no {CONFIG}"
     except IsADirectoryError:
         # Unlike a damaged file, it cannot be rewritten in place.
         raise RunDirError(
@@ -496,12 +497,7 @@ def _check_owner(rd: RunDir, *, write: bool) -> None:
         raise
     except (OSError, ValueError) as e:
         # Damaged: judge by the run ids the directory's rows and DONE file carry.
-        found, source = set(), f"the rows in {rd.root} ({rd.config_path} is damaged: {e})"
-        with contextlib.suppress(OSError, ValueError):
-            found |= {r.get("run_id") for r in rd.curve() if "run_id" in r}
-        done = rd.read_done()
-        if done and "run_id" in done:
-            found.add(done["run_id"])
+        found, source = _row_ids(rd), f"the rows in {rd.root} ({rd.config_path} is damaged: {e})"
         print(f"warning: {rd.config_path} is damaged; rewriting it", file=sys.stderr, flush=True)
     other = sorted(str(r) for r in found if r != rd.run_id)
     if other:
@@ -509,3 +505,14 @@ def _check_owner(rd: RunDir, *, write: bool) -> None:
             f"{rd.root} holds run {', '.join(other)} with another config (from {source}); "
             f"this config's run id is {rd.run_id}. Use another run name or directory."
         )
+
+
+def _row_ids(rd: RunDir) -> set:
+    """The run ids the curve rows and the DONE file of `rd` carry."""
+    found = set()
+    with contextlib.suppress(OSError, ValueError):
+        found |= {r.get("run_id") for r in rd.curve() if "run_id" in r}
+    done = rd.read_done()
+    if done and "run_id" in done:
+        found.add(done["run_id"])
+    return found
