@@ -242,3 +242,23 @@ def test_tokenizer_from_dir_matches_transformers(tmp_path):
     cfg["eos_token"] = {"__type": "AddedToken", "content": "<|a|>", "special": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert HFTokenizer.from_dir(tmp_path).eos_id == vocab["<|a|>"]
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "norm_topk_prob"])
+def test_config_json_booleans_must_be_json_booleans(key):
+    """A string "false" is refused naming the key, not read as true (a tied lm_head)."""
+    cfg = {
+        "model_type": "qwen3_moe",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }
+    null_tie = spec_fields_from_hf_config({**cfg, "tie_word_embeddings": None})
+    assert null_tie["tie_embeddings"] is False
+    with pytest.raises(CheckpointError, match=f"config.json: {key}='false' must be true or false"):
+        spec_fields_from_hf_config({**cfg, key: "false"})

@@ -104,6 +104,17 @@ def _float(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) ->
     return float(value)
 
 
+def _bool(cfg: Mapping[str, Any], key: str, where: str, default: bool) -> bool:
+    """A boolean field of config.json: JSON true/false, absent the default, null false (as
+    transformers reads it). A string such as "false" is refused, not read as true."""
+    value = cfg.get(key, default)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key}={value!r} must be true or false")
+    return value
+
+
 def _ids(value, key: str, where: str) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -148,8 +159,8 @@ def spec_fields_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json
             _int(cfg, "max_position_embeddings", where) if has("max_position_embeddings") else 2048
         ),
         rms_norm_eps=_float(cfg, "rms_norm_eps", where, 1e-6),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch != "llama")),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_embeddings=_bool(cfg, "tie_word_embeddings", where, arch != "llama"),
+        attention_bias=_bool(cfg, "attention_bias", where, False),
         bos_token_id=token("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id"), "eos_token_id", where),
         pad_token_id=token("pad_token_id"),
@@ -229,7 +240,7 @@ def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:
         dense_layers=dense,
         num_experts=E,
         **{field: _int(cfg, key, where) for field, key in _MOE_SIZES},
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", where, False),
         shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", where, 0),
     )
 
