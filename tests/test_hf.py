@@ -262,3 +262,27 @@ def test_config_json_booleans_must_be_json_booleans(key):
     assert null_tie["tie_embeddings"] is False
     with pytest.raises(CheckpointError, match=f"config.json: {key}='false' must be true or false"):
         spec_fields_from_hf_config({**cfg, key: "false"})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": ["qwen3"]}, r"model_type=\['qwen3'\] must be a string"),
+        ({"architectures": [["Qwen3ForCausalLM"]]}, "architectures=.* must be a list of class"),
+        ({"rope_scaling": "llama3"}, "rope_scaling='llama3' must be an object or null"),
+        ({"rope_parameters": [10000.0]}, r"rope_parameters=\[10000.0\] must be an object"),
+    ],
+)
+def test_config_json_wrong_types_name_the_key(change, match):
+    """A config.json field of the wrong JSON type is a CheckpointError naming it, not a
+    TypeError / AttributeError from deep in the reader."""
+    cfg = {
+        "model_type": "qwen3",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    with pytest.raises(CheckpointError, match="config.json: " + match):
+        spec_fields_from_hf_config({**cfg, **change})

@@ -177,6 +177,10 @@ def _architecture(cfg: Mapping[str, Any], where: str) -> str:
     """rl_jax's architecture of an HF config; what it cannot load refused."""
     model_type = cfg.get("model_type")
     classes = cfg.get("architectures") or []
+    if not isinstance(model_type, str | None):
+        raise CheckpointError(f"{where}: model_type={model_type!r} must be a string")
+    if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise CheckpointError(f"{where}: architectures={classes!r} must be a list of class names")
     arch = ARCH_BY_MODEL_TYPE.get(model_type) or next(
         (ARCH_BY_CLASS[c] for c in classes if c in ARCH_BY_CLASS), None
     )
@@ -200,6 +204,9 @@ def _architecture(cfg: Mapping[str, Any], where: str) -> str:
 def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """Rotary theta and scaling. 5.x: rope_parameters holds both; 4.x: rope_theta and
     rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise CheckpointError(f"{where}: {key}={cfg[key]!r} must be an object or null")
     rope = dict(cfg.get("rope_parameters") or {})
     rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
