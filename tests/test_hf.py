@@ -286,3 +286,37 @@ def test_config_json_wrong_types_name_the_key(change, match):
     }
     with pytest.raises(CheckpointError, match="config.json: " + match):
         spec_fields_from_hf_config({**cfg, **change})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"factor": 0.0}, "factor=0.0 must be > 0"),
+        ({"factor": -8.0}, "factor=-8.0 must be > 0"),
+        ({"low_freq_factor": 0.0}, "low_freq_factor=0.0 must be > 0"),
+        ({"high_freq_factor": 1.0}, "high_freq_factor=1.0 must be > low_freq_factor"),
+        ({"original_max_position_embeddings": 0}, "original_max_position=0 must be > 0"),
+    ],
+)
+def test_llama3_rope_scaling_values_are_checked(change, match):
+    """Llama 3.1 rope_scaling the frequencies cannot be computed from (a division by zero
+    or a negative frequency) is a CheckpointError naming config.json and the value, not a
+    ZeroDivisionError at build or NaN logits."""
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "rope_scaling": {**rope, **change},
+    }
+    with pytest.raises(CheckpointError, match="config.json: rope_scaling " + match):
+        spec_fields_from_hf_config(cfg)

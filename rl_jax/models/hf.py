@@ -219,7 +219,11 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None
             f"{where}: rope_type={rope_type!r} is not supported (supported: default, llama3)"
         )
     at = f"{where} rope_scaling"
-    return theta, RopeScaling(**{field: read(rope, key, at) for field, key, read in _LLAMA3_ROPE})
+    values = {field: read(rope, key, at) for field, key, read in _LLAMA3_ROPE}
+    try:
+        return theta, RopeScaling(**values)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
 
 
 def _moe_fields(cfg: Mapping[str, Any], num_layers: int, where: str) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from rl_jax.knobs import ConfigError
 from rl_jax.models.hf import (
     CheckpointError,
     check_shapes,
@@ -62,7 +63,7 @@ def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
     if fields.get("rope_scaling"):
         try:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        except TypeError as e:
+        except (TypeError, ConfigError) as e:
             raise CheckpointError(f"{path}/{SPEC_FILE}: rope_scaling: {e}") from None
     for name in ("eos_token_ids", "dense_layers"):  # JSON lists
         fields[name] = tuple(fields.get(name, ()))

@@ -31,6 +31,20 @@ class RopeScaling:
     high_freq_factor: float
     original_max_position: int
 
+    def __post_init__(self):
+        """Values the frequencies can be computed from (`layers.rope_inv_freq` divides by
+        factor, each freq factor, and their difference): else a ConfigError naming it."""
+        low = self.low_freq_factor
+        for name, value, lo in (
+            ("factor", self.factor, 0),
+            ("low_freq_factor", low, 0),
+            ("high_freq_factor", self.high_freq_factor, low),
+            ("original_max_position", self.original_max_position, 0),
+        ):
+            if not value > lo:
+                bound = "low_freq_factor" if name == "high_freq_factor" else "0"
+                raise ConfigError(f"rope_scaling {name}={value!r} must be > {bound}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
