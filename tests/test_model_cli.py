@@ -101,6 +101,31 @@ def test_native_dir_keeps_value_head(tmp_path):
     assert again.spec == spec
 
 
+@pytest.mark.parametrize(
+    "field, value, what",
+    [
+        ("vocab_size", "40", "an integer"),
+        ("hidden_size", 32.0, "an integer"),
+        ("rope_theta", "1e4", "a number"),
+        ("tie_embeddings", "false", "true or false"),
+        ("eos_token_ids", 5, "a list of ints"),
+        ("architecture", ["qwen3"], "a string"),
+    ],
+)
+def test_native_spec_field_types_are_checked(tmp_path, field, value, what):
+    """rl_jax_model.json's spec fields of the wrong JSON type: a CheckpointError naming the
+    file and field, not a TypeError at build nor a string "false" read as true."""
+    from rl_jax.models.hf import CheckpointError
+
+    save_model(build_model(SPEC, seed=0), tmp_path)
+    f = tmp_path / "rl_jax_model.json"
+    data = json.loads(f.read_text())
+    data["spec"][field] = value
+    f.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=f"rl_jax_model.json: spec field {field}=.* {what}"):
+        resolve_spec(ModelConfig(path=str(tmp_path)))
+
+
 def test_convert_writes_only_into_a_new_empty_or_previous_export(hf_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

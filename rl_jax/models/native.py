@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise CheckpointError(f"{path}/{SPEC_FILE}: unknown spec fields {unknown}")
     fields = {k: v for k, v in data["spec"].items() if k not in _RUN_FIELDS}
+    _check_types(fields, where=f"{path}/{SPEC_FILE}")
     if fields.get("rope_scaling"):
         try:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
@@ -68,6 +70,31 @@ def spec_fields_from_native(path: str | Path) -> dict[str, Any]:
     for name in ("eos_token_ids", "dense_layers"):  # JSON lists
         fields[name] = tuple(fields.get(name, ()))
     return fields
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# A spec field's JSON type, by its annotation: what a value must be, and how it is named.
+_JSON_TYPES = {
+    "int": (_is_int, "an integer"),
+    "float": (lambda v: _is_int(v) or isinstance(v, float) and math.isfinite(v), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "tuple[int, ...]": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of ints"),
+    "RopeScaling | None": (lambda v: isinstance(v, dict | None), "an object or null"),
+}
+
+
+def _check_types(fields: dict[str, Any], *, where: str) -> None:
+    """Each spec field of the JSON type its annotation needs (an integer not a string, a
+    list of ids not one id): else a CheckpointError naming the file and field."""
+    types = {f.name: f.type for f in dataclasses.fields(ModelSpec)}
+    for name, value in fields.items():
+        ok, what = _JSON_TYPES[types[name]]
+        if not ok(value):
+            raise CheckpointError(f"{where}: spec field {name}={value!r} must be {what}")
 
 
 def save_model(
