@@ -320,3 +320,43 @@ def test_llama3_rope_scaling_values_are_checked(change, match):
     }
     with pytest.raises(CheckpointError, match="config.json: rope_scaling " + match):
         spec_fields_from_hf_config(cfg)
+
+
+def _word_tokenizer_dir(d, tokenizer_config):
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"<eos>": 0, "hi": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", **tokenizer_config}))
+    return d
+
+
+@pytest.mark.parametrize(
+    "template, match",
+    [
+        (["{{ x }}"], r"tokenizer_config.json: chat_template is a list; each entry must be"),
+        ([{"template": "{{ x }}"}], r"tokenizer_config.json: chat_template is a list"),
+        (5, r"tokenizer_config.json: chat_template=5 must be a string"),
+        ("{% for %}", r"tokenizer_config.json: chat template does not parse"),
+    ],
+)
+def test_damaged_chat_template_is_a_config_error_naming_the_file(tmp_path, template, match):
+    """A chat template of the wrong shape or that does not parse is refused when the
+    tokenizer is read (ConfigError naming tokenizer_config.json), not a KeyError /
+    TypeError / TemplateSyntaxError traceback when the first prompt is rendered."""
+    from rl_jax.knobs import ConfigError
+
+    d = _word_tokenizer_dir(tmp_path, {"chat_template": template})
+    with pytest.raises(ConfigError, match=match):
+        HFTokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_raise_exception_is_a_config_error(tmp_path):
+    from rl_jax.knobs import ConfigError
+
+    template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    )
+    tok = HFTokenizer.from_dir(_word_tokenizer_dir(tmp_path, {"chat_template": template}))
+    with pytest.raises(ConfigError, match=f"{tmp_path}: chat template failed: no system"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])

@@ -88,6 +88,7 @@ class HFTokenizer:
             )
         return _render(
             self.chat_template,
+            self.source,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -115,14 +116,7 @@ class HFTokenizer:
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             if (path / name).is_file():
                 cfg.update(read_json_object(path / name))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        elif (path / "chat_template.json").is_file():
-            template = read_json_object(path / "chat_template.json").get("chat_template")
+        template = _chat_template(path, cfg)
         eos = _token_text(cfg.get("eos_token"))
         if eos is None:
             eos = _eos_from_generation_config(path, tok)
@@ -230,6 +224,45 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
     return HFTokenizer.from_gguf(p) if p.suffix == ".gguf" else HFTokenizer.from_dir(p)
 
 
+def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
+    """The chat template of directory `path` (tokenizer settings `cfg`): chat_template.jinja,
+    else chat_template.json, else tokenizer_config.json's. Checked to parse, so a broken one
+    is a ConfigError naming its file when the tokenizer is read, not when prompting."""
+    if (path / "chat_template.jinja").is_file():
+        f = path / "chat_template.jinja"
+        try:
+            template = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{f}: not UTF-8 text ({e})") from None
+    elif (path / "chat_template.json").is_file():
+        f = path / "chat_template.json"
+        template = _named_template(read_json_object(f).get("chat_template"), f)
+    else:
+        f = path / "tokenizer_config.json"
+        template = _named_template(cfg.get("chat_template"), f)
+    if template:
+        _environment(template, f)
+    return template
+
+
+def _named_template(template: Any, f: Path) -> str | None:
+    """A chat template as tokenizer_config.json / chat_template.json hold it: a string, or
+    named templates [{"name", "template"}] ("default" used)."""
+    if isinstance(template, list):  # named templates: use "default"
+        if not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and "template" in t
+            for t in template
+        ):
+            raise ConfigError(
+                f'{f}: chat_template is a list; each entry must be {{"name": ..., "template": ...}}'
+            )
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{f}: chat_template={template!r} must be a string")
+    return template
+
+
 def _eos_from_generation_config(path: Path, tok: Tokenizer) -> str | None:
     gc = path / "generation_config.json"
     if not gc.is_file():
@@ -245,7 +278,22 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _render(template: str, **variables: Any) -> str:
+def _environment(template: str, f: Path):
+    """`template` parsed in the sandbox `_render` uses: a syntax error a ConfigError naming f."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - `_render` says what to install
+        return
+    try:
+        ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        ).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{f}: chat template does not parse: {e} (line {e.lineno})") from None
+
+
+def _render(template: str, source: str, **variables: Any) -> str:
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -266,4 +314,7 @@ def _render(template: str, **variables: Any) -> str:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(**variables)
+    try:
+        return env.from_string(template).render(**variables)
+    except jinja2.TemplateError as e:  # raise_exception(...) in the template, a syntax error
+        raise ConfigError(f"{source}: chat template failed: {_first_line(e)}") from None
