@@ -360,3 +360,20 @@ def test_chat_template_raise_exception_is_a_config_error(tmp_path):
     tok = HFTokenizer.from_dir(_word_tokenizer_dir(tmp_path, {"chat_template": template}))
     with pytest.raises(ConfigError, match=f"{tmp_path}: chat template failed: no system"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize("eos", [-1, 10**30, 3])
+def test_generation_config_eos_outside_the_vocab_names_the_file(tmp_path, eos):
+    """A tokenizer without eos_token falls back to generation_config.json's eos_token_id;
+    one outside the vocab is a ConfigError naming the file, not an OverflowError."""
+    from rl_jax.knobs import ConfigError
+
+    d = _word_tokenizer_dir(tmp_path, {})
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["eos_token"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: eos_token_id=.* in \[0, 3\)"):
+        HFTokenizer.from_dir(d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert HFTokenizer.from_dir(d).eos_id == 0

@@ -269,8 +269,11 @@ def _eos_from_generation_config(path: Path, tok: Tokenizer) -> str | None:
         return None
     eos = read_json_object(gc).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-        raise ConfigError(f"{gc}: eos_token_id={eos!r} must be a token id")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if eos is not None and (
+        isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < size
+    ):
+        raise ConfigError(f"{gc}: eos_token_id={eos!r} must be a token id in [0, {size})")
     return None if eos is None else tok.id_to_token(eos)
 
 
