@@ -196,6 +196,14 @@ def test_score_temperature_must_be_finite(hf_dir, capsys, temperature):
     assert len(err.splitlines()) == 1 and "--temperature" in err and "finite" in err, err
 
 
+def test_score_one_token_outside_the_vocab_refused(hf_dir, capsys):
+    # One token has no log-prob to score, but an id the model has no row for is still refused.
+    assert cli(["score", "--model", str(hf_dir), "--token-ids", "400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "[400] are outside the vocabulary [0, 40)" in err, err
+    assert run_json(capsys, ["score", "--model", str(hf_dir), "--token-ids", "4"])["logprobs"] == []
+
+
 def test_score_chunk_below_minus_one_refused(hf_dir, capsys):
     # A negative chunk other than -1 (auto) reached the LM head's map and raised ValueError.
     assert cli(["score", "--model", str(hf_dir), "--token-ids", "1,2,3", "--chunk=-5"]) == 2

@@ -119,12 +119,12 @@ def score_tokens(
     model: Transformer, ids: list[int], *, chunk: int = 0, temperature: float = 1.0
 ) -> list[float]:
     """logprobs[i] = log p(ids[i+1] | ids[:i+1]) under `model`."""
-    if len(ids) < 2:
-        return []
     V = model.spec.vocab_size
     bad = [i for i in ids if not 0 <= i < V]
     if bad:
         raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+    if len(ids) < 2:
+        return []
     fn = nnx.jit(lambda m, t: token_logprobs(m, t, chunk=chunk, temperature=temperature)[0])
     logp = fn(model, jnp.asarray([ids], jnp.int32))
     return [float(x) for x in logp[0, :-1]]
