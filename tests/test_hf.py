@@ -377,3 +377,18 @@ def test_generation_config_eos_outside_the_vocab_names_the_file(tmp_path, eos):
         HFTokenizer.from_dir(d)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     assert HFTokenizer.from_dir(d).eos_id == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_weight_of_an_integer_or_bool_dtype_is_refused(hf_dirs, tmp_path, dtype):
+    """A weight stored as ints or bools (a damaged or foreign file) is a CheckpointError
+    naming the tensor and its dtype, not cast to floats and loaded."""
+    d, _ = hf_dirs["llama"]
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    tensors = {k: np.array(v) for k, v in open_safetensors(bad / "model.safetensors").items()}
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(dtype)
+    write_safetensors(bad / "model.safetensors", tensors)
+    name = np.dtype(dtype).name
+    with pytest.raises(CheckpointError, match=f"'model.norm.weight' has dtype {name}; weights"):
+        load_hf(bad)

@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -507,11 +507,29 @@ def check_shapes(
             )
 
 
+# Weights are stored in a float dtype; any other (int, bool) is a damaged or foreign file.
+_FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def check_float_tensors(
+    tensors: Mapping[str, np.ndarray], names: Iterable[str], *, where: str
+) -> None:
+    """Each of `names` in `tensors` has a float dtype: an int or bool weight is refused
+    naming it, not cast to floats silently."""
+    for n in sorted(names):
+        if n in tensors and tensors[n].dtype.name not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{where}: tensor {n!r} has dtype {tensors[n].dtype.name}; weights are one of "
+                f"{list(_FLOAT_DTYPES)}"
+            )
+
+
 def hf_views(spec: ModelSpec, tensors: Mapping[str, np.ndarray], *, where: str) -> dict:
     """HF-named host tensors checked and viewed in our layout (`model_from_views`)."""
     conv = hf_layout(spec)
     check_hf_shapes(spec, {n: t.shape for n, t in tensors.items()}, where=where)
     used = {n for c in conv.values() for n in c.names(spec)}
+    check_float_tensors(tensors, used, where=where)
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if spec.tie_embeddings:
         unused = [n for n in unused if n != "lm_head.weight"]  # tied: HF ignores it too

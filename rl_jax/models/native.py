@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from rl_jax.knobs import ConfigError
 from rl_jax.models.hf import (
     CheckpointError,
+    check_float_tensors,
     check_shapes,
     copy_tokenizer_files,
     model_from_views,
@@ -124,4 +125,5 @@ def load_native(
     lay = param_layout(spec)
     needed = {n: i.shape for n, i in lay.items() if n in stored or n not in ("value_w", "value_b")}
     check_shapes({n: a.shape for n, a in stored.items()}, needed, where=f"{path}/{PARAMS_FILE}")
+    check_float_tensors(stored, needed, where=f"{path}/{PARAMS_FILE}")
     return model_from_views(spec, stored, mesh=mesh, rules_preset=rules_preset, purpose=purpose)
