@@ -392,3 +392,26 @@ def test_weight_of_an_integer_or_bool_dtype_is_refused(hf_dirs, tmp_path, dtype)
     name = np.dtype(dtype).name
     with pytest.raises(CheckpointError, match=f"'model.norm.weight' has dtype {name}; weights"):
         load_hf(bad)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"vocab_size": -64}, r"model.vocab_size=-64 must be > 0"),
+        ({"num_key_value_heads": 3}, r"model.num_heads=4 must be a multiple of model.num_kv"),
+        ({"num_attention_heads": 5, "head_dim": None}, r"model.hidden_size=32 is not divisible"),
+    ],
+)
+def test_invalid_checkpoint_dimensions_name_the_directory(hf_dirs, tmp_path, change, match):
+    """Dimensions in config.json that make no valid spec name the checkpoint, not only the
+    model.* field the user never set."""
+    d, _ = hf_dirs["llama"]
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(change)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    from rl_jax.knobs import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^HF directory {bad}: {match}"):
+        resolve_spec(ModelConfig(path=str(bad)))

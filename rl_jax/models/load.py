@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl_jax.config import paths
 from rl_jax.config.model import ModelConfig
+from rl_jax.knobs import ConfigError
 from rl_jax.models.spec import ModelSpec, get_preset, spec_from_fields
 
 if TYPE_CHECKING:
@@ -49,8 +50,16 @@ def base_fields(cfg: ModelConfig) -> tuple[dict[str, Any], str]:
 
 
 def resolve_spec(cfg: ModelConfig) -> ModelSpec:
-    """Every dimension resolved: `cfg.path` else `cfg.preset`, then explicit fields override."""
-    return spec_from_fields(cfg, *base_fields(cfg))
+    """Every dimension resolved: `cfg.path` else `cfg.preset`, then explicit fields override.
+    A checkpoint's fields that make no valid spec (vocab_size -64, num_heads not dividing
+    hidden_size) are a ConfigError naming the checkpoint, not only the model.* field."""
+    fields, source = base_fields(cfg)
+    try:
+        return spec_from_fields(cfg, fields, source)
+    except ConfigError as e:
+        if not cfg.path or source in str(e):
+            raise
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def load_model(
