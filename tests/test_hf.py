@@ -244,7 +244,10 @@ def test_tokenizer_from_dir_matches_transformers(tmp_path):
     assert HFTokenizer.from_dir(tmp_path).eos_id == vocab["<|a|>"]
 
 
-@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "norm_topk_prob"])
+@pytest.mark.parametrize(
+    "key",
+    ["tie_word_embeddings", "attention_bias", "norm_topk_prob", "mlp_bias", "use_sliding_window"],
+)
 def test_config_json_booleans_must_be_json_booleans(key):
     """A string "false" is refused naming the key, not read as true (a tied lm_head)."""
     cfg = {

@@ -194,9 +194,9 @@ def _architecture(cfg: Mapping[str, Any], where: str) -> str:
         raise CheckpointError(
             f"{where}: hidden_act={cfg['hidden_act']!r}; only 'silu' is supported"
         )
-    if cfg.get("mlp_bias"):
+    if _bool(cfg, "mlp_bias", where, False):
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
-    if cfg.get("use_sliding_window"):
+    if _bool(cfg, "use_sliding_window", where, False):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
     return arch
 
