@@ -211,3 +211,29 @@ def test_sample_takes_a_runs_sampling_settings_and_chat_template_choice(
     # A run's policy is its own: model.* and train.* are not sampling settings.
     assert main(["sample", "--model", str(run), *prompt, "model.hidden_size=8"]) == 2
     assert "define the policy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"tokenizer.ggml.merges": None}, "metadata lacks 'tokenizer.ggml.merges'"),
+        ({"tokenizer.ggml.token_type": [1, 1]}, "metadata: zip"),
+        ({"tokenizer.ggml.eos_token_id": "x"}, "metadata: invalid literal"),
+        ({"tokenizer.chat_template": 5}, "tokenizer.chat_template=5 is not a string"),
+        ({"tokenizer.chat_template": "{% for %}"}, "chat template does not parse"),
+    ],
+)
+def test_damaged_gguf_tokenizer_metadata_is_a_config_error(tiny_gguf, monkeypatch, change, match):
+    """A GGUF file's tokenizer metadata missing or of the wrong type: a ConfigError naming
+    the file, not a KeyError / ValueError / TypeError traceback."""
+    import copy
+
+    from rl_jax.knobs import ConfigError
+    from rl_jax.models import gguf_io
+
+    g = copy.copy(gguf_io.read_gguf(tiny_gguf))
+    g.metadata = {**g.metadata, **change}
+    g.metadata = {k: v for k, v in g.metadata.items() if v is not None}
+    monkeypatch.setattr(gguf_io, "read_gguf", lambda path: g)
+    with pytest.raises(ConfigError, match=f"{tiny_gguf}: .*{match}"):
+        HFTokenizer.from_gguf(tiny_gguf)

@@ -144,26 +144,23 @@ class HFTokenizer:
                 f"{path}: GGUF tokenizer model={kind!r} pre={pre!r} is not supported "
                 "(supported: byte-level BPE with the GPT-2 split); use an HF directory"
             )
-        tokens = m["tokenizer.ggml.tokens"]
-        merges = [tuple(x.split(" ", 1)) for x in m["tokenizer.ggml.merges"]]
-        bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False)
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        types = m.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3]  # CONTROL
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-
-        def tok_at(key):
-            i = m.get(key)
-            return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
-
+        try:
+            tok, special = _gguf_bpe(m)
+        except KeyError as e:
+            raise ConfigError(f"{path}: GGUF tokenizer metadata lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: GGUF tokenizer metadata: {_first_line(e)}") from None
+        template = m.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ConfigError(f"{path}: GGUF tokenizer.chat_template={template!r} is not a string")
+        if template:
+            _environment(template, Path(path))
         return cls(
             tok,
-            bos_token=tok_at("tokenizer.ggml.bos_token_id"),
-            eos_token=tok_at("tokenizer.ggml.eos_token_id"),
-            pad_token=tok_at("tokenizer.ggml.padding_token_id"),
-            chat_template=m.get("tokenizer.chat_template"),
+            bos_token=special["bos"],
+            eos_token=special["eos"],
+            pad_token=special["pad"],
+            chat_template=template,
             source=str(path),
         )
 
@@ -222,6 +219,28 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
 
     p = local_model_path(path, weights=False)
     return HFTokenizer.from_gguf(p) if p.suffix == ".gguf" else HFTokenizer.from_dir(p)
+
+
+def _gguf_bpe(m: dict[str, Any]):
+    """The byte-level BPE of GGUF metadata `m`, and its bos / eos / pad tokens (text; None: no
+    id, or one outside the vocab). Damaged metadata raises KeyError / TypeError
+    / ValueError for `HFTokenizer.from_gguf` to name."""
+    tokens = m["tokenizer.ggml.tokens"]
+    merges = [tuple(x.split(" ", 1)) for x in m["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    types = m.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3]  # CONTROL
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+
+    def at(key):
+        i = m.get(f"tokenizer.ggml.{key}_token_id")
+        return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
+
+    return tok, {
+        name: at(key) for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+    }
 
 
 def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
