@@ -418,3 +418,20 @@ def test_invalid_checkpoint_dimensions_name_the_directory(hf_dirs, tmp_path, cha
 
     with pytest.raises(ConfigError, match=f"^HF directory {bad}: {match}"):
         resolve_spec(ModelConfig(path=str(bad)))
+
+
+def test_a_tensor_stored_in_two_shards_is_refused(hf_dirs, tmp_path):
+    """A sharded checkpoint holding one tensor twice (a stray or mixed-up shard) is a
+    CheckpointError naming both files, not the later file's copy loaded silently."""
+    out = export_hf(load_hf(hf_dirs["llama"][0]), tmp_path / "sharded", max_shard_bytes=8_000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    last = {k: np.array(v) for k, v in open_safetensors(shards[-1]).items()}
+    last["model.embed_tokens.weight"] = np.zeros_like(
+        open_safetensors(shards[0])["model.embed_tokens.weight"]
+    )
+    write_safetensors(shards[-1], last)
+    with pytest.raises(
+        CheckpointError,
+        match=f"'model.embed_tokens.weight' is in both {shards[0].name} and {shards[-1].name}",
+    ):
+        load_hf(out)

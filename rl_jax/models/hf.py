@@ -456,8 +456,17 @@ def _moe_layout(spec: ModelSpec, p: str) -> dict[str, _Conv]:
 def open_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Name -> memmap view over `model.safetensors` or a sharded `model.safetensors.index.json`."""
     out: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}
     for file in hf_weight_files(path):
-        out.update(open_safetensors(file))
+        tensors = open_safetensors(file)
+        twice = sorted(set(tensors) & set(out))
+        if twice:
+            raise CheckpointError(
+                f"{path}: tensor {twice[0]!r} is in both {where[twice[0]]} and {file.name}; "
+                "each tensor must be stored once"
+            )
+        out.update(tensors)
+        where.update(dict.fromkeys(tensors, file.name))
     return out
 
 
