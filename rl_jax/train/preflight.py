@@ -317,17 +317,17 @@ def check_reward(rewards: RewardConfig, *, task_reward: str) -> None:
 
 
 def check_mixture_rewards(rewards: RewardConfig, task: Task) -> None:
-    """Each verifier a task mixture's problems name can be built (the mixture verifier
-    builds them at their first answers, in the training loop)."""
-    from rl_jax.rewards import get
-    from rl_jax.rewards._registry import config_options
+    """Each verifier a task mixture's problems name can be built: by the run's mixture
+    verifier itself (`verifier(name)`), which otherwise builds them at their first
+    answers, in the training loop."""
+    from rl_jax.rewards import from_config
 
     routed = rewards.name == "mixture" or (rewards.name == "auto" and task.reward_name == "mixture")
     if not routed:
         return
+    mixture = from_config(rewards, task_reward=task.reward_name)
     for name, info in task.info.get("tasks", {}).items():
-        verifier = info["verifier"]
         try:
-            get(verifier, scale=rewards.scale, **config_options(rewards, verifier))
+            mixture.verifier(info["verifier"])
         except ImportError as e:
             raise ConfigError(f"data.mixture task {name!r}: {e}") from None
