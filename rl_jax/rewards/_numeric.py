@@ -22,14 +22,13 @@ _LATEX_FRAC = re.compile(r"\\[dt]?frac\{([-+]?\d+)\}\{(\d+)\}", re.ASCII)
 _LATEX_NOISE = re.compile(r"\\text\{[^{}]{0,64}\}|\\[,!;: ]|\\\$|\\%|\$|%|\\left|\\right")
 _ANSWER_IS = re.compile(r"(?i)(?:final answer|answer)\s*(?:is|:|=)")
 # Units and words in a \boxed{} beside its number; anything else there is math.
-_LATEX_WORDS = re.compile(r"\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{([^{}]{0,64})\}")
+_UNIT_TEXT = r"\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{([^{}]{0,64})\}"
+_LATEX_WORDS = re.compile(_UNIT_TEXT)
 _MATH = re.compile(r"[\\^_{}*/+=()\[\]|<>\u00d7\u00f7\u00b7\u221a]")
 # Degrees and a unit's power are units too: "72^\circ", "12 \text{cm}^2" (a power only
 # of a unit's text).
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
-_UNIT_POWER = re.compile(
-    r"(\\(?:text\w*|math(?:rm|it|bf)|mbox|rm)\s*\{[^{}]{0,64}\})\s*\^\s*\{?[23]\}?"
-)
+_UNIT_POWER = re.compile(rf"({_UNIT_TEXT})\s*\^\s*\{{?[23]\}}?")
 # U+2212 MINUS SIGN is a minus: read as '-', so that "−5" is never the number 5.
 _MINUS = str.maketrans({"\u2212": "-"})
 
